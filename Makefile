@@ -1,0 +1,37 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+# Each creates (or reuses) .venv and installs what it needs itself.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench proto lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Reinstall only when the project's dependencies change.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m tiered demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/agent.py
+
+proto: $(STAMP)
+	$(PY) proto/generate.py
+
+lint: $(STAMP)
+	$(PY) -m pip install --quiet ruff
+	$(VENV)/bin/ruff check tiered tests bench proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

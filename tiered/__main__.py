@@ -1,0 +1,3 @@
+from tiered.cli import main
+
+raise SystemExit(main())

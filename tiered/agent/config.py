@@ -1,0 +1,183 @@
+"""A model's config.yaml: what the agent serves and how. Pure parsing.
+
+    DIR/<model>/config.yaml
+    DIR/<model>/<version>/model.onnx      version: a positive integer
+
+Keys (all optional but `inputs`/`outputs` are filled from the model when left
+out): max_batch_size, inputs, outputs, dynamic_batching, version_policy,
+instance_count, engine. `engine` and `dynamic_batching` are laid over the tier
+profile's defaults.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tiered.engines.base import TensorSpec
+from tiered.errors import ConfigError, InvalidArgument
+from tiered.profiles import TierProfile
+from tiered.protocol import codec
+from tiered.settings import load_dataclass
+
+# Names become directory names: no separators, no "..", nothing hidden.
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_model_name(name: str) -> str:
+    if not MODEL_NAME.match(name) or ".." in name:
+        raise InvalidArgument(
+            f"model_name: {name!r} is not a valid model name "
+            "(letters, digits, '_', '.', '-'; at most 128)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class TensorConfig:
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.datatype not in codec.DATATYPES:
+            raise ConfigError(
+                f"datatype: {self.datatype!r} is not one of {', '.join(codec.DATATYPES)}"
+            )
+        if any(d < -1 for d in self.dims):
+            raise ConfigError(f"dims: {list(self.dims)} may hold sizes or -1 (variable)")
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    max_queue_delay_us: int = 100
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_queue_delay_us < 0:
+            raise ConfigError(f"max_queue_delay_us: must be >= 0, got {self.max_queue_delay_us}")
+        if self.max_queue_size < 1:
+            raise ConfigError(f"max_queue_size: must be >= 1, got {self.max_queue_size}")
+        if any(size < 1 for size in self.preferred_batch_sizes):
+            raise ConfigError("preferred_batch_sizes: sizes must be >= 1")
+
+
+@dataclass(frozen=True)
+class VersionPolicy:
+    """Which versions on disk are served: the newest `latest`, `all`, or `specific`."""
+
+    latest: int | None = None
+    all: bool = False
+    specific: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        chosen = (self.latest is not None) + self.all + (self.specific is not None)
+        if chosen > 1:
+            raise ConfigError("version_policy: give one of latest, all or specific")
+        if self.latest is not None and self.latest < 1:
+            raise ConfigError(f"latest: must be >= 1, got {self.latest}")
+
+    def select(self, available: Iterable[int]) -> list[int]:
+        versions = sorted(set(available))
+        if self.all:
+            return versions
+        if self.specific is not None:
+            return [v for v in versions if v in self.specific]
+        return versions[-(self.latest or 1):]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    max_batch_size: int = 0
+    inputs: tuple[TensorConfig, ...] = ()
+    outputs: tuple[TensorConfig, ...] = ()
+    dynamic_batching: DynamicBatching | None = None
+    version_policy: VersionPolicy = VersionPolicy()
+    instance_count: int = 1
+    max_queue_size: int = 256  # the bound when requests are not batched
+    engine: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_model_name(self.name)
+        if self.max_batch_size < 0:
+            raise ConfigError(f"max_batch_size: must be >= 0, got {self.max_batch_size}")
+        if self.dynamic_batching is not None and self.max_batch_size < 1:
+            raise ConfigError("dynamic_batching: needs max_batch_size >= 1")
+        if self.instance_count < 1:
+            raise ConfigError(f"instance_count: must be >= 1, got {self.instance_count}")
+        for kind in ("inputs", "outputs"):
+            names = [t.name for t in getattr(self, kind)]
+            if len(names) != len(set(names)):
+                raise ConfigError(f"{kind}: tensor names must be unique, got {names}")
+
+    @property
+    def queue_size(self) -> int:
+        return self.dynamic_batching.max_queue_size if self.dynamic_batching else self.max_queue_size
+
+    def batch_shape(self, tensor: TensorConfig) -> tuple[int, ...]:
+        """The full shape a request carries: -1 leads when the model batches."""
+        return (-1, *tensor.dims) if self.max_batch_size > 0 else tensor.dims
+
+
+def parse_model_config(
+    name: str, data: Mapping[str, Any], profile: TierProfile, where: str
+) -> ModelConfig:
+    """config.yaml's mapping, laid over the tier profile's defaults."""
+    data = dict(data)
+    if data.setdefault("name", name) != name:
+        raise ConfigError(f"{where}.name: {data['name']!r} differs from its directory {name!r}")
+    if isinstance(data.get("dynamic_batching"), Mapping):
+        data["dynamic_batching"] = {**profile.dynamic_batching, **data["dynamic_batching"]}
+    elif data.get("dynamic_batching") is not None:
+        raise ConfigError(f"{where}.dynamic_batching: expected a mapping")
+    if isinstance(data.get("engine", {}), Mapping):
+        data["engine"] = {**profile.onnxruntime, **data.get("engine", {})}
+    data.setdefault("instance_count", profile.instance_count)
+    data.setdefault("max_queue_size", profile.limits.max_queue_size)
+    return load_dataclass(ModelConfig, data, where)
+
+
+def complete_with_engine(config: ModelConfig, inputs: Iterable[TensorSpec],
+                         outputs: Iterable[TensorSpec], where: str) -> ModelConfig:
+    """Fill inputs/outputs the config left out from the model; check the rest agree."""
+    filled = {}
+    for kind, specs in (("inputs", tuple(inputs)), ("outputs", tuple(outputs))):
+        declared = getattr(config, kind)
+        if not declared:
+            filled[kind] = tuple(_from_spec(config, spec, f"{where}.{kind}") for spec in specs)
+            continue
+        by_name = {spec.name: spec for spec in specs}
+        for index, tensor in enumerate(declared):
+            spec = by_name.get(tensor.name)
+            field_name = f"{where}.{kind}[{index}]"
+            if spec is None:
+                raise ConfigError(
+                    f"{field_name}.name: the model has no {kind[:-1]} {tensor.name!r} "
+                    f"(it has {', '.join(by_name)})"
+                )
+            actual = codec.datatype_of(spec.dtype)
+            if actual != tensor.datatype:
+                raise ConfigError(
+                    f"{field_name}.datatype: config says {tensor.datatype}, the model has {actual}"
+                )
+        if kind == "inputs":
+            missing = set(by_name) - {t.name for t in declared}
+            if missing:
+                raise ConfigError(f"{where}.inputs: the model also needs {', '.join(sorted(missing))}")
+    return replace(config, **filled)
+
+
+def _from_spec(config: ModelConfig, spec: TensorSpec, where: str) -> TensorConfig:
+    shape = spec.shape
+    if config.max_batch_size > 0:
+        if not shape or shape[0] != -1:
+            raise ConfigError(
+                f"{where}: {spec.name!r} has shape {list(shape)} with no variable batch "
+                "dimension; set max_batch_size: 0 or declare the tensors"
+            )
+        shape = shape[1:]
+    return TensorConfig(spec.name, codec.datatype_of(spec.dtype), tuple(shape))

@@ -1,0 +1,170 @@
+"""One served model version: its engine, batcher, statistics and drain.
+
+Validates a request's tensors against the model's config before they queue,
+so a bad request never reaches the engine, and counts every outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from tiered.agent.batching import Batcher, BatchPolicy
+from tiered.agent.config import ModelConfig
+from tiered.engines.base import Engine
+from tiered.errors import InvalidArgument, TieredError, Unavailable
+from tiered.protocol import codec
+from tiered.telemetry.inference_stats import InferenceStats
+
+log = logging.getLogger(__name__)
+
+
+def batch_policy(config: ModelConfig) -> BatchPolicy:
+    batching = config.dynamic_batching
+    if batching is None:
+        return BatchPolicy(0, 0.0, (), config.max_queue_size, config.instance_count)
+    return BatchPolicy(
+        max_batch_size=config.max_batch_size,
+        max_queue_delay_s=batching.max_queue_delay_us / 1e6,
+        preferred_batch_sizes=batching.preferred_batch_sizes,
+        max_queue_size=batching.max_queue_size,
+        instances=config.instance_count,
+    )
+
+
+def check_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> int:
+    """Check names, datatypes and shapes against the config; return the batch size."""
+    expected = {t.name: t for t in config.inputs}
+    for name in inputs:
+        if name not in expected:
+            raise InvalidArgument(
+                f"inputs: unknown input {name!r}; model {config.name!r} takes "
+                f"{', '.join(expected)}"
+            )
+    batch_sizes = set()
+    for name, tensor in expected.items():
+        if name not in inputs:
+            raise InvalidArgument(f"inputs: missing input {name!r} of model {config.name!r}")
+        array = inputs[name]
+        datatype = codec.datatype_of(array.dtype)
+        if datatype != tensor.datatype:
+            raise InvalidArgument(
+                f"input {name!r}: datatype {datatype}, model expects {tensor.datatype}"
+            )
+        shape, want = array.shape, config.batch_shape(tensor)
+        if len(shape) != len(want) or any(w != -1 and s != w for s, w in zip(shape, want)):
+            raise InvalidArgument(
+                f"input {name!r}: shape {list(shape)} does not match {list(want)} "
+                "(-1 = any size)"
+            )
+        if config.max_batch_size > 0:
+            if not 1 <= shape[0] <= config.max_batch_size:
+                raise InvalidArgument(
+                    f"input {name!r}: batch size {shape[0]} is outside 1..{config.max_batch_size}"
+                    " (max_batch_size)"
+                )
+            batch_sizes.add(shape[0])
+    if len(batch_sizes) > 1:
+        raise InvalidArgument(f"inputs: batch sizes differ between inputs: {sorted(batch_sizes)}")
+    return batch_sizes.pop() if batch_sizes else 1
+
+
+def check_outputs(config: ModelConfig, requested: Sequence[str]) -> tuple[str, ...]:
+    names = [t.name for t in config.outputs]
+    for name in requested:
+        if name not in names:
+            raise InvalidArgument(
+                f"outputs: unknown output {name!r}; model {config.name!r} has {', '.join(names)}"
+            )
+    return tuple(requested) or tuple(names)
+
+
+class ModelVersion:
+    """Created and used on the agent's event loop."""
+
+    def __init__(
+        self, config: ModelConfig, version: int, engine: Engine, built_from: Hashable = None
+    ) -> None:
+        self.config = config
+        self.version = version
+        self.engine = engine
+        self.built_from = built_from  # a reload rebuilds only when this changes
+        self.stats = InferenceStats()
+        self._executor = ThreadPoolExecutor(
+            config.instance_count, thread_name_prefix=f"{config.name}-v{version}"
+        )
+        self._batcher = Batcher(
+            batch_policy(config), self._run, self._executor, on_batch=self.stats.batch_executed
+        )
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closing = False
+
+    @property
+    def queue_depth(self) -> int:
+        return self._batcher.queue_depth
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.engine.run(inputs)
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        requested: Sequence[str] = (),
+        deadline: float = math.inf,
+    ) -> dict[str, np.ndarray]:
+        """Answer one request; `deadline` is on the monotonic clock."""
+        if self._closing:
+            raise Unavailable(f"model {self.config.name!r} version {self.version} is unloading")
+        started = time.perf_counter_ns()
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            outputs = check_outputs(self.config, requested)
+            batch_size = check_inputs(self.config, inputs)
+            signature = tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(inputs.items()))
+            result = await self._batcher.submit(inputs, batch_size, signature, deadline)
+        except TieredError:
+            self.stats.request_failed(time.perf_counter_ns() - started, _now_ms())
+            raise
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+        self.stats.request_succeeded(
+            batch_size,
+            time.perf_counter_ns() - started,
+            int(result.queue_s * 1e9),
+            result.timing,
+            _now_ms(),
+        )
+        return {name: result.outputs[name] for name in outputs}
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, let in-flight ones finish, then release the engine."""
+        self._closing = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning(
+                "%s v%d: %d requests still in flight after %.0f s; closing anyway",
+                self.config.name, self.version, self._in_flight, timeout_s,
+            )
+        await self._batcher.close()
+        self._executor.shutdown(wait=True)
+        self.engine.close()
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000

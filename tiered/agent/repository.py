@@ -1,0 +1,261 @@
+"""The model repository: which model versions this agent serves.
+
+    DIR/<model>/config.yaml
+    DIR/<model>/<version>/model.onnx
+
+Loading builds engines off the event loop, then swaps the served versions in
+one step, so a new version takes traffic while the old one keeps serving until
+the swap; replaced and unloaded versions drain their in-flight requests before
+their engines close. A failed load leaves what was serving untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiered.agent.config import (
+    ModelConfig,
+    check_model_name,
+    complete_with_engine,
+    parse_model_config,
+)
+from tiered.agent.model import ModelVersion
+from tiered.engines.base import Engine
+from tiered.engines.onnxruntime_engine import OnnxRuntimeEngine, OrtSettings
+from tiered.errors import ConfigError, NotFound, TieredError, Unavailable
+from tiered.profiles import TierProfile
+from tiered.settings import load_dataclass, read_yaml
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+
+
+class ModelState(str, enum.Enum):
+    READY = "READY"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass
+class ModelEntry:
+    """What the agent knows of one model directory."""
+
+    name: str
+    state: ModelState = ModelState.UNAVAILABLE
+    reason: str = ""
+    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.versions[max(self.versions)].config
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
+EngineFactory = Callable[[Path, OrtSettings], Engine]
+
+
+def versions_on_disk(model_dir: Path) -> dict[int, Path]:
+    """Integer-named subdirectories that hold a model file."""
+    found = {}
+    for child in model_dir.iterdir():
+        if child.is_dir() and child.name.isdigit() and int(child.name) > 0:
+            if (child / MODEL_FILE).is_file():
+                found[int(child.name)] = child / MODEL_FILE
+    return found
+
+
+class ModelRepository:
+    """Lives on the agent's event loop; engines are built in worker threads."""
+
+    def __init__(
+        self,
+        root: Path,
+        profile: TierProfile,
+        engine_factory: EngineFactory = OnnxRuntimeEngine,
+    ) -> None:
+        if not root.is_dir():
+            raise ConfigError(f"model repository {root} is not a directory")
+        self.root = root
+        self.profile = profile
+        self._engine_factory = engine_factory
+        self._models: dict[str, ModelEntry] = {}
+        self._draining: set[asyncio.Task] = set()
+
+    # -- lookups ---------------------------------------------------------------
+
+    def get(self, name: str, version: str = "") -> ModelVersion:
+        """The version to answer a request; the newest served one when unset."""
+        entry = self._models.get(name)
+        if entry is None or not entry.versions:
+            if entry is not None and entry.state is not ModelState.UNAVAILABLE:
+                raise Unavailable(f"model {name!r} is {entry.state.value.lower()}")
+            raise NotFound(f"model_name: unknown model {name!r}")
+        if not version:
+            return entry.versions[max(entry.versions)]
+        if not version.isdigit() or int(version) not in entry.versions:
+            raise NotFound(
+                f"model_version: model {name!r} has no version {version!r} "
+                f"(serving {', '.join(map(str, sorted(entry.versions)))})"
+            )
+        return entry.versions[int(version)]
+
+    def served(self, name: str) -> ModelEntry:
+        entry = self._models.get(name)
+        if entry is None or not entry.versions:
+            raise NotFound(f"model_name: unknown model {name!r}")
+        return entry
+
+    def is_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.get(name, version)
+        except TieredError:
+            return False
+        return True
+
+    def all_versions(self) -> list[ModelVersion]:
+        return [v for entry in self._models.values() for v in entry.versions.values()]
+
+    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model on disk or in memory, with the state of each version."""
+        names = set(self._models)
+        names.update(
+            p.name for p in self.root.iterdir() if p.is_dir() and (p / "config.yaml").is_file()
+        )
+        rows = []
+        for name in sorted(names):
+            entry = self._models.get(name)
+            if entry is None:
+                rows.append(IndexEntry(name, "", ModelState.UNAVAILABLE.value, "not loaded"))
+                continue
+            if not entry.versions:
+                rows.append(IndexEntry(name, "", entry.state.value, entry.reason))
+            for version in sorted(entry.versions):
+                rows.append(IndexEntry(name, str(version), entry.state.value, entry.reason))
+        return [r for r in rows if not ready_only or r.state == ModelState.READY.value]
+
+    # -- load / unload -----------------------------------------------------------
+
+    async def load_all(self) -> list[str]:
+        """Load every model directory; return the names that failed (and why in logs)."""
+        failed = []
+        for entry in sorted(self.root.iterdir()):
+            if entry.is_dir() and (entry / "config.yaml").is_file():
+                try:
+                    await self.load(entry.name)
+                except TieredError as error:
+                    log.error("model %s not loaded: %s", entry.name, error)
+                    failed.append(entry.name)
+        return failed
+
+    async def load(self, name: str) -> None:
+        """(Re)load a model from disk: new versions start, changed ones rebuild,
+        versions the policy no longer selects drain and close."""
+        check_model_name(name)
+        entry = self._models.setdefault(name, ModelEntry(name))
+        async with entry.lock:
+            previous_state = entry.state
+            entry.state = ModelState.LOADING if not entry.versions else entry.state
+            try:
+                config, wanted = self._read(name)
+                built = await self._build(config, wanted, entry.versions)
+            except TieredError as error:
+                entry.state = previous_state if entry.versions else ModelState.UNAVAILABLE
+                entry.reason = str(error)
+                raise
+            retired = [v for n, v in entry.versions.items() if built.get(n) is not v]
+            entry.versions = built
+            entry.state, entry.reason = ModelState.READY, ""
+            log.info("model %s serving versions %s", name, sorted(built))
+        for version in retired:
+            self._drain_later(version)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving a model once its in-flight requests finish."""
+        check_model_name(name)
+        entry = self._models.get(name)
+        if entry is None or not entry.versions:
+            raise NotFound(f"model_name: model {name!r} is not loaded")
+        async with entry.lock:
+            retired, entry.versions = list(entry.versions.values()), {}
+            entry.state, entry.reason = ModelState.UNLOADING, ""
+            await asyncio.gather(*(v.drain(self.profile.limits.drain_timeout_s) for v in retired))
+            entry.state, entry.reason = ModelState.UNAVAILABLE, "unloaded"
+        log.info("model %s unloaded", name)
+
+    async def close(self) -> None:
+        """Drain everything (shutdown)."""
+        versions = self.all_versions()
+        for entry in self._models.values():
+            entry.versions = {}
+            entry.state = ModelState.UNLOADING
+        await asyncio.gather(
+            *(v.drain(self.profile.limits.drain_timeout_s) for v in versions), *self._draining
+        )
+
+    # -- internals ----------------------------------------------------------------
+
+    def _read(self, name: str) -> tuple[ModelConfig, dict[int, Path]]:
+        model_dir = self.root / name
+        config_path = model_dir / "config.yaml"
+        if not config_path.is_file():
+            raise NotFound(f"model_name: no model {name!r} in repository {self.root}")
+        where = f"{name}/config.yaml"
+        config = parse_model_config(name, read_yaml(config_path), self.profile, where)
+        on_disk = versions_on_disk(model_dir)
+        wanted = {v: on_disk[v] for v in config.version_policy.select(on_disk)}
+        if not wanted:
+            raise ConfigError(
+                f"{name}: no version directory with {MODEL_FILE} matches the version policy "
+                f"(found {sorted(on_disk) or 'none'})"
+            )
+        return config, wanted
+
+    async def _build(
+        self, config: ModelConfig, wanted: dict[int, Path], current: dict[int, ModelVersion]
+    ) -> dict[int, ModelVersion]:
+        settings = load_dataclass(OrtSettings, config.engine, f"{config.name}/config.yaml.engine")
+        built: dict[int, ModelVersion] = {}
+        try:
+            for version, path in sorted(wanted.items()):
+                source = (path.stat().st_mtime_ns, config)
+                old = current.get(version)
+                if old is not None and old.built_from == source:
+                    built[version] = old  # unchanged on disk: keep serving it
+                    continue
+                engine = await asyncio.to_thread(self._engine_factory, path, settings)
+                try:
+                    where = f"{config.name}/config.yaml (version {version})"
+                    completed = complete_with_engine(config, engine.inputs, engine.outputs, where)
+                except TieredError:
+                    engine.close()
+                    raise
+                built[version] = ModelVersion(completed, version, engine, built_from=source)
+        except BaseException:
+            for version, served in built.items():  # undo what this load started
+                if current.get(version) is not served:
+                    self._drain_later(served)
+            raise
+        return built
+
+    def _drain_later(self, version: ModelVersion) -> None:
+        task = asyncio.get_running_loop().create_task(
+            version.drain(self.profile.limits.drain_timeout_s)
+        )
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+

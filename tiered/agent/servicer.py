@@ -1,0 +1,169 @@
+"""The v2 inference servicer of an agent: convert, call the repository, convert.
+
+Every unary method goes through `translate_errors`, the one mapping of domain
+errors to gRPC codes. Streamed requests run concurrently (bounded per stream)
+and each answer or error travels back as its own stream message, so one bad
+request never ends the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+import tiered
+from tiered.agent.model import ModelVersion
+from tiered.agent.repository import ModelRepository
+from tiered.errors import TieredError
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol import messages
+from tiered.protocol.status import describe, translate_errors
+
+PLATFORM = "onnxruntime_onnx"
+BACKEND = "onnxruntime"
+MAX_STREAM_IN_FLIGHT = 256  # requests of one stream being answered at once
+
+
+def _deadline(timeout_s: float, context: grpc.aio.ServicerContext) -> float:
+    """The earlier of the request's `timeout` parameter and the gRPC deadline."""
+    remaining = context.time_remaining()
+    budget = min(timeout_s, remaining if remaining is not None else math.inf)
+    return time.monotonic() + budget
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, repository: ModelRepository) -> None:
+        self.repository = repository
+        self.ready = False  # set once the repository is loaded; cleared on shutdown
+
+    @translate_errors
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    @translate_errors
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.ready)
+
+    @translate_errors
+    async def ModelReady(self, request, context):
+        return pb.ModelReadyResponse(ready=self.repository.is_ready(request.name, request.version))
+
+    @translate_errors
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(
+            name="tiered", version=tiered.__version__, extensions=messages.SERVER_EXTENSIONS
+        )
+
+    @translate_errors
+    async def ModelMetadata(self, request, context):
+        model = self.repository.get(request.name, request.version)
+        versions = self.repository.served(request.name).versions
+        return messages.model_metadata(model.config, versions, PLATFORM)
+
+    @translate_errors
+    async def ModelConfig(self, request, context):
+        model = self.repository.get(request.name, request.version)
+        facts = {"tier": self.repository.profile.tier, **model.engine.describe()}
+        gpu = any(p != "CPUExecutionProvider" for p in getattr(model.engine, "providers", ()))
+        config = messages.model_config(model.config, PLATFORM, BACKEND, gpu, facts)
+        return pb.ModelConfigResponse(config=config)
+
+    @translate_errors
+    async def ModelInfer(self, request, context):
+        return await self._infer(request, context)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(MAX_STREAM_IN_FLIGHT)
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                response = pb.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, context)
+                )
+            except Exception as error:  # reported in the stream; the stream goes on
+                response = pb.ModelStreamInferResponse(
+                    error_message=describe(error),
+                    infer_response=pb.ModelInferResponse(
+                        model_name=request.model_name, id=request.id
+                    ),
+                )
+            finally:
+                slots.release()
+            answers.put_nowait(response)
+
+        async def read() -> None:
+            tasks = set()
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    task = asyncio.create_task(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks)
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+
+    async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        model = self.repository.get(request.model_name, request.model_version)
+        try:
+            call = messages.decode_infer_request(request)
+        except TieredError:
+            model.stats.request_failed(0, time.time_ns() // 1_000_000)
+            raise
+        outputs = await model.infer(call.inputs, call.outputs, _deadline(call.timeout_s, context))
+        return messages.encode_infer_response(call, model.config.name, model.version, outputs)
+
+    @translate_errors
+    async def ModelStatistics(self, request, context):
+        if request.name:
+            entry = self.repository.served(request.name)
+            versions: list[ModelVersion] = list(entry.versions.values())
+            if request.version:
+                versions = [self.repository.get(request.name, request.version)]
+        else:
+            versions = self.repository.all_versions()
+        return pb.ModelStatisticsResponse(
+            model_stats=[
+                messages.model_statistics(v.config.name, v.version, v.stats) for v in versions
+            ]
+        )
+
+    @translate_errors
+    async def RepositoryIndex(self, request, context):
+        rows = self.repository.index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[
+                pb.RepositoryIndexResponse.ModelIndex(
+                    name=r.name, version=r.version, state=r.state, reason=r.reason
+                )
+                for r in rows
+            ]
+        )
+
+    @translate_errors
+    async def RepositoryModelLoad(self, request, context):
+        messages.repository_parameters(request.parameters)
+        await self.repository.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @translate_errors
+    async def RepositoryModelUnload(self, request, context):
+        messages.repository_parameters(request.parameters)
+        await self.repository.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()

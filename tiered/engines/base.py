@@ -1,0 +1,43 @@
+"""The Engine interface: run one model version on arrays.
+
+Engines know numpy arrays and nothing of the wire, the batcher or the agent.
+`run` is blocking and may be called from several threads at once when a model
+has more than one instance; each engine documents whether that is safe.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An engine's view of one input or output: -1 marks a dynamic dimension."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+class Engine(ABC):
+    """One loaded model version, ready to run batches."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @abstractmethod
+    def run(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run the model; return the named outputs (all when `outputs` is None)."""
+
+    def describe(self) -> dict[str, str]:
+        """Facts worth showing users (engine, providers, precision)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the engine holds. Safe to call twice."""

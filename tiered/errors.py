@@ -1,0 +1,40 @@
+"""Domain errors, transport-neutral.
+
+Code anywhere in tiered raises these; exactly one place
+(`tiered.protocol.status`) maps them to gRPC status codes. They never name a
+transport, so engines, policies and the repository stay free of gRPC.
+"""
+
+from __future__ import annotations
+
+
+class TieredError(Exception):
+    """Base of every error tiered raises on purpose."""
+
+
+class InvalidArgument(TieredError):
+    """The request (or a config file) is malformed; the message names the field."""
+
+
+class NotFound(TieredError):
+    """An unknown model, version, input or output."""
+
+
+class Unavailable(TieredError):
+    """The target exists but cannot serve now (loading, draining, unloaded)."""
+
+
+class ResourceExhausted(TieredError):
+    """A bounded queue or limit is full; retry later or elsewhere."""
+
+
+class DeadlineExceeded(TieredError):
+    """The request's timeout passed before it could be answered."""
+
+
+class EngineError(TieredError):
+    """The engine failed while running a batch."""
+
+
+class ConfigError(TieredError):
+    """A configuration file or tier profile is invalid; the message names the field."""

@@ -1,0 +1,67 @@
+"""Tier profiles: how each tier runs models by default.
+
+A profile (`agents/<tier>.yaml`) names the tier's engine and precision, the
+engine's settings, dynamic-batching defaults and the agent's limits. A
+model's config.yaml overrides the engine and batching keys it names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiered.errors import ConfigError
+from tiered.settings import load_dataclass, read_yaml
+
+TIERS = ("edge", "regional", "datacenter")
+
+# The profiles ship beside the package in the source tree (agents/); images
+# copy that folder next to it, and --profile names any other file.
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "agents"
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds of one agent process (documented defaults)."""
+
+    max_message_bytes: int = 64 * MiB  # larger gRPC messages get RESOURCE_EXHAUSTED
+    max_concurrent_rpcs: int = 1024  # beyond this gRPC answers RESOURCE_EXHAUSTED
+    max_queue_size: int = 256  # per model version, when its config sets none
+    drain_timeout_s: float = 30.0  # unload and shutdown wait this long for in-flight work
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_concurrent_rpcs", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TierProfile:
+    tier: str
+    engine: str = "onnxruntime"
+    precision: str = "fp32"
+    onnxruntime: Mapping[str, Any] = field(default_factory=dict)
+    dynamic_batching: Mapping[str, Any] = field(default_factory=dict)
+    instance_count: int = 1
+    limits: ServerLimits = ServerLimits()
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIERS:
+            raise ConfigError(f"tier: {self.tier!r} is not one of {', '.join(TIERS)}")
+        if self.instance_count < 1:
+            raise ConfigError(f"instance_count: must be >= 1, got {self.instance_count}")
+
+
+def load_profile(tier: str, path: Path | None = None) -> TierProfile:
+    """The profile for `tier`, from `path` or from agents/<tier>.yaml."""
+    path = path or PROFILE_DIR / f"{tier}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"tier profile {path} not found (pass --profile FILE)")
+    profile = load_dataclass(TierProfile, read_yaml(path), str(path))
+    if profile.tier != tier:
+        raise ConfigError(f"{path}: profile is for tier {profile.tier!r}, not {tier!r}")
+    return profile

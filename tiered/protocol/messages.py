@@ -1,0 +1,160 @@
+"""Conversions between v2 protocol messages and tiered's values. Pure.
+
+The servicers call these so each RPC reads: convert the request, call the
+data plane, convert the response.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tiered.errors import InvalidArgument
+from tiered.protocol import codec
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import model_config_pb2 as mc
+
+# Triton's extension names for what the agent implements.
+SERVER_EXTENSIONS = ("model_configuration", "model_repository", "statistics", "parameters")
+
+# Request parameters with a meaning here; the rest (e.g. routing hints) pass.
+_SUPPORTED_OUTPUT_PARAMETERS = {"binary_data"}
+
+
+@dataclass(frozen=True)
+class InferCall:
+    """A decoded ModelInferRequest."""
+
+    model_name: str
+    model_version: str
+    id: str
+    inputs: dict[str, np.ndarray]
+    outputs: tuple[str, ...]
+    timeout_s: float  # math.inf when the request set none
+    priority: int
+    parameters: Mapping[str, Any]
+
+
+def decode_infer_request(request: pb.ModelInferRequest) -> InferCall:
+    parameters = codec.parameters_of(request.parameters)
+    timeout = parameters.get("timeout", 0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
+        raise InvalidArgument(f"parameters.timeout: expected microseconds >= 0, got {timeout!r}")
+    priority = parameters.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 0:
+        raise InvalidArgument(f"parameters.priority: expected an integer >= 0, got {priority!r}")
+    for index, output in enumerate(request.outputs):
+        for key in output.parameters:
+            if key not in _SUPPORTED_OUTPUT_PARAMETERS:
+                raise InvalidArgument(
+                    f"outputs[{index}] {output.name!r}: parameter {key!r} is not supported"
+                )
+    return InferCall(
+        model_name=request.model_name,
+        model_version=request.model_version,
+        id=request.id,
+        inputs=codec.decode_inputs(request),
+        outputs=tuple(output.name for output in request.outputs),
+        timeout_s=timeout / 1e6 if timeout else math.inf,
+        priority=priority,
+        parameters=parameters,
+    )
+
+
+def encode_infer_response(
+    call: InferCall, model_name: str, version: int, outputs: Mapping[str, np.ndarray]
+) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=model_name, model_version=str(version), id=call.id)
+    for name, array in outputs.items():
+        datatype, shape, raw = codec.to_raw(array)
+        response.outputs.add(name=name, datatype=datatype, shape=shape)
+        response.raw_output_contents.append(raw)
+    return response
+
+
+def tensor_metadata(
+    message: pb.ModelMetadataResponse.TensorMetadata, name: str, datatype: str,
+    shape: Sequence[int],
+) -> None:
+    message.name, message.datatype = name, datatype
+    message.shape.extend(shape)
+
+
+def model_metadata(config, versions: Iterable[int], platform: str) -> pb.ModelMetadataResponse:
+    response = pb.ModelMetadataResponse(
+        name=config.name, versions=[str(v) for v in sorted(versions)], platform=platform
+    )
+    for tensor in config.inputs:
+        tensor_metadata(response.inputs.add(), tensor.name, tensor.datatype, config.batch_shape(tensor))
+    for tensor in config.outputs:
+        tensor_metadata(response.outputs.add(), tensor.name, tensor.datatype, config.batch_shape(tensor))
+    return response
+
+
+def _data_type(datatype: str) -> int:
+    return mc.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}")
+
+
+def model_config(
+    config, platform: str, backend: str, gpu: bool, facts: Mapping[str, str]
+) -> mc.ModelConfig:
+    """Our ModelConfig dataclass in Triton's ModelConfig message shape."""
+    message = mc.ModelConfig(
+        name=config.name, platform=platform, backend=backend, max_batch_size=config.max_batch_size
+    )
+    for tensor in config.inputs:
+        message.input.add(name=tensor.name, data_type=_data_type(tensor.datatype), dims=tensor.dims)
+    for tensor in config.outputs:
+        message.output.add(name=tensor.name, data_type=_data_type(tensor.datatype), dims=tensor.dims)
+    policy = config.version_policy
+    if policy.all:
+        message.version_policy.all.SetInParent()
+    elif policy.specific is not None:
+        message.version_policy.specific.versions.extend(policy.specific)
+    else:
+        message.version_policy.latest.num_versions = policy.latest or 1
+    message.instance_group.add(
+        name=config.name,
+        kind=mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU,
+        count=config.instance_count,
+    )
+    batching = config.dynamic_batching
+    if batching is not None:
+        message.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
+        message.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
+        message.dynamic_batching.default_queue_policy.max_queue_size = batching.max_queue_size
+    for key, value in facts.items():
+        message.parameters[key].string_value = str(value)
+    return message
+
+
+def _duration(message, duration) -> None:
+    message.count, message.ns = duration.count, duration.ns
+
+
+def model_statistics(name: str, version: int, stats) -> pb.ModelStatistics:
+    message = pb.ModelStatistics(
+        name=name,
+        version=str(version),
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+    )
+    for phase in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        _duration(getattr(message.inference_stats, phase), getattr(stats, phase))
+    for size, durations in sorted(stats.by_batch_size.items()):
+        batch = message.batch_stats.add(batch_size=size)
+        for phase in ("compute_input", "compute_infer", "compute_output"):
+            _duration(getattr(batch, phase), getattr(durations, phase))
+    return message
+
+
+def repository_parameters(parameters: Mapping) -> None:
+    """Load/unload parameters we do not implement are refused, not ignored."""
+    for key in parameters:
+        if key != "unload_dependents":
+            raise InvalidArgument(f"parameters: {key!r} is not supported by this agent")

@@ -1,0 +1,61 @@
+"""The one place that maps tiered's domain errors to gRPC status codes.
+
+Servicer methods raise `TieredError`s; `translate_errors` turns them into
+statuses. Anything else is a bug: it is logged with its traceback and answered
+INTERNAL, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from tiered import errors
+
+log = logging.getLogger(__name__)
+
+_CODES: dict[type[errors.TieredError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.EngineError: grpc.StatusCode.INTERNAL,
+}
+
+
+def status_code(error: BaseException) -> grpc.StatusCode:
+    for kind in type(error).__mro__:
+        if kind in _CODES:
+            return _CODES[kind]
+    return grpc.StatusCode.INTERNAL
+
+
+def describe(error: BaseException) -> str:
+    """The message a client sees for `error`."""
+    if isinstance(error, errors.TieredError):
+        return str(error)
+    log.error("unexpected error while serving a request", exc_info=error)
+    return f"internal error: {type(error).__name__}: {error}"
+
+
+R = TypeVar("R")
+Handler = Callable[..., Awaitable[R]]
+
+
+def translate_errors(method: Handler) -> Handler:
+    """Wrap an async unary servicer method so errors become gRPC statuses."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except Exception as error:  # the server never dies of a request
+            await context.abort(status_code(error), describe(error))
+
+    return wrapper

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Generate tiered's Python protocol stubs from the .proto files beside this script.
+
+Usage::
+
+    python proto/generate.py [--out DIR]     # DIR defaults to tiered/protocol/
+
+Runs ``grpc_tools.protoc`` (messages, gRPC stubs and .pyi type stubs), then
+rewrites its output so it works inside the ``tiered`` package:
+
+1. protoc writes top-level imports between generated modules
+   (``import model_config_pb2 as ...``); they become package imports
+   (``from tiered.protocol import model_config_pb2 as ...``), and the
+   ``__module__`` of generated classes becomes the package path.
+2. Our descriptors go into tiered's PRIVATE descriptor pool
+   (``tiered.protocol.descriptors.POOL``) instead of
+   ``descriptor_pool.Default()``. Why: wire compatibility with Triton requires
+   package ``inference`` and therefore Triton's fully-qualified message names,
+   and tritonclient registers its own copies of those names in the default
+   pool. Two different files defining ``inference.ModelInferRequest`` in one
+   pool raise at import, and users (and our tests) import tiered and
+   tritonclient in one process. For the same reason the message classes are
+   built by ``descriptors.build_message_classes``, which does not register
+   them in the default symbol database (under the pure-Python backend that
+   would copy our descriptors into the default pool after all).
+3. ``*_pb2_grpc.py`` files of protos without a service are dropped (protoc
+   writes an empty one for each input).
+
+The output is deterministic: same inputs and same grpcio-tools version give
+the same bytes (the stale-stub test relies on it, so grpcio-tools is pinned).
+Only the standard library and grpc_tools are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+PROTO_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PROTO_DIR.parent
+DEFAULT_OUT = REPO_ROOT / "tiered" / "protocol"
+PACKAGE = "tiered.protocol"
+
+# Inputs, dependencies first (order does not change the output; it reads well).
+PROTOS: tuple[str, ...] = ("model_config.proto", "grpc_service.proto")
+
+HEADER = "# Post-processed by proto/generate.py (package imports, private descriptor pool).\n"
+
+
+def _run_protoc(workdir: Path) -> None:
+    # Imported here so `--help` works without grpc_tools installed.
+    from grpc_tools import protoc
+
+    well_known = resources.files("grpc_tools") / "_proto"
+    args = [
+        "grpc_tools.protoc",
+        f"-I{PROTO_DIR}",
+        f"-I{well_known}",
+        f"--python_out={workdir}",
+        f"--pyi_out={workdir}",
+        f"--grpc_python_out={workdir}",
+        # Relative names: the descriptors and `# source:` comments then never
+        # contain a machine-specific path.
+        *PROTOS,
+    ]
+    status = protoc.main(args)
+    if status != 0:
+        raise SystemExit(f"protoc failed with exit status {status}")
+
+
+def _replace_once(text: str, old: str, new: str, where: str) -> str:
+    # Fail loudly if a newer protoc changes the shape we rewrite, rather than
+    # silently writing stubs into the default pool.
+    count = text.count(old)
+    if count != 1:
+        raise SystemExit(f"{where}: expected exactly one {old!r}, found {count}")
+    return text.replace(old, new)
+
+
+def _fix_imports(text: str, modules: set[str]) -> str:
+    # `import grpc_service_pb2 as grpc__service__pb2` -> package import, for
+    # our own generated modules only.
+    def repl(match: re.Match[str]) -> str:
+        name, alias = match.group(1), match.group(2)
+        if name not in modules:
+            return match.group(0)
+        return f"from {PACKAGE} import {name} as {alias}"
+
+    return re.sub(r"^import (\w+) as (\w+)$", repl, text, flags=re.MULTILINE)
+
+
+def _postprocess_pb2(text: str, module: str) -> str:
+    where = f"{module}.py"
+    text = _replace_once(
+        text,
+        "from google.protobuf import descriptor_pool as _descriptor_pool\n",
+        "from tiered.protocol import descriptors as _descriptors\n",
+        where,
+    )
+    # See the module docstring, point 2: never the default pool.
+    text = _replace_once(
+        text,
+        "_descriptor_pool.Default().AddSerializedFile(",
+        "_descriptors.POOL.AddSerializedFile(",
+        where,
+    )
+    # Our own class builder (it keeps the classes out of the default symbol
+    # database; see descriptors.build_message_classes), and classes that report
+    # their real module (matters for pickling and repr).
+    text = _replace_once(
+        text,
+        f"_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, '{module}', _globals)",
+        f"_descriptors.build_message_classes(DESCRIPTOR, '{PACKAGE}.{module}', _globals)",
+        where,
+    )
+    if "_descriptor_pool" in text:
+        raise SystemExit(f"{where}: unexpected remaining use of the default pool")
+    return text
+
+
+def _add_header(text: str) -> str:
+    # After the "Generated by ..." line(s) and the optional coding line.
+    lines = text.splitlines(keepends=True)
+    index = 0
+    while index < len(lines) and lines[index].startswith("#"):
+        index += 1
+    return "".join(lines[:index]) + HEADER + "".join(lines[index:])
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Generate the stubs into ``out_dir``; return the files written, sorted."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="tiered-protoc-") as tmp:
+        workdir = Path(tmp)
+        _run_protoc(workdir)
+        produced = sorted(p for p in workdir.iterdir() if p.is_file())
+        modules = {p.name.split(".")[0] for p in produced}
+        written: list[Path] = []
+        for path in produced:
+            text = path.read_text(encoding="utf-8")
+            module = path.name.split(".")[0]
+            if module.endswith("_pb2_grpc") and "\nclass " not in text:
+                continue  # no service in that proto
+            if path.suffix == ".py" and module.endswith("_pb2"):
+                text = _postprocess_pb2(text, module)
+            text = _add_header(_fix_imports(text, modules))
+            target = out_dir / path.name
+            # newline="\n": identical bytes on every platform.
+            with open(target, "w", encoding="utf-8", newline="\n") as handle:
+                handle.write(text)
+            written.append(target)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"output directory (default: {DEFAULT_OUT.relative_to(REPO_ROOT)}/)",
+    )
+    args = parser.parse_args(argv)
+    for path in generate(args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -259,3 +259,24 @@ class ModelRepository:
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
 
+
+
+def model_file(root: Path, name: str, version: int) -> Path:
+    """Where version `version` of model `name` keeps its ONNX file (dirs created)."""
+    check_model_name(name)
+    if version < 1:
+        raise ConfigError(f"version: must be a positive integer, got {version}")
+    path = root / name / str(version) / MODEL_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_config(root: Path, name: str, config: dict) -> Path:
+    """Write DIR/<name>/config.yaml from a mapping (the keys config.yaml takes)."""
+    import yaml
+
+    check_model_name(name)
+    path = root / name / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

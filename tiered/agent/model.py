@@ -133,6 +133,7 @@ class ModelVersion:
         try:
             outputs = check_outputs(self.config, requested)
             batch_size = check_inputs(self.config, inputs)
+            inputs = self.engine.accept(inputs)
             signature = tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(inputs.items()))
             result = await self._batcher.submit(inputs, batch_size, signature, deadline)
         except TieredError:

@@ -29,6 +29,12 @@ class Engine(ABC):
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
 
+    def accept(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """Turn one request's checked inputs into what `run` takes, or raise
+        InvalidArgument. Called per request, before batching, so a request
+        the engine cannot take fails alone instead of failing its batch."""
+        return inputs
+
     @abstractmethod
     def run(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None

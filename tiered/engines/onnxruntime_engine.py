@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from tiered.engines.base import Engine, TensorSpec
-from tiered.errors import ConfigError, EngineError
+from tiered.errors import ConfigError, EngineError, InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,28 @@ class OnnxRuntimeEngine(Engine):
         self.inputs = tuple(_spec(node) for node in self._session.get_inputs())
         self.outputs = tuple(_spec(node) for node in self._session.get_outputs())
         self._output_names = [spec.name for spec in self.outputs]
+        self._string_inputs = {s.name for s in self.inputs if s.dtype == np.dtype(object)}
+
+    def accept(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        # onnxruntime's Python API takes string tensors as str only: BYTES
+        # elements must be UTF-8, and anything else is refused here.
+        if not self._string_inputs.intersection(inputs):
+            return inputs
+        converted = dict(inputs)
+        for name in self._string_inputs.intersection(inputs):
+            array = inputs[name]
+            text = np.empty(array.shape, dtype=object)
+            flat = text.reshape(-1)
+            for index, item in enumerate(array.reshape(-1)):
+                try:
+                    flat[index] = item.decode("utf-8") if isinstance(item, bytes) else str(item)
+                except UnicodeDecodeError as error:
+                    raise InvalidArgument(
+                        f"input {name!r}: element {index} is not UTF-8 ({error.reason}); "
+                        "onnxruntime string tensors hold text"
+                    ) from None
+            converted[name] = text
+        return converted
 
     def run(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None

@@ -1,0 +1,44 @@
+"""Shared fixtures: model repositories built in code and real agent processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiered.agent.process import AgentProcess
+from tiered.agent.repository import model_file, write_config
+from tiered.models import zoo
+
+# Every datatype the identity model carries through the wire and back.
+IDENTITY_DATATYPES = tuple(zoo.V2_TO_ONNX)
+
+
+def build_repository(root: Path) -> Path:
+    """The models most integration tests share."""
+    zoo.add_sub(model_file(root, "add_sub", 1))
+    write_config(root, "add_sub", {
+        "max_batch_size": 8,
+        "dynamic_batching": {"max_queue_delay_us": 2000, "preferred_batch_sizes": [8]},
+    })
+    zoo.identity(model_file(root, "identity", 1), IDENTITY_DATATYPES)
+    write_config(root, "identity", {"max_batch_size": 4, "dynamic_batching": {}})
+    zoo.mlp(model_file(root, "mlp", 1), seed=1)
+    write_config(root, "mlp", {"max_batch_size": 16})  # no dynamic batching
+    # Slow enough (ms per image) that a one-slot queue overflows under load.
+    zoo.resnet18(model_file(root, "slow", 1), image_size=96, num_classes=10)
+    write_config(root, "slow", {"max_batch_size": 1, "max_queue_size": 1})
+    return root
+
+
+@pytest.fixture(scope="session")
+def shared_repository(tmp_path_factory) -> Path:
+    return build_repository(tmp_path_factory.mktemp("repository"))
+
+
+@pytest.fixture(scope="session")
+def agent(shared_repository) -> AgentProcess:
+    """One edge agent serving the shared repository for the whole session."""
+    with AgentProcess("edge", shared_repository) as process:
+        yield process
+        assert process.alive(), f"the shared agent died:\n{process.log_tail()}"

@@ -1,0 +1,209 @@
+"""Agent lifecycle with real processes: load/unload under traffic, bad configs,
+size limits and draining on shutdown."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from tiered.agent.process import AgentError, AgentProcess
+from tiered.agent.repository import model_file, write_config
+from tiered.models import zoo
+from tiered.profiles import PROFILE_DIR
+
+FEATURES = 16
+
+
+def mlp_inputs(rows: int = 1) -> list[grpcclient.InferInput]:
+    data = np.random.default_rng(rows).standard_normal((rows, FEATURES)).astype(np.float32)
+    item = grpcclient.InferInput("input", [rows, FEATURES], "FP32")
+    item.set_data_from_numpy(data)
+    return [item]
+
+
+def mlp_repository(root: Path) -> Path:
+    zoo.mlp(model_file(root, "mlp", 1), seed=1)
+    write_config(root, "mlp", {"max_batch_size": 8, "dynamic_batching": {}})
+    return root
+
+
+class Traffic:
+    """Threads sending requests back to back, counting every outcome."""
+
+    def __init__(self, address: str, model: str, threads: int = 4) -> None:
+        self.address, self.model = address, model
+        self.versions: list[str] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._send) for _ in range(threads)]
+
+    def _send(self) -> None:
+        with grpcclient.InferenceServerClient(self.address) as client:
+            while not self._stop.is_set():
+                try:
+                    result = client.infer(self.model, mlp_inputs())
+                    self.versions.append(result.get_response().model_version)
+                except InferenceServerException as error:
+                    self.failures.append(f"{error.status()}: {error.message()}")
+
+    def __enter__(self) -> Traffic:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_new_version_loads_during_traffic_without_a_failed_request(tmp_path):
+    root = mlp_repository(tmp_path)
+    with AgentProcess("edge", root) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        with Traffic(agent.address, "mlp") as traffic:
+            wait_for(lambda: len(traffic.versions) > 20)
+            zoo.mlp(model_file(root, "mlp", 2), seed=2)
+            client.load_model("mlp")  # the default policy serves the newest version
+            served_at_load = len(traffic.versions)
+            wait_for(lambda: traffic.versions[-1:] == ["2"] and len(traffic.versions) > served_at_load + 20)
+        assert traffic.failures == []
+        assert set(traffic.versions) == {"1", "2"}
+        assert client.get_model_metadata("mlp").versions == ["2"]
+        first_two = traffic.versions.index("2")
+        assert "1" not in traffic.versions[first_two + 8:], "old version served after the swap"
+
+
+def test_unload_drains_then_refuses_and_load_brings_it_back(tmp_path):
+    root = mlp_repository(tmp_path)
+    with AgentProcess("edge", root) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        with Traffic(agent.address, "mlp") as traffic:
+            wait_for(lambda: len(traffic.versions) > 20)
+            client.unload_model("mlp")
+            answered_at_unload = len(traffic.versions)
+            wait_for(lambda: len(traffic.failures) > 5)
+        # Unload answers only after in-flight requests finished: none failed mid-way.
+        assert len(traffic.versions) == answered_at_unload
+        assert {f.split(":")[0] for f in traffic.failures} <= {
+            "StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE"}
+        assert not client.is_model_ready("mlp")
+        index = {m.name: m for m in client.get_model_repository_index().models}
+        assert index["mlp"].state == "UNAVAILABLE" and index["mlp"].reason == "unloaded"
+        client.load_model("mlp")
+        assert client.infer("mlp", mlp_inputs()).as_numpy("probabilities").shape == (1, 4)
+
+
+def test_bad_config_on_reload_is_refused_and_the_old_version_keeps_serving(tmp_path):
+    root = mlp_repository(tmp_path)
+    with AgentProcess("edge", root) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        (root / "mlp" / "config.yaml").write_text("max_batch_size: 8\ndynamic_batchin: {}\n")
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("mlp")
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "dynamic_batchin" in caught.value.message()
+        assert client.infer("mlp", mlp_inputs()).get_response().model_version == "1"
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("../etc")
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("absent")
+        assert caught.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_malformed_config_stops_start_up_with_a_message_naming_the_field(tmp_path):
+    root = mlp_repository(tmp_path)
+    zoo.add_sub(model_file(root, "broken", 1))
+    write_config(root, "broken", {"max_batch_size": 4,
+                                  "inputs": [{"name": "INPUT0", "datatype": "FP33", "dims": [16]}]})
+    with pytest.raises(AgentError) as caught:
+        AgentProcess("edge", root).start()
+    assert "broken/config.yaml.inputs[0].datatype" in str(caught.value)
+    assert "FP33" in str(caught.value)
+
+    with AgentProcess("edge", root, extra_args=["--allow-failed-models"]) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        index = {m.name: m for m in client.get_model_repository_index().models}
+        assert index["broken"].state == "UNAVAILABLE" and "FP33" in index["broken"].reason
+        assert index["mlp"].state == "READY"
+
+
+def test_oversize_message_is_refused_and_the_agent_keeps_serving(tmp_path):
+    root = mlp_repository(tmp_path)
+    profile = yaml.safe_load((PROFILE_DIR / "edge.yaml").read_text())
+    profile["limits"]["max_message_bytes"] = 1 << 20
+    (tmp_path / "edge.yaml").write_text(yaml.safe_dump(profile))
+    with AgentProcess("edge", root, extra_args=["--profile", str(tmp_path / "edge.yaml")]) \
+            as agent, grpcclient.InferenceServerClient(agent.address) as client:
+        huge = grpcclient.InferInput("input", [8, 40_000], "FP32")
+        huge.set_data_from_numpy(np.zeros((8, 40_000), np.float32))  # 1.28 MB
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("mlp", [huge])
+        assert caught.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert client.infer("mlp", mlp_inputs()).as_numpy("probabilities").shape == (1, 4)
+
+
+def test_sigterm_drains_in_flight_requests(tmp_path):
+    root = tmp_path
+    zoo.resnet18(model_file(root, "slow", 1), image_size=128, num_classes=10)
+    write_config(root, "slow", {"max_batch_size": 1})
+    image = np.zeros((1, 3, 128, 128), np.float32)
+    agent = AgentProcess("edge", root).start()
+    results, errors = [], []
+    done = threading.Event()
+
+    def callback(result, error):
+        (errors if error else results).append(error or result)
+        if len(results) + len(errors) == 6:
+            done.set()
+
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        for _ in range(6):
+            item = grpcclient.InferInput("input", [1, 3, 128, 128], "FP32")
+            item.set_data_from_numpy(image)
+            client.async_infer("slow", [item], callback)
+        time.sleep(0.05)  # let them arrive, then ask the agent to stop
+        code = agent.stop()
+        assert done.wait(30)
+    assert code == 0, agent.log_tail()
+    assert errors == [] and len(results) == 6
+    assert "shutting down" in agent.log()
+
+
+def test_missing_repository_is_a_clear_start_up_error(tmp_path):
+    with pytest.raises(AgentError) as caught:
+        AgentProcess("edge", tmp_path / "nowhere").start()
+    assert "is not a directory" in str(caught.value)
+
+
+def test_reload_rebuilds_only_versions_whose_files_changed(tmp_path):
+    """Reload rebuilds a version whose file changed and keeps one that did not."""
+    root = mlp_repository(tmp_path)
+    with AgentProcess("edge", root) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        before = client.infer("mlp", mlp_inputs()).as_numpy("probabilities")
+        client.load_model("mlp")  # nothing changed: same answers
+        np.testing.assert_array_equal(
+            client.infer("mlp", mlp_inputs()).as_numpy("probabilities"), before)
+        replacement = tmp_path / "other.onnx"
+        zoo.mlp(replacement, seed=9)
+        shutil.copy(replacement, root / "mlp" / "1" / "model.onnx")
+        client.load_model("mlp")
+        after = client.infer("mlp", mlp_inputs()).as_numpy("probabilities")
+        assert not np.allclose(after, before)

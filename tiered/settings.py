@@ -9,6 +9,7 @@ so a typo in a config never passes silently.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -60,7 +61,9 @@ def load_dataclass(cls: type[T], data: Any, where: str) -> T:
     except TypeError as error:  # a required field is missing
         raise ConfigError(f"{where}: {error}") from error
     except ConfigError as error:  # raised by the dataclass's own checks
-        raise ConfigError(f"{where}.{error}") from error
+        message = str(error)
+        names_a_field = re.match(r"^[a-z_]+(\[\d+\])?: ", message)
+        raise ConfigError(f"{where}{'.' if names_a_field else ': '}{message}") from error
 
 
 def _convert(hint: Any, value: Any, where: str) -> Any:

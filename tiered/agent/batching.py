@@ -92,6 +92,8 @@ def form_batch(queued: Sequence[Pending], now: float, policy: BatchPolicy) -> Ba
             break
         total += item.batch_size
         take += 1
+    if take == 0:  # the head alone exceeds max_batch_size: it runs alone
+        return BatchDecision(1, 0.0)
     waited = now - head.enqueued_at
     if blocked or total >= policy.target_size or waited >= policy.max_queue_delay_s:
         return BatchDecision(take, 0.0)

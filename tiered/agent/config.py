@@ -65,6 +65,7 @@ class DynamicBatching:
             raise ConfigError("preferred_batch_sizes: sizes must be >= 1")
 
 
+
 @dataclass(frozen=True)
 class VersionPolicy:
     """Which versions on disk are served: the newest `latest`, `all`, or `specific`."""
@@ -76,7 +77,7 @@ class VersionPolicy:
     def __post_init__(self) -> None:
         chosen = (self.latest is not None) + self.all + (self.specific is not None)
         if chosen > 1:
-            raise ConfigError("version_policy: give one of latest, all or specific")
+            raise ConfigError("give one of latest, all or specific")
         if self.latest is not None and self.latest < 1:
             raise ConfigError(f"latest: must be >= 1, got {self.latest}")
 
@@ -105,8 +106,16 @@ class ModelConfig:
         check_model_name(self.name)
         if self.max_batch_size < 0:
             raise ConfigError(f"max_batch_size: must be >= 0, got {self.max_batch_size}")
-        if self.dynamic_batching is not None and self.max_batch_size < 1:
-            raise ConfigError("dynamic_batching: needs max_batch_size >= 1")
+        if self.dynamic_batching is not None:
+            if self.max_batch_size < 1:
+                raise ConfigError("dynamic_batching: needs max_batch_size >= 1")
+            too_large = [s for s in self.dynamic_batching.preferred_batch_sizes
+                         if s > self.max_batch_size]
+            if too_large:
+                raise ConfigError(
+                    f"dynamic_batching: preferred_batch_sizes {too_large} exceed "
+                    f"max_batch_size {self.max_batch_size}"
+                )
         if self.instance_count < 1:
             raise ConfigError(f"instance_count: must be >= 1, got {self.instance_count}")
         for kind in ("inputs", "outputs"):
@@ -163,6 +172,14 @@ def complete_with_engine(config: ModelConfig, inputs: Iterable[TensorSpec],
             if actual != tensor.datatype:
                 raise ConfigError(
                     f"{field_name}.datatype: config says {tensor.datatype}, the model has {actual}"
+                )
+            declared_shape = config.batch_shape(tensor)
+            if len(declared_shape) != len(spec.shape) or any(
+                d != -1 and m != -1 and d != m for d, m in zip(declared_shape, spec.shape)
+            ):
+                raise ConfigError(
+                    f"{field_name}.dims: {list(tensor.dims)} (full shape "
+                    f"{list(declared_shape)}) cannot fit the model's {list(spec.shape)}"
                 )
         if kind == "inputs":
             missing = set(by_name) - {t.name for t in declared}

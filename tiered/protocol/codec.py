@@ -53,6 +53,11 @@ _CONTENTS_FIELD: dict[str, str] = {
 
 _LENGTH = struct.Struct("<I")
 
+# No real tensor comes near these; a shape beyond them is an error, not an
+# allocation.
+MAX_DIMENSION = 1 << 40
+MAX_ELEMENTS = 1 << 40
+
 
 def dtype_of(datatype: str, *, field: str = "datatype") -> np.dtype:
     """The numpy dtype of a v2 datatype name."""
@@ -80,7 +85,11 @@ def element_count(shape: Sequence[int], *, field: str) -> int:
     for dim in shape:
         if dim < 0:
             raise InvalidArgument(f"{field}: shape {list(shape)} has a negative dimension")
+        if dim > MAX_DIMENSION:
+            raise InvalidArgument(f"{field}: shape {list(shape)} has a dimension above 2**40")
         count *= dim
+    if count > MAX_ELEMENTS:
+        raise InvalidArgument(f"{field}: shape {list(shape)} has more than 2**40 elements")
     return count
 
 
@@ -96,6 +105,10 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 
 def deserialize_bytes(buffer: bytes, count: int, *, field: str) -> np.ndarray:
     """Length-prefixed elements -> a flat object array of `bytes`."""
+    if count * 4 > len(buffer):  # each element needs at least its prefix
+        raise InvalidArgument(
+            f"{field}: {len(buffer)} bytes cannot hold {count} BYTES elements"
+        )
     items = np.empty(count, dtype=object)
     offset, end = 0, len(buffer)
     for index in range(count):
@@ -151,7 +164,9 @@ def from_contents(contents, datatype: str, shape: Sequence[int], *, field: str) 
         array = np.empty(count, dtype=object)
         array[:] = list(values)
         return array.reshape(shape)
-    wide = np.asarray(values, dtype=np.float64 if dtype.kind == "f" else None)
+    # The wide type must hold every value exactly: uint64 above 2**63 too.
+    wide_type = np.float64 if dtype.kind == "f" else np.uint64 if dtype.kind == "u" else np.int64
+    wide = np.asarray(values, dtype=wide_type)
     if dtype.kind in "iu" and wide.size:
         info = np.iinfo(dtype)
         if wide.min() < info.min or wide.max() > info.max:

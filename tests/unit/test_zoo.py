@@ -26,9 +26,7 @@ def _checked(path: Path) -> onnx.ModelProto:
 
 
 def _dims(value_info: onnx.ValueInfoProto) -> list[str | int]:
-    return [
-        d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim
-    ]
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
 
 
 def test_resnet18_is_a_valid_dynamic_batch_classifier(tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 Arrays = Mapping[str, np.ndarray]
 
+COARSE_TIMER_S = 0.002  # shorter waits than this yield instead of sleeping on a timer
+
 
 @dataclass(frozen=True)
 class BatchPolicy:
@@ -205,11 +207,15 @@ class Batcher:
             self._arrived.clear()
             if math.isinf(decision.wait_s):
                 await self._arrived.wait()
+            elif decision.wait_s < COARSE_TIMER_S:
+                # asyncio's timers wake a millisecond late or more (epoll counts
+                # in ms), which would multiply sub-ms delays: yield to the loop,
+                # letting requests arrive, and decide again.
+                await asyncio.sleep(0)
             else:
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), decision.wait_s)
-                except asyncio.TimeoutError:
-                    pass
+                timer = asyncio.get_running_loop().call_later(decision.wait_s, self._arrived.set)
+                await self._arrived.wait()
+                timer.cancel()
 
     def _drop_dead(self, now: float) -> None:
         """Remove cancelled requests and fail those whose deadline passed in the queue."""

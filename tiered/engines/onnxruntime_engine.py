@@ -63,6 +63,10 @@ class OrtSettings:
     inter_op_threads: int = 0
     graph_optimization_level: str = "all"
     execution_mode: str = "sequential"
+    # Idle intra-op threads spin for a while before sleeping. That buys a
+    # little latency in a loop of runs, but on a few cores shared with the
+    # server's own threads the spinning steals the CPU the server needs.
+    allow_spinning: bool = True
 
     def __post_init__(self) -> None:
         if self.graph_optimization_level not in _OPTIMIZATION_LEVELS:
@@ -87,6 +91,9 @@ class OrtSettings:
         options.inter_op_num_threads = self.inter_op_threads
         options.graph_optimization_level = _OPTIMIZATION_LEVELS[self.graph_optimization_level]
         options.execution_mode = _EXECUTION_MODES[self.execution_mode]
+        spin = "1" if self.allow_spinning else "0"
+        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        options.add_session_config_entry("session.inter_op.allow_spinning", spin)
         return options
 
 

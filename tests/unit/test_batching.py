@@ -517,3 +517,33 @@ def test_at_most_instances_batches_run_at_once(instances: int) -> None:
 
     assert engine.sizes == [1] * 6
     assert engine.peak_concurrency == instances
+
+
+def _thread_of_each_batch(engine_s: float) -> list[str]:
+    threads: list[str] = []
+
+    def engine(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        threads.append(threading.current_thread().name)
+        if engine_s:
+            time.sleep(engine_s)
+        return {"y": inputs["x"]}
+
+    async def scenario(executor):
+        batcher = Batcher(BatchPolicy(0, 0.0, (), 8), engine, executor)
+        for i in range(5):
+            await batcher.submit(_x(i), 1, "sig")
+        await batcher.close()
+
+    _run(scenario)
+    return threads
+
+
+def test_batches_faster_than_a_thread_hop_run_on_the_event_loop() -> None:
+    threads = _thread_of_each_batch(engine_s=0.0)
+    assert threads[0] != threading.main_thread().name  # unknown speed: a worker first
+    assert threads[1:] == [threading.main_thread().name] * 4
+
+
+def test_slow_batches_stay_on_worker_threads() -> None:
+    threads = _thread_of_each_batch(engine_s=0.002)
+    assert threading.main_thread().name not in threads

@@ -1,4 +1,4 @@
-"""Start and stop `tiered agent` child processes on loopback.
+"""Start and stop server child processes (`tiered agent`, ...) on loopback.
 
 Used by the demo, the benchmarks and the tests (and later the local backend):
 the agent binds port 0 and prints the port it got, so nothing races for
@@ -21,52 +21,39 @@ _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
 class AgentError(RuntimeError):
-    """The agent process failed to start or exited."""
+    """A server process failed to start or exited."""
 
 
-class AgentProcess:
-    def __init__(
-        self,
-        tier: str,
-        repository: Path,
-        *,
-        host: str = "127.0.0.1",
-        extra_args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.tier = tier
-        self.repository = Path(repository)
-        self.host = host
-        self.extra_args = tuple(extra_args)
+class ServerProcess:
+    """A child process that prints `listening on HOST:PORT` once it serves."""
+
+    def __init__(self, command: Sequence[str], name: str, env: dict[str, str] | None = None):
+        self.command = list(command)
+        self.name = name
         self.env = env
         self.port: int | None = None
         self._process: subprocess.Popen | None = None
-        self._log_dir = tempfile.TemporaryDirectory(prefix=f"tiered-agent-{tier}-")
-        self.log_path = Path(self._log_dir.name) / "agent.log"
+        self._log_dir = tempfile.TemporaryDirectory(prefix=f"tiered-{name}-")
+        self.log_path = Path(self._log_dir.name) / f"{name}.log"
 
     @property
     def address(self) -> str:
         if self.port is None:
-            raise AgentError("the agent has not started")
-        return f"{self.host}:{self.port}"
+            raise AgentError(f"the {self.name} has not started")
+        return f"127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
         assert self._process is not None
         return self._process.pid
 
-    def start(self, timeout_s: float = 120.0) -> AgentProcess:
-        command = [
-            sys.executable, "-m", "tiered", "agent",
-            "--tier", self.tier,
-            "--model-repository", str(self.repository),
-            "--host", self.host,
-            "--port", "0",
-            *self.extra_args,
-        ]
+    def start(self, timeout_s: float = 120.0) -> ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self._process = subprocess.Popen(
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             match = _LISTENING.search(self.log())
@@ -75,11 +62,11 @@ class AgentProcess:
                 return self
             if self._process.poll() is not None:
                 raise AgentError(
-                    f"agent exited with code {self._process.returncode}:\n{self.log_tail()}"
+                    f"{self.name} exited with code {self._process.returncode}:\n{self.log_tail()}"
                 )
             time.sleep(0.05)
         self.kill()
-        raise AgentError(f"agent did not start within {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise AgentError(f"{self.name} did not start within {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log(self) -> str:
         try:
@@ -111,9 +98,33 @@ class AgentProcess:
             self._process.kill()
             self._process.wait()
 
-    def __enter__(self) -> AgentProcess:
+    def __enter__(self):
         return self.start() if self._process is None else self
 
     def __exit__(self, *exc) -> None:
         self.stop()
         self._log_dir.cleanup()
+
+
+class AgentProcess(ServerProcess):
+    """`tiered agent` on a free loopback port."""
+
+    def __init__(
+        self,
+        tier: str,
+        repository: Path,
+        *,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.tier = tier
+        self.repository = Path(repository)
+        command = [
+            sys.executable, "-m", "tiered", "agent",
+            "--tier", tier,
+            "--model-repository", str(self.repository),
+            "--host", "127.0.0.1",
+            "--port", "0",
+            *extra_args,
+        ]
+        super().__init__(command, f"agent-{tier}", env)

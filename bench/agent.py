@@ -1,0 +1,1047 @@
+"""Benchmark: one edge agent served over gRPC, beside in-process ONNX Runtime
+and beside a gRPC server that does no work, all in one run.
+
+- the agent: a real `tiered agent --tier edge` process on loopback, driven by
+  `tritonclient.grpc.aio` with N concurrent asyncio workers sending batch-1
+  requests for a fixed time after a warm-up; throughput, latency percentiles,
+  the batch the dynamic batcher actually formed (from the agent's own
+  statistics), errors. Two models, each served twice from the same ONNX file:
+  `<m>` with dynamic batching and `<m>_nobatch` without.
+- the transport floor (`bench/floor_server.py`): the same requests to a server
+  on the same grpcio stack that answers at once, so what gRPC in Python costs
+  here is visible apart from what the agent adds.
+- the in-process baseline: the same ONNX file in this process with the same
+  session settings, at batch 1 and at the batch size the agent formed.
+
+The floor and the baseline are measured right after each agent point, while
+the agent is idle: this machine's speed drifts by tens of percent within a
+minute, so only neighbours in time are compared.
+
+It prints tables and writes everything to JSON (default
+bench/results/agent.json). Targets are reported as PASS / FAIL / N/A (missing
+data is never a pass); the exit code does not depend on them (it is 1 only when
+the agent could not be measured at all). The client shares the machine with
+the agent: on a 2-core box its cost is part of every agent and floor number,
+and the baseline pays no such cost. Each window records who used the CPU
+(client, server, anything else) so a disturbed run says so.
+
+Run: `.venv/bin/python bench/agent.py` (about 10 minutes on 2 cores) or
+`--quick` (about 2 minutes). `--help` lists the knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if importlib.util.find_spec("tiered") is None:  # run from a checkout without `pip install -e`
+    sys.path.insert(0, str(REPO_ROOT))
+
+import onnxruntime as ort  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.grpc.aio as aioclient  # noqa: E402
+import yaml  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from tiered.agent.process import AgentError, AgentProcess, ServerProcess  # noqa: E402
+from tiered.models import zoo  # noqa: E402
+
+# --------------------------------------------------------------------------- settings
+
+# ONNX Runtime settings the agent is told to use (config.yaml `engine:`) and the
+# in-process baseline uses too, so the two run the same session.
+ENGINE_SETTINGS: dict[str, Any] = {"intra_op_threads": 2, "inter_op_threads": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One benchmarked model: how to build it and how the agent serves it.
+
+    The repository gets it twice from one ONNX file: `<name>` with
+    `dynamic_batching` and `<name>_nobatch` without.
+    """
+
+    name: str
+    build: Callable[[Path], Path]
+    input_name: str
+    input_shape: tuple[int, ...]  # without the batch dim
+    output_name: str
+    output_shape: tuple[int, ...]  # without the batch dim
+    max_batch_size: int
+    max_queue_delay_us: int
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_size: int = 512
+    # Baseline batch sizes always measured, whatever the batcher forms.
+    baseline_batches: tuple[int, ...] = (1,)
+
+    def config(self, *, batching: bool) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "max_batch_size": self.max_batch_size,
+            "inputs": [
+                {"name": self.input_name, "datatype": "FP32", "dims": list(self.input_shape)}
+            ],
+            "outputs": [
+                {"name": self.output_name, "datatype": "FP32", "dims": list(self.output_shape)}
+            ],
+        }
+        if batching:
+            config["dynamic_batching"] = {
+                "max_queue_delay_us": self.max_queue_delay_us,
+                "preferred_batch_sizes": list(self.preferred_batch_sizes),
+                "max_queue_size": self.max_queue_size,
+            }
+        config["instance_count"] = 1
+        config["engine"] = dict(ENGINE_SETTINGS)
+        return config
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "input": {"name": self.input_name, "shape": ["N", *self.input_shape]},
+            "output": {"name": self.output_name, "shape": ["N", *self.output_shape]},
+            "config_batched": self.config(batching=True),
+            "config_nobatch": self.config(batching=False),
+            "baseline_batches": list(self.baseline_batches),
+        }
+
+
+MODELS: tuple[ModelSpec, ...] = (
+    ModelSpec(
+        name="resnet18",
+        build=lambda path: zoo.resnet18(path, image_size=224),
+        input_name="input",
+        input_shape=(3, 224, 224),
+        output_name="logits",
+        output_shape=(1000,),
+        max_batch_size=16,
+        # ~27 ms per image at any batch size on 2 cores; waiting 0.2 ms for
+        # company is noise under load and fits the 1 ms budget at concurrency 1.
+        max_queue_delay_us=200,
+        preferred_batch_sizes=(16,),
+        baseline_batches=(1, 16),
+    ),
+    ModelSpec(
+        name="mlp",
+        build=zoo.mlp,
+        input_name="input",
+        input_shape=(16,),
+        output_name="probabilities",
+        output_shape=(4,),
+        max_batch_size=64,
+        # Compute is microseconds; the queue delay is what lets a batch form
+        # between the client's requests.
+        max_queue_delay_us=500,
+        preferred_batch_sizes=(64,),
+        baseline_batches=(1,),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Durations and load levels, built from the command line in `main()`."""
+
+    concurrency: tuple[int, ...]
+    duration_s: float  # measured window per agent point
+    warmup_s: float  # load before the window, per point
+    baseline_duration_s: float  # per baseline batch size
+    baseline_min_calls: int
+    request_timeout_s: float = 60.0
+    startup_timeout_s: float = 180.0
+    input_pool: int = 8  # distinct pre-built inputs per model, cycled by workers
+
+
+FULL = RunSettings(
+    concurrency=(1, 4, 16, 64),
+    duration_s=15.0,
+    warmup_s=3.0,
+    baseline_duration_s=6.0,
+    baseline_min_calls=8,
+)
+QUICK = RunSettings(
+    concurrency=(1, 16),
+    duration_s=4.0,
+    warmup_s=1.5,
+    baseline_duration_s=2.0,
+    baseline_min_calls=4,
+)
+
+# Targets (not asserts): evaluated on the numbers, printed, written to JSON.
+TARGET_THROUGHPUT_VS_ORT = 0.90  # (a) resnet18 @c16 vs in-process batch 16
+TARGET_P50_OVERHEAD_MS = 1.0  # (b) resnet18 @c1 P50 minus in-process batch-1 P50
+TARGET_BATCHING_SPEEDUP = 2.0  # (c) mlp @c16 batched vs unbatched
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    count: int
+    mean_ms: float | None
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+
+
+def summarize_latencies(latencies_s: Sequence[float]) -> LatencySummary:
+    """Percentiles (linear interpolation) of latencies given in seconds, in ms."""
+    if not latencies_s:
+        return LatencySummary(0, None, None, None, None)
+    ms = np.asarray(latencies_s, dtype=np.float64) * 1e3
+    p50, p95, p99 = np.percentile(ms, [50, 95, 99])
+    return LatencySummary(len(ms), float(ms.mean()), float(p50), float(p95), float(p99))
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None where either is missing or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def difference(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _count(value: Any) -> int:
+    # Protobuf JSON writes 64-bit integers as strings and leaves zeros out.
+    return int(value) if value not in (None, "") else 0
+
+
+def stats_totals(stats_json: Mapping[str, Any], model_name: str) -> dict[str, int]:
+    """Cumulative counters of one model, summed over its versions.
+
+    Reads Triton-shaped statistics (`get_inference_statistics(as_json=True)`).
+    """
+    totals = {"inference_count": 0, "execution_count": 0, "success_count": 0, "queue_ns": 0,
+              "compute_infer_ns": 0}
+    for entry in stats_json.get("model_stats", []):
+        if entry.get("name", model_name) != model_name:
+            continue
+        totals["inference_count"] += _count(entry.get("inference_count"))
+        totals["execution_count"] += _count(entry.get("execution_count"))
+        inference = entry.get("inference_stats", {})
+        totals["success_count"] += _count(inference.get("success", {}).get("count"))
+        totals["queue_ns"] += _count(inference.get("queue", {}).get("ns"))
+        totals["compute_infer_ns"] += _count(inference.get("compute_infer", {}).get("ns"))
+    return totals
+
+
+def stats_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    return {key: after.get(key, 0) - before.get(key, 0) for key in after}
+
+
+def formed_batch(delta: Mapping[str, int]) -> float | None:
+    """Mean batch the agent executed: batch elements served / batches run."""
+    return ratio(delta.get("inference_count"), delta.get("execution_count") or None)
+
+
+def matching_batch(formed: float | None) -> int:
+    """The in-process batch size an agent row is compared with."""
+    if formed is None or not math.isfinite(formed):
+        return 1
+    return max(1, int(round(formed)))
+
+
+def paired_batches(spec: ModelSpec, row: Mapping[str, Any]) -> list[int]:
+    """In-process batch sizes measured right after an agent point: the batch the
+    agent formed, plus batch 1 at concurrency 1 or the spec's largest otherwise."""
+    extra = 1 if row["concurrency"] == 1 else max(spec.baseline_batches)
+    return sorted({matching_batch(row.get("formed_batch")), extra})
+
+
+def _pair_key(row: Mapping[str, Any]) -> tuple[str, int]:
+    return (row["pair"][0], row["pair"][1])
+
+
+def compute_ratios(
+    agent_rows: Sequence[Mapping[str, Any]],
+    baseline_rows: Sequence[Mapping[str, Any]],
+    floor_rows: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, list[dict[str, Any]]]:
+    """The comparisons the report is about, as plain rows."""
+    # Each agent point has its own in-process measurements, taken right after it:
+    # this machine's speed drifts by tens of percent within a minute.
+    baseline = {(*_pair_key(r), r["batch"]): r for r in baseline_rows}
+    agent = {(r["model_name"], r["concurrency"]): r for r in agent_rows}
+    floor = {_pair_key(r): r for r in floor_rows}
+
+    vs_inprocess = []
+    for row in agent_rows:
+        batch = matching_batch(row.get("formed_batch"))
+        base = baseline.get((row["model_name"], row["concurrency"], batch), {})
+        vs_inprocess.append({
+            "model_name": row["model_name"],
+            "concurrency": row["concurrency"],
+            "inprocess_batch": batch,
+            "agent_throughput": row.get("throughput"),
+            "inprocess_throughput": base.get("throughput"),
+            "ratio": ratio(row.get("throughput"), base.get("throughput")),
+        })
+
+    p50_overhead = []
+    for row in agent_rows:
+        if row["concurrency"] != 1:
+            continue
+        base = baseline.get((row["model_name"], 1, 1), {})
+        overhead = difference(row.get("p50_ms"), base.get("p50_ms"))
+        transport = floor.get((row["model_name"], 1), {}).get("p50_ms")
+        p50_overhead.append({
+            "model_name": row["model_name"],
+            "agent_p50_ms": row.get("p50_ms"),
+            "inprocess_p50_ms": base.get("p50_ms"),
+            "overhead_ms": overhead,
+            "floor_p50_ms": transport,
+            # What the agent adds beyond gRPC itself (the floor includes the client).
+            "overhead_beyond_floor_ms": difference(overhead, transport),
+        })
+
+    batching_speedup = []
+    for row in agent_rows:
+        if not row["batching"]:
+            continue
+        unbatched = agent.get((f"{row['model']}_nobatch", row["concurrency"]), {})
+        transport = floor.get((row["model_name"], row["concurrency"]), {}).get("throughput")
+        batching_speedup.append({
+            "model": row["model"],
+            "concurrency": row["concurrency"],
+            "batched_throughput": row.get("throughput"),
+            "unbatched_throughput": unbatched.get("throughput"),
+            "ratio": ratio(row.get("throughput"), unbatched.get("throughput")),
+            "floor_throughput": transport,
+            # No batcher can beat a server that does no work: the best ratio possible.
+            "ceiling_ratio": ratio(transport, unbatched.get("throughput")),
+        })
+    return {
+        "agent_vs_inprocess_throughput": vs_inprocess,
+        "p50_overhead_at_c1": p50_overhead,
+        "batched_vs_unbatched_throughput": batching_speedup,
+    }
+
+
+FLOOR_CONCURRENCY = (1, 16)  # levels at which the transport floor is measured
+
+
+def over_floor(
+    agent_rows: Sequence[Mapping[str, Any]], floor_rows: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """What the agent adds above bare gRPC: P50 difference and throughput ratio."""
+    floor = {_pair_key(r): r for r in floor_rows}
+    rows = []
+    for row in agent_rows:
+        base = floor.get((row["model_name"], row["concurrency"]))
+        if base is None:
+            continue
+        rows.append({
+            "model_name": row["model_name"],
+            "concurrency": row["concurrency"],
+            "agent_p50_ms": row.get("p50_ms"),
+            "floor_p50_ms": base.get("p50_ms"),
+            "p50_above_floor_ms": difference(row.get("p50_ms"), base.get("p50_ms")),
+            "agent_throughput": row.get("throughput"),
+            "floor_throughput": base.get("throughput"),
+            "throughput_vs_floor": ratio(row.get("throughput"), base.get("throughput")),
+        })
+    return rows
+
+
+@dataclass(frozen=True)
+class TargetResult:
+    name: str
+    description: str
+    value: float | None
+    threshold: float
+    comparison: str  # ">=" or "<="
+    verdict: str  # PASS, FAIL or N/A
+
+
+def judge(name: str, description: str, value: float | None, comparison: str,
+          threshold: float) -> TargetResult:
+    if value is None or not math.isfinite(value):
+        verdict = "N/A"
+    elif comparison == ">=":
+        verdict = "PASS" if value >= threshold else "FAIL"
+    else:
+        verdict = "PASS" if value <= threshold else "FAIL"
+    return TargetResult(name, description, value, threshold, comparison, verdict)
+
+
+def evaluate_targets(
+    agent_rows: Sequence[Mapping[str, Any]], baseline_rows: Sequence[Mapping[str, Any]]
+) -> list[TargetResult]:
+    agent = {(r["model_name"], r["concurrency"]): r for r in agent_rows}
+    baseline = {(*_pair_key(r), r["batch"]): r for r in baseline_rows}
+    r18_c16 = agent.get(("resnet18", 16), {})
+    r18_c1 = agent.get(("resnet18", 1), {})
+    mlp_c16 = agent.get(("mlp", 16), {})
+    mlp_nobatch_c16 = agent.get(("mlp_nobatch", 16), {})
+    return [
+        judge(
+            "a",
+            "resnet18 agent throughput @c16 / in-process ORT @batch16",
+            ratio(r18_c16.get("throughput"),
+                  baseline.get(("resnet18", 16, 16), {}).get("throughput")),
+            ">=",
+            TARGET_THROUGHPUT_VS_ORT,
+        ),
+        judge(
+            "b",
+            "resnet18 agent P50 @c1 - in-process P50 @batch1 (ms)",
+            difference(r18_c1.get("p50_ms"), baseline.get(("resnet18", 1, 1), {}).get("p50_ms")),
+            "<=",
+            TARGET_P50_OVERHEAD_MS,
+        ),
+        judge(
+            "c",
+            "mlp agent throughput @c16: batched / unbatched",
+            ratio(mlp_c16.get("throughput"), mlp_nobatch_c16.get("throughput")),
+            ">=",
+            TARGET_BATCHING_SPEEDUP,
+        ),
+    ]
+
+
+def cpu_shares(
+    wall_s: float, own_s: float, agent_s: float | None, system_busy_s: float | None
+) -> dict[str, float | None]:
+    """CPU used during a window, in cores (1.0 = one core busy throughout).
+
+    `other` is busy time neither this process nor the agent accounts for:
+    other processes, kernel threads, hypervisor steal. On a shared machine it
+    is what makes a window's numbers suspect.
+    """
+    def cores(seconds: float | None) -> float | None:
+        return None if seconds is None or wall_s <= 0 else seconds / wall_s
+
+    other = None
+    if system_busy_s is not None:
+        other = max(0.0, system_busy_s - own_s - (agent_s or 0.0))
+    return {"client": cores(own_s), "agent": cores(agent_s), "other": cores(other)}
+
+
+NOISY_OTHER_CORES = 0.2  # others' CPU use (cores) above which a window is flagged
+
+
+def noisy_windows(
+    agent_rows: Iterable[Mapping[str, Any]], baseline_rows: Iterable[Mapping[str, Any]]
+) -> list[str]:
+    flagged = []
+    for row in agent_rows:
+        if (row["cpu_cores"].get("other") or 0.0) > NOISY_OTHER_CORES:
+            flagged.append(f"agent {row['model_name']} c={row['concurrency']}")
+    for row in baseline_rows:
+        if (row["cpu_cores"].get("other") or 0.0) > NOISY_OTHER_CORES:
+            flagged.append(f"in-process {row['model']} batch {row['batch']}")
+    return flagged
+
+
+def fmt(value: Any, digits: int | None = None) -> str:
+    """A table cell: '-' for missing; floats with more decimals the smaller they are."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "nan"
+        if digits is None:
+            digits = 1 if abs(value) >= 1000 else 2 if abs(value) >= 1 else 3
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Plain-text table; text columns left-aligned, numbers right-aligned."""
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [len(h) for h in headers]
+    for row in cells:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+    numeric = [
+        all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) and bool(rows)
+        for i in range(len(headers))
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in cells)])
+
+
+def render_report(result: Mapping[str, Any]) -> str:
+    baseline = format_table(
+        ["model", "batch", "after", "calls", "img/s", "p50 ms/call", "p95 ms/call", "ms/img",
+         "other cpu"],
+        [
+            [r["model"], r["batch"], f"{r['pair'][0]}@c{r['pair'][1]}", r["calls"],
+             r["throughput"], r["p50_ms"], r["p95_ms"], ratio(r["p50_ms"], r["batch"]),
+             r["cpu_cores"]["other"]]
+            for r in result["baseline"]
+        ],
+    )
+    vs = {(r["model_name"], r["concurrency"]): r
+          for r in result["ratios"]["agent_vs_inprocess_throughput"]}
+    agent = format_table(
+        ["model", "c", "requests", "req/s", "p50 ms", "p95 ms", "p99 ms", "batch", "errors",
+         "queue ms", "compute ms", "cpu cli/agt/oth", "vs ORT", "@batch"],
+        [
+            [r["model_name"], r["concurrency"], r["requests"], r["throughput"], r["p50_ms"],
+             r["p95_ms"], r["p99_ms"], r["formed_batch"], r["errors"],
+             r["agent_queue_ms_per_request"], r["agent_compute_ms_per_request"],
+             "/".join(fmt(r["cpu_cores"].get(k), 2) for k in ("client", "agent", "other")),
+             vs.get((r["model_name"], r["concurrency"]), {}).get("ratio"),
+             vs.get((r["model_name"], r["concurrency"]), {}).get("inprocess_batch")]
+            for r in result["agent"]
+        ],
+    )
+    speedup = format_table(
+        ["model", "c", "batched req/s", "unbatched req/s", "batched/unbatched",
+         "floor req/s", "ceiling: floor/unbatched"],
+        [
+            [r["model"], r["concurrency"], r["batched_throughput"], r["unbatched_throughput"],
+             r["ratio"], r["floor_throughput"], r["ceiling_ratio"]]
+            for r in result["ratios"]["batched_vs_unbatched_throughput"]
+        ],
+    )
+    overhead = format_table(
+        ["model", "agent p50 ms @c1", "in-process p50 ms @b1", "overhead ms", "floor p50 ms",
+         "overhead beyond floor ms"],
+        [
+            [r["model_name"], r["agent_p50_ms"], r["inprocess_p50_ms"], r["overhead_ms"],
+             r["floor_p50_ms"], r["overhead_beyond_floor_ms"]]
+            for r in result["ratios"]["p50_overhead_at_c1"]
+        ],
+    )
+    floor = format_table(
+        ["model", "c", "agent p50 ms", "floor p50 ms", "above floor ms", "agent req/s",
+         "floor req/s", "agent/floor"],
+        [
+            [r["model_name"], r["concurrency"], r["agent_p50_ms"], r["floor_p50_ms"],
+             r["p50_above_floor_ms"], r["agent_throughput"], r["floor_throughput"],
+             r["throughput_vs_floor"]]
+            for r in result["ratios"]["agent_over_floor"]
+        ],
+    )
+    targets = format_table(
+        ["target", "what", "value", "needs", "verdict"],
+        [
+            [t["name"], t["description"], t["value"], f"{t['comparison']} {t['threshold']}",
+             t["verdict"]]
+            for t in result["targets"]
+        ],
+    )
+    noisy = result.get("noisy_windows") or []
+    noise = (
+        f"\n\nNOISY: in {len(noisy)} window(s) other work on the machine used more than "
+        f"{NOISY_OTHER_CORES} cores (see noisy_windows in the JSON); treat those numbers "
+        "with suspicion or rerun on a quiet machine." if noisy else ""
+    )
+    return "\n\n".join([
+        "In-process ONNX Runtime (baseline)\n" + baseline,
+        "Agent over gRPC (batch-1 requests from c concurrent workers; batch = mean formed batch;\n"
+        "queue/compute ms = agent-reported means per request; cpu = cores used by the load\n"
+        "generator / the agent / anything else; vs ORT = req/s over in-process img/s at @batch)\n"
+        + agent,
+        "Dynamic batching vs none\n" + speedup,
+        "Latency overhead at concurrency 1\n" + overhead,
+        "Agent vs the transport floor (a gRPC server that does no work, same requests)\n"
+        + floor,
+        "Targets\n" + targets,
+    ]) + noise
+
+
+# --------------------------------------------------------------------------- I/O: progress
+
+_STARTED = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.monotonic() - _STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- I/O: CPU accounting
+
+
+def noise_note(cpu: Mapping[str, float | None]) -> str:
+    other = cpu.get("other")
+    if other is None or other <= NOISY_OTHER_CORES:
+        return ""
+    return f"  [NOISY: other work used {other:.2f} cores]"
+
+
+def _clock_ticks() -> float:
+    try:
+        return float(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, ValueError, OSError):
+        return 100.0
+
+
+def _system_busy_s() -> float | None:
+    """CPU seconds all cores spent not idle since boot (Linux); None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    # cpu user nice system idle iowait irq softirq steal ...
+    values = [int(v) for v in fields[1:9]]
+    busy = sum(values) - values[3] - values[4]
+    return busy / _clock_ticks()
+
+
+def _process_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of one process (all its threads), Linux; None where unknown."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rest = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
+    return (int(rest[11]) + int(rest[12])) / _clock_ticks()
+
+
+class CpuMeter:
+    """Who used the cores between construction and `read()`."""
+
+    def __init__(self, agent_pid: int | None = None) -> None:
+        self.agent_pid = agent_pid
+        self._wall = time.perf_counter()
+        self._own = time.process_time()
+        self._agent = _process_cpu_s(agent_pid)
+        self._system = _system_busy_s()
+
+    def read(self) -> dict[str, float | None]:
+        agent_now, system_now = _process_cpu_s(self.agent_pid), _system_busy_s()
+        return cpu_shares(
+            time.perf_counter() - self._wall,
+            time.process_time() - self._own,
+            None if agent_now is None or self._agent is None else agent_now - self._agent,
+            None if system_now is None or self._system is None else system_now - self._system,
+        )
+
+
+# --------------------------------------------------------------------------- I/O: repository
+
+
+def build_repository(root: Path, specs: Sequence[ModelSpec]) -> dict[str, Path]:
+    """Write `<m>` and `<m>_nobatch` for each spec; return each model's ONNX path."""
+    onnx_paths = {}
+    for spec in specs:
+        onnx_path = spec.build(root / spec.name / "1" / "model.onnx")
+        onnx_paths[spec.name] = onnx_path
+        nobatch = root / f"{spec.name}_nobatch" / "1" / "model.onnx"
+        nobatch.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(onnx_path, nobatch)
+        except OSError:
+            shutil.copyfile(onnx_path, nobatch)
+        for name, batching in ((spec.name, True), (f"{spec.name}_nobatch", False)):
+            (root / name / "config.yaml").write_text(
+                yaml.safe_dump(spec.config(batching=batching), sort_keys=False)
+            )
+    return onnx_paths
+
+
+# --------------------------------------------------------------------------- I/O: baseline
+
+
+def inprocess_session(onnx_path: Path) -> ort.InferenceSession:
+    """The session settings the agent's config asks for (see ENGINE_SETTINGS)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = ENGINE_SETTINGS["intra_op_threads"]
+    options.inter_op_num_threads = ENGINE_SETTINGS["inter_op_threads"]
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+
+
+def run_baseline(
+    spec: ModelSpec, session: ort.InferenceSession, batch: int, settings: RunSettings
+) -> dict[str, Any]:
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((batch, *spec.input_shape), dtype=np.float32)
+    feeds = {spec.input_name: x}
+    for _ in range(3):
+        session.run([spec.output_name], feeds)
+    latencies: list[float] = []
+    meter = CpuMeter()
+    started = time.perf_counter()
+    deadline = started + settings.baseline_duration_s
+    while time.perf_counter() < deadline or len(latencies) < settings.baseline_min_calls:
+        t0 = time.perf_counter()
+        (out,) = session.run([spec.output_name], feeds)
+        latencies.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - started
+    cpu = meter.read()
+    if out.shape != (batch, *spec.output_shape):
+        raise RuntimeError(f"{spec.name}: in-process output shape {out.shape}")
+    summary = summarize_latencies(latencies)
+    return {
+        "model": spec.name,
+        "batch": batch,
+        "calls": summary.count,
+        "duration_s": elapsed,
+        "throughput": batch * summary.count / elapsed,  # images (batch elements) per second
+        "p50_ms": summary.p50_ms,
+        "p95_ms": summary.p95_ms,
+        "p99_ms": summary.p99_ms,
+        "mean_ms": summary.mean_ms,
+        "cpu_cores": cpu,
+    }
+
+
+# --------------------------------------------------------------------------- I/O: agent process
+
+
+# --------------------------------------------------------------------------- I/O: load generator
+
+
+@dataclass
+class _Window:
+    """The measured window; workers read it, the conductor moves it."""
+
+    measure_from: float = math.inf
+    stop_at: float = math.inf
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+
+
+Inputs = Sequence[list[grpcclient.InferInput]]
+Outputs = list[grpcclient.InferRequestedOutput]
+
+
+async def _worker(client: aioclient.InferenceServerClient, spec: ModelSpec, model_name: str,
+                  inputs: Inputs, outputs: Outputs, offset: int, window: _Window,
+                  timeout_s: float) -> None:
+    expected = (1, *spec.output_shape)
+    i = offset
+    while True:
+        start = time.perf_counter()
+        if start >= window.stop_at:
+            return
+        error: str | None = None
+        try:
+            result = await client.infer(model_name, inputs[i % len(inputs)], outputs=outputs,
+                                        client_timeout=timeout_s)
+            array = result.as_numpy(spec.output_name)
+            if array is None or array.shape != expected:
+                got = None if array is None else array.shape
+                error = f"output {spec.output_name!r} shape {got}, expected {expected}"
+        except InferenceServerException as exc:
+            error = f"{exc.status()}: {exc.message()}"
+        except Exception as exc:  # noqa: BLE001 - one odd reply must not end the whole run
+            error = f"{type(exc).__name__}: {exc}"
+        end = time.perf_counter()
+        i += 1
+        if window.measure_from <= end < window.stop_at:
+            if error is None:
+                window.latencies.append(end - start)
+            else:
+                window.errors += 1
+                if len(window.error_samples) < 5:
+                    window.error_samples.append(error)
+        if error is not None:
+            await asyncio.sleep(0.001)  # a failing server must not be hammered in a tight loop
+
+
+async def run_agent_point(client: aioclient.InferenceServerClient, spec: ModelSpec,
+                          model_name: str, concurrency: int, inputs: Inputs, outputs: Outputs,
+                          settings: RunSettings, agent_pid: int | None) -> dict[str, Any]:
+    window = _Window()
+    workers = [
+        asyncio.create_task(_worker(client, spec, model_name, inputs, outputs, n, window,
+                                    settings.request_timeout_s))
+        for n in range(concurrency)
+    ]
+    try:
+        await asyncio.sleep(settings.warmup_s)
+        before = stats_totals(await client.get_inference_statistics(model_name, as_json=True),
+                              model_name)
+        meter = CpuMeter(agent_pid)
+        window.measure_from = time.perf_counter()
+        await asyncio.sleep(settings.duration_s)
+        window.stop_at = time.perf_counter()
+        cpu = meter.read()
+        after = stats_totals(await client.get_inference_statistics(model_name, as_json=True),
+                             model_name)
+        await asyncio.gather(*workers)
+    finally:
+        for task in workers:
+            task.cancel()
+    elapsed = window.stop_at - window.measure_from
+    summary = summarize_latencies(window.latencies)
+    delta = stats_delta(before, after)
+    return {
+        "model": spec.name,
+        "model_name": model_name,
+        "batching": not model_name.endswith(("_nobatch", "_floor")),
+        "concurrency": concurrency,
+        "duration_s": elapsed,
+        "requests": summary.count,
+        "errors": window.errors,
+        "error_samples": window.error_samples,
+        "throughput": summary.count / elapsed,  # successful batch-1 requests per second
+        "p50_ms": summary.p50_ms,
+        "p95_ms": summary.p95_ms,
+        "p99_ms": summary.p99_ms,
+        "mean_ms": summary.mean_ms,
+        "formed_batch": formed_batch(delta),
+        # The load generator shares the cores with the agent; "other" is anyone else.
+        "cpu_cores": cpu,
+        "agent_stats_delta": delta,
+        "agent_queue_ms_per_request": ratio(delta.get("queue_ns", 0) / 1e6,
+                                            delta.get("success_count") or None),
+        "agent_compute_ms_per_request": ratio(delta.get("compute_infer_ns", 0) / 1e6,
+                                              delta.get("success_count") or None),
+    }
+
+
+def _build_inputs(spec: ModelSpec, count: int) -> list[list[grpcclient.InferInput]]:
+    rng = np.random.default_rng(1234)
+    pool = []
+    for _ in range(count):
+        array = rng.standard_normal((1, *spec.input_shape), dtype=np.float32)
+        infer_input = grpcclient.InferInput(spec.input_name, list(array.shape), "FP32")
+        infer_input.set_data_from_numpy(array)
+        pool.append([infer_input])
+    return pool
+
+
+def check_alive(server: ServerProcess) -> None:
+    if not server.alive():
+        raise AgentError(f"{server.name} exited:\n{server.log_tail()}")
+
+
+async def run_sweep(
+    agent: ServerProcess,
+    floor: ServerProcess,
+    specs: Sequence[ModelSpec],
+    onnx_paths: Mapping[str, Path],
+    settings: RunSettings,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each agent point, then right after it the transport floor at the same load
+    and the in-process engine at the batch sizes it is compared with.
+
+    Interleaved because this machine's speed drifts by tens of percent within a
+    minute: a comparison is only fair between neighbours in time.
+    """
+    agent_rows, floor_rows, baseline_rows = [], [], []
+    agent_client = aioclient.InferenceServerClient(agent.address)
+    floor_client = aioclient.InferenceServerClient(floor.address)
+    try:
+        for spec in specs:
+            session = inprocess_session(onnx_paths[spec.name])
+            inputs = _build_inputs(spec, settings.input_pool)
+            outputs = [grpcclient.InferRequestedOutput(spec.output_name)]
+            for model_name in (spec.name, f"{spec.name}_nobatch"):
+                for concurrency in settings.concurrency:
+                    check_alive(agent)
+                    row = await run_agent_point(agent_client, spec, model_name, concurrency,
+                                                inputs, outputs, settings, agent.pid)
+                    agent_rows.append(row)
+                    progress(
+                        f"agent {model_name} c={concurrency}: {row['throughput']:.1f} req/s, "
+                        f"p50 {fmt(row['p50_ms'], 3)} ms, p99 {fmt(row['p99_ms'], 3)} ms, "
+                        f"batch {fmt(row['formed_batch'])}, errors {row['errors']}"
+                        f"{noise_note(row['cpu_cores'])}"
+                    )
+                    pair = [model_name, concurrency]
+                    if concurrency in FLOOR_CONCURRENCY:
+                        check_alive(floor)
+                        base = await run_agent_point(floor_client, spec, f"{spec.name}_floor",
+                                                     concurrency, inputs, outputs, settings,
+                                                     floor.pid)
+                        floor_rows.append({**base, "pair": pair})
+                        progress(f"  floor c={concurrency}: {base['throughput']:.1f} req/s, "
+                                 f"p50 {fmt(base['p50_ms'], 3)} ms")
+                    for batch in paired_batches(spec, row):
+                        base = run_baseline(spec, session, batch, settings)
+                        baseline_rows.append({**base, "pair": pair})
+                        progress(f"  in-process batch {batch}: {base['throughput']:.1f} img/s, "
+                                 f"p50 {base['p50_ms']:.3f} ms/call{noise_note(base['cpu_cores'])}")
+    finally:
+        await agent_client.close()
+        await floor_client.close()
+    return agent_rows, floor_rows, baseline_rows
+
+
+# --------------------------------------------------------------------------- I/O: report
+
+
+def machine_info() -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable,
+        "processor": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "versions": {
+            dist: version(dist)
+            for dist in ("onnxruntime", "numpy", "grpcio", "onnx", "tritonclient", "protobuf")
+        },
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench/agent.py",
+        description=(
+            "Benchmark a tiered edge agent (gRPC, Open Inference Protocol) against in-process "
+            "ONNX Runtime on the same models: resnet18 (224x224) and a tiny mlp, each served "
+            "with and without dynamic batching, driven by concurrent batch-1 clients. Prints "
+            "tables and PASS/FAIL targets; writes JSON. Default run: about 10 minutes on 2 cores."
+        ),
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help="short run (about 2 minutes): concurrency 1 and 16, short windows")
+    parser.add_argument("--duration", type=float, metavar="S",
+                        help="measured seconds per agent point (default 15, quick 4)")
+    parser.add_argument("--warmup", type=float, metavar="S",
+                        help="load seconds before each measured window (default 3, quick 1.5)")
+    parser.add_argument("--concurrency", metavar="LIST",
+                        help="comma-separated worker counts (default 1,4,16,64; quick 1,16)")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "agent.json",
+                        help="where to write the JSON results (default bench/results/agent.json)")
+    return parser.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> RunSettings:
+    settings = QUICK if args.quick else FULL
+    overrides: dict[str, Any] = {}
+    if args.duration is not None:
+        if args.duration <= 0:
+            raise SystemExit("--duration must be > 0")
+        overrides["duration_s"] = args.duration
+        overrides["baseline_duration_s"] = min(settings.baseline_duration_s, args.duration)
+    if args.warmup is not None:
+        overrides["warmup_s"] = max(0.0, args.warmup)
+    if args.concurrency:
+        try:
+            levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
+        except ValueError:
+            raise SystemExit(
+                f"--concurrency: not a list of integers: {args.concurrency!r}"
+            ) from None
+        if not levels or min(levels) < 1:
+            raise SystemExit("--concurrency: every level must be >= 1")
+        overrides["concurrency"] = levels
+    return RunSettings(**{**asdict(settings), **overrides}) if overrides else settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = settings_from(args)
+    machine = machine_info()  # before any load of ours, so its load average is the neighbours'
+    specs = MODELS
+    agent_rows: list[dict[str, Any]] = []
+    floor_rows: list[dict[str, Any]] = []
+    baseline_rows: list[dict[str, Any]] = []
+    agent_error: str | None = None
+    agent_info: dict[str, Any] = {}
+
+    with tempfile.TemporaryDirectory(prefix="tiered-bench-") as tmp:
+        repository = Path(tmp) / "models"
+        progress(f"building models into {repository}")
+        onnx_paths = build_repository(repository, specs)
+
+        agent = AgentProcess("edge", repository)
+        floor = ServerProcess(
+            [sys.executable, str(REPO_ROOT / "bench" / "floor_server.py"),
+             *(f"--output={spec.output_name}:{spec.output_shape[0]}" for spec in specs)],
+            "floor-server",
+        )
+        progress(f"starting agent: {' '.join(agent.command)}")
+        try:
+            started = time.monotonic()
+            with agent, floor:
+                agent_info["ready_after_s"] = time.monotonic() - started
+                progress(f"agent ready after {agent_info['ready_after_s']:.1f} s on "
+                         f"{agent.address}; floor server on {floor.address}")
+                agent_rows, floor_rows, baseline_rows = asyncio.run(
+                    run_sweep(agent, floor, specs, onnx_paths, settings))
+                agent_info["exit_code"] = agent.stop()
+                agent_info["log_tail"] = agent.log_tail(20)
+        except AgentError as exc:
+            agent_error = str(exc)
+            progress(f"FAILED: {agent_error}")
+        agent_info["command"] = agent.command
+
+    ratios = compute_ratios(agent_rows, baseline_rows, floor_rows)
+    ratios["agent_over_floor"] = over_floor(agent_rows, floor_rows)
+    targets = evaluate_targets(agent_rows, baseline_rows)
+    result = {
+        "benchmark": "agent",
+        "created_unix": time.time(),
+        "machine": machine,
+        "config": {
+            "quick": args.quick,
+            "settings": asdict(settings),
+            "engine_settings": ENGINE_SETTINGS,
+            "inprocess_session": {
+                "intra_op_threads": ENGINE_SETTINGS["intra_op_threads"],
+                "inter_op_threads": ENGINE_SETTINGS["inter_op_threads"],
+                "graph_optimization_level": "ORT_ENABLE_ALL",
+                "execution_mode": "ORT_SEQUENTIAL",
+                "providers": ["CPUExecutionProvider"],
+            },
+            "models": {spec.name: spec.describe() for spec in specs},
+            "tier": "edge",
+            "request_batch": 1,
+        },
+        "agent_process": agent_info,
+        "agent_error": agent_error,
+        "baseline": baseline_rows,
+        "agent": agent_rows,
+        "floor": floor_rows,
+        "ratios": ratios,
+        "targets": [asdict(t) for t in targets],
+        "noisy_windows": noisy_windows(agent_rows, baseline_rows),
+    }
+    print(render_report(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    progress(f"wrote {args.out}")
+    return 1 if agent_error else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

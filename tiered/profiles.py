@@ -44,10 +44,22 @@ class TierProfile:
     tier: str
     engine: str = "onnxruntime"
     precision: str = "fp32"
+    # Default engine settings per backend (see tiered.engines); a model's
+    # config.yaml `engine:` is laid over the one for its backend.
     onnxruntime: Mapping[str, Any] = field(default_factory=dict)
+    torch: Mapping[str, Any] = field(default_factory=dict)
+    tensorrt: Mapping[str, Any] = field(default_factory=dict)
+    # How `tiered build` makes this tier's version of an artifact (precision,
+    # calibration, the accuracy gate); read by tiered.engines.build.
+    build: Mapping[str, Any] = field(default_factory=dict)
     dynamic_batching: Mapping[str, Any] = field(default_factory=dict)
     instance_count: int = 1
     limits: ServerLimits = ServerLimits()
+
+    @property
+    def backends(self) -> dict[str, Mapping[str, Any]]:
+        """Default engine settings by backend name."""
+        return {"onnxruntime": self.onnxruntime, "torch": self.torch, "tensorrt": self.tensorrt}
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:

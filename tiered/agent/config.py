@@ -3,10 +3,11 @@
     DIR/<model>/config.yaml
     DIR/<model>/<version>/model.onnx      version: a positive integer
 
-Keys (all optional but `inputs`/`outputs` are filled from the model when left
-out): max_batch_size, inputs, outputs, dynamic_batching, version_policy,
-instance_count, engine. `engine` and `dynamic_batching` are laid over the tier
-profile's defaults.
+Keys (all optional; `inputs`/`outputs` are filled from the model when left
+out): backend, max_batch_size, inputs, outputs, dynamic_batching,
+version_policy, instance_count, engine. `backend` defaults to the tier
+profile's engine; `engine` (that backend's settings) and `dynamic_batching`
+are laid over the profile's defaults.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class VersionPolicy:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
+    backend: str = "onnxruntime"
     max_batch_size: int = 0
     inputs: tuple[TensorConfig, ...] = ()
     outputs: tuple[TensorConfig, ...] = ()
@@ -143,8 +145,10 @@ def parse_model_config(
         data["dynamic_batching"] = {**profile.dynamic_batching, **data["dynamic_batching"]}
     elif data.get("dynamic_batching") is not None:
         raise ConfigError(f"{where}.dynamic_batching: expected a mapping")
+    backend = data.setdefault("backend", profile.engine)
+    defaults = profile.backends.get(backend, {}) if isinstance(backend, str) else {}
     if isinstance(data.get("engine", {}), Mapping):
-        data["engine"] = {**profile.onnxruntime, **data.get("engine", {})}
+        data["engine"] = {**defaults, **data.get("engine", {})}
     data.setdefault("instance_count", profile.instance_count)
     data.setdefault("max_queue_size", profile.limits.max_queue_size)
     return load_dataclass(ModelConfig, data, where)

@@ -25,11 +25,10 @@ from tiered.agent.config import (
     parse_model_config,
 )
 from tiered.agent.model import ModelVersion
-from tiered.engines.base import Engine
-from tiered.engines.onnxruntime_engine import OnnxRuntimeEngine, OrtSettings
+from tiered.engines import Engine, open_engine
 from tiered.errors import ConfigError, NotFound, TieredError, Unavailable
 from tiered.profiles import TierProfile
-from tiered.settings import load_dataclass, read_yaml
+from tiered.settings import read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class IndexEntry:
     reason: str
 
 
-EngineFactory = Callable[[Path, OrtSettings], Engine]
+EngineFactory = Callable[[str, Path, dict, str], Engine]  # backend, file, settings, where
 
 
 def versions_on_disk(model_dir: Path) -> dict[int, Path]:
@@ -86,7 +85,7 @@ class ModelRepository:
         self,
         root: Path,
         profile: TierProfile,
-        engine_factory: EngineFactory = OnnxRuntimeEngine,
+        engine_factory: EngineFactory = open_engine,
     ) -> None:
         if not root.is_dir():
             raise ConfigError(f"model repository {root} is not a directory")
@@ -228,7 +227,7 @@ class ModelRepository:
     async def _build(
         self, config: ModelConfig, wanted: dict[int, Path], current: dict[int, ModelVersion]
     ) -> dict[int, ModelVersion]:
-        settings = load_dataclass(OrtSettings, config.engine, f"{config.name}/config.yaml.engine")
+        where = f"{config.name}/config.yaml.engine"
         built: dict[int, ModelVersion] = {}
         try:
             for version, path in sorted(wanted.items()):
@@ -237,7 +236,9 @@ class ModelRepository:
                 if old is not None and old.built_from == source:
                     built[version] = old  # unchanged on disk: keep serving it
                     continue
-                engine = await asyncio.to_thread(self._engine_factory, path, settings)
+                engine = await asyncio.to_thread(
+                    self._engine_factory, config.backend, path, config.engine, where
+                )
                 try:
                     where = f"{config.name}/config.yaml (version {version})"
                     completed = complete_with_engine(config, engine.inputs, engine.outputs, where)

@@ -24,8 +24,9 @@ from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import messages
 from tiered.protocol.status import describe, translate_errors
 
-PLATFORM = "onnxruntime_onnx"
-BACKEND = "onnxruntime"
+# Triton's platform names, which some clients and dashboards key on.
+PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
+             "tensorrt": "tensorrt_plan"}
 MAX_STREAM_IN_FLIGHT = 256  # requests of one stream being answered at once
 
 
@@ -63,14 +64,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         model = self.repository.get(request.name, request.version)
         versions = self.repository.served(request.name).versions
-        return messages.model_metadata(model.config, versions, PLATFORM)
+        return messages.model_metadata(model.config, versions, PLATFORMS[model.config.backend])
 
     @translate_errors
     async def ModelConfig(self, request, context):
         model = self.repository.get(request.name, request.version)
         facts = {"tier": self.repository.profile.tier, **model.engine.describe()}
-        gpu = any(p != "CPUExecutionProvider" for p in getattr(model.engine, "providers", ()))
-        config = messages.model_config(model.config, PLATFORM, BACKEND, gpu, facts)
+        config = messages.model_config(
+            model.config, PLATFORMS[model.config.backend], model.config.backend,
+            model.engine.device != "cpu", facts,
+        )
         return pb.ModelConfigResponse(config=config)
 
     @translate_errors

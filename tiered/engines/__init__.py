@@ -1,0 +1,28 @@
+"""Engines run one model version on arrays; `open_engine` picks one by backend name.
+
+Backends import their heavy libraries (torch, tensorrt) only when chosen, so an
+agent that serves ONNX Runtime never needs them installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tiered.engines.base import Engine, TensorSpec
+from tiered.errors import ConfigError
+from tiered.settings import load_dataclass
+
+BACKENDS = ("onnxruntime",)
+
+__all__ = ["BACKENDS", "Engine", "TensorSpec", "open_engine"]
+
+
+def open_engine(backend: str, model_path: Path, settings: Mapping[str, Any], where: str) -> Engine:
+    """Load `model_path` on `backend` with its settings (`where` names them in errors)."""
+    if backend == "onnxruntime":
+        from tiered.engines.onnxruntime_engine import OnnxRuntimeEngine, OrtSettings
+
+        return OnnxRuntimeEngine(model_path, load_dataclass(OrtSettings, settings, where))
+    raise ConfigError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")

@@ -28,6 +28,7 @@ class Engine(ABC):
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    device: str = "cpu"  # where it computes: "cpu" or "cuda"
 
     def accept(self, inputs: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """Turn one request's checked inputs into what `run` takes, or raise

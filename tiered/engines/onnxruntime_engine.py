@@ -127,6 +127,7 @@ class OnnxRuntimeEngine(Engine):
         except Exception as error:  # onnxruntime raises its own untyped errors
             raise ConfigError(f"{model_path}: onnxruntime cannot load the model: {error}") from error
         self.providers: tuple[str, ...] = tuple(self._session.get_providers())
+        self.device = "cpu" if self.providers[0] == "CPUExecutionProvider" else "cuda"
         if self.providers[0] != requested[0]:
             log.warning(
                 "%s: asked for %s first, but the session runs on %s",

@@ -1,0 +1,156 @@
+"""Latency histograms good for P50/P95/P99 from 50 µs to 60 s, over sliding windows.
+
+Buckets grow geometrically by 2%, so any quantile read back is within 1% of
+the true value (the midpoint of a bucket is at most half a bucket away). A
+`WindowedLatency` keeps a ring of sub-window histograms and a bounded
+reservoir of raw samples per sub-window, for the statistical tests rollouts
+run. Pure data and arithmetic: the clock and the random source are injected.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+LOWEST_S = 50e-6
+HIGHEST_S = 60.0
+GROWTH = 1.02  # bucket i covers [LOWEST_S * GROWTH**i, LOWEST_S * GROWTH**(i+1))
+_LOG_GROWTH = math.log(GROWTH)
+# Bucket 0 holds everything below LOWEST_S, the last one everything above HIGHEST_S.
+BUCKETS = 2 + math.ceil(math.log(HIGHEST_S / LOWEST_S) / _LOG_GROWTH)
+
+
+def bucket_of(seconds: float) -> int:
+    if seconds < LOWEST_S:
+        return 0
+    index = 1 + int(math.log(seconds / LOWEST_S) / _LOG_GROWTH)
+    return min(index, BUCKETS - 1)
+
+
+def bucket_value(index: int) -> float:
+    """The value a bucket stands for: its geometric midpoint."""
+    if index == 0:
+        return LOWEST_S
+    return LOWEST_S * GROWTH ** (index - 1) * math.sqrt(GROWTH)
+
+
+@dataclass
+class Histogram:
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(BUCKETS, np.int64))
+    total_s: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return int(self.counts.sum())
+
+    def record(self, seconds: float) -> None:
+        self.counts[bucket_of(seconds)] += 1
+        self.total_s += seconds
+
+    def merge(self, other: Histogram) -> None:
+        self.counts += other.counts
+        self.total_s += other.total_s
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (0..1) in seconds; None when empty."""
+        total = self.count
+        if total == 0:
+            return None
+        rank = max(1, math.ceil(q * total))
+        index = int(np.searchsorted(np.cumsum(self.counts), rank))
+        return bucket_value(index)
+
+    def mean(self) -> float | None:
+        return self.total_s / self.count if self.count else None
+
+
+@dataclass
+class Reservoir:
+    """At most `size` samples, each kept with equal probability (Algorithm R)."""
+
+    size: int
+    rng: random.Random
+    samples: list[float] = field(default_factory=list)
+    seen: int = 0
+
+    def add(self, value: float) -> None:
+        self.seen += 1
+        if len(self.samples) < self.size:
+            self.samples.append(value)
+            return
+        slot = self.rng.randrange(self.seen)
+        if slot < self.size:
+            self.samples[slot] = value
+
+
+@dataclass
+class _Slot:
+    start: float
+    histogram: Histogram
+    reservoir: Reservoir
+
+
+class WindowedLatency:
+    """Latencies over the last `window_s`, kept as `slots` sub-windows."""
+
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        slots: int = 6,
+        reservoir_size: int = 512,
+        clock: Callable[[], float] = lambda: 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if window_s <= 0 or slots < 1 or reservoir_size < 1:
+            raise ValueError("window_s, slots and reservoir_size must be positive")
+        self.slot_s = window_s / slots
+        self.slots = slots
+        self.reservoir_size = reservoir_size
+        self._clock = clock
+        self._rng = rng or random.Random(0)
+        self._ring: list[_Slot] = []
+
+    def _current(self) -> _Slot:
+        now = self._clock()
+        start = math.floor(now / self.slot_s) * self.slot_s
+        if not self._ring or self._ring[-1].start != start:
+            self._ring.append(_Slot(start, Histogram(), Reservoir(self.reservoir_size, self._rng)))
+        self._expire(now)
+        return self._ring[-1]
+
+    def _expire(self, now: float) -> None:
+        oldest = now - self.slot_s * self.slots
+        self._ring = [s for s in self._ring if s.start + self.slot_s > oldest]
+
+    def record(self, seconds: float) -> None:
+        slot = self._current()
+        slot.histogram.record(seconds)
+        slot.reservoir.add(seconds)
+
+    def histogram(self) -> Histogram:
+        """The whole window merged."""
+        self._expire(self._clock())
+        merged = Histogram()
+        for slot in self._ring:
+            merged.merge(slot.histogram)
+        return merged
+
+    def samples(self) -> list[float]:
+        """Raw samples of the window (each slot's reservoir, concatenated)."""
+        self._expire(self._clock())
+        return [v for slot in self._ring for v in slot.reservoir.samples]
+
+
+def quantiles(histogram: Histogram, qs: Sequence[float] = (0.5, 0.95, 0.99)) -> list[float | None]:
+    return [histogram.quantile(q) for q in qs]
+
+
+def histogram_of(values: Iterable[float]) -> Histogram:
+    histogram = Histogram()
+    for value in values:
+        histogram.record(value)
+    return histogram

@@ -46,7 +46,7 @@ DEFAULT_OUT = REPO_ROOT / "tiered" / "protocol"
 PACKAGE = "tiered.protocol"
 
 # Inputs, dependencies first (order does not change the output; it reads well).
-PROTOS: tuple[str, ...] = ("model_config.proto", "grpc_service.proto")
+PROTOS: tuple[str, ...] = ("model_config.proto", "grpc_service.proto", "telemetry.proto")
 
 HEADER = "# Post-processed by proto/generate.py (package imports, private descriptor pool).\n"
 

@@ -375,7 +375,8 @@ def test_reflection_describes_inference_and_health(server_address: str) -> None:
         ],
     )
     names = {s.name for s in listed.list_services_response.service}
-    assert names == {descriptors.INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME}
+    assert names == {descriptors.INFERENCE_SERVICE, descriptors.TELEMETRY_SERVICE,
+                     health.SERVICE_NAME, reflection.SERVICE_NAME}
 
     # A client rebuilds the service from what reflection sent (the file and
     # its import model_config.proto) and sees what tritonclient would.

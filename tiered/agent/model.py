@@ -20,7 +20,8 @@ from tiered.agent.config import ModelConfig
 from tiered.engines.base import Engine
 from tiered.errors import InvalidArgument, TieredError, Unavailable
 from tiered.protocol import codec
-from tiered.telemetry.inference_stats import InferenceStats
+from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
+from tiered.telemetry.recorder import VersionRecorder
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +90,24 @@ class ModelVersion:
     """Created and used on the agent's event loop."""
 
     def __init__(
-        self, config: ModelConfig, version: int, engine: Engine, built_from: Hashable = None
+        self,
+        config: ModelConfig,
+        version: int,
+        engine: Engine,
+        built_from: Hashable = None,
+        recorder: VersionRecorder | None = None,
     ) -> None:
         self.config = config
         self.version = version
         self.engine = engine
         self.built_from = built_from  # a reload rebuilds only when this changes
-        self.stats = InferenceStats()
+        self.stats = InferenceStats()  # cumulative, Triton's shape
+        self.recorder = recorder  # windowed, for routing and rollouts; None: off
         self._executor = ThreadPoolExecutor(
             config.instance_count, thread_name_prefix=f"{config.name}-v{version}"
         )
         self._batcher = Batcher(
-            batch_policy(config), self._run, self._executor, on_batch=self.stats.batch_executed
+            batch_policy(config), self._run, self._executor, on_batch=self._batch_ran
         )
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -117,6 +124,20 @@ class ModelVersion:
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.engine.run(inputs)
+
+    def _batch_ran(self, size: int, timing: BatchTiming) -> None:
+        self.stats.batch_executed(size, timing)
+        if self.recorder is not None:
+            self.recorder.batch_ran(timing.infer_ns / 1e9)
+
+    def _failed(self, elapsed_ns: int) -> None:
+        self.stats.request_failed(elapsed_ns, _now_ms())
+        if self.recorder is not None:
+            self.recorder.request_failed(elapsed_ns / 1e9)
+
+    def count_rejected(self) -> None:
+        """A request for this version that could not even be decoded."""
+        self._failed(0)
 
     async def infer(
         self,
@@ -137,19 +158,20 @@ class ModelVersion:
             signature = tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(inputs.items()))
             result = await self._batcher.submit(inputs, batch_size, signature, deadline)
         except TieredError:
-            self.stats.request_failed(time.perf_counter_ns() - started, _now_ms())
+            self._failed(time.perf_counter_ns() - started)
             raise
         finally:
             self._in_flight -= 1
             if not self._in_flight:
                 self._idle.set()
+        elapsed_ns = time.perf_counter_ns() - started
         self.stats.request_succeeded(
-            batch_size,
-            time.perf_counter_ns() - started,
-            int(result.queue_s * 1e9),
-            result.timing,
-            _now_ms(),
+            batch_size, elapsed_ns, int(result.queue_s * 1e9), result.timing, _now_ms()
         )
+        if self.recorder is not None:
+            self.recorder.request_succeeded(
+                elapsed_ns / 1e9, result.queue_s, result.timing.infer_ns / 1e9, batch_size
+            )
         return {name: result.outputs[name] for name in outputs}
 
     async def drain(self, timeout_s: float) -> None:

@@ -39,6 +39,7 @@ from google.protobuf.internal import enum_type_wrapper
 __all__ = [
     "INFERENCE_SERVICE",
     "POOL",
+    "TELEMETRY_SERVICE",
     "build_message_classes",
     "reflection_pool",
     "reflection_service_names",
@@ -50,6 +51,9 @@ so tiered and tritonclient can be imported in one process."""
 
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 """Fully-qualified name of the v2 inference service."""
+
+TELEMETRY_SERVICE = "tiered.v1.Telemetry"
+"""Fully-qualified name of tiered's telemetry service."""
 
 _reflection_lock = threading.Lock()
 
@@ -128,7 +132,7 @@ def reflection_pool() -> descriptor_pool.DescriptorPool:
     from grpc_health.v1 import health_pb2
     from grpc_reflection.v1alpha import reflection_pb2
 
-    from tiered.protocol import grpc_service_pb2  # noqa: F401  (fills POOL)
+    from tiered.protocol import grpc_service_pb2, telemetry_pb2  # noqa: F401  (fill POOL)
 
     with _reflection_lock:
         for module in (health_pb2, reflection_pb2):
@@ -141,4 +145,4 @@ def reflection_service_names() -> tuple[str, ...]:
     from grpc_health.v1 import health
     from grpc_reflection.v1alpha import reflection
 
-    return (INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    return (INFERENCE_SERVICE, TELEMETRY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)

@@ -1,0 +1,94 @@
+# Post-processed by proto/generate.py (package imports, private descriptor pool).
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StatsRequest(_message.Message):
+    __slots__ = ("model_name", "model_version", "cursor")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_version: str
+    cursor: float
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., cursor: _Optional[float] = ...) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("lowest_s", "growth", "bucket", "count", "sum_s")
+    LOWEST_S_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUM_S_FIELD_NUMBER: _ClassVar[int]
+    lowest_s: float
+    growth: float
+    bucket: _containers.RepeatedScalarFieldContainer[int]
+    count: _containers.RepeatedScalarFieldContainer[int]
+    sum_s: float
+    def __init__(self, lowest_s: _Optional[float] = ..., growth: _Optional[float] = ..., bucket: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., sum_s: _Optional[float] = ...) -> None: ...
+
+class Energy(_message.Message):
+    __slots__ = ("source", "device", "joules")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    JOULES_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    device: str
+    joules: float
+    def __init__(self, source: _Optional[str] = ..., device: _Optional[str] = ..., joules: _Optional[float] = ...) -> None: ...
+
+class VersionStats(_message.Message):
+    __slots__ = ("model_name", "model_version", "device", "success", "failure", "inferences", "latency", "queue", "compute", "latency_samples_s", "busy_s", "has_energy", "energy", "joules_per_inference", "queue_depth", "in_flight")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    INFERENCES_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_SAMPLES_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    HAS_ENERGY_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_FIELD_NUMBER: _ClassVar[int]
+    JOULES_PER_INFERENCE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_version: str
+    device: str
+    success: int
+    failure: int
+    inferences: int
+    latency: Histogram
+    queue: Histogram
+    compute: Histogram
+    latency_samples_s: _containers.RepeatedScalarFieldContainer[float]
+    busy_s: float
+    has_energy: bool
+    energy: Energy
+    joules_per_inference: float
+    queue_depth: int
+    in_flight: int
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., device: _Optional[str] = ..., success: _Optional[int] = ..., failure: _Optional[int] = ..., inferences: _Optional[int] = ..., latency: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., latency_samples_s: _Optional[_Iterable[float]] = ..., busy_s: _Optional[float] = ..., has_energy: _Optional[bool] = ..., energy: _Optional[_Union[Energy, _Mapping]] = ..., joules_per_inference: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tier", "start", "end", "window_s", "versions", "devices")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    start: float
+    end: float
+    window_s: float
+    versions: _containers.RepeatedCompositeFieldContainer[VersionStats]
+    devices: _containers.RepeatedCompositeFieldContainer[Energy]
+    def __init__(self, tier: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., window_s: _Optional[float] = ..., versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[Energy, _Mapping]]] = ...) -> None: ...

@@ -25,6 +25,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/agent.py
+	$(PY) bench/telemetry.py
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

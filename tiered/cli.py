@@ -15,6 +15,7 @@ from tiered.profiles import TIERS
 def _agent(args: argparse.Namespace) -> int:
     from tiered.agent import server
     from tiered.profiles import load_profile
+    from tiered.telemetry.tracing import TracingSettings
 
     try:
         profile = load_profile(args.tier, args.profile)
@@ -26,15 +27,101 @@ def _agent(args: argparse.Namespace) -> int:
         repository=args.model_repository,
         host=args.host,
         port=args.port,
+        metrics_port=None if args.no_metrics else args.metrics_port,
+        telemetry=not args.no_telemetry,
+        tracing=TracingSettings(base_rate=args.trace_base_rate, otlp_endpoint=args.otlp_endpoint),
         allow_failed_models=args.allow_failed_models,
     )
     return server.run(settings)
+
+
+def _top(args: argparse.Namespace) -> int:
+    from tiered import top
+
+    try:
+        return top.run(args.agents, args.interval, args.once, args.model)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
     from tiered import demo
 
     return demo.run(args.tier)
+
+
+def _build(args: argparse.Namespace) -> int:
+    import datetime
+    import json
+
+    from tiered.agent.config import check_model_name
+    from tiered.engines import build
+    from tiered.errors import TieredError
+    from tiered.profiles import load_profile
+
+    flags = {
+        "backend": args.backend, "precision": args.precision,
+        "calibration_method": args.calibration_method,
+        "calibration_samples": args.calibration_samples,
+        "min_agreement": args.min_agreement, "max_batch_size": args.max_batch_size,
+    }
+    request = build.BuildRequest(
+        source=args.artifact, repository=args.repository, model=args.model,
+        version=args.version, calibration=args.calibration, evaluation=args.eval,
+        force=args.force, allow_accuracy_drop=args.allow_accuracy_drop,
+    )
+    try:
+        check_model_name(args.model)
+        profile = load_profile(args.tier, args.profile)
+        settings = build.choose_settings(profile, flags, f"{args.tier} profile build (and flags)")
+        outcome = build.build(request, profile, settings,
+                              now=datetime.datetime.now(datetime.timezone.utc))
+    except TieredError as error:
+        print(f"tiered build: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(outcome.report, indent=2))  # the numbers, whatever the verdict
+    if outcome.installed is None:
+        print(f"tiered build: rejected, nothing written. {outcome.decision.reason} "
+              "(--allow-accuracy-drop writes it anyway)", file=sys.stderr)
+        return 1
+    print(f"tiered build: wrote {outcome.installed}. {outcome.decision.reason}", file=sys.stderr)
+    return 0
+
+
+# Kept in step with tiered.models.digits.VARIANTS (a test compares them): the
+# choices are spelled out so that `--help` does not have to import torch.
+DIGITS_VARIANTS = ("v1", "v2", "heavy")
+
+
+def _models_digits(args: argparse.Namespace) -> int:
+    try:
+        from tiered.models import digits  # torch: imported only when training is asked for
+    except ImportError as error:
+        print(f"tiered models digits: needs the torch extra (pip install 'tiered[torch]'): "
+              f"{error}", file=sys.stderr)
+        return 2
+    names = DIGITS_VARIANTS if args.variant == "all" else (args.variant,)
+    for name in names:
+        model = digits.write_digits(
+            args.out, name, progress=lambda line: print(line, file=sys.stderr, flush=True)
+        )
+        print(model.summary(), flush=True)
+    print(f"data: {model.calibration_path} (calibration inputs), {model.eval_path} "
+          "(held-out inputs and labels)", flush=True)
+    return 0
+
+
+def _models_resnet18(args: argparse.Namespace) -> int:
+    from tiered.models import zoo
+
+    try:
+        path = zoo.resnet18(args.out / "resnet18.onnx", seed=args.seed, image_size=args.image_size)
+    except ValueError as error:
+        print(f"tiered models resnet18: --image-size: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: ResNet-18, random weights (seed {args.seed}), input `input` FP32 "
+          f"[batch, 3, {args.image_size}, {args.image_size}], output `logits` FP32 [batch, 1000]")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,9 +156,34 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     agent.add_argument("--profile", type=Path, metavar="FILE",
                        help="tier profile YAML (default: agents/<tier>.yaml)")
+    agent.add_argument("--metrics-port", type=int, default=8002,
+                       help="Prometheus /metrics port (default 8002; 0 picks a free one)")
+    agent.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
+    agent.add_argument("--no-telemetry", action="store_true",
+                       help="keep only Triton's cumulative statistics: no latency windows, "
+                       "energy attribution or tiered.v1.Telemetry figures")
+    agent.add_argument("--otlp-endpoint", default="", metavar="HOST:PORT",
+                       help="export traces over OTLP/gRPC to this collector (default: off)")
+    agent.add_argument("--trace-base-rate", type=float, default=0.01,
+                       help="share of fast, successful requests whose traces are kept; failed "
+                       "ones always are, slow ones by latency (default 0.01)")
     agent.add_argument("--allow-failed-models", action="store_true",
                        help="start even if some models fail to load (they show as UNAVAILABLE)")
     agent.set_defaults(handler=_agent)
+
+    top = commands.add_parser(
+        "top",
+        help="live table of agents' model versions: rates, latency, energy per inference",
+        description="Poll each agent's tiered.v1.Telemetry service and show, per model "
+        "version, requests/s, error rate, latency quantiles, queueing and joules per "
+        "inference (with the energy source: nvml, rapl or model) since the last refresh.",
+    )
+    top.add_argument("agents", nargs="+", metavar="HOST:PORT", help="agent gRPC addresses")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true",
+                     help="print the whole window once and exit (no screen clearing)")
+    top.add_argument("--model", default="", help="only this model")
+    top.set_defaults(handler=_top)
 
     demo = commands.add_parser(
         "demo",
@@ -80,6 +192,86 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--tier", default="edge", choices=TIERS,
                       help="tier profile for the demo agent (default: edge)")
     demo.set_defaults(handler=_demo)
+
+    build = commands.add_parser(
+        "build",
+        help="build a tier's version of an ONNX model into a model repository",
+        description="Make a tier's version of an FP32 ONNX artifact (edge: INT8 static QDQ; "
+        "regional: FP16 with FP32 inputs/outputs; datacenter: FP32 ONNX for the torch engine), "
+        "compare it with the artifact on eval data (top-1 agreement, errors, accuracy where "
+        "the data has labels), time it, and write DIR/NAME/V/model.onnx, build.json and, when "
+        "absent, DIR/NAME/config.yaml. A build below the tier's agreement threshold writes "
+        "nothing. The report goes to stdout as JSON either way. Defaults come from the tier "
+        "profile's build: mapping.",
+    )
+    build.add_argument("artifact", type=Path, metavar="ARTIFACT.onnx", help="the FP32 ONNX model")
+    build.add_argument("--tier", required=True, choices=TIERS, help="the tier to build for")
+    build.add_argument("--repository", required=True, type=Path, metavar="DIR",
+                       help="model repository to write the version into")
+    build.add_argument("--model", required=True, metavar="NAME", help="model name (directory)")
+    build.add_argument("--version", required=True, type=int, metavar="V",
+                       help="version to write (a positive integer)")
+    build.add_argument("--calibration", type=Path, metavar="DATA.npz",
+                       help="INT8 calibration inputs: one array per model input, keyed by its "
+                       "name (default: random inputs)")
+    build.add_argument("--eval", type=Path, metavar="DATA.npz",
+                       help="eval inputs like --calibration, plus optional integer `labels` "
+                       "(default: random inputs: agreement only, no accuracy)")
+    build.add_argument("--calibration-method", metavar="METHOD",
+                       help="INT8 calibration: minmax, entropy or percentile")
+    build.add_argument("--calibration-samples", type=int, metavar="N",
+                       help="use at most N calibration samples")
+    build.add_argument("--precision", help="override the tier's precision (onnxruntime: int8, "
+                       "fp16, fp32; torch: fp32, fp16, bf16, fp8)")
+    build.add_argument("--backend", help="override the tier's backend (onnxruntime or torch)")
+    build.add_argument("--min-agreement", type=float, metavar="FRACTION",
+                       help="top-1 agreement with FP32 the gate asks for (profile default 0.99)")
+    build.add_argument("--max-batch-size", type=int, metavar="N",
+                       help="max_batch_size of a config.yaml the build creates")
+    build.add_argument("--allow-accuracy-drop", action="store_true",
+                       help="write the version even when the accuracy gate rejects it")
+    build.add_argument("--force", action="store_true", help="replace an existing version")
+    build.add_argument("--profile", type=Path, metavar="FILE",
+                       help="tier profile YAML (default: agents/<tier>.yaml)")
+    build.set_defaults(handler=_build)
+
+    models = commands.add_parser(
+        "models",
+        help="write sample models: trained digits classifiers, a random-weight ResNet-18",
+        description="Write sample ONNX models built on this machine (nothing is downloaded).",
+    )
+    model_kinds = models.add_subparsers(dest="model", required=True, metavar="MODEL")
+    digits = model_kinds.add_parser(
+        "digits",
+        help="train small CNNs on scikit-learn's digits and export them (needs tiered[torch])",
+        description="Train a small CNN on scikit-learn's bundled 8x8 handwritten digits "
+        "(CPU, seconds) and write DIR/digits-<variant>.onnx (input `input` FP32 "
+        "[batch, 1, 8, 8], pixels in [0, 1]; output `logits` FP32 [batch, 10]), "
+        "DIR/digits-calibration.npz (`input`: training images for INT8 calibration) and "
+        "DIR/digits-eval.npz (`input`, `label`: the held-out test split). Variants: v1 the "
+        "base model; v2 a retrained, wider one (a new version that answers a little "
+        "differently); heavy, many times the compute of v1 for latency-regression demos. "
+        "Prints per-epoch progress to stderr and a summary per model.",
+    )
+    digits.add_argument("--variant", default="v1", choices=(*DIGITS_VARIANTS, "all"),
+                        help="which model to train (default: v1)")
+    digits.add_argument("--out", type=Path, default=Path("build/models"), metavar="DIR",
+                        help="output directory (default: build/models)")
+    digits.set_defaults(handler=_models_digits)
+    resnet18 = model_kinds.add_parser(
+        "resnet18",
+        help="write a ResNet-18-shaped classifier with random weights",
+        description="Write DIR/resnet18.onnx: ResNet-18 with random (seeded) weights and "
+        "BatchNorm folded into the convs; input `input` FP32 [batch, 3, N, N], output "
+        "`logits` FP32 [batch, 1000]. For measuring serving, not for its answers.",
+    )
+    resnet18.add_argument("--out", type=Path, default=Path("build/models"), metavar="DIR",
+                          help="output directory (default: build/models)")
+    resnet18.add_argument("--image-size", type=int, default=224, metavar="N",
+                          help="input height and width, at least 32 (default: 224)")
+    resnet18.add_argument("--seed", type=int, default=0, metavar="S",
+                          help="weight seed; the same seed writes the same file (default: 0)")
+    resnet18.set_defaults(handler=_models_resnet18)
     return parser
 
 

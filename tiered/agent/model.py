@@ -15,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from tiered.agent.batching import Batcher, BatchPolicy
+from opentelemetry import trace
+
+from tiered.agent.batching import Batcher, BatchPolicy, BatchResult
 from tiered.agent.config import ModelConfig
 from tiered.engines.base import Engine
 from tiered.errors import InvalidArgument, TieredError, Unavailable
@@ -96,6 +98,7 @@ class ModelVersion:
         engine: Engine,
         built_from: Hashable = None,
         recorder: VersionRecorder | None = None,
+        build: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
         self.version = version
@@ -103,6 +106,7 @@ class ModelVersion:
         self.built_from = built_from  # a reload rebuilds only when this changes
         self.stats = InferenceStats()  # cumulative, Triton's shape
         self.recorder = recorder  # windowed, for routing and rollouts; None: off
+        self.build = dict(build or {})  # key figures of its tier build (build.json)
         self._executor = ThreadPoolExecutor(
             config.instance_count, thread_name_prefix=f"{config.name}-v{version}"
         )
@@ -144,8 +148,10 @@ class ModelVersion:
         inputs: Mapping[str, np.ndarray],
         requested: Sequence[str] = (),
         deadline: float = math.inf,
+        tracer: trace.Tracer | None = None,
     ) -> dict[str, np.ndarray]:
-        """Answer one request; `deadline` is on the monotonic clock."""
+        """Answer one request; `deadline` is on the monotonic clock. With a tracer,
+        the queue and engine phases become child spans of the current span."""
         if self._closing:
             raise Unavailable(f"model {self.config.name!r} version {self.version} is unloading")
         started = time.perf_counter_ns()
@@ -172,6 +178,8 @@ class ModelVersion:
             self.recorder.request_succeeded(
                 elapsed_ns / 1e9, result.queue_s, result.timing.infer_ns / 1e9, batch_size
             )
+        if tracer is not None:
+            _trace_phases(tracer, result)
         return {name: result.outputs[name] for name in outputs}
 
     async def drain(self, timeout_s: float) -> None:
@@ -187,6 +195,19 @@ class ModelVersion:
         await self._batcher.close()
         self._executor.shutdown(wait=True)
         self.engine.close()
+
+
+def _trace_phases(tracer: trace.Tracer, result: BatchResult) -> None:
+    """Child spans for the queue and the engine, placed back in time from now."""
+    timing = result.timing
+    finished = time.time_ns() - timing.output_ns
+    engine_start = finished - timing.infer_ns
+    batch_start = engine_start - timing.input_ns
+    queue = tracer.start_span("queue", start_time=batch_start - int(result.queue_s * 1e9))
+    queue.end(end_time=batch_start)
+    engine = tracer.start_span("engine", start_time=engine_start,
+                               attributes={"tiered.batch_size": result.batch_size})
+    engine.end(end_time=finished)
 
 
 def _now_ms() -> int:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_METRICS = re.compile(r"metrics on (http://\S+/metrics)")
 
 
 class AgentError(RuntimeError):
@@ -32,6 +33,7 @@ class ServerProcess:
         self.name = name
         self.env = env
         self.port: int | None = None
+        self.metrics_url: str | None = None  # when the server prints one
         self._process: subprocess.Popen | None = None
         self._log_dir = tempfile.TemporaryDirectory(prefix=f"tiered-{name}-")
         self.log_path = Path(self._log_dir.name) / f"{name}.log"
@@ -56,9 +58,12 @@ class ServerProcess:
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            match = _LISTENING.search(self.log())
+            log = self.log()
+            match = _LISTENING.search(log)
             if match:
                 self.port = int(match.group(2))
+                metrics = _METRICS.search(log)
+                self.metrics_url = metrics.group(1) if metrics else None
                 return self
             if self._process.poll() is not None:
                 raise AgentError(
@@ -125,6 +130,7 @@ class AgentProcess(ServerProcess):
             "--model-repository", str(self.repository),
             "--host", "127.0.0.1",
             "--port", "0",
+            "--metrics-port", "0",
             *extra_args,
         ]
         super().__init__(command, f"agent-{tier}", env)

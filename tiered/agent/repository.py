@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,9 @@ from tiered.agent.config import (
     parse_model_config,
 )
 from tiered.agent.model import ModelVersion
+from tiered.telemetry.recorder import VersionRecorder
 from tiered.engines import Engine, open_engine
+from tiered.engines import build as build_report
 from tiered.errors import ConfigError, NotFound, TieredError, Unavailable
 from tiered.profiles import TierProfile
 from tiered.settings import read_yaml
@@ -86,12 +89,14 @@ class ModelRepository:
         root: Path,
         profile: TierProfile,
         engine_factory: EngineFactory = open_engine,
+        telemetry: bool = True,
     ) -> None:
         if not root.is_dir():
             raise ConfigError(f"model repository {root} is not a directory")
         self.root = root
         self.profile = profile
         self._engine_factory = engine_factory
+        self._telemetry = telemetry  # windowed per-version recorders (tiered.v1.Telemetry)
         self._models: dict[str, ModelEntry] = {}
         self._draining: set[asyncio.Task] = set()
 
@@ -245,7 +250,11 @@ class ModelRepository:
                 except TieredError:
                     engine.close()
                     raise
-                built[version] = ModelVersion(completed, version, engine, built_from=source)
+                built[version] = ModelVersion(
+                    completed, version, engine, built_from=source,
+                    recorder=VersionRecorder(time.monotonic) if self._telemetry else None,
+                    build=_build_facts(path.parent),
+                )
         except BaseException:
             for version, served in built.items():  # undo what this load started
                 if current.get(version) is not served:
@@ -260,6 +269,19 @@ class ModelRepository:
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
 
+
+def _build_facts(version_dir: Path) -> dict[str, str]:
+    """Key figures of the version's build report (build.json), if it has one.
+
+    A report that cannot be read costs its facts, never the version: serving
+    does not depend on it.
+    """
+    try:
+        report = build_report.read_report(version_dir)
+    except ConfigError as error:
+        log.warning("%s", error)
+        return {}
+    return build_report.version_facts(report) if report else {}
 
 
 def model_file(root: Path, name: str, version: int) -> Path:

@@ -17,12 +17,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tiered.agent.metrics import serve_metrics
 from tiered.agent.repository import ModelRepository
 from tiered.agent.servicer import InferenceServicer
+from tiered.agent.telemetry import TelemetryHub, TelemetryServicer
 from tiered.errors import ConfigError
 from tiered.profiles import TierProfile
 from tiered.protocol import descriptors
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.telemetry import tracing
+from tiered.telemetry.tracing import TracingSettings
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,9 @@ class AgentSettings:
     repository: Path
     host: str = "127.0.0.1"
     port: int = 8001
+    metrics_port: int | None = 8002  # Prometheus /metrics; None: off, 0: any free port
+    telemetry: bool = True  # per-version windows and energy (tiered.v1.Telemetry)
+    tracing: TracingSettings = TracingSettings()  # off unless an OTLP endpoint is set
     allow_failed_models: bool = False  # else a model that fails to load stops start-up
 
 
@@ -47,7 +55,8 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 async def serve(settings: AgentSettings) -> None:
     """Run until SIGTERM or SIGINT, then drain and return."""
     limits = settings.profile.limits
-    repository = ModelRepository(settings.repository, settings.profile)
+    repository = ModelRepository(settings.repository, settings.profile,
+                                 telemetry=settings.telemetry)
     failed = await repository.load_all()
     if failed and not settings.allow_failed_models:
         await repository.close()
@@ -60,8 +69,11 @@ async def serve(settings: AgentSettings) -> None:
         options=grpc_options(limits.max_message_bytes),
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
     )
-    servicer = InferenceServicer(repository)
+    tracer = tracing.configure(f"tiered-agent-{settings.profile.tier}", settings.tracing)
+    servicer = InferenceServicer(repository, tracer)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    hub = TelemetryHub.for_this_machine(repository)
+    tpb_grpc.add_TelemetryServicer_to_server(TelemetryServicer(hub), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -73,6 +85,17 @@ async def serve(settings: AgentSettings) -> None:
     except RuntimeError as error:
         raise ConfigError(f"cannot listen on {address}: {error}") from error
     await server.start()
+    hub.start()
+    metrics = ""
+    if settings.metrics_port is not None:
+        try:
+            bound = serve_metrics(hub, settings.host, settings.metrics_port)
+        except OSError as error:
+            await server.stop(0)
+            raise ConfigError(
+                f"cannot serve /metrics on {settings.host}:{settings.metrics_port}: {error}"
+            ) from error
+        metrics = f"; metrics on http://{settings.host}:{bound}/metrics"
 
     servicer.ready = True
     for service in ("", descriptors.INFERENCE_SERVICE):
@@ -81,7 +104,7 @@ async def serve(settings: AgentSettings) -> None:
     # Tests and supervisors read this line to learn the port when --port 0.
     print(
         f"tiered agent ({settings.profile.tier}) listening on {settings.host}:{port}; "
-        f"models: {models}",
+        f"models: {models}{metrics}",
         flush=True,
     )
 
@@ -95,6 +118,7 @@ async def serve(settings: AgentSettings) -> None:
     servicer.ready = False
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=limits.drain_timeout_s)
+    await hub.stop()
     await repository.close()
     log.info("stopped")
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 import tiered
 from tiered.agent.model import ModelVersion
@@ -23,6 +24,7 @@ from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import messages
 from tiered.protocol.status import describe, translate_errors
+from tiered.telemetry.tracing import context_from_metadata
 
 # Triton's platform names, which some clients and dashboards key on.
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
@@ -38,8 +40,9 @@ def _deadline(timeout_s: float, context: grpc.aio.ServicerContext) -> float:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository: ModelRepository) -> None:
+    def __init__(self, repository: ModelRepository, tracer: trace.Tracer | None = None) -> None:
         self.repository = repository
+        self.tracer = tracer  # None: tracing off, no spans made
         self.ready = False  # set once the repository is loaded; cleared on shutdown
 
     @translate_errors
@@ -69,7 +72,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def ModelConfig(self, request, context):
         model = self.repository.get(request.name, request.version)
-        facts = {"tier": self.repository.profile.tier, **model.engine.describe()}
+        facts = {"tier": self.repository.profile.tier, **model.engine.describe(),
+                 **model.build}
         config = messages.model_config(
             model.config, PLATFORMS[model.config.backend], model.config.backend,
             model.engine.device != "cpu", facts,
@@ -78,7 +82,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def ModelInfer(self, request, context):
-        return await self._infer(request, context)
+        if self.tracer is None:
+            return await self._infer(request, context)
+        with self.tracer.start_as_current_span(
+            "ModelInfer",
+            context=context_from_metadata(context.invocation_metadata()),
+            kind=trace.SpanKind.SERVER,
+            attributes={"tiered.model": request.model_name, "tiered.tier":
+                        self.repository.profile.tier},
+        ):
+            return await self._infer(request, context)
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
@@ -127,9 +140,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             call = messages.decode_infer_request(request)
         except TieredError:
-            model.stats.request_failed(0, time.time_ns() // 1_000_000)
+            model.count_rejected()
             raise
-        outputs = await model.infer(call.inputs, call.outputs, _deadline(call.timeout_s, context))
+        outputs = await model.infer(
+            call.inputs, call.outputs, _deadline(call.timeout_s, context), self.tracer
+        )
         return messages.encode_infer_response(call, model.config.name, model.version, outputs)
 
     @translate_errors

@@ -14,7 +14,7 @@ from tiered.engines.base import Engine, TensorSpec
 from tiered.errors import ConfigError
 from tiered.settings import load_dataclass
 
-BACKENDS = ("onnxruntime",)
+BACKENDS = ("onnxruntime", "torch", "tensorrt")
 
 __all__ = ["BACKENDS", "Engine", "TensorSpec", "open_engine"]
 
@@ -25,4 +25,16 @@ def open_engine(backend: str, model_path: Path, settings: Mapping[str, Any], whe
         from tiered.engines.onnxruntime_engine import OnnxRuntimeEngine, OrtSettings
 
         return OnnxRuntimeEngine(model_path, load_dataclass(OrtSettings, settings, where))
+    if backend == "torch":
+        try:
+            from tiered.engines.torch_engine import TorchEngine, TorchSettings
+        except ImportError as error:
+            raise ConfigError(
+                f"backend: torch needs the torch package (pip install 'tiered[torch]'): {error}"
+            ) from error
+        return TorchEngine(model_path, load_dataclass(TorchSettings, settings, where))
+    if backend == "tensorrt":
+        from tiered.engines.tensorrt_engine import TensorRTEngine, TensorRTSettings
+
+        return TensorRTEngine(model_path, load_dataclass(TensorRTSettings, settings, where))
     raise ConfigError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")

@@ -1,0 +1,107 @@
+"""The agent's telemetry over the wire: the tiered.v1.Telemetry Stats RPC and
+Prometheus /metrics, against a real agent process."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+
+
+def send(address: str, count: int) -> None:
+    with grpcclient.InferenceServerClient(address) as client:
+        for _ in range(count):
+            inputs = []
+            for name in ("INPUT0", "INPUT1"):
+                item = grpcclient.InferInput(name, [1, 16], "FP32")
+                item.set_data_from_numpy(np.ones((1, 16), np.float32))
+                inputs.append(item)
+            client.infer("add_sub", inputs)
+
+
+def stats(address: str, cursor: float = 0.0) -> tpb.StatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        return tpb_grpc.TelemetryStub(channel).Stats(
+            tpb.StatsRequest(model_name="add_sub", cursor=cursor), timeout=10)
+
+
+def wait_for_next_slot() -> None:
+    time.sleep(1.2)  # slots are one second; a read returns completed slots only
+
+
+def test_stats_since_a_cursor_count_each_request_once(agent):
+    wait_for_next_slot()  # no earlier test's requests share the cursor's slot
+    first = stats(agent.address)
+    send(agent.address, 12)
+    wait_for_next_slot()
+    second = stats(agent.address, cursor=first.end)
+    (version,) = second.versions
+    assert (version.model_name, version.model_version, version.device) == ("add_sub", "1", "cpu")
+    assert version.success == 12 and version.inferences == 12
+    assert sum(version.latency.count) == 12 and version.latency.sum_s > 0
+    assert len(version.latency_samples_s) == 12
+    assert all(0 < s < 5 for s in version.latency_samples_s)
+    assert version.busy_s > 0
+    third = stats(agent.address, cursor=second.end)
+    assert [v.success for v in third.versions] == [0]
+
+
+def test_stats_attribute_energy_with_its_source(agent):
+    wait_for_next_slot()
+    start = stats(agent.address)
+    send(agent.address, 20)
+    wait_for_next_slot()
+    response = stats(agent.address, cursor=start.end)
+    assert response.tier == "edge" and response.window_s == 60
+    (cpu,) = [d for d in response.devices if d.device == "cpu"]
+    assert cpu.source in ("rapl", "model") and cpu.joules > 0
+    (version,) = response.versions
+    assert version.has_energy and version.energy.source == cpu.source
+    assert 0 < version.energy.joules <= cpu.joules + 1e-9
+    assert version.joules_per_inference == pytest.approx(version.energy.joules / 20)
+
+
+def test_metrics_use_triton_names_and_label_energy_sources(agent):
+    send(agent.address, 3)
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        triton = client.get_inference_statistics("add_sub").model_stats[0]
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    success = {s.labels["model"]: s.value
+               for s in families["nv_inference_request_success"].samples
+               if s.name.endswith("_total")}
+    assert success["add_sub"] >= triton.inference_stats.success.count >= 3
+    assert "nv_inference_compute_infer_duration_us" in families
+    energy = [s for s in families["tiered_energy_joules"].samples if s.name.endswith("_total")]
+    assert {s.labels["device"] for s in energy} >= {"cpu"}
+    assert all(s.labels["source"] in ("rapl", "model", "nvml") and s.value > 0 for s in energy)
+    quantiles = {s.labels["quantile"] for s in families["tiered_request_latency_seconds"].samples
+                 if s.labels["model"] == "add_sub"}
+    assert quantiles == {"0.5", "0.95", "0.99"}
+
+
+def test_tiered_top_prints_a_row_per_model_version(agent):
+    import subprocess
+    import sys
+
+    send(agent.address, 5)
+    wait_for_next_slot()
+    result = subprocess.run(
+        [sys.executable, "-m", "tiered", "top", agent.address, "--once", "--model", "add_sub"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    header, *lines = result.stdout.strip().splitlines()
+    assert header.split()[:4] == ["agent", "tier", "model", "ver"]
+    (row,) = lines
+    fields = row.split()
+    assert fields[:5] == [agent.address, "edge", "add_sub", "1", "cpu"]
+    assert float(fields[5]) > 0  # req/s over the window

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiered import top
+from tiered.protocol import telemetry_messages
+from tiered.telemetry.histogram import GROWTH, LOWEST_S, histogram_of
+
+
+@pytest.mark.parametrize("q", [0.5, 0.95, 0.99])
+def test_quantile_from_the_wire_matches_the_histogram(q):
+    values = np.random.default_rng(3).lognormal(np.log(0.01), 1.0, 5000)
+    histogram = histogram_of(values)
+    message = telemetry_messages.histogram_message(histogram, LOWEST_S, GROWTH)
+    assert top.quantile(message, q) == pytest.approx(histogram.quantile(q))
+    assert top.quantile(message, q) == pytest.approx(np.quantile(values, q), rel=0.01)
+
+
+def test_render_aligns_columns_and_shows_missing_values_as_dashes():
+    table = [("a:1", "edge", "m", "1", "cpu", "2.0", "-", "1.00", "2.00", "3.00", "0.10",
+              "-", "-", "0", "0")]
+    text = top.render(table)
+    header, row = text.splitlines()
+    assert header.index("req/s") == row.index("2.0")

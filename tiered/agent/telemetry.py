@@ -1,0 +1,119 @@
+"""The agent's telemetry: energy meters read each slot, and the Stats RPC.
+
+`TelemetryHub` owns the energy ledger and the task that marks it at every
+slot boundary; `TelemetryServicer` answers `tiered.v1.Telemetry/Stats` from
+the versions' recorders and the ledger. Everything runs on the agent's event
+loop, the recorders' only writer, so reads need no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from tiered.agent.repository import ModelRepository
+from tiered.protocol import telemetry_messages
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.protocol.status import translate_errors
+from tiered.telemetry import energy as meters
+from tiered.telemetry.histogram import GROWTH, LOWEST_S
+from tiered.telemetry.recorder import (
+    SLOT_S,
+    WINDOW_S,
+    EnergyLedger,
+    Summary,
+    VersionEnergy,
+    energy_per_version,
+    slot_start,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What happened over [start, end): per version, and per device."""
+
+    start: float
+    end: float
+    summaries: dict[tuple[str, int], Summary]
+    devices: dict[tuple[str, int], str]
+    energy: dict[tuple[str, int], VersionEnergy]
+    used: dict[str, meters.EnergyReading]
+
+
+class TelemetryHub:
+    def __init__(self, repository: ModelRepository, meters_by_device: Mapping,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.repository = repository
+        self.ledger = EnergyLedger(meters_by_device)
+        self.clock = clock
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def for_this_machine(cls, repository: ModelRepository) -> TelemetryHub:
+        """CPU energy always (RAPL or modeled); GPU energy where NVML answers."""
+        found = {"cpu": meters.cpu_meter()}
+        gpu = meters.gpu_meter(0)
+        if gpu is not None:
+            found["cuda"] = gpu
+        for device, meter in found.items():
+            log.info("energy of %s from %s", device, meter.source)
+        return cls(repository, found)
+
+    def start(self) -> None:
+        self.ledger.mark(slot_start(self.clock()))
+        self._task = asyncio.get_running_loop().create_task(self._mark_each_slot())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _mark_each_slot(self) -> None:
+        while True:
+            now = self.clock()
+            await asyncio.sleep(slot_start(now) + SLOT_S - now)
+            self.ledger.mark(slot_start(self.clock()))
+
+    def snapshot(self, cursor: float = 0.0, model: str = "", version: str = "") -> Snapshot:
+        end = slot_start(self.clock())
+        start = max(cursor, end - WINDOW_S) if cursor else end - WINDOW_S
+        summaries, devices = {}, {}
+        for served in self.repository.all_versions():
+            if served.recorder is None:
+                continue
+            if model and served.config.name != model:
+                continue
+            if version and str(served.version) != version:
+                continue
+            key = (served.config.name, served.version)
+            summaries[key] = served.recorder.since(start, end)
+            devices[key] = served.engine.device
+        used = self.ledger.used(start, end)
+        return Snapshot(start, end, summaries, devices,
+                        energy_per_version(used, summaries, devices), used)
+
+
+class TelemetryServicer(tpb_grpc.TelemetryServicer):
+    def __init__(self, hub: TelemetryHub) -> None:
+        self.hub = hub
+
+    @translate_errors
+    async def Stats(self, request, context):
+        snap = self.hub.snapshot(request.cursor, request.model_name, request.model_version)
+        versions = {(v.config.name, v.version): v for v in self.hub.repository.all_versions()}
+        response = tpb.StatsResponse(
+            tier=self.hub.repository.profile.tier, start=snap.start, end=snap.end,
+            window_s=WINDOW_S, devices=telemetry_messages.device_energy(snap.used),
+        )
+        for key, summary in sorted(snap.summaries.items()):
+            served = versions[key]
+            response.versions.append(telemetry_messages.version_stats(
+                key[0], key[1], snap.devices[key], summary, snap.energy.get(key),
+                served.queue_depth, served.in_flight, LOWEST_S, GROWTH,
+            ))
+        return response

@@ -1,0 +1,58 @@
+"""Conversions from telemetry summaries to `tiered.v1` messages. Pure.
+
+Takes the telemetry values duck-typed (histograms with `counts`/`total_s`,
+summaries with counts and histograms) so the protocol layer imports nothing
+above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from tiered.protocol import telemetry_pb2 as tpb
+
+
+def histogram_message(histogram, lowest_s: float, growth: float) -> tpb.Histogram:
+    nonzero = np.flatnonzero(histogram.counts)
+    return tpb.Histogram(
+        lowest_s=lowest_s,
+        growth=growth,
+        bucket=nonzero.tolist(),
+        count=histogram.counts[nonzero].tolist(),
+        sum_s=histogram.total_s,
+    )
+
+
+def version_stats(
+    name: str, version: int, device: str, summary, energy, queue_depth: int, in_flight: int,
+    lowest_s: float, growth: float,
+) -> tpb.VersionStats:
+    message = tpb.VersionStats(
+        model_name=name,
+        model_version=str(version),
+        device=device,
+        success=summary.success,
+        failure=summary.failure,
+        inferences=summary.inferences,
+        latency=histogram_message(summary.latency, lowest_s, growth),
+        queue=histogram_message(summary.queue, lowest_s, growth),
+        compute=histogram_message(summary.compute, lowest_s, growth),
+        latency_samples_s=summary.samples,
+        busy_s=summary.busy_s,
+        queue_depth=queue_depth,
+        in_flight=in_flight,
+    )
+    if energy is not None:
+        message.has_energy = True
+        message.energy.CopyFrom(tpb.Energy(source=energy.source, device=device,
+                                           joules=energy.joules))
+        if energy.joules_per_inference is not None:
+            message.joules_per_inference = energy.joules_per_inference
+    return message
+
+
+def device_energy(used: Mapping) -> list[tpb.Energy]:
+    return [tpb.Energy(source=r.source, device=device, joules=r.joules)
+            for device, r in sorted(used.items())]

@@ -1,0 +1,98 @@
+"""`tiered top`: a live table of each agent's model versions, from tiered.v1.Telemetry.
+
+Polls every agent's Stats RPC with the cursor it got last time, so each row
+covers exactly the span since the previous refresh. Rendering is a pure
+function of the responses; the loop around it is a thin adapter.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+
+HEADERS = ("agent", "tier", "model", "ver", "dev", "req/s", "err%", "p50 ms", "p95 ms",
+           "p99 ms", "queue p50", "J/inf", "source", "inflight", "queued")
+
+
+def quantile(histogram: tpb.Histogram, q: float) -> float | None:
+    """The q-quantile in seconds from a sparse log histogram (bucket midpoints)."""
+    total = sum(histogram.count)
+    if total == 0:
+        return None
+    rank, seen = max(1, math.ceil(q * total)), 0
+    for bucket, count in zip(histogram.bucket, histogram.count):
+        seen += count
+        if seen >= rank:
+            if bucket == 0:
+                return histogram.lowest_s
+            return histogram.lowest_s * histogram.growth ** (bucket - 1) * math.sqrt(histogram.growth)
+    return None
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def rows(address: str, response: tpb.StatsResponse) -> list[tuple[str, ...]]:
+    span = max(response.end - response.start, 1e-9)
+    table = []
+    for v in response.versions:
+        answered = v.success + v.failure
+        table.append((
+            address, response.tier, v.model_name, v.model_version, v.device,
+            f"{v.success / span:.1f}",
+            f"{100 * v.failure / answered:.1f}" if answered else "-",
+            _ms(quantile(v.latency, 0.5)), _ms(quantile(v.latency, 0.95)),
+            _ms(quantile(v.latency, 0.99)), _ms(quantile(v.queue, 0.5)),
+            f"{v.joules_per_inference:.4g}" if v.has_energy and v.inferences else "-",
+            v.energy.source if v.has_energy else "-",
+            str(v.in_flight), str(v.queue_depth),
+        ))
+    return table
+
+
+def render(table: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in table)) if table else len(h)
+              for i, h in enumerate(HEADERS)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADERS, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table]
+    return "\n".join(lines)
+
+
+@dataclass
+class _Agent:
+    address: str
+    stub: tpb_grpc.TelemetryStub
+    cursor: float = 0.0
+
+
+def run(addresses: Sequence[str], interval_s: float = 2.0, once: bool = False,
+        model: str = "") -> int:
+    agents = [_Agent(a, tpb_grpc.TelemetryStub(grpc.insecure_channel(a))) for a in addresses]
+    while True:
+        table, errors = [], []
+        for agent in agents:
+            try:
+                response = agent.stub.Stats(
+                    tpb.StatsRequest(model_name=model, cursor=agent.cursor), timeout=5)
+            except grpc.RpcError as error:
+                errors.append(f"{agent.address}: {error.code().name}: {error.details()}")
+                continue
+            agent.cursor = response.end
+            table.extend(rows(agent.address, response))
+        if not once:
+            sys.stdout.write("\x1b[2J\x1b[H")  # clear the terminal, cursor home
+        print(render(table))
+        for line in errors:
+            print(line, file=sys.stderr)
+        if once:
+            return 1 if errors and not table else 0
+        time.sleep(interval_s)

@@ -17,7 +17,6 @@ import onnxruntime as ort
 import pytest
 
 torch = pytest.importorskip("torch", reason="the digits models need the torch extra")
-pytest.importorskip("onnxscript", reason="torch.onnx.export needs onnxscript")
 pytest.importorskip("sklearn", reason="the digits data set ships in scikit-learn")
 
 from tiered import cli  # noqa: E402
@@ -193,7 +192,7 @@ def test_heavy_costs_many_times_v1_in_plain_ops(tmp_path: Path) -> None:
     v1, heavy = digits.VARIANTS["v1"], digits.VARIANTS["heavy"]
     assert heavy.macs >= 10 * v1.macs
     # Exported untrained: its graph and cost are what matter here, not its answers
-    # (training it takes ~15 s on one core; `tiered models digits --variant heavy`).
+    # (training it takes ~15 s on one core: `tiered models digits --variant heavy`).
     module = digits.build_network(heavy).eval()
     parameters = sum(p.numel() for p in module.parameters())
     untrained = digits.TrainedDigits(heavy, module, 0.0, 0.0, parameters)
@@ -252,3 +251,18 @@ def test_cli_writes_resnet18_without_importing_torch(tmp_path: Path) -> None:
     assert str(path) in result.stdout
     model = onnx.load(path)
     assert _dims(model.graph.input[0]) == ["batch", 3, 32, 32]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"stem": ()}, "stem"),
+        ({"epochs": 0}, "epochs"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"max_shift": -1}, "max_shift"),
+        ({"max_lr": 0.0}, "max_lr"),
+    ],
+)
+def test_a_malformed_variant_is_rejected_naming_the_field(change, field) -> None:
+    with pytest.raises(ValueError, match=f"variant 'v1': {field}: "):
+        dataclasses.replace(digits.VARIANTS["v1"], **change)

@@ -169,7 +169,9 @@ def _conv(node: _Node) -> tuple[OpFn, tuple[int, ...]]:
         raise node.error(f"{rank}-d convolution is not supported")
     kernel = node.ints("kernel_shape", weight.shape[2:])
     if tuple(kernel) != tuple(weight.shape[2:]):
-        raise node.error(f"kernel_shape {list(kernel)} differs from the weight's {weight.shape[2:]}")
+        raise node.error(
+            f"kernel_shape {list(kernel)} differs from the weight's {list(weight.shape[2:])}"
+        )
     strides, dilations, pads = _spatial(node, rank)
     group = int(node.get("group", 1))
     conv = (F.conv1d, F.conv2d, F.conv3d)[rank - 1]

@@ -95,7 +95,8 @@ class TorchSettings:
             )
         if any(size < 1 for size in self.cuda_graph_batch_sizes):
             raise ConfigError(
-                f"cuda_graph_batch_sizes: sizes must be >= 1, got {list(self.cuda_graph_batch_sizes)}"
+                "cuda_graph_batch_sizes: sizes must be >= 1, got "
+                f"{list(self.cuda_graph_batch_sizes)}"
             )
         if self.streams < 1:
             raise ConfigError(f"streams: must be >= 1, got {self.streams}")
@@ -146,7 +147,9 @@ def graph_eligibility(inputs: Sequence[TensorSpec]) -> str | None:
         if not spec.shape or spec.shape[0] != -1:
             return f"input {spec.name!r} has no variable batch dimension ({list(spec.shape)})"
         if any(d < 0 for d in spec.shape[1:]):
-            return f"input {spec.name!r} has variable dimensions past the batch ({list(spec.shape)})"
+            return (
+                f"input {spec.name!r} has variable dimensions past the batch ({list(spec.shape)})"
+            )
     return None
 
 

@@ -32,11 +32,18 @@ class ServerLimits:
     max_concurrent_rpcs: int = 1024  # beyond this gRPC answers RESOURCE_EXHAUSTED
     max_queue_size: int = 256  # per model version, when its config sets none
     drain_timeout_s: float = 30.0  # unload and shutdown wait this long for in-flight work
+    # How often Python hands the GIL between the event loop and engine threads.
+    # Python's 5 ms default lets the loop starve engine threads under load.
+    gil_switch_interval_ms: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_concurrent_rpcs", "max_queue_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gil_switch_interval_ms <= 100:
+            raise ConfigError(
+                f"gil_switch_interval_ms: must be in (0, 100], got {self.gil_switch_interval_ms}"
+            )
 
 
 @dataclass(frozen=True)

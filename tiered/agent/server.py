@@ -55,6 +55,7 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 async def serve(settings: AgentSettings) -> None:
     """Run until SIGTERM or SIGINT, then drain and return."""
     limits = settings.profile.limits
+    sys.setswitchinterval(limits.gil_switch_interval_ms / 1000)
     repository = ModelRepository(settings.repository, settings.profile,
                                  telemetry=settings.telemetry)
     failed = await repository.load_all()

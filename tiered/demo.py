@@ -76,6 +76,18 @@ def _stream(grpcclient, client, rows: np.ndarray) -> dict[str, np.ndarray]:
     return answers
 
 
+def _telemetry(address: str):
+    import grpc
+
+    from tiered.protocol import telemetry_pb2 as tpb
+    from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+
+    time.sleep(1.1)  # the Stats RPC reports whole one-second slots
+    with grpc.insecure_channel(address) as channel:
+        return tpb_grpc.TelemetryStub(channel).Stats(tpb.StatsRequest(model_name=MODEL),
+                                                     timeout=10)
+
+
 def run(tier: str = "edge") -> int:
     grpcclient, aioclient = _client_modules()
     import onnxruntime as ort
@@ -150,8 +162,17 @@ def run(tier: str = "edge") -> int:
                 d = getattr(stats, phase)
                 mean_us = d.ns / d.count / 1e3 if d.count else 0.0
                 print(f"   {phase:<14} count {d.count:>4}  mean {mean_us:8.1f} µs")
+            telemetry = _telemetry(agent.address)
+            print("9. Telemetry (tiered.v1.Telemetry, the last minute)")
+            for v in telemetry.versions:
+                energy = (f"{v.joules_per_inference * 1e3:.3f} mJ per inference "
+                          f"(source: {v.energy.source})" if v.has_energy and v.inferences
+                          else "no energy figure yet")
+                print(f"   {v.model_name} v{v.model_version} on {v.device}: {v.success} answered, "
+                      f"engine busy {v.busy_s * 1e3:.1f} ms, {energy}")
+            print(f"   Prometheus metrics: {agent.metrics_url}")
             client.close()
-            print("9. Stopping the agent (SIGTERM drains in-flight requests)")
+            print("10. Stopping the agent (SIGTERM drains in-flight requests)")
         check("agent exited cleanly", agent.stop() == 0)
 
     failed = [what for what, ok in checks if not ok]

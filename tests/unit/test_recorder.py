@@ -92,3 +92,13 @@ def test_energy_of_a_span_is_split_among_versions_on_the_same_device_by_busy_tim
 def test_a_span_before_the_first_mark_has_no_energy():
     ledger = EnergyLedger({"cpu": CountingMeter(1.0)})
     assert ledger.used(0.0, 1.0) == {}
+    ledger.mark(5.0)
+    assert ledger.used(0.0, 4.0) == {}
+
+
+def test_a_span_reaching_back_before_the_first_mark_counts_from_it():
+    ledger = EnergyLedger({"cpu": CountingMeter(2.0)})
+    ledger.mark(5.0)
+    ledger.mark(6.0)
+    ledger.mark(7.0)
+    assert ledger.used(-55.0, 7.0)["cpu"].joules == pytest.approx(4.0)

@@ -131,12 +131,13 @@ class EnergyLedger:
         self._readings.append((at, {d: m.read() for d, m in self.meters.items()}))
 
     def used(self, start: float, end: float) -> dict[str, EnergyReading]:
-        """Joules per device between the marks nearest `start` and `end`."""
-        before = [r for at, r in self._readings if at <= start]
-        after = [r for at, r in self._readings if at <= end]
-        if not before or not after:
+        """Joules per device between the marks nearest `start` and `end`; a span
+        that begins before the first mark counts from that mark."""
+        marks = [(at, r) for at, r in self._readings if at <= end]
+        if not marks:
             return {}
-        first, last = before[-1], after[-1]
+        before = [r for at, r in marks if at <= start]
+        first, last = (before[-1] if before else marks[0][1]), marks[-1][1]
         return {
             device: EnergyReading(last[device].joules - first[device].joules,
                                   last[device].source, last[device].at)

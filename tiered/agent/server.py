@@ -1,7 +1,9 @@
 """The agent process: load the repository, serve v2 gRPC, drain on shutdown.
 
-Besides the inference service it serves `grpc.health.v1` (SERVING once the
-repository is loaded, NOT_SERVING while shutting down) and server reflection.
+On one port: the v2 inference service, `tiered.v1.Telemetry`,
+`grpc.health.v1` (SERVING once the repository is loaded, NOT_SERVING while
+shutting down) and server reflection; Prometheus `/metrics` on another.
+Tracing is set up here when an OTLP endpoint is configured.
 """
 
 from __future__ import annotations

@@ -530,7 +530,7 @@ def _preflight(request: BuildRequest, profile: TierProfile, settings: BuildSetti
     if not request.source.is_file():
         raise ConfigError(f"artifact: {request.source} is not a file")
     _check_layout_names(request.model, request.version)
-    if not request.repository.is_dir():
+    if request.repository.exists() and not request.repository.is_dir():
         raise ConfigError(f"repository: {request.repository} is not a directory")
     if settings.backend not in BACKENDS:
         raise ConfigError(
@@ -733,8 +733,9 @@ def install_version(
     the model has none. On any failure the repository is left as it was.
     """
     _check_layout_names(model, version)
-    if not repository.is_dir():
+    if repository.exists() and not repository.is_dir():
         raise ConfigError(f"repository: {repository} is not a directory")
+    repository.mkdir(parents=True, exist_ok=True)  # a new repository starts with its first build
     model_dir = repository / model
     created_model_dir = not model_dir.exists()
     target = model_dir / str(version)

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from tiered import errors
-from tiered.protocol.status import describe, status_code, translate_errors
+from tiered.protocol.status import describe, error_from_status, status_code, translate_errors
 
 CODES = [
     (errors.InvalidArgument("inputs[0] 'x': bad"), grpc.StatusCode.INVALID_ARGUMENT),
@@ -100,3 +100,12 @@ def test_translate_errors_passes_answers_through() -> None:
 
     assert asyncio.run(Servicer().ServerLive(object(), context)) == "live"
     assert context.aborted is None
+
+
+@pytest.mark.parametrize("kind", [errors.InvalidArgument, errors.NotFound, errors.Unavailable,
+                                  errors.ResourceExhausted, errors.DeadlineExceeded,
+                                  errors.EngineError])
+def test_an_upstream_status_maps_back_to_the_error_that_produces_it(kind):
+    error = error_from_status(status_code(kind("x")), "details")
+    assert status_code(error) == status_code(kind("x"))
+    assert str(error) == "details"

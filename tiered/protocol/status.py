@@ -29,6 +29,18 @@ _CODES: dict[type[errors.TieredError], grpc.StatusCode] = {
 }
 
 
+# The reverse, for errors that come back from an upstream server (router ->
+# agent): the first domain error mapped to each code.
+_ERRORS: dict[grpc.StatusCode, type[errors.TieredError]] = {}
+for _kind, _code in _CODES.items():
+    _ERRORS.setdefault(_code, _kind)
+
+
+def error_from_status(code: grpc.StatusCode, details: str) -> errors.TieredError:
+    """The domain error an upstream status stands for (unknown codes: TieredError)."""
+    return _ERRORS.get(code, errors.TieredError)(details)
+
+
 def status_code(error: BaseException) -> grpc.StatusCode:
     for kind in type(error).__mro__:
         if kind in _CODES:

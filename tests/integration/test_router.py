@@ -1,0 +1,373 @@
+"""A real router in front of three real agents (edge, regional, datacenter) on
+loopback, driven by the unmodified tritonclient.
+
+Every agent serves the same repository: `digits` versions 1 (v1), 2 (v2, a
+retrained model that answers a little differently) and 3 (heavy, many times
+the compute). Tests rewrite the routing table file and wait for the router to
+load it; which agent answered is read from the agents' own statistics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from tiered.agent.process import AgentProcess, ServerProcess
+from tiered.agent.repository import model_file, write_config
+
+pytest.importorskip("torch")
+TIERS = ("edge", "regional", "datacenter")
+VERSIONS = {1: "v1", 2: "v2", 3: "heavy"}
+
+
+class RouterProcess(ServerProcess):
+    def __init__(self, table: Path) -> None:
+        super().__init__([sys.executable, "-m", "tiered", "router", "--routing-table",
+                          str(table), "--port", "0", "--metrics-port", "0", "--seed", "0"],
+                         "router")
+
+
+@pytest.fixture(scope="module")
+def digits_repository(tmp_path_factory) -> Path:
+    from tiered.models import digits
+
+    root = tmp_path_factory.mktemp("router-repository")
+    out = tmp_path_factory.mktemp("digits")
+    for version, variant in VERSIONS.items():
+        model = digits.write_digits(out, variant)
+        shutil.copy(model.onnx_path, model_file(root, "digits", version))
+    write_config(root, "digits", {"max_batch_size": 64, "version_policy": {"all": True}})
+    return root
+
+
+@pytest.fixture(scope="module")
+def agents(digits_repository):
+    started = {tier: AgentProcess(tier, digits_repository).start() for tier in TIERS}
+    yield started
+    for process in started.values():
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def table_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("router") / "routing.yaml"
+
+
+@pytest.fixture(scope="module")
+def router(agents, table_path):
+    write_table(table_path, table(agents, version=1))
+    with RouterProcess(table_path) as process:
+        process.table_version = 1
+        yield process
+        assert process.alive(), process.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    with grpcclient.InferenceServerClient(router.address) as c:
+        yield c
+
+
+def table(agents, version: int, policy: str = "slo-energy", tiers=None, **model) -> dict:
+    tiers = tiers or {t: {"agents": [agents[t].address], "stable": 1} for t in TIERS}
+    return {"version": version, "models": {"digits": {"policy": policy, "tiers": tiers,
+                                                      **model}}}
+
+
+def write_table(path: Path, document: dict) -> None:
+    staging = path.with_suffix(".tmp")
+    staging.write_text(json.dumps(document))
+    os.replace(staging, path)  # the controller's way: never a half-written file
+
+
+def metrics(router) -> dict[str, float]:
+    text = urllib.request.urlopen(router.metrics_url, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def metric(router, prefix: str) -> float:
+    return sum(v for k, v in metrics(router).items() if k.startswith(prefix))
+
+
+def use_table(router, table_path, document: dict) -> None:
+    router.table_version += 1
+    document["version"] = router.table_version
+    write_table(table_path, document)
+    deadline = time.monotonic() + 10
+    while metric(router, "tiered_router_table_version") != router.table_version:
+        assert time.monotonic() < deadline, router.log_tail()
+        time.sleep(0.1)
+
+
+def served(agents) -> dict[str, int]:
+    counts = {}
+    for tier, process in agents.items():
+        with grpcclient.InferenceServerClient(process.address) as c:
+            stats = c.get_inference_statistics("digits", as_json=True)["model_stats"]
+            counts[tier] = sum(int(s.get("inference_count", 0)) for s in stats)
+    return counts
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def images(batch: int = 1, seed: int = 0) -> np.ndarray:
+    from sklearn.datasets import load_digits
+
+    data = load_digits().images.astype(np.float32) / 16.0
+    rows = np.random.default_rng(seed).choice(len(data), batch)
+    return data[rows].reshape(batch, 1, 8, 8)
+
+
+def inputs_of(array: np.ndarray) -> list[grpcclient.InferInput]:
+    item = grpcclient.InferInput("input", list(array.shape), "FP32")
+    item.set_data_from_numpy(array)
+    return [item]
+
+
+def confidence(repository: Path, array: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(repository / "digits" / "1" / "model.onnx"))
+    logits = session.run(None, {"input": array})[0]
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).max(axis=1)
+
+
+def test_router_serves_metadata_and_infer_like_an_agent(client):
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("digits")
+    assert not client.is_model_ready("nothing")
+    assert client.get_server_metadata().name == "tiered-router"
+    assert client.get_model_metadata("digits").inputs[0].name == "input"
+    assert client.get_model_config("digits").config.max_batch_size == 64
+    result = client.infer("digits", inputs_of(images(4)))
+    assert result.as_numpy("logits").shape == (4, 10)
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("nothing", inputs_of(images()))
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_the_tier_hint_pins_the_request(client, agents, tier):
+    before = served(agents)
+    for _ in range(5):
+        client.infer("digits", inputs_of(images()), headers={"tiered-tier": tier})
+    for _ in range(5):
+        client.infer("digits", inputs_of(images()), parameters={"tiered-tier": tier})
+    assert delta(before, served(agents)) == {t: 10 if t == tier else 0 for t in TIERS}
+
+
+def test_an_unknown_tier_hint_is_invalid_argument(client):
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("digits", inputs_of(images()), headers={"tiered-tier": "moon"})
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "tiered-tier" in caught.value.message()
+
+
+def test_stream_infer_is_forwarded_per_request(router):
+    results, done = [], threading.Event()
+
+    def callback(result, error):
+        results.append((result, error))
+        if len(results) == 6:
+            done.set()
+
+    with grpcclient.InferenceServerClient(router.address) as c:
+        c.start_stream(callback)
+        for i in range(5):
+            c.async_stream_infer("digits", inputs_of(images(2, seed=i)), request_id=str(i))
+        c.async_stream_infer("nothing", inputs_of(images()), request_id="bad")
+        assert done.wait(30)
+        c.stop_stream()
+    errors = [e for _, e in results if e is not None]
+    assert len(errors) == 1 and "not in the routing table" in str(errors[0])
+    assert sorted(r.get_response().id for r, e in results if e is None) == list("01234")
+
+
+def test_the_slo_choice_moves_off_a_tier_that_became_slow(router, client, agents, table_path):
+    two = {t: {"agents": [agents[t].address], "stable": 1} for t in ("edge", "regional")}
+    use_table(router, table_path, table(agents, 0, tiers=two, slo_ms=5))
+    batch = inputs_of(images(64))
+    for _ in range(30):  # both tiers fast: energy decides
+        client.infer("digits", batch)
+    time.sleep(1.5)  # a telemetry poll
+    before = served(agents)
+    for _ in range(20):
+        client.infer("digits", batch)
+    first = max(("edge", "regional"), key=lambda t: delta(before, served(agents))[t])
+    other = "regional" if first == "edge" else "edge"
+    slowed = {**two, first: {"agents": [agents[first].address], "stable": 3}}
+    use_table(router, table_path, table(agents, 0, tiers=slowed, slo_ms=5))
+    for _ in range(30):  # the router measures the heavy version
+        client.infer("digits", batch)
+    time.sleep(1.5)
+    before = served(agents)
+    for _ in range(20):
+        client.infer("digits", batch)
+    moved = delta(before, served(agents))
+    assert moved[other] >= 18 * 64, (first, moved, router.log_tail())
+
+
+def test_cascade_escalates_unsure_answers_only(router, client, agents, table_path,
+                                               digits_repository):
+    use_table(router, table_path, table(
+        agents, 0, policy="cascade",
+        cascade={"tiers": ["edge", "regional", "datacenter"], "threshold": 0.9}))
+    pool = images(400, seed=3)
+    sure = pool[confidence(digits_repository, pool) > 0.99][:5]
+    noise = np.random.default_rng(4).random((400, 1, 8, 8), dtype=np.float32)
+    unsure = noise[confidence(digits_repository, noise) < 0.6][:5]
+    assert len(sure) == 5 and len(unsure) == 5
+    escalations = metric(router, "tiered_router_escalations_total")
+    before = served(agents)
+    for image in sure:
+        client.infer("digits", inputs_of(image[None]))
+    assert delta(before, served(agents)) == {"edge": 5, "regional": 0, "datacenter": 0}
+    before = served(agents)
+    for image in unsure:
+        client.infer("digits", inputs_of(image[None]))
+    # Every tier runs version 1, so an unsure answer stays unsure all the way up.
+    assert delta(before, served(agents)) == {"edge": 5, "regional": 5, "datacenter": 5}
+    assert metric(router, "tiered_router_escalations_total") - escalations == 10
+
+
+async def _versions_by_key(address: str, keys: list[str], concurrency: int = 32) -> list[str]:
+    array = images()
+    async with aioclient.InferenceServerClient(address) as c:
+        out: list[str] = []
+        for start in range(0, len(keys), concurrency):
+            calls = []
+            for key in keys[start:start + concurrency]:
+                item = aioclient.InferInput("input", list(array.shape), "FP32")
+                item.set_data_from_numpy(array)
+                calls.append(c.infer("digits", [item], headers={"tiered-key": key}))
+            out.extend(r.get_response().model_version for r in await asyncio.gather(*calls))
+    return out
+
+
+def test_canary_split_is_sticky_and_near_its_weight(router, agents, table_path):
+    edge = {"edge": {"agents": [agents["edge"].address], "stable": 1, "canary": 2,
+                     "canary_weight": 0.1}}
+    use_table(router, table_path, table(agents, 0, tiers=edge))
+    keys = [f"user-{i}" for i in range(5000)]
+    versions = asyncio.run(_versions_by_key(router.address, keys))
+    share = versions.count("2") / len(versions)
+    assert abs(share - 0.1) <= 0.02, share
+    assert set(versions) == {"1", "2"}
+    again = asyncio.run(_versions_by_key(router.address, keys[:300]))
+    assert again == versions[:300]  # a key keeps its version
+
+
+def test_shadowing_counts_agreement_without_touching_answers(router, client, agents,
+                                                             table_path):
+    edge = {"edge": {"agents": [agents["edge"].address], "stable": 1, "canary": 2,
+                     "shadow_fraction": 1.0}}
+    use_table(router, table_path, table(agents, 0, tiers=edge))
+    shadowed = metric(router, "tiered_router_shadow_total")
+    agreed = metric(router, 'tiered_router_shadow_total{model="digits",result="agree"')
+    for i in range(20):
+        result = client.infer("digits", inputs_of(images(seed=i)))
+        assert result.get_response().model_version == "1"
+    deadline = time.monotonic() + 10
+    while metric(router, "tiered_router_shadow_total") - shadowed < 20:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # v1 and v2 both read digits well: they agree on most real images.
+    agreement = metric(router, 'tiered_router_shadow_total{model="digits",result="agree"') - agreed
+    assert agreement >= 15
+
+
+def test_saturated_agents_answer_resource_exhausted_at_once(router, agents, table_path):
+    edge = {"edge": {"agents": [agents["edge"].address], "stable": 3}}
+    use_table(router, table_path, table(agents, 0, tiers=edge, max_in_flight=1))
+    array = images(64)
+
+    async def burst() -> list[str]:
+        async with aioclient.InferenceServerClient(router.address) as c:
+            item = aioclient.InferInput("input", list(array.shape), "FP32")
+            item.set_data_from_numpy(array)
+            outcomes = await asyncio.gather(*(c.infer("digits", [item]) for _ in range(8)),
+                                            return_exceptions=True)
+        return ["ok" if not isinstance(o, Exception) else o.status() for o in outcomes]
+
+    outcomes = asyncio.run(burst())
+    assert "ok" in outcomes
+    assert "StatusCode.RESOURCE_EXHAUSTED" in outcomes
+
+
+def test_the_deadline_travels_downstream(router, client, agents, table_path):
+    edge = {"edge": {"agents": [agents["edge"].address], "stable": 3}}
+    use_table(router, table_path, table(agents, 0, tiers=edge))
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("digits", inputs_of(images(64)), client_timeout=0.001)
+    assert caught.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+
+
+def test_an_invalid_table_is_rejected_and_the_last_good_one_serves(router, client, agents,
+                                                                   table_path):
+    use_table(router, table_path, table(agents, 0))
+    good = router.table_version
+    write_table(table_path, {"version": good + 1, "models": {"digits": {"tiers": {
+        "edge": {"agents": [agents["edge"].address], "canary_weight": 0.5}}}}})
+    deadline = time.monotonic() + 10
+    while "routing table rejected" not in router.log():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert re.search(r"canary_weight: is above 0 but no canary version", router.log())
+    assert metric(router, "tiered_router_table_version") == good
+    client.infer("digits", inputs_of(images()))
+
+
+def test_an_agent_killed_mid_traffic_costs_no_client_error(router, agents, table_path,
+                                                           digits_repository):
+    spare = AgentProcess("edge", digits_repository).start()
+    try:
+        edge = {"edge": {"agents": [agents["edge"].address, spare.address], "stable": 1}}
+        use_table(router, table_path, table(agents, 0, tiers=edge))
+        failures: list[Exception] = []
+        answered = 0
+        stop = threading.Event()
+
+        def traffic() -> None:
+            nonlocal answered
+            with grpcclient.InferenceServerClient(router.address) as c:
+                while not stop.is_set():
+                    try:
+                        c.infer("digits", inputs_of(images()))
+                        answered += 1
+                    except InferenceServerException as error:
+                        failures.append(error)
+
+        threads = [threading.Thread(target=traffic) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        spare.kill()
+        time.sleep(1.5)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        assert not failures, failures[:3]
+        assert answered > 50
+    finally:
+        spare.kill()

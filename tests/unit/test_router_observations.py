@@ -1,0 +1,90 @@
+"""The router's picture of its agents, and hint parsing: no processes needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiered.errors import InvalidArgument
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.router.observations import Observer, histogram_quantile, telemetry_of
+from tiered.router.server import read_hints
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stats(model="m", buckets=(10,), counts=(10,), queue=0, jpi=None) -> tpb.StatsResponse:
+    version = tpb.VersionStats(
+        model_name=model, model_version="1", inferences=sum(counts), queue_depth=queue,
+        latency=tpb.Histogram(lowest_s=1e-3, growth=2.0, bucket=buckets, count=counts,
+                              sum_s=0.01 * sum(counts)),
+        compute=tpb.Histogram(lowest_s=1e-3, growth=2.0, bucket=buckets, count=counts,
+                              sum_s=0.004 * sum(counts)))
+    if jpi is not None:
+        version.has_energy, version.joules_per_inference = True, jpi
+    return tpb.StatsResponse(versions=[version])
+
+
+def test_histogram_quantile_reads_bucket_midpoints():
+    h = tpb.Histogram(lowest_s=1e-3, growth=2.0, bucket=[1, 3], count=[90, 10])
+    assert histogram_quantile(h, 0.5) == pytest.approx(1e-3 * 2 ** 0.5)
+    assert histogram_quantile(h, 0.95) == pytest.approx(1e-3 * 4 * 2 ** 0.5)
+    assert histogram_quantile(tpb.Histogram(), 0.95) is None
+
+
+def test_telemetry_gives_p95_service_time_energy_and_queue():
+    figures, queues = telemetry_of(stats(queue=3, jpi=0.25), at=1.0)
+    assert figures["m"].mean_s == pytest.approx(0.01)
+    assert figures["m"].service_s == pytest.approx(0.004)
+    assert figures["m"].joules_per_inference == 0.25
+    assert queues == {"m": 3}
+    figures, queues = telemetry_of(stats(buckets=(), counts=(), queue=1), at=1.0)
+    assert figures == {} and queues == {"m": 1}  # an idle span keeps no figures
+
+
+def test_observer_folds_ewma_and_telemetry_into_an_observation():
+    clock = Clock()
+    observer = Observer(clock, stale_after_s=10, alpha=0.5)
+    observer.record_latency("a:1", "m", 0.020)
+    observer.record_latency("a:1", "m", 0.010)
+    observer.record_stats("a:1", stats(queue=2, jpi=0.5))
+    seen = observer.observe("a:1", "m")
+    assert seen.ewma_s == pytest.approx(0.015)
+    assert seen.rtt_s == pytest.approx(0.005)  # router EWMA minus the agent's mean
+    assert seen.queue_depth == 2 and seen.joules_per_inference == 0.5
+    assert seen.predicted_p95_s() == pytest.approx(seen.p95_s + 2 * 0.004 + 0.005)
+    clock.now += 11  # stale figures are forgotten, so the agent gets tried again
+    assert observer.observe("a:1", "m").predicted_p95_s() is None
+
+
+def test_in_flight_limit_and_forgetting_agents():
+    observer = Observer(Clock())
+    assert observer.try_acquire("a:1", 2) and observer.try_acquire("a:1", 2)
+    assert not observer.try_acquire("a:1", 2)
+    observer.release("a:1")
+    assert observer.observe("a:1", "m").in_flight == 1
+    observer.record_latency("b:1", "m", 0.01)
+    observer.forget({"a:1"})
+    assert observer.observe("b:1", "m").ewma_s is None
+
+
+def test_hints_from_parameters_win_over_metadata():
+    request = pb.ModelInferRequest(model_name="m")
+    request.parameters["tiered-tier"].string_param = "edge"
+    request.parameters["tiered-slo-ms"].int64_param = 20
+    hints = read_hints("m", request.parameters,
+                       [("tiered-tier", "datacenter"), ("tiered-key", "alice")])
+    assert (hints.tier, hints.slo_ms, hints.key) == ("edge", 20.0, "alice")
+    assert read_hints("m", {}, None).tier is None
+
+
+@pytest.mark.parametrize("slo", ["fast", "-1", "0", "inf"])
+def test_a_bad_slo_hint_is_invalid_argument(slo):
+    with pytest.raises(InvalidArgument, match="tiered-slo-ms"):
+        read_hints("m", {}, [("tiered-slo-ms", slo)])

@@ -1,0 +1,193 @@
+"""Routing policies as tables: pinned, slo-energy, cascade, canary split, shadow."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from tiered.errors import InvalidArgument, NotFound
+from tiered.router import policies as p
+from tiered.router.table import TierRoute
+
+E1, E2 = p.Candidate("edge", "e:1", 1), p.Candidate("edge", "e:2", 1)
+R1 = p.Candidate("regional", "r:1", 1)
+D1 = p.Candidate("datacenter", "d:1", 1)
+ALL = (E1, E2, R1, D1)
+
+
+def obs(p95_ms=None, joules=None, queue=0, service_ms=0.0, rtt_ms=0.0, in_flight=0,
+        ewma_ms=None) -> p.AgentObservation:
+    return p.AgentObservation(
+        p95_s=None if p95_ms is None else p95_ms / 1000, service_s=service_ms / 1000,
+        queue_depth=queue, rtt_s=rtt_ms / 1000, joules_per_inference=joules,
+        in_flight=in_flight, ewma_s=None if ewma_ms is None else ewma_ms / 1000)
+
+
+def test_predicted_p95_adds_queue_and_round_trip():
+    assert obs(p95_ms=10, queue=3, service_ms=2, rtt_ms=1).predicted_p95_s() == \
+        pytest.approx(0.017)
+    assert obs(ewma_ms=4).predicted_p95_s() == pytest.approx(0.004)  # no telemetry yet
+    assert obs().predicted_p95_s() is None
+
+
+PINNED = {
+    "edge-hint": ("edge", {}, {"e:1", "e:2"}),
+    "regional-hint": ("regional", {}, {"r:1"}),
+}
+
+
+@pytest.mark.parametrize("tier, observations, agents", PINNED.values(), ids=PINNED)
+def test_pinned_keeps_only_the_hinted_tier(tier, observations, agents):
+    ranking = p.Pinned().choose(ALL, p.RouteRequest("m", tier=tier), observations,
+                                random.Random(0))
+    assert {c.agent for c in ranking.candidates} == agents
+
+
+def test_pinned_refuses_unknown_or_absent_tiers():
+    with pytest.raises(InvalidArgument, match="tiered-tier: unknown tier 'moon'"):
+        p.Pinned().choose(ALL, p.RouteRequest("m", tier="moon"), {}, random.Random(0))
+    with pytest.raises(NotFound, match="no agents on tier 'datacenter'"):
+        p.Pinned().choose((E1, R1), p.RouteRequest("m", tier="datacenter"), {}, random.Random(0))
+
+
+def test_power_of_two_choices_puts_the_less_loaded_of_two_first():
+    observations = {"e:1": obs(in_flight=9), "e:2": obs(in_flight=1)}
+    for seed in range(20):  # with two agents, both are always drawn
+        ranked = p.order_agents([E1, E2], observations, random.Random(seed))
+        assert ranked == [E2, E1]
+
+
+SLO_ENERGY = {
+    "lowest-energy-among-meeting": (
+        50, {"e:1": obs(10, 0.5), "e:2": obs(10, 0.5), "r:1": obs(5, 0.2), "d:1": obs(2, 0.9)},
+        "regional"),
+    "slow-cheap-tier-excluded-by-slo": (
+        8, {"e:1": obs(10, 0.5), "e:2": obs(10, 0.5), "r:1": obs(20, 0.2), "d:1": obs(2, 0.9)},
+        "datacenter"),
+    "queue-pushes-a-tier-over-the-slo": (
+        20, {"e:1": obs(5, 0.1, queue=10, service_ms=2), "e:2": obs(5, 0.1, queue=10,
+             service_ms=2), "r:1": obs(5, 0.3), "d:1": obs(5, 0.9)}, "regional"),
+    "round-trip-counts": (
+        20, {"e:1": obs(5, 0.1, rtt_ms=30), "e:2": obs(5, 0.1, rtt_ms=30),
+             "r:1": obs(5, 0.3), "d:1": obs(5, 0.9)}, "regional"),
+    "none-meets-fastest-first": (
+        1, {"e:1": obs(10, 0.1), "e:2": obs(10, 0.1), "r:1": obs(4, 0.3), "d:1": obs(6, 0.9)},
+        "regional"),
+    "energy-tie-broken-by-load": (
+        50, {"e:1": obs(5, 0.2, in_flight=5), "e:2": obs(5, 0.2, in_flight=5),
+             "r:1": obs(5, 0.2, in_flight=1), "d:1": obs(5, 0.9)}, "regional"),
+    "unknown-energy-ranks-after-known": (
+        50, {"e:1": obs(5), "e:2": obs(5), "r:1": obs(5), "d:1": obs(5, 0.9)}, "datacenter"),
+}
+
+
+@pytest.mark.parametrize("slo_ms, observations, first_tier", SLO_ENERGY.values(), ids=SLO_ENERGY)
+def test_slo_energy_picks_the_cheapest_tier_meeting_the_slo(slo_ms, observations, first_tier):
+    ranking = p.SloEnergy(default_slo_ms=100).choose(
+        ALL, p.RouteRequest("m", slo_ms=slo_ms), observations, random.Random(0))
+    assert ranking.candidates[0].tier == first_tier
+    assert sorted(ranking.candidates, key=str) == sorted(ALL, key=str)  # all kept for failover
+    assert ranking.reason
+
+
+def test_slo_energy_uses_the_model_default_without_a_hint():
+    observations = {"e:1": obs(30, 0.1), "e:2": obs(30, 0.1), "r:1": obs(5, 0.5),
+                    "d:1": obs(5, 0.9)}
+    choose = p.SloEnergy(default_slo_ms=10).choose
+    assert choose(ALL, p.RouteRequest("m"), observations, random.Random(0)) \
+        .candidates[0].tier == "regional"
+    assert choose(ALL, p.RouteRequest("m", slo_ms=50), observations, random.Random(0)) \
+        .candidates[0].tier == "edge"
+
+
+def test_cascade_orders_tiers_as_configured():
+    ranking = p.Cascade(("regional", "edge")).choose(ALL, p.RouteRequest("m"), {},
+                                                     random.Random(0))
+    assert [c.tier for c in ranking.candidates] == ["regional", "edge", "edge"]
+
+
+logits_sure = np.array([[0.0, 9.0, 0.0]], np.float32)
+logits_unsure = np.array([[1.0, 1.1, 0.9]], np.float32)
+ESCALATE = {
+    "confident-logits": ({"logits": logits_sure}, 0.9, "", False),
+    "unsure-logits": ({"logits": logits_unsure}, 0.9, "", True),
+    "probabilities-used-as-is": ({"p": np.array([[0.85, 0.1, 0.05]])}, 0.9, "", True),
+    "probabilities-confident": ({"p": np.array([[0.95, 0.05, 0.0]])}, 0.9, "", False),
+    "batch-escalates-on-its-least-sure-row": (
+        {"logits": np.concatenate([logits_sure, logits_unsure])}, 0.9, "", True),
+    "named-confidence-output": (
+        {"logits": logits_unsure, "confidence": np.array([[0.97]])}, 0.9, "confidence", False),
+    "named-logits-output": ({"logits": logits_unsure, "other": logits_sure}, 0.9, "logits",
+                            True),
+    "threshold-zero-never-escalates": ({"logits": logits_unsure}, 0.0, "", False),
+}
+
+
+@pytest.mark.parametrize("outputs, threshold, name, escalate", ESCALATE.values(), ids=ESCALATE)
+def test_should_escalate(outputs, threshold, name, escalate):
+    assert p.should_escalate(outputs, threshold, name) is escalate
+
+
+def test_escalation_needs_a_name_when_outputs_are_several():
+    with pytest.raises(InvalidArgument, match="cascade.output"):
+        p.should_escalate({"a": logits_sure, "b": logits_sure}, 0.9)
+    with pytest.raises(NotFound, match="no output 'c'"):
+        p.should_escalate({"a": logits_sure}, 0.9, "c")
+
+
+canary_route = TierRoute(agents=("e:1",), stable=1, canary=2, canary_weight=0.1,
+                         shadow_fraction=0.5)
+VERSIONS = {
+    "no-canary": (TierRoute(agents=("e:1",), stable=3), "k", 3),
+    "weight-one-all-canary": (TierRoute(agents=("e:1",), stable=1, canary=2,
+                                        canary_weight=1.0), "k", 2),
+    "weight-zero-all-stable": (TierRoute(agents=("e:1",), stable=1, canary=2), "k", 1),
+}
+
+
+@pytest.mark.parametrize("route, key, version", VERSIONS.values(), ids=VERSIONS)
+def test_pick_version(route, key, version):
+    assert p.pick_version(route, key, random.Random(0)).version == version
+
+
+def test_a_key_keeps_its_version_whatever_the_rng():
+    for key in ("alice", "bob", "carol", "dave"):
+        picks = {p.pick_version(canary_route, key, random.Random(seed)).version
+                 for seed in range(20)}
+        assert len(picks) == 1
+
+
+def test_raising_the_weight_only_moves_keys_to_the_canary():
+    low = TierRoute(agents=("e:1",), stable=1, canary=2, canary_weight=0.1)
+    high = TierRoute(agents=("e:1",), stable=1, canary=2, canary_weight=0.3)
+    for i in range(2000):
+        if p.pick_version(low, f"k{i}", random.Random(0)).canary:
+            assert p.pick_version(high, f"k{i}", random.Random(0)).canary
+
+
+def test_a_tenth_of_5000_keys_see_the_canary_within_two_points():
+    share = sum(p.pick_version(canary_route, f"user-{i}", random.Random(0)).canary
+                for i in range(5000)) / 5000
+    assert abs(share - 0.1) <= 0.02
+
+
+def test_without_a_key_the_split_follows_the_rng():
+    rng = random.Random(1)
+    share = sum(p.pick_version(canary_route, None, rng).canary for _ in range(5000)) / 5000
+    assert abs(share - 0.1) <= 0.02
+
+
+def test_shadow_only_for_stable_requests_with_a_canary():
+    rng = random.Random(2)
+    stable, canary = p.VersionChoice(1, False), p.VersionChoice(2, True)
+    share = sum(p.should_shadow(canary_route, stable, rng) for _ in range(4000)) / 4000
+    assert abs(share - 0.5) <= 0.03
+    assert not any(p.should_shadow(canary_route, canary, rng) for _ in range(100))
+    no_canary = TierRoute(agents=("e:1",), stable=1)
+    assert not any(p.should_shadow(no_canary, stable, rng) for _ in range(100))
+
+
+def test_top1_per_row():
+    assert p.top1({"logits": np.array([[0, 3, 1], [5, 0, 0]])}) == (1, 0)

@@ -1,0 +1,89 @@
+"""The routing table document: strict loading, errors that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tiered.errors import ConfigError
+from tiered.router.table import load_table, parse_table
+
+
+def table(**model) -> dict:
+    route = {"tiers": {"edge": {"agents": ["127.0.0.1:1"]}}}
+    route.update(model)
+    return {"version": 1, "models": {"m": route}}
+
+
+def tier(**fields) -> dict:
+    return table(tiers={"edge": {"agents": ["127.0.0.1:1"], **fields}})
+
+
+def test_a_full_table_loads_into_frozen_values(tmp_path):
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({
+        "version": 3,
+        "models": {"digits": {
+            "policy": "cascade", "slo_ms": 20, "failover_attempts": 2, "max_in_flight": 8,
+            "cascade": {"tiers": ["edge", "datacenter"], "threshold": 0.8, "output": "logits"},
+            "tiers": {
+                "edge": {"agents": ["127.0.0.1:1", "127.0.0.1:2"], "stable": 1, "canary": 2,
+                         "canary_weight": 0.1, "shadow_fraction": 0.5},
+                "datacenter": {"agents": ["127.0.0.1:3"]},
+            },
+        }},
+    }))
+    loaded = load_table(path)
+    route = loaded.models["digits"]
+    assert loaded.version == 3
+    assert route.cascade.tiers == ("edge", "datacenter")
+    assert route.tiers["edge"].canary_weight == 0.1
+    assert route.ordered_tiers() == ("edge", "datacenter")
+    assert loaded.agents() == {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}
+    with pytest.raises(AttributeError):
+        route.slo_ms = 5  # frozen
+
+
+@pytest.mark.parametrize("document, message", [
+    pytest.param({"models": {}}, "version", id="version-missing"),
+    pytest.param(table(policy="fastest"), "models.m.policy: unknown policy 'fastest'",
+                 id="unknown-policy"),
+    pytest.param(table(tiers={"moon": {"agents": ["h:1"]}}), "unknown tier 'moon'",
+                 id="unknown-tier"),
+    pytest.param(table(tiers={"edge": {"agents": []}}),
+                 "models.m.tiers.edge.agents: needs at least one", id="empty-agents"),
+    pytest.param(table(tiers={"edge": {"agents": ["nohost"]}}),
+                 "models.m.tiers.edge.agents[0]: expected HOST:PORT", id="bad-address"),
+    pytest.param(tier(canary=2, canary_weight=1.5), "models.m.tiers.edge.canary_weight: "
+                 "expected 0..1", id="weight-above-one"),
+    pytest.param(tier(canary=2, canary_weight=-0.1), "canary_weight: expected 0..1",
+                 id="weight-negative"),
+    pytest.param(tier(canary_weight=0.2), "canary_weight: is above 0 but no canary version",
+                 id="weight-without-canary"),
+    pytest.param(tier(shadow_fraction=0.2), "shadow_fraction: is above 0 but no canary",
+                 id="shadow-without-canary"),
+    pytest.param(tier(colour="red"), "unknown key 'colour'", id="unknown-key"),
+    pytest.param(table(slo_ms=0), "models.m.slo_ms: expected > 0", id="slo-zero"),
+    pytest.param(table(failover_attempts=0), "failover_attempts: expected 1..",
+                 id="no-attempts"),
+    pytest.param(table(max_in_flight=0), "max_in_flight: expected >= 1", id="no-in-flight"),
+    pytest.param(table(policy="cascade", cascade={"tiers": ["edge", "regional"]}),
+                 "cascade: tier 'regional' has no entry in tiers", id="cascade-tier-missing"),
+    pytest.param(table(cascade={"threshold": 2}), "cascade.threshold: expected 0..1",
+                 id="threshold-range"),
+    pytest.param(table(cascade={"tiers": ["edge", "edge"]}), "listed twice",
+                 id="cascade-tier-twice"),
+    pytest.param(tier(stable="one"), "stable: expected an integer", id="version-type"),
+])
+def test_an_invalid_table_is_rejected_naming_the_field(document, message):
+    with pytest.raises(ConfigError) as caught:
+        parse_table(document)
+    assert message in str(caught.value)
+
+
+def test_an_unreadable_file_names_the_file(tmp_path):
+    path = tmp_path / "table.yaml"
+    path.write_text("version: [1\n")
+    with pytest.raises(ConfigError, match="table.yaml: invalid YAML"):
+        load_table(path)

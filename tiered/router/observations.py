@@ -1,0 +1,213 @@
+"""What the router knows of each agent: its own measurements and the agents'.
+
+Two sources, folded into `AgentObservation` values for the policies:
+the router's EWMA of the latency of calls it forwarded (and its in-flight
+counts, which are also the backpressure limit), and each agent's
+`tiered.v1.Telemetry/Stats` (recent P95, queue depth, service time, joules
+per inference), read by `TelemetryPoller` with a cursor. The clock is
+injected. Figures older than `stale_after_s` are forgotten, so a tier that
+was slow once is tried again rather than shunned forever. This module never
+chooses a route and never imports agent code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.router.policies import AgentObservation
+
+log = logging.getLogger(__name__)
+
+EWMA_ALPHA = 0.2  # weight of the newest forwarded call's latency
+STALE_AFTER_S = 10.0
+POLL_INTERVAL_S = 1.0
+POLL_TIMEOUT_S = 1.0
+
+
+def histogram_quantile(histogram: tpb.Histogram, q: float) -> float | None:
+    """The q-quantile in seconds of a sparse log histogram (bucket midpoints)."""
+    total = sum(histogram.count)
+    if total == 0:
+        return None
+    rank, seen = max(1, math.ceil(q * total)), 0
+    for bucket, count in zip(histogram.bucket, histogram.count):
+        seen += count
+        if seen >= rank:
+            if bucket == 0:
+                return histogram.lowest_s
+            return histogram.lowest_s * histogram.growth ** (bucket - 1) * \
+                math.sqrt(histogram.growth)
+    return None
+
+
+@dataclass(frozen=True)
+class AgentTelemetry:
+    """One agent's figures for one model over its last non-empty span."""
+
+    at: float  # router clock when they were read
+    p95_s: float | None
+    mean_s: float | None
+    service_s: float | None
+    joules_per_inference: float | None
+
+
+def telemetry_of(response: tpb.StatsResponse, at: float) -> tuple[dict[str, AgentTelemetry],
+                                                                 dict[str, int]]:
+    """Per model: the span's figures (only models that answered in it) and the
+    queue depth now (every model the agent serves)."""
+    figures: dict[str, AgentTelemetry] = {}
+    queues: dict[str, int] = {}
+    by_model: dict[str, list[tpb.VersionStats]] = {}
+    for version in response.versions:
+        by_model.setdefault(version.model_name, []).append(version)
+    for model, versions in by_model.items():
+        queues[model] = sum(v.queue_depth for v in versions)
+        latency = tpb.Histogram()
+        answered = [v for v in versions if sum(v.latency.count)]
+        if not answered:
+            continue
+        # Merge the versions' histograms (same bucket layout on one agent).
+        merged: dict[int, int] = {}
+        for v in answered:
+            for bucket, count in zip(v.latency.bucket, v.latency.count):
+                merged[bucket] = merged.get(bucket, 0) + count
+        latency.lowest_s, latency.growth = answered[0].latency.lowest_s, \
+            answered[0].latency.growth
+        latency.bucket.extend(sorted(merged))
+        latency.count.extend(merged[b] for b in sorted(merged))
+        count = sum(latency.count)
+        compute_count = sum(sum(v.compute.count) for v in answered)
+        energy = [(v.joules_per_inference, v.inferences) for v in answered
+                  if v.has_energy and v.inferences and v.joules_per_inference > 0]
+        inferences = sum(n for _, n in energy)
+        figures[model] = AgentTelemetry(
+            at=at,
+            p95_s=histogram_quantile(latency, 0.95),
+            mean_s=sum(v.latency.sum_s for v in answered) / count,
+            service_s=(sum(v.compute.sum_s for v in answered) / compute_count
+                       if compute_count else None),
+            joules_per_inference=(sum(j * n for j, n in energy) / inferences
+                                  if inferences else None),
+        )
+    return figures, queues
+
+
+class Observer:
+    """The router's running picture of its agents. One event loop writes it."""
+
+    def __init__(self, clock: Callable[[], float], stale_after_s: float = STALE_AFTER_S,
+                 alpha: float = EWMA_ALPHA) -> None:
+        self.clock = clock
+        self.stale_after_s = stale_after_s
+        self.alpha = alpha
+        self._ewma: dict[tuple[str, str], tuple[float, float]] = {}  # -> (seconds, at)
+        self._telemetry: dict[tuple[str, str], AgentTelemetry] = {}
+        self._queues: dict[tuple[str, str], int] = {}
+        self.in_flight: dict[str, int] = {}
+
+    # Backpressure: counted here because the policies rank by the same load.
+    def try_acquire(self, agent: str, limit: int) -> bool:
+        current = self.in_flight.get(agent, 0)
+        if current >= limit:
+            return False
+        self.in_flight[agent] = current + 1
+        return True
+
+    def release(self, agent: str) -> None:
+        self.in_flight[agent] = max(0, self.in_flight.get(agent, 1) - 1)
+
+    def record_latency(self, agent: str, model: str, seconds: float) -> None:
+        key = (agent, model)
+        previous = self._ewma.get(key)
+        now = self.clock()
+        if previous is None or now - previous[1] > self.stale_after_s:
+            self._ewma[key] = (seconds, now)
+        else:
+            self._ewma[key] = (previous[0] + self.alpha * (seconds - previous[0]), now)
+
+    def record_stats(self, agent: str, response: tpb.StatsResponse) -> None:
+        figures, queues = telemetry_of(response, self.clock())
+        for model, value in figures.items():
+            self._telemetry[(agent, model)] = value
+        for (address, model) in [k for k in self._queues if k[0] == agent]:
+            if model not in queues:
+                del self._queues[(address, model)]
+        for model, depth in queues.items():
+            self._queues[(agent, model)] = depth
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop agents that left the routing table (bounded memory)."""
+        kept = set(keep)
+        for table in (self._ewma, self._telemetry, self._queues):
+            for key in [k for k in table if k[0] not in kept]:
+                del table[key]
+        for agent in [a for a, n in self.in_flight.items() if a not in kept and n == 0]:
+            del self.in_flight[agent]
+
+    def observe(self, agent: str, model: str) -> AgentObservation:
+        now = self.clock()
+        ewma = self._ewma.get((agent, model))
+        ewma_s = ewma[0] if ewma and now - ewma[1] <= self.stale_after_s else None
+        figures = self._telemetry.get((agent, model))
+        if figures is not None and now - figures.at > self.stale_after_s:
+            figures = None
+        rtt = 0.0
+        if figures is not None and ewma_s is not None and figures.mean_s is not None:
+            rtt = max(0.0, ewma_s - figures.mean_s)
+        return AgentObservation(
+            p95_s=figures.p95_s if figures else None,
+            service_s=figures.service_s if figures else None,
+            queue_depth=self._queues.get((agent, model), 0),
+            rtt_s=rtt,
+            ewma_s=ewma_s,
+            joules_per_inference=figures.joules_per_inference if figures else None,
+            in_flight=self.in_flight.get(agent, 0),
+        )
+
+    def snapshot(self, agents: Iterable[str], model: str) -> dict[str, AgentObservation]:
+        return {agent: self.observe(agent, model) for agent in agents}
+
+
+class TelemetryPoller:
+    """Reads every agent's Stats each interval, from where it left off."""
+
+    def __init__(self, observer: Observer, channel_of: Callable[[str], grpc.aio.Channel],
+                 agents: Callable[[], Iterable[str]], interval_s: float = POLL_INTERVAL_S
+                 ) -> None:
+        self.observer = observer
+        self.channel_of = channel_of
+        self.agents = agents
+        self.interval_s = interval_s
+        self._cursors: dict[str, float] = {}
+
+    async def poll_once(self) -> None:
+        agents = list(self.agents())
+        self._cursors = {a: c for a, c in self._cursors.items() if a in agents}
+        await asyncio.gather(*(self._poll(agent) for agent in agents))
+
+    async def _poll(self, agent: str) -> None:
+        stub = tpb_grpc.TelemetryStub(self.channel_of(agent))
+        try:
+            response = await stub.Stats(
+                tpb.StatsRequest(cursor=self._cursors.get(agent, 0.0)), timeout=POLL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            log.debug("telemetry of %s: %s", agent, error.code().name)
+            return
+        self._cursors[agent] = response.end
+        self.observer.record_stats(agent, response)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # a poll never stops the router
+                log.exception("telemetry poll failed")
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,278 @@
+"""Routing policies: pure functions of (table, request, observations, rng).
+
+Each policy is one method, `choose(candidates, request, observations, rng)
+-> Ranking`: the candidates in the order the router should try them, with a
+reason. The canary split (`pick_version`), the shadow decision and the
+cascade's confidence test (`should_escalate`) live here too. Nothing here
+does I/O, reads a clock or owns randomness: the router passes in what it
+observed and an `random.Random`. Never import gRPC or agent code here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tiered.errors import InvalidArgument, NotFound
+from tiered.router.table import TIERS, ModelRoute, TierRoute
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One agent of one tier, with the version to ask it for (0: its latest)."""
+
+    tier: str
+    agent: str
+    version: int
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy knows of a request: its hints, already parsed."""
+
+    model: str
+    tier: str | None = None  # the tiered-tier hint
+    slo_ms: float | None = None  # the tiered-slo-ms hint
+    key: str | None = None  # the tiered-key hint
+
+
+@dataclass(frozen=True)
+class AgentObservation:
+    """What the router knows of one agent serving one model, now."""
+
+    p95_s: float | None = None  # recent agent-side latency P95 (telemetry)
+    service_s: float | None = None  # mean engine time of one request (telemetry)
+    queue_depth: int = 0  # requests waiting in the agent's queue (telemetry)
+    rtt_s: float = 0.0  # network and protocol round trip (router EWMA minus agent latency)
+    ewma_s: float | None = None  # router-measured latency of forwarded calls
+    joules_per_inference: float | None = None
+    in_flight: int = 0  # router-side requests in flight to this agent
+
+    def predicted_p95_s(self) -> float | None:
+        """Recent P95 + the queue ahead x service time + the round trip."""
+        if self.p95_s is not None:
+            return self.p95_s + self.queue_depth * (self.service_s or 0.0) + self.rtt_s
+        return self.ewma_s  # no telemetry yet: what the router saw, round trip included
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.queue_depth
+
+
+Observations = Mapping[str, AgentObservation]  # by agent address
+_UNKNOWN = AgentObservation()
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A policy's decision: candidates in the order to try, and why."""
+
+    candidates: tuple[Candidate, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class VersionChoice:
+    version: int
+    canary: bool
+
+
+def pick_version(route: TierRoute, key: str | None, rng: random.Random) -> VersionChoice:
+    """Stable or canary. A key always lands on the same side for a given weight,
+    and raising the weight only moves keys from stable to canary."""
+    if route.canary is None or route.canary_weight <= 0:
+        return VersionChoice(route.stable, False)
+    point = key_point(key) if key else rng.random()
+    if point < route.canary_weight:
+        return VersionChoice(route.canary, True)
+    return VersionChoice(route.stable, False)
+
+
+def key_point(key: str) -> float:
+    """A key's fixed place in [0, 1): the consistent hash of the split."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def should_shadow(route: TierRoute, choice: VersionChoice, rng: random.Random) -> bool:
+    """Whether a stable request is also sent to the canary, to compare answers."""
+    return (not choice.canary and route.canary is not None and route.shadow_fraction > 0
+            and rng.random() < route.shadow_fraction)
+
+
+def order_agents(
+    candidates: Sequence[Candidate], observations: Observations, rng: random.Random
+) -> list[Candidate]:
+    """Power of two choices: of two random agents the less loaded goes first;
+    the rest follow by load, so failover has somewhere to go."""
+    if len(candidates) <= 1:
+        return list(candidates)
+
+    def load(c: Candidate) -> int:
+        return observations.get(c.agent, _UNKNOWN).load
+
+    first, second = rng.sample(range(len(candidates)), 2)
+    best = candidates[first] if load(candidates[first]) <= load(candidates[second]) \
+        else candidates[second]
+    rest = sorted((c for c in candidates if c is not best), key=load)
+    return [best, *rest]
+
+
+def _by_tier(candidates: Sequence[Candidate]) -> dict[str, list[Candidate]]:
+    tiers: dict[str, list[Candidate]] = {}
+    for candidate in candidates:
+        tiers.setdefault(candidate.tier, []).append(candidate)
+    return tiers
+
+
+class Pinned:
+    """Only the agents of the hinted tier."""
+
+    name = "pinned"
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
+               observations: Observations, rng: random.Random) -> Ranking:
+        if request.tier not in TIERS:
+            raise InvalidArgument(f"tiered-tier: unknown tier {request.tier!r}; expected one of "
+                                  f"{', '.join(TIERS)}")
+        pinned = [c for c in candidates if c.tier == request.tier]
+        if not pinned:
+            raise NotFound(f"tiered-tier: model {request.model!r} has no agents on tier "
+                           f"{request.tier!r}")
+        return Ranking(tuple(order_agents(pinned, observations, rng)),
+                       f"pinned to {request.tier}")
+
+
+@dataclass(frozen=True)
+class TierEstimate:
+    tier: str
+    predicted_p95_s: float  # of the tier's best agent; 0 when nothing is known yet
+    joules_per_inference: float  # inf when unknown
+    load: int
+
+
+def estimate_tier(tier: str, agents: Sequence[Candidate],
+                  observations: Observations) -> TierEstimate:
+    seen = [observations.get(c.agent, _UNKNOWN) for c in agents]
+    # An agent nobody has measured predicts 0: it is tried, and so measured.
+    predicted = min((o.predicted_p95_s() or 0.0) for o in seen)
+    energies = [o.joules_per_inference for o in seen if o.joules_per_inference is not None]
+    return TierEstimate(tier, predicted, min(energies) if energies else math.inf,
+                        min(o.load for o in seen))
+
+
+class SloEnergy:
+    """Among tiers predicted to meet the SLO, the lowest joules per inference
+    (then the least load); when none meets it, the fastest first."""
+
+    name = "slo-energy"
+
+    def __init__(self, default_slo_ms: float) -> None:
+        self.default_slo_ms = default_slo_ms
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
+               observations: Observations, rng: random.Random) -> Ranking:
+        slo_s = (request.slo_ms if request.slo_ms is not None else self.default_slo_ms) / 1000
+        tiers = _by_tier(candidates)
+        estimates = [estimate_tier(t, agents, observations) for t, agents in tiers.items()]
+        meeting = sorted((e for e in estimates if e.predicted_p95_s <= slo_s),
+                         key=lambda e: (e.joules_per_inference, e.load))
+        missing = sorted((e for e in estimates if e.predicted_p95_s > slo_s),
+                         key=lambda e: e.predicted_p95_s)
+        order = meeting + missing
+        ranked: list[Candidate] = []
+        for estimate in order:
+            ranked.extend(order_agents(tiers[estimate.tier], observations, rng))
+        if meeting:
+            best = meeting[0]
+            reason = (f"{best.tier}: predicted p95 {best.predicted_p95_s * 1000:.2f} ms meets "
+                      f"{slo_s * 1000:g} ms at {best.joules_per_inference:.4g} J/inference")
+        elif order:
+            reason = (f"no tier meets {slo_s * 1000:g} ms; fastest first: {order[0].tier} "
+                      f"({order[0].predicted_p95_s * 1000:.2f} ms)")
+        else:
+            reason = "no candidates"
+        return Ranking(tuple(ranked), reason)
+
+
+class Cascade:
+    """Cheapest tier first, in the configured order; the router escalates
+    along this order while `should_escalate` says the answer is unsure."""
+
+    name = "cascade"
+
+    def __init__(self, tiers: Sequence[str]) -> None:
+        self.tiers = tuple(tiers)
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
+               observations: Observations, rng: random.Random) -> Ranking:
+        tiers = _by_tier(candidates)
+        ranked: list[Candidate] = []
+        for tier in self.tiers:
+            ranked.extend(order_agents(tiers.get(tier, ()), observations, rng))
+        return Ranking(tuple(ranked), f"cascade {' > '.join(self.tiers)}")
+
+
+def confidence(outputs: Mapping[str, np.ndarray], output_name: str = "") -> float:
+    """The lowest per-row confidence of a batch.
+
+    The named output (else the only one): one value per row is a confidence
+    as is; rows of several values are probabilities when they already sum to
+    1 (max of them), else logits (max softmax).
+    """
+    if output_name:
+        if output_name not in outputs:
+            raise NotFound(f"cascade.output: the response has no output {output_name!r}")
+        array = outputs[output_name]
+    elif len(outputs) == 1:
+        (array,) = outputs.values()
+    else:
+        raise InvalidArgument(f"cascade.output: the response has {len(outputs)} outputs "
+                              f"({', '.join(outputs)}); name the one to judge")
+    values = np.asarray(array, dtype=np.float64)
+    if values.size == 0:
+        return 1.0
+    rows = values.reshape(values.shape[0], -1) if values.ndim > 1 else values.reshape(-1, 1)
+    if rows.shape[1] == 1:
+        return float(rows.min())
+    sums = rows.sum(axis=1)
+    if rows.min() >= 0 and np.allclose(sums, 1.0, atol=1e-3):
+        return float(rows.max(axis=1).min())
+    shifted = np.exp(rows - rows.max(axis=1, keepdims=True))
+    return float((shifted.max(axis=1) / shifted.sum(axis=1)).min())
+
+
+def should_escalate(outputs: Mapping[str, np.ndarray], threshold: float,
+                    output_name: str = "") -> bool:
+    return confidence(outputs, output_name) < threshold
+
+
+def top1(outputs: Mapping[str, np.ndarray], output_name: str = "") -> tuple[int, ...] | None:
+    """Each row's arg-max of the judged output, for shadow agreement."""
+    if output_name:
+        array = outputs.get(output_name)
+    else:
+        array = next(iter(outputs.values()), None) if len(outputs) == 1 else None
+    if array is None or array.ndim < 2 or array.dtype == object:
+        return None
+    return tuple(int(i) for i in array.reshape(array.shape[0], -1).argmax(axis=1))
+
+
+def candidates_of(route: ModelRoute, versions: Mapping[str, int]) -> list[Candidate]:
+    """Every agent of the model, each with its tier's chosen version."""
+    return [Candidate(tier, agent, versions[tier])
+            for tier in route.ordered_tiers() for agent in route.tiers[tier].agents]
+
+
+def policy_for(route: ModelRoute, request: RouteRequest) -> Pinned | SloEnergy | Cascade:
+    """The pin wins whenever the hint is present; else the model's policy."""
+    if request.tier is not None:
+        return Pinned()
+    if route.policy == "cascade":
+        return Cascade(route.cascade.tiers)
+    return SloEnergy(route.slo_ms)

@@ -1,0 +1,519 @@
+"""The router process: a v2 gRPC server that forwards to tier agents.
+
+A thin adapter around `policies`: read the hints, ask the policy for a
+ranking, forward over pooled channels (one per agent), fail over, cascade,
+shadow, count. Errors from agents come back as domain errors so that
+`translate_errors` maps them once. It talks to agents over gRPC only and must
+never import agent or controller modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+import tiered
+from tiered import errors
+from tiered.protocol import codec, descriptors
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol.status import describe, error_from_status, translate_errors
+from tiered.router import policies
+from tiered.router.observations import Observer, TelemetryPoller
+from tiered.router.table import ModelRoute, RoutingTable, load_table
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 << 20
+MAX_CONCURRENT_RPCS = 8192
+MAX_STREAM_IN_FLIGHT = 256
+MAX_SHADOW_IN_FLIGHT = 64  # shadow calls beyond this are skipped, never queued
+METADATA_TIMEOUT_S = 5.0
+TABLE_POLL_S = 1.0
+STATS_LOG_S = 30.0
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.DEADLINE_EXCEEDED})
+HINTS = ("tiered-tier", "tiered-slo-ms", "tiered-key")
+
+def upstream_error(agent: str, error: grpc.aio.AioRpcError) -> errors.TieredError:
+    return error_from_status(error.code(), f"{error.details()} (agent {agent})")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    routing_table: Path
+    host: str = "127.0.0.1"
+    port: int = 8001
+    metrics_port: int | None = None  # None: off, 0: any free port
+    seed: int | None = None  # rng seed for reproducible splits without keys
+
+
+def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, str]] | None
+               ) -> policies.RouteRequest:
+    """Hints from request parameters, else gRPC metadata."""
+    found: dict[str, object] = {}
+    for key, value in metadata or ():
+        if key in HINTS:
+            found[key] = value
+    for key in HINTS:
+        if key in parameters:
+            found[key] = codec.parameter_value(parameters[key])
+    slo = found.get("tiered-slo-ms")
+    if slo is not None:
+        try:
+            slo = float(slo)
+        except (TypeError, ValueError):
+            raise errors.InvalidArgument(f"tiered-slo-ms: expected milliseconds, got {slo!r}"
+                                         ) from None
+        if not slo > 0 or math.isinf(slo):
+            raise errors.InvalidArgument(f"tiered-slo-ms: expected > 0, got {slo!r}")
+    tier, key = found.get("tiered-tier"), found.get("tiered-key")
+    return policies.RouteRequest(model=model, tier=None if tier in (None, "") else str(tier),
+                                 slo_ms=slo, key=None if key in (None, "") else str(key))
+
+
+class ChannelPool:
+    """One channel per agent address, reused by every call to it."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.GRPCInferenceServiceStub] = {}
+
+    def channel(self, agent: str) -> grpc.aio.Channel:
+        channel = self._channels.get(agent)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(agent, options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ])
+            self._channels[agent] = channel
+        return channel
+
+    def stub(self, agent: str) -> pb_grpc.GRPCInferenceServiceStub:
+        stub = self._stubs.get(agent)
+        if stub is None:
+            stub = self._stubs[agent] = pb_grpc.GRPCInferenceServiceStub(self.channel(agent))
+        return stub
+
+    async def keep_only(self, agents: frozenset[str]) -> None:
+        for agent in [a for a in self._channels if a not in agents]:
+            self._stubs.pop(agent, None)
+            await self._channels.pop(agent).close(grace=5)
+
+    async def close(self) -> None:
+        await self.keep_only(frozenset())
+
+
+class RouterMetrics:
+    """Prometheus counters; also what the periodic log line summarises."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tiered_router_requests", "Requests answered, by where they went",
+                                ["model", "tier", "version", "outcome"], registry=self.registry)
+        self.failovers = Counter("tiered_router_failovers", "Attempts that failed over",
+                                 ["model", "tier", "code"], registry=self.registry)
+        self.escalations = Counter("tiered_router_escalations", "Cascade escalations",
+                                   ["model", "from_tier"], registry=self.registry)
+        self.shadow = Counter("tiered_router_shadow", "Shadowed requests by top-1 agreement",
+                              ["model", "tier", "result"], registry=self.registry)
+        self.rejected = Counter("tiered_router_saturated", "Requests refused: all saturated",
+                                ["model"], registry=self.registry)
+        self.table_version = Gauge("tiered_router_table_version", "Routing table in use",
+                                   registry=self.registry)
+
+
+class Router:
+    """The data plane: table, observations, pool and the forwarding logic."""
+
+    def __init__(self, table: RoutingTable, *, rng: random.Random | None = None,
+                 clock=time.monotonic) -> None:
+        self.table = table
+        self.rng = rng or random.Random()
+        self.clock = clock
+        self.observer = Observer(clock)
+        self.pool = ChannelPool()
+        self.metrics = RouterMetrics()
+        self.metrics.table_version.set(table.version)
+        self._shadows: set[asyncio.Task] = set()
+
+    async def use_table(self, table: RoutingTable) -> None:
+        self.table = table  # one assignment: a request sees the old table or the new one
+        self.metrics.table_version.set(table.version)
+        agents = table.agents()
+        self.observer.forget(agents)
+        await self.pool.keep_only(agents)
+
+    def route_of(self, model: str) -> ModelRoute:
+        route = self.table.models.get(model)
+        if route is None:
+            raise errors.NotFound(f"model_name: {model!r} is not in the routing table")
+        return route
+
+    def deadline_of(self, parameters: Mapping, time_remaining: float | None) -> float:
+        budget = self.table.timeout_s
+        if time_remaining is not None:
+            budget = min(budget, time_remaining)
+        if "timeout" in parameters:
+            timeout = codec.parameter_value(parameters["timeout"])
+            if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
+                budget = min(budget, timeout / 1e6)
+        return self.clock() + budget
+
+    async def infer(self, request: pb.ModelInferRequest,
+                    metadata: Sequence[tuple[str, str]] | None, deadline: float
+                    ) -> pb.ModelInferResponse:
+        model = request.model_name
+        route = self.route_of(model)
+        hints = read_hints(model, request.parameters, metadata)
+        choices = {tier: policies.pick_version(route.tiers[tier], hints.key, self.rng)
+                   for tier in route.tiers}
+        candidates = policies.candidates_of(route, {t: c.version for t, c in choices.items()})
+        policy = policies.policy_for(route, hints)
+        observations = self.observer.snapshot((c.agent for c in candidates), model)
+        ranking = policy.choose(candidates, hints, observations, self.rng)
+        if isinstance(policy, policies.Cascade):
+            response, chosen = await self._cascade(request, ranking, route, deadline)
+        else:
+            response, chosen = await self.forward(request, ranking.candidates, route, deadline)
+        self.metrics.requests.labels(model, chosen.tier, response.model_version, "ok").inc()
+        tier_route = route.tiers[chosen.tier]
+        if policies.should_shadow(tier_route, choices[chosen.tier], self.rng):
+            self._shadow(request, response, chosen, tier_route.canary, route)
+        return response
+
+    async def forward(self, request: pb.ModelInferRequest,
+                      candidates: Sequence[policies.Candidate], route: ModelRoute,
+                      deadline: float) -> tuple[pb.ModelInferResponse, policies.Candidate]:
+        """The first candidate that answers, failing over on retryable codes."""
+        attempts, saturated, last = 0, 0, None
+        for candidate in candidates:
+            if attempts >= route.failover_attempts:
+                break
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded(
+                    f"the request's deadline passed after {attempts} attempt(s)")
+            if not self.observer.try_acquire(candidate.agent, route.max_in_flight):
+                saturated += 1
+                continue
+            attempts += 1
+            request.model_version = str(candidate.version) if candidate.version else ""
+            started = self.clock()
+            try:
+                response = await self.pool.stub(candidate.agent).ModelInfer(
+                    request, timeout=remaining)
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in RETRYABLE:
+                    raise upstream_error(candidate.agent, error) from None
+                self.metrics.failovers.labels(request.model_name, candidate.tier,
+                                              error.code().name).inc()
+                last = (candidate.agent, error)
+                continue
+            finally:
+                self.observer.release(candidate.agent)
+            self.observer.record_latency(candidate.agent, request.model_name,
+                                         self.clock() - started)
+            return response, candidate
+        if last is None:
+            if saturated:
+                self.metrics.rejected.labels(request.model_name).inc()
+                raise errors.ResourceExhausted(
+                    f"model {request.model_name!r}: every agent is at its in-flight limit "
+                    f"({route.max_in_flight}); retry later")
+            raise errors.Unavailable(f"model {request.model_name!r}: no agent to send to")
+        raise upstream_error(*last)
+
+    async def _cascade(self, request: pb.ModelInferRequest, ranking: policies.Ranking,
+                       route: ModelRoute, deadline: float
+                       ) -> tuple[pb.ModelInferResponse, policies.Candidate]:
+        settings = route.cascade
+        by_tier: dict[str, list[policies.Candidate]] = {}
+        for candidate in ranking.candidates:
+            by_tier.setdefault(candidate.tier, []).append(candidate)
+        tiers = [t for t in settings.tiers if t in by_tier]
+        answer: tuple[pb.ModelInferResponse, policies.Candidate] | None = None
+        for index, tier in enumerate(tiers):
+            try:
+                answer = await self.forward(request, by_tier[tier], route, deadline)
+            except (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded):
+                if answer is not None:
+                    return answer  # an unsure answer beats none
+                if index + 1 < len(tiers) and deadline > self.clock():
+                    continue  # the tier is down: the next one answers
+                raise
+            if index + 1 == len(tiers) or deadline <= self.clock():
+                return answer
+            if not policies.should_escalate(outputs_of(answer[0], settings.output),
+                                            settings.threshold, settings.output):
+                return answer
+            self.metrics.escalations.labels(request.model_name, tier).inc()
+        assert answer is not None
+        return answer
+
+    def _shadow(self, request: pb.ModelInferRequest, response: pb.ModelInferResponse,
+                chosen: policies.Candidate, canary: int | None, route: ModelRoute) -> None:
+        if canary is None or len(self._shadows) >= MAX_SHADOW_IN_FLIGHT:
+            return
+        copy = pb.ModelInferRequest()
+        copy.CopyFrom(request)
+        copy.model_version = str(canary)
+        task = asyncio.create_task(self._compare(copy, response, chosen, route))
+        self._shadows.add(task)
+        task.add_done_callback(self._shadows.discard)
+
+    async def _compare(self, request: pb.ModelInferRequest, stable: pb.ModelInferResponse,
+                       chosen: policies.Candidate, route: ModelRoute) -> None:
+        model, output = request.model_name, route.cascade.output
+        try:
+            shadow = await self.pool.stub(chosen.agent).ModelInfer(
+                request, timeout=self.table.timeout_s)
+            same = policies.top1(outputs_of(stable, output), output) == \
+                policies.top1(outputs_of(shadow, output), output)
+            result = "agree" if same else "disagree"
+        except Exception as error:  # noqa: BLE001 -- a shadow never touches the answer
+            log.debug("shadow call failed: %s", error)
+            result = "error"
+        self.metrics.shadow.labels(model, chosen.tier, result).inc()
+
+    async def metadata_call(self, model: str, method: str, message):
+        """ModelReady/Metadata/Config from the first agent of the model that answers."""
+        route = self.route_of(model)
+        last: tuple[str, grpc.aio.AioRpcError] | None = None
+        for tier in route.ordered_tiers():
+            for agent in route.tiers[tier].agents:
+                try:
+                    return await getattr(self.pool.stub(agent), method)(
+                        message, timeout=METADATA_TIMEOUT_S)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in RETRYABLE:
+                        raise upstream_error(agent, error) from None
+                    last = (agent, error)
+        assert last is not None
+        raise upstream_error(*last)
+
+    async def any_agent_ready(self) -> bool:
+        for agent in sorted(self.table.agents()):
+            try:
+                answer = await self.pool.stub(agent).ServerReady(
+                    pb.ServerReadyRequest(), timeout=1.0)
+            except grpc.aio.AioRpcError:
+                continue
+            if answer.ready:
+                return True
+        return False
+
+    async def close(self) -> None:
+        for task in list(self._shadows):
+            task.cancel()
+        await self.pool.close()
+
+
+def outputs_of(response: pb.ModelInferResponse, only: str = "") -> dict:
+    """The response's outputs as arrays (just `only` when named)."""
+    arrays = {}
+    for index, tensor in enumerate(response.outputs):
+        if only and tensor.name != only:
+            continue
+        arrays[tensor.name] = codec.from_raw(
+            response.raw_output_contents[index], tensor.datatype, tuple(tensor.shape),
+            field=f"outputs[{index}]")
+    return arrays
+
+
+class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """Convert, call the router, convert. Unlisted Triton methods: UNIMPLEMENTED."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.serving = True
+
+    @translate_errors
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    @translate_errors
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self.serving and await self.router.any_agent_ready())
+
+    @translate_errors
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="tiered-router", version=tiered.__version__,
+                                         extensions=("model_configuration", "parameters"))
+
+    @translate_errors
+    async def ModelReady(self, request, context):
+        if request.name not in self.router.table.models:
+            return pb.ModelReadyResponse(ready=False)
+        return await self.router.metadata_call(request.name, "ModelReady", request)
+
+    @translate_errors
+    async def ModelMetadata(self, request, context):
+        return await self.router.metadata_call(request.name, "ModelMetadata", request)
+
+    @translate_errors
+    async def ModelConfig(self, request, context):
+        return await self.router.metadata_call(request.name, "ModelConfig", request)
+
+    @translate_errors
+    async def ModelInfer(self, request, context):
+        deadline = self.router.deadline_of(request.parameters, context.time_remaining())
+        return await self.router.infer(request, context.invocation_metadata(), deadline)
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+                               context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        # Each streamed request is forwarded on its own (unary), so nothing is
+        # ever retried after part of an answer went out; one failure is one
+        # error message in the stream, which goes on.
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(MAX_STREAM_IN_FLIGHT)
+        metadata = context.invocation_metadata()
+
+        async def answer(request: pb.ModelInferRequest) -> None:
+            try:
+                deadline = self.router.deadline_of(request.parameters, context.time_remaining())
+                response = pb.ModelStreamInferResponse(
+                    infer_response=await self.router.infer(request, metadata, deadline))
+            except Exception as error:  # noqa: BLE001 -- reported in the stream
+                response = pb.ModelStreamInferResponse(
+                    error_message=describe(error),
+                    infer_response=pb.ModelInferResponse(model_name=request.model_name,
+                                                         id=request.id))
+            finally:
+                slots.release()
+            answers.put_nowait(response)
+
+        async def read() -> None:
+            tasks: set[asyncio.Task] = set()
+            try:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    task = asyncio.create_task(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks)
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+
+
+async def watch_table(router: Router, path: Path, interval_s: float = TABLE_POLL_S) -> None:
+    """Reload the table when the file changes; a bad one is logged and skipped."""
+    seen = _stamp(path)
+    while True:
+        await asyncio.sleep(interval_s)
+        stamp = _stamp(path)
+        if stamp == seen:
+            continue
+        seen = stamp
+        try:
+            table = load_table(path)
+        except errors.ConfigError as error:
+            log.error("routing table rejected, still serving version %d: %s",
+                      router.table.version, error)
+            continue
+        await router.use_table(table)
+        log.info("routing table version %d loaded from %s", table.version, path)
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+async def log_statistics(router: Router, interval_s: float = STATS_LOG_S) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        parts = []
+        for metric in router.metrics.registry.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    labels = ",".join(f"{v}" for v in sample.labels.values())
+                    parts.append(f"{sample.name[len('tiered_router_'):-6]}[{labels}]="
+                                 f"{sample.value:g}")
+        if parts:
+            log.info("router statistics: %s", " ".join(parts))
+
+
+async def serve(settings: RouterSettings) -> None:
+    table = load_table(settings.routing_table)
+    router = Router(table, rng=random.Random(settings.seed))
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ], maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+    servicer = RouterServicer(router)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        descriptors.reflection_service_names(), server, pool=descriptors.reflection_pool())
+    address = f"{settings.host}:{settings.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as error:
+        raise errors.ConfigError(f"cannot listen on {address}: {error}") from error
+    await server.start()
+    metrics = ""
+    if settings.metrics_port is not None:
+        try:
+            http, _ = start_http_server(settings.metrics_port, settings.host,
+                                        registry=router.metrics.registry)
+        except OSError as error:
+            await server.stop(0)
+            raise errors.ConfigError(f"cannot serve /metrics on port {settings.metrics_port}: "
+                                     f"{error}") from error
+        metrics = f"; metrics on http://{settings.host}:{http.server_port}/metrics"
+    poller = TelemetryPoller(router.observer, router.pool.channel, lambda: router.table.agents())
+    background = [asyncio.create_task(poller.run()),
+                  asyncio.create_task(watch_table(router, settings.routing_table)),
+                  asyncio.create_task(log_statistics(router))]
+    for service in ("", descriptors.INFERENCE_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    print(f"tiered router listening on {settings.host}:{port}; routing table version "
+          f"{table.version} ({len(table.models)} models){metrics}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    servicer.serving = False
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=10)
+    for task in background:
+        task.cancel()
+    await router.close()
+
+
+def run(settings: RouterSettings) -> int:
+    try:
+        asyncio.run(serve(settings))
+    except errors.ConfigError as error:
+        print(f"tiered router: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,155 @@
+"""The routing table: which agents serve which model on which tier, and how.
+
+A versioned document (YAML or JSON, which is YAML) that the controller writes
+and the router reads, reloading it when the file changes. Loading is strict:
+every error names the field, so a bad table is rejected whole and the last
+good one keeps serving. This module is pure data: it does no I/O beyond
+reading the one file it is given, and never talks to agents.
+
+    version: 7
+    models:
+      digits:
+        policy: slo-energy          # or cascade; a `tiered-tier` hint pins either
+        slo_ms: 50                  # when the request sets no tiered-slo-ms
+        failover_attempts: 3
+        max_in_flight: 64           # per agent, counted by the router
+        cascade: {tiers: [edge, regional, datacenter], threshold: 0.9, output: ""}
+        tiers:
+          edge:
+            agents: ["10.0.0.5:8001"]
+            stable: 1               # 0: whatever the agent serves as latest
+            canary: 2               # optional
+            canary_weight: 0.05     # share of keys (or requests) sent to the canary
+            shadow_fraction: 0.1    # share of stable requests also sent to the canary
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiered.errors import ConfigError
+from tiered.profiles import TIERS  # cheapest first
+from tiered.settings import load_dataclass, read_yaml
+
+POLICIES = ("slo-energy", "cascade")
+
+MAX_AGENTS_PER_TIER = 1024
+MAX_FAILOVER_ATTEMPTS = 10
+DEFAULT_TIMEOUT_S = 30.0  # a request with no deadline of its own gets this one
+
+
+@dataclass(frozen=True)
+class TierRoute:
+    """One tier of one model: its agents and the version split."""
+
+    agents: tuple[str, ...]
+    stable: int = 0  # 0: the agent's latest version (model_version left empty)
+    canary: int | None = None
+    canary_weight: float = 0.0
+    shadow_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.agents:
+            raise ConfigError("agents: needs at least one agent address")
+        if len(self.agents) > MAX_AGENTS_PER_TIER:
+            raise ConfigError(f"agents: at most {MAX_AGENTS_PER_TIER} per tier")
+        for index, address in enumerate(self.agents):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"agents[{index}]: expected HOST:PORT, got {address!r}")
+        if len(set(self.agents)) != len(self.agents):
+            raise ConfigError("agents: an address is listed twice")
+        if self.stable < 0:
+            raise ConfigError(f"stable: expected a version >= 0, got {self.stable}")
+        if self.canary is not None and self.canary < 1:
+            raise ConfigError(f"canary: expected a version >= 1, got {self.canary}")
+        if not 0.0 <= self.canary_weight <= 1.0:
+            raise ConfigError(f"canary_weight: expected 0..1, got {self.canary_weight}")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ConfigError(f"shadow_fraction: expected 0..1, got {self.shadow_fraction}")
+        if self.canary is None and self.canary_weight > 0:
+            raise ConfigError("canary_weight: is above 0 but no canary version is set")
+        if self.canary is None and self.shadow_fraction > 0:
+            raise ConfigError("shadow_fraction: is above 0 but no canary version is set")
+
+
+@dataclass(frozen=True)
+class CascadeSettings:
+    tiers: tuple[str, ...] = TIERS  # asked in this order
+    threshold: float = 0.9  # confidence below this escalates
+    output: str = ""  # the output to judge: logits, probabilities or one confidence per row
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ConfigError("tiers: needs at least one tier")
+        for index, tier in enumerate(self.tiers):
+            if tier not in TIERS:
+                raise ConfigError(f"tiers[{index}]: unknown tier {tier!r}; expected one of "
+                                  f"{', '.join(TIERS)}")
+        if len(set(self.tiers)) != len(self.tiers):
+            raise ConfigError("tiers: a tier is listed twice")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"threshold: expected 0..1, got {self.threshold}")
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    tiers: Mapping[str, TierRoute]
+    policy: str = "slo-energy"
+    slo_ms: float = 100.0
+    failover_attempts: int = 3
+    max_in_flight: int = 64
+    cascade: CascadeSettings = field(default_factory=CascadeSettings)
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ConfigError("tiers: needs at least one tier")
+        for tier in self.tiers:
+            if tier not in TIERS:
+                raise ConfigError(f"tiers: unknown tier {tier!r}; expected one of "
+                                  f"{', '.join(TIERS)}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy: unknown policy {self.policy!r}; expected one of "
+                              f"{', '.join(POLICIES)}")
+        if self.slo_ms <= 0:
+            raise ConfigError(f"slo_ms: expected > 0, got {self.slo_ms}")
+        if not 1 <= self.failover_attempts <= MAX_FAILOVER_ATTEMPTS:
+            raise ConfigError(f"failover_attempts: expected 1..{MAX_FAILOVER_ATTEMPTS}, "
+                              f"got {self.failover_attempts}")
+        if self.max_in_flight < 1:
+            raise ConfigError(f"max_in_flight: expected >= 1, got {self.max_in_flight}")
+        if self.policy == "cascade":
+            missing = [t for t in self.cascade.tiers if t not in self.tiers]
+            if missing:
+                raise ConfigError(f"cascade: tier {missing[0]!r} has no entry in tiers")
+
+    def ordered_tiers(self) -> tuple[str, ...]:
+        return tuple(t for t in TIERS if t in self.tiers)
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    version: int
+    models: Mapping[str, ModelRoute]
+    timeout_s: float = DEFAULT_TIMEOUT_S  # deadline of a request that brings none
+
+    def __post_init__(self) -> None:
+        if self.version < 0:
+            raise ConfigError(f"version: expected >= 0, got {self.version}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s: expected > 0, got {self.timeout_s}")
+
+    def agents(self) -> frozenset[str]:
+        return frozenset(a for m in self.models.values() for t in m.tiers.values()
+                         for a in t.agents)
+
+
+def parse_table(data: Any, where: str = "routing table") -> RoutingTable:
+    return load_dataclass(RoutingTable, data, where)
+
+
+def load_table(path: Path) -> RoutingTable:
+    return parse_table(read_yaml(Path(path)), str(path))

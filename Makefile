@@ -26,6 +26,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/agent.py
 	$(PY) bench/telemetry.py
+	$(PY) bench/router.py
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -7,7 +7,6 @@ function of the responses; the loop around it is a thin adapter.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 
@@ -22,19 +22,7 @@ HEADERS = ("agent", "tier", "model", "ver", "dev", "req/s", "err%", "p50 ms", "p
            "p99 ms", "queue p50", "J/inf", "source", "inflight", "queued")
 
 
-def quantile(histogram: tpb.Histogram, q: float) -> float | None:
-    """The q-quantile in seconds from a sparse log histogram (bucket midpoints)."""
-    total = sum(histogram.count)
-    if total == 0:
-        return None
-    rank, seen = max(1, math.ceil(q * total)), 0
-    for bucket, count in zip(histogram.bucket, histogram.count):
-        seen += count
-        if seen >= rank:
-            if bucket == 0:
-                return histogram.lowest_s
-            return histogram.lowest_s * histogram.growth ** (bucket - 1) * math.sqrt(histogram.growth)
-    return None
+quantile = telemetry_messages.histogram_quantile
 
 
 def _ms(seconds: float | None) -> str:

@@ -8,7 +8,6 @@ request never ends the stream.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import AsyncIterator
@@ -23,7 +22,8 @@ from tiered.errors import TieredError
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import messages
-from tiered.protocol.status import describe, translate_errors
+from tiered.protocol.status import translate_errors
+from tiered.protocol.streaming import answer_stream
 from tiered.telemetry.tracing import context_from_metadata
 
 # Triton's platform names, which some clients and dashboards key on.
@@ -96,44 +96,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        slots = asyncio.Semaphore(MAX_STREAM_IN_FLIGHT)
-
-        async def answer(request: pb.ModelInferRequest) -> None:
-            try:
-                response = pb.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, context)
-                )
-            except Exception as error:  # reported in the stream; the stream goes on
-                response = pb.ModelStreamInferResponse(
-                    error_message=describe(error),
-                    infer_response=pb.ModelInferResponse(
-                        model_name=request.model_name, id=request.id
-                    ),
-                )
-            finally:
-                slots.release()
-            answers.put_nowait(response)
-
-        async def read() -> None:
-            tasks = set()
-            try:
-                async for request in request_iterator:
-                    await slots.acquire()
-                    task = asyncio.create_task(answer(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if tasks:
-                    await asyncio.gather(*tasks)
-            finally:
-                answers.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (response := await answers.get()) is not None:
-                yield response
-        finally:
-            reader.cancel()
+        # grpc.aio wants the handler itself to be an async generator.
+        async for response in answer_stream(
+            request_iterator, lambda request: self._infer(request, context), MAX_STREAM_IN_FLIGHT
+        ):
+            yield response
 
     async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         model = self.repository.get(request.model_name, request.model_version)

@@ -7,6 +7,7 @@ above it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -56,3 +57,19 @@ def version_stats(
 def device_energy(used: Mapping) -> list[tpb.Energy]:
     return [tpb.Energy(source=r.source, device=device, joules=r.joules)
             for device, r in sorted(used.items())]
+
+
+def histogram_quantile(histogram: tpb.Histogram, q: float) -> float | None:
+    """The q-quantile in seconds of a sparse log histogram (bucket midpoints)."""
+    total = sum(histogram.count)
+    if total == 0:
+        return None
+    rank, seen = max(1, math.ceil(q * total)), 0
+    for bucket, count in zip(histogram.bucket, histogram.count):
+        seen += count
+        if seen >= rank:
+            if bucket == 0:
+                return histogram.lowest_s
+            return histogram.lowest_s * histogram.growth ** (bucket - 1) * math.sqrt(
+                histogram.growth)
+    return None

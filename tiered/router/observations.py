@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
 
+from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.router.policies import AgentObservation
@@ -32,20 +32,7 @@ POLL_INTERVAL_S = 1.0
 POLL_TIMEOUT_S = 1.0
 
 
-def histogram_quantile(histogram: tpb.Histogram, q: float) -> float | None:
-    """The q-quantile in seconds of a sparse log histogram (bucket midpoints)."""
-    total = sum(histogram.count)
-    if total == 0:
-        return None
-    rank, seen = max(1, math.ceil(q * total)), 0
-    for bucket, count in zip(histogram.bucket, histogram.count):
-        seen += count
-        if seen >= rank:
-            if bucket == 0:
-                return histogram.lowest_s
-            return histogram.lowest_s * histogram.growth ** (bucket - 1) * \
-                math.sqrt(histogram.growth)
-    return None
+histogram_quantile = telemetry_messages.histogram_quantile
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from tiered import errors
 from tiered.protocol import codec, descriptors
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
-from tiered.protocol.status import describe, error_from_status, translate_errors
+from tiered.protocol.status import error_from_status, translate_errors
+from tiered.protocol.streaming import answer_stream
 from tiered.router import policies
 from tiered.router.observations import Observer, TelemetryPoller
 from tiered.router.table import ModelRoute, RoutingTable, load_table
@@ -378,43 +379,14 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
         # Each streamed request is forwarded on its own (unary), so nothing is
         # ever retried after part of an answer went out; one failure is one
         # error message in the stream, which goes on.
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        slots = asyncio.Semaphore(MAX_STREAM_IN_FLIGHT)
         metadata = context.invocation_metadata()
 
-        async def answer(request: pb.ModelInferRequest) -> None:
-            try:
-                deadline = self.router.deadline_of(request.parameters, context.time_remaining())
-                response = pb.ModelStreamInferResponse(
-                    infer_response=await self.router.infer(request, metadata, deadline))
-            except Exception as error:  # noqa: BLE001 -- reported in the stream
-                response = pb.ModelStreamInferResponse(
-                    error_message=describe(error),
-                    infer_response=pb.ModelInferResponse(model_name=request.model_name,
-                                                         id=request.id))
-            finally:
-                slots.release()
-            answers.put_nowait(response)
+        async def infer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+            deadline = self.router.deadline_of(request.parameters, context.time_remaining())
+            return await self.router.infer(request, metadata, deadline)
 
-        async def read() -> None:
-            tasks: set[asyncio.Task] = set()
-            try:
-                async for request in request_iterator:
-                    await slots.acquire()
-                    task = asyncio.create_task(answer(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if tasks:
-                    await asyncio.gather(*tasks)
-            finally:
-                answers.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (response := await answers.get()) is not None:
-                yield response
-        finally:
-            reader.cancel()
+        async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):
+            yield response
 
 
 async def watch_table(router: Router, path: Path, interval_s: float = TABLE_POLL_S) -> None:

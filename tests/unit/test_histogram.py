@@ -11,7 +11,6 @@ from tiered.telemetry.histogram import (
     LOWEST_S,
     Histogram,
     Reservoir,
-    WindowedLatency,
     bucket_of,
     histogram_of,
 )
@@ -53,17 +52,3 @@ def test_reservoir_is_bounded_and_keeps_a_uniform_sample():
         reservoir.add(float(value))
     assert len(reservoir.samples) == 100 and reservoir.seen == 10_000
     assert 3_500 < np.mean(reservoir.samples) < 6_500  # uniform over 0..9999
-
-
-def test_window_forgets_what_is_older_than_its_length():
-    now = [0.0]
-    window = WindowedLatency(window_s=60, slots=6, clock=lambda: now[0])
-    window.record(0.010)
-    now[0] = 30
-    window.record(0.020)
-    assert window.histogram().count == 2
-    now[0] = 70  # the first slot, [0, 10), has wholly left the window
-    assert window.histogram().count == 1
-    assert window.samples() == [0.020]
-    now[0] = 200
-    assert window.histogram().count == 0

@@ -55,10 +55,6 @@ class ModelEntry:
     versions: dict[int, ModelVersion] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    @property
-    def config(self) -> ModelConfig:
-        return self.versions[max(self.versions)].config
-
 
 @dataclass(frozen=True)
 class IndexEntry:

@@ -1,17 +1,17 @@
-"""Latency histograms good for P50/P95/P99 from 50 µs to 60 s, over sliding windows.
+"""Latency histograms good for P50/P95/P99 from 50 µs to 60 s, and reservoirs.
 
 Buckets grow geometrically by 2%, so any quantile read back is within 1% of
 the true value (the midpoint of a bucket is at most half a bucket away). A
-`WindowedLatency` keeps a ring of sub-window histograms and a bounded
-reservoir of raw samples per sub-window, for the statistical tests rollouts
-run. Pure data and arithmetic: the clock and the random source are injected.
+`Reservoir` keeps a bounded, uniform sample of raw values for the statistical
+tests rollouts run. Sliding windows are built from these in
+`tiered.telemetry.recorder`. Pure data and arithmetic; randomness is injected.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,68 +85,6 @@ class Reservoir:
         slot = self.rng.randrange(self.seen)
         if slot < self.size:
             self.samples[slot] = value
-
-
-@dataclass
-class _Slot:
-    start: float
-    histogram: Histogram
-    reservoir: Reservoir
-
-
-class WindowedLatency:
-    """Latencies over the last `window_s`, kept as `slots` sub-windows."""
-
-    def __init__(
-        self,
-        window_s: float = 60.0,
-        slots: int = 6,
-        reservoir_size: int = 512,
-        clock: Callable[[], float] = lambda: 0.0,
-        rng: random.Random | None = None,
-    ) -> None:
-        if window_s <= 0 or slots < 1 or reservoir_size < 1:
-            raise ValueError("window_s, slots and reservoir_size must be positive")
-        self.slot_s = window_s / slots
-        self.slots = slots
-        self.reservoir_size = reservoir_size
-        self._clock = clock
-        self._rng = rng or random.Random(0)
-        self._ring: list[_Slot] = []
-
-    def _current(self) -> _Slot:
-        now = self._clock()
-        start = math.floor(now / self.slot_s) * self.slot_s
-        if not self._ring or self._ring[-1].start != start:
-            self._ring.append(_Slot(start, Histogram(), Reservoir(self.reservoir_size, self._rng)))
-        self._expire(now)
-        return self._ring[-1]
-
-    def _expire(self, now: float) -> None:
-        oldest = now - self.slot_s * self.slots
-        self._ring = [s for s in self._ring if s.start + self.slot_s > oldest]
-
-    def record(self, seconds: float) -> None:
-        slot = self._current()
-        slot.histogram.record(seconds)
-        slot.reservoir.add(seconds)
-
-    def histogram(self) -> Histogram:
-        """The whole window merged."""
-        self._expire(self._clock())
-        merged = Histogram()
-        for slot in self._ring:
-            merged.merge(slot.histogram)
-        return merged
-
-    def samples(self) -> list[float]:
-        """Raw samples of the window (each slot's reservoir, concatenated)."""
-        self._expire(self._clock())
-        return [v for slot in self._ring for v in slot.reservoir.samples]
-
-
-def quantiles(histogram: Histogram, qs: Sequence[float] = (0.5, 0.95, 0.99)) -> list[float | None]:
-    return [histogram.quantile(q) for q in qs]
 
 
 def histogram_of(values: Iterable[float]) -> Histogram:

@@ -62,7 +62,7 @@ def load_dataclass(cls: type[T], data: Any, where: str) -> T:
         raise ConfigError(f"{where}: {error}") from error
     except ConfigError as error:  # raised by the dataclass's own checks
         message = str(error)
-        names_a_field = re.match(r"^[a-z_]+(\[\d+\])?: ", message)
+        names_a_field = re.match(r"^[a-z_][a-z0-9_]*(\[\d+\])?: ", message)
         raise ConfigError(f"{where}{'.' if names_a_field else ': '}{message}") from error
 
 

@@ -1,0 +1,200 @@
+"""The TieredModel spec: loading, validation errors that name the field, and
+the OpenAPI schema generated from the same declarations."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+
+from tiered.errors import ConfigError
+from tiered.rollout import spec as s
+
+SHA = "ab" * 32
+
+
+def document() -> dict:
+    return {
+        "name": "digits",
+        "artifact": {"uri": "s3://models/digits.onnx", "sha256": SHA},
+        "tiers": {
+            "edge": {"engine": "onnxruntime", "precision": "int8", "replicas": 3,
+                     "batching": {"max_batch_size": 4, "max_queue_delay_us": 500}},
+            "datacenter": {"engine": "tensorrt", "precision": "fp16"},
+        },
+        "routing": {"policy": "cascade", "cascade": {"tiers": ["edge", "datacenter"]}},
+        "rollout": {
+            "stages": [
+                {"name": "edge-5", "weights": {"edge": 5}, "min_requests": 300,
+                 "min_duration_s": 60, "max_duration_s": 600},
+                {"name": "all", "weights": {"edge": 100, "datacenter": 100}},
+            ],
+            "analysis": {"latency_p95": {"max_ratio": 1.05, "max_ms": 80},
+                         "error_rate": {"max": 0.01, "max_ratio": 2},
+                         "energy_per_inference": {"max_ratio": 1.1},
+                         "agreement": {"min": 0.99},
+                         "confidence": 0.99, "min_samples": 50,
+                         "consecutive_failure_limit": 2},
+            "on_failure": "pause",
+        },
+    }
+
+
+def test_a_full_document_loads_into_frozen_dataclasses():
+    model = s.load_tiered_model(document())
+    assert model.tiers["edge"].batching.max_batch_size == 4
+    assert model.tiers["datacenter"].replicas == 1  # default
+    assert model.rollout.stages[0].weights == {"edge": 5.0}
+    assert model.rollout.analysis.latency_p95.max_ms == 80
+    assert model.rollout.on_failure == "pause"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        model.name = "other"
+    with pytest.raises(TypeError):  # mappings are read-only too
+        model.rollout.stages[0].weights["edge"] = 50
+
+
+def test_a_kubernetes_object_loads_with_the_name_from_metadata():
+    data = document()
+    name = data.pop("name")
+    obj = {"apiVersion": "tiered.dev/v1alpha1", "kind": "TieredModel",
+           "metadata": {"name": name}, "spec": data}
+    assert s.load_tiered_model(obj) == s.load_tiered_model(document())
+
+
+def test_a_metric_set_to_null_is_not_judged():
+    data = document()
+    data["rollout"]["analysis"]["energy_per_inference"] = None
+    assert s.load_tiered_model(data).rollout.analysis.energy_per_inference is None
+
+
+def _set(path: str, value):
+    def edit(data: dict) -> None:
+        *parents, last = path.split(".")
+        node = data
+        for key in parents:
+            node = node[int(key)] if key.isdigit() else node[key]
+        if value is _DELETE:
+            del node[last]
+        else:
+            node[int(last) if last.isdigit() else last] = value
+    return edit
+
+
+_DELETE = object()
+
+INVALID = {
+    "no stages": (_set("rollout.stages", []), "TieredModel.rollout.stages: needs at least 1"),
+    "weight above 100": (_set("rollout.stages.0.weights", {"edge": 150}),
+                         "rollout.stages[0]: weights['edge']: must be <= 100"),
+    "negative weight": (_set("rollout.stages.0.weights", {"edge": -1}),
+                        "weights['edge']: must be >= 0"),
+    "unknown tier in weights": (_set("rollout.stages.0.weights", {"moon": 5}),
+                                "weights: unknown key 'moon'"),
+    "weights on a tier the model lacks": (
+        _set("rollout.stages.0.weights", {"regional": 5}),
+        "rollout.stages[0].weights: tier 'regional' is not one the model runs on"),
+    "min duration above max": (_set("rollout.stages.0.min_duration_s", 900),
+                               "stages[0].max_duration_s: must be >= min_duration_s"),
+    "unknown tier": (_set("tiers.moon", {}), "TieredModel.tiers: unknown key 'moon'"),
+    "unknown engine": (_set("tiers.edge.engine", "tflite"),
+                       "TieredModel.tiers.edge.engine: 'tflite' is not one of"),
+    "zero batch": (_set("tiers.edge.batching.max_batch_size", 0),
+                   "tiers.edge.batching.max_batch_size: must be >= 1"),
+    # settings.load_dataclass joins paths only for names without digits.
+    "bad sha256": (_set("artifact.sha256", "xyz"),
+                   "TieredModel.artifact.sha256: 'xyz' does not match"),
+    "empty uri": (_set("artifact.uri", ""), "artifact.uri: must not be empty"),
+    "unknown policy": (_set("routing.policy", "random"), "routing.policy: 'random' is not"),
+    "cascade over a missing tier": (_set("routing.cascade.tiers", ["regional"]),
+                                    "routing.cascade.tiers: tier 'regional'"),
+    "confidence of 1": (_set("rollout.analysis.confidence", 1.0),
+                        "analysis.confidence: must be < 1"),
+    "zero min samples": (_set("rollout.analysis.min_samples", 0),
+                         "analysis.min_samples: must be >= 1"),
+    "ratio below 1": (_set("rollout.analysis.latency_p95.max_ratio", 0.9),
+                      "latency_p95.max_ratio: must be >= 1"),
+    "error max above 1": (_set("rollout.analysis.error_rate.max", 2),
+                          "error_rate.max: must be <= 1"),
+    "unknown on_failure": (_set("rollout.on_failure", "panic"), "on_failure: 'panic' is not"),
+    "typo in a key": (_set("rollout.stages.0.min_request", 5),
+                      "stages[0]: unknown key 'min_request'"),
+    "string for a number": (_set("rollout.stages.0.min_requests", "many"),
+                            "stages[0].min_requests: expected an integer"),
+    "duplicate stage names": (_set("rollout.stages.1.name", "edge-5"),
+                              "stages[1]: name 'edge-5' is used twice"),
+    "missing artifact": (_set("artifact", _DELETE), "artifact"),
+    "no tiers": (_set("tiers", {}), "tiers: needs at least one tier"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID)
+def test_an_invalid_spec_is_refused_naming_the_field(case):
+    edit, message = INVALID[case]
+    data = copy.deepcopy(document())
+    edit(data)
+    with pytest.raises(ConfigError) as raised:
+        s.load_tiered_model(data)
+    assert message in str(raised.value)
+
+
+def test_a_kubernetes_object_of_another_kind_is_refused():
+    obj = {"apiVersion": "tiered.dev/v1alpha1", "kind": "Rollout",
+           "metadata": {"name": "x"}, "spec": {}}
+    with pytest.raises(ConfigError, match="kind: expected TieredModel"):
+        s.load_tiered_model(obj)
+
+
+def _walk(schema: dict, path: str = ""):
+    yield path, schema
+    for name, child in schema.get("properties", {}).items():
+        yield from _walk(child, f"{path}.{name}")
+    if "items" in schema:
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
+    root = s.crd_validation()["openAPIV3Schema"]
+    json.dumps(root)  # plain JSON data
+    spec = root["properties"]["spec"]
+    assert spec["type"] == "object"
+    assert "name" not in spec["properties"]  # metadata.name in Kubernetes
+    assert set(spec["required"]) == {"artifact", "tiers", "rollout"}
+    stage = spec["properties"]["rollout"]["properties"]["stages"]
+    assert stage["type"] == "array" and stage["minItems"] == 1
+    items = stage["items"]
+    assert set(items["required"]) == {"name", "weights"}
+    assert items["properties"]["weights"]["properties"]["edge"] == {
+        "type": "number", "minimum": 0.0, "maximum": 100.0}
+    assert items["properties"]["min_requests"] == {
+        "type": "integer", "minimum": 1, "default": 200,
+        "description": "canary requests needed before the stage can pass"}
+    edge = spec["properties"]["tiers"]["properties"]["edge"]
+    assert edge["properties"]["engine"]["enum"] == ["onnxruntime", "torch", "tensorrt"]
+    assert edge["properties"]["batching"]["default"] == {"max_batch_size": 8,
+                                                         "max_queue_delay_us": 1000}
+    analysis = spec["properties"]["rollout"]["properties"]["analysis"]["properties"]
+    assert analysis["latency_p95"]["properties"]["max_ms"]["nullable"] is True
+    assert analysis["confidence"]["exclusiveMaximum"] is True
+    assert spec["properties"]["rollout"]["properties"]["on_failure"]["enum"] == [
+        "rollback", "pause"]
+    assert spec["properties"]["artifact"]["properties"]["sha256"]["pattern"].startswith("^")
+    status = root["properties"]["status"]["properties"]
+    assert status["phase"]["enum"] == list(s.PHASES)
+    assert status["last_analysis"]["properties"]["verdict"]["enum"] == list(s.OUTCOMES)
+    # Structural: every node has a type (or preserves unknown fields).
+    for path, node in _walk(root):
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        assert node.get("type") in {"object", "array", "string", "integer", "number",
+                                    "boolean", None}, path
+
+
+def test_schema_defaults_pass_the_same_validation():
+    # A default that the validation would refuse would be a schema bug.
+    spec = s.openapi_schema(s.TieredModel)
+    analysis = spec["properties"]["rollout"]["properties"]["analysis"]
+    s.AnalysisSpec(**{k: v["default"] for k, v in analysis["properties"].items()
+                      if k in ("confidence", "min_samples", "consecutive_failure_limit")})

@@ -1,0 +1,261 @@
+"""The rollout engine: from spec + status + measurements + now to a Decision.
+
+Level-based, like Argo Rollouts' canary reconcile: every call recomputes what
+to do from its arguments alone, and all progress (stage index, when the stage
+began, failures in a row, the last analysis) lives in the returned status, so
+a restarted controller resumes where it stopped. The same measurement window
+judged twice counts once toward the consecutive-failure limit.
+
+A stage passes when its analysis is Successful, the canary has served
+`min_requests` and `min_duration_s` has passed. It fails fast: a Failed
+analysis counts at any time, and `consecutive_failure_limit` failures in a
+row trigger `on_failure` (rollback or pause). A stage still undecided at
+`max_duration_s` follows `on_failure` too: no data is never a pass.
+
+The manual verbs (pause, resume, promote, abort) are pure functions of the
+same kind. Weight arithmetic is pure: each tier's canary percent comes from
+the current stage, stable gets the rest. Pure: no clock (`now` is passed
+in), no randomness, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from tiered.errors import InvalidArgument
+from tiered.profiles import TIERS
+from tiered.rollout.analysis import ERROR, FAILED, INCONCLUSIVE, SUCCESSFUL, Measurements, analyze
+from tiered.rollout.spec import AnalysisRun, RolloutStatus, Stage, TieredModel
+
+PROGRESSING, PAUSED, PROMOTED, ROLLED_BACK, ABORTED = (
+    "Progressing", "Paused", "Promoted", "RolledBack", "Aborted")
+FINISHED = (PROMOTED, ROLLED_BACK, ABORTED)
+
+ADVANCE, HOLD, ROLLBACK, PROMOTE, PAUSE, RESUME, ABORT = (
+    "advance", "hold", "rollback", "promote", "pause", "resume", "abort")
+
+# A holding rollout is looked at again at least this often (seconds), sooner
+# when a stage deadline comes first.
+POLL_INTERVAL_S = 30.0
+
+
+@dataclass(frozen=True)
+class TierSplit:
+    """Percent of one tier's traffic per version; the two add up to 100."""
+
+    stable: float
+    canary: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do now, why, and the status to write back."""
+
+    action: str  # advance | hold | rollback | promote | pause | resume | abort
+    reason: str
+    status: RolloutStatus
+    weights: Mapping[str, TierSplit]  # per tier the model runs on, after this decision
+    analysis: AnalysisRun | None = None  # the analysis this decision used, with its numbers
+    requeue_after_s: float | None = None  # None: nothing changes until a person acts
+
+
+# --- weights ----------------------------------------------------------------
+
+
+def _current_stage(spec: TieredModel, status: RolloutStatus) -> tuple[int, Stage]:
+    # A spec edited to fewer stages leaves the rollout on its last stage.
+    index = min(status.stage_index, len(spec.rollout.stages) - 1)
+    return index, spec.rollout.stages[index]
+
+
+def canary_weights(spec: TieredModel, status: RolloutStatus) -> Mapping[str, float]:
+    """Canary percent per tier: the current stage's while the rollout is live
+    (progressing or paused), else 0 everywhere; tiers a stage omits get 0."""
+    tiers = [tier for tier in TIERS if tier in spec.tiers]
+    live = status.canary_version is not None and status.phase in (PROGRESSING, PAUSED)
+    if not live:
+        return MappingProxyType({tier: 0.0 for tier in tiers})
+    _, stage = _current_stage(spec, status)
+    return MappingProxyType({tier: float(stage.weights.get(tier, 0.0)) for tier in tiers})
+
+
+def traffic_split(spec: TieredModel, status: RolloutStatus) -> Mapping[str, TierSplit]:
+    """Stable and canary percent per tier; stable gets what the canary does not."""
+    return MappingProxyType({tier: TierSplit(100.0 - weight, weight)
+                             for tier, weight in canary_weights(spec, status).items()})
+
+
+def _decision(spec: TieredModel, action: str, reason: str, status: RolloutStatus,
+              analysis: AnalysisRun | None = None,
+              requeue_after_s: float | None = None) -> Decision:
+    status = dataclasses.replace(status, message=reason)
+    return Decision(action, reason, status, traffic_split(spec, status), analysis,
+                    requeue_after_s)
+
+
+# --- the automatic decision -------------------------------------------------
+
+
+def start(spec: TieredModel, stable_version: int, canary_version: int,
+          now: float) -> RolloutStatus:
+    """The status of a rollout of `canary_version` that begins now, at stage 0."""
+    if canary_version == stable_version:
+        raise InvalidArgument(f"canary_version: {canary_version} is already the stable version")
+    return RolloutStatus(stable_version=stable_version, canary_version=canary_version,
+                         stage_index=0, phase=PROGRESSING, stage_started_at=now)
+
+
+def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements | None,
+           now: float) -> Decision:
+    """The next step of the rollout; see the module docstring for the rules."""
+    if status.phase in FINISHED:
+        return _decision(spec, HOLD, f"rollout is {status.phase}", status,
+                         status.last_analysis)
+    if status.canary_version is None:
+        return _decision(spec, HOLD, "no canary version to roll out", status)
+    if status.paused or status.phase == PAUSED:
+        return _decision(spec, HOLD, "paused: resume, promote or abort to go on",
+                         dataclasses.replace(status, phase=PAUSED, paused=True),
+                         status.last_analysis)
+
+    stages = spec.rollout.stages
+    index, stage = _current_stage(spec, status)
+    elapsed = now - status.stage_started_at
+    timed_out = elapsed >= stage.max_duration_s
+    where = f"stage {index + 1}/{len(stages)} {stage.name!r}"
+
+    if measurements is None or measurements.stage != index:
+        why = f"{where}: no measurements yet ({elapsed:.0f} s in)"
+        if timed_out:
+            return _on_failure(spec, status, f"{why}, max_duration_s "
+                               f"{stage.max_duration_s:g} reached", status.last_analysis)
+        return _decision(spec, HOLD, why, status, status.last_analysis,
+                         _requeue(stage, elapsed))
+
+    last = status.last_analysis
+    if last is not None and last.window == measurements.window:
+        run, failures = last, status.consecutive_failures  # judged and counted already
+    else:
+        run = analyze(spec.rollout.analysis, measurements)
+        failures = status.consecutive_failures + 1 if run.verdict == FAILED else 0
+    status = dataclasses.replace(status, last_analysis=run, consecutive_failures=failures)
+
+    if run.verdict == FAILED:
+        limit = spec.rollout.analysis.consecutive_failure_limit
+        detail = "; ".join(f"{m.metric}: {m.reason}" for m in run.with_outcome(FAILED))
+        if failures >= limit:
+            return _on_failure(spec, status, f"{where} failed ({failures} of {limit} in a "
+                               f"row): {detail}", run)
+        return _decision(spec, HOLD, f"{where}: analysis failed ({failures} of {limit} in a "
+                         f"row): {detail}", status, run, _requeue(stage, elapsed))
+
+    why = []
+    requests = measurements.canary.requests
+    if requests < stage.min_requests:
+        why.append(f"too little data: {requests} of {stage.min_requests} canary requests")
+    if elapsed < stage.min_duration_s:
+        why.append(f"too short: {elapsed:.0f} of {stage.min_duration_s:g} s")
+    if run.verdict in (INCONCLUSIVE, ERROR):
+        pending = run.with_outcome(INCONCLUSIVE) + run.with_outcome(ERROR)
+        why.append(f"analysis {run.verdict.lower()}: " +
+                   "; ".join(f"{m.metric}: {m.reason}" for m in pending))
+    if why:
+        if timed_out:
+            return _on_failure(spec, status, f"{where} undecided at max_duration_s "
+                               f"{stage.max_duration_s:g}: {'; '.join(why)}", run)
+        return _decision(spec, HOLD, f"{where}: {'; '.join(why)}", status, run,
+                         _requeue(stage, elapsed))
+
+    assert run.verdict == SUCCESSFUL
+    if index == len(stages) - 1:
+        return _promoted(spec, status, f"{where} passed, the last: promoting "
+                         f"version {status.canary_version}", run)
+    return _advanced(spec, status, index, now, f"{where} passed: on to stage {index + 2} "
+                     f"{stages[index + 1].name!r}", run)
+
+
+def _requeue(stage: Stage, elapsed: float) -> float:
+    deadlines = [d - elapsed for d in (stage.min_duration_s, stage.max_duration_s)
+                 if d > elapsed]
+    return max(0.0, min([POLL_INTERVAL_S, *deadlines]))
+
+
+def _on_failure(spec: TieredModel, status: RolloutStatus, reason: str,
+                run: AnalysisRun | None) -> Decision:
+    if spec.rollout.on_failure == "pause":
+        return _decision(spec, PAUSE, f"{reason}; pausing (on_failure: pause)",
+                         dataclasses.replace(status, phase=PAUSED, paused=True), run)
+    return _decision(spec, ROLLBACK, f"{reason}; rolling back to version "
+                     f"{status.stable_version}",
+                     dataclasses.replace(status, phase=ROLLED_BACK, paused=False), run)
+
+
+def _promoted(spec: TieredModel, status: RolloutStatus, reason: str,
+              run: AnalysisRun | None) -> Decision:
+    promoted = dataclasses.replace(status, stable_version=status.canary_version,
+                                   canary_version=None, phase=PROMOTED, paused=False,
+                                   consecutive_failures=0)
+    return _decision(spec, PROMOTE, reason, promoted, run)
+
+
+def _advanced(spec: TieredModel, status: RolloutStatus, index: int, now: float, reason: str,
+              run: AnalysisRun | None) -> Decision:
+    advanced = dataclasses.replace(status, stage_index=index + 1, stage_started_at=now,
+                                   phase=PROGRESSING, paused=False, consecutive_failures=0)
+    return _decision(spec, ADVANCE, reason, advanced, run, 0.0)
+
+
+# --- manual verbs -----------------------------------------------------------
+
+
+def _require_live(status: RolloutStatus, verb: str) -> None:
+    if status.phase in FINISHED:
+        raise InvalidArgument(f"phase: the rollout is {status.phase}; nothing to {verb}")
+    if status.canary_version is None:
+        raise InvalidArgument(f"canary_version: no canary version; nothing to {verb}")
+
+
+def pause(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
+    """Stop at the current stage; canary weights stay as they are."""
+    _require_live(status, "pause")
+    if status.paused:
+        return _decision(spec, HOLD, "already paused", status, status.last_analysis)
+    return _decision(spec, PAUSE, "paused by hand",
+                     dataclasses.replace(status, phase=PAUSED, paused=True),
+                     status.last_analysis)
+
+
+def resume(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
+    """Go on from the current stage; its clock and the failure count restart."""
+    _require_live(status, "resume")
+    if not status.paused and status.phase != PAUSED:
+        return _decision(spec, HOLD, "not paused", status, status.last_analysis)
+    resumed = dataclasses.replace(status, phase=PROGRESSING, paused=False,
+                                  stage_started_at=now, consecutive_failures=0)
+    return _decision(spec, RESUME, "resumed by hand", resumed, status.last_analysis, 0.0)
+
+
+def promote(spec: TieredModel, status: RolloutStatus, now: float,
+            full: bool = False) -> Decision:
+    """Skip the analysis: on to the next stage, or (full, or from the last
+    stage) make the canary the stable version."""
+    _require_live(status, "promote")
+    index, _ = _current_stage(spec, status)
+    stages = spec.rollout.stages
+    if full or index == len(stages) - 1:
+        return _promoted(spec, status, f"promoted version {status.canary_version} by hand"
+                         f"{' (full)' if full else ''}", status.last_analysis)
+    return _advanced(spec, status, index, now, f"promoted by hand to stage {index + 2} "
+                     f"{stages[index + 1].name!r}", status.last_analysis)
+
+
+def abort(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
+    """Send all traffic back to stable and stop; the canary version stays on record."""
+    _require_live(status, "abort")
+    return _decision(spec, ABORT, f"aborted by hand; all traffic to version "
+                     f"{status.stable_version}",
+                     dataclasses.replace(status, phase=ABORTED, paused=False),
+                     status.last_analysis)

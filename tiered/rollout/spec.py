@@ -1,0 +1,498 @@
+"""The `TieredModel` spec and the rollout status, as frozen dataclasses.
+
+One schema definition: each field's constraints (range, enum, pattern, item
+count, allowed mapping keys) are declared once in the field's metadata with
+`spec_field`. `check_fields` enforces them when a dataclass is built (so
+`tiered.settings.load_dataclass` reports a bad value with its field path) and
+`openapi_schema` turns the same dataclasses into the CRD's openAPIV3Schema.
+Cross-field rules (durations, stage tiers) live in `__post_init__`.
+
+Pure data: no I/O here (`load_tiered_model` takes an already-parsed mapping).
+Keys are snake_case in YAML and in the CRD alike, so one document drives the
+local backend and Kubernetes.
+"""
+
+# spec_field returns dataclasses.field(...) with metadata; ruff cannot tell.
+# ruff: noqa: RUF009
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiered.errors import ConfigError
+from tiered.profiles import TIERS
+from tiered.settings import load_dataclass
+
+API_GROUP = "tiered.dev"
+API_VERSION = "v1alpha1"
+KIND = "TieredModel"
+
+ENGINES = ("onnxruntime", "torch", "tensorrt")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
+# The router's policy names (tiered.router.table.POLICIES); not imported, since
+# the rollout package never imports the router.
+POLICIES = ("slo-energy", "cascade")
+ON_FAILURE = ("rollback", "pause")
+PHASES = ("Progressing", "Paused", "Promoted", "RolledBack", "Aborted")
+OUTCOMES = ("Successful", "Failed", "Inconclusive", "Error")
+
+_CONSTRAINTS = frozenset({
+    "minimum", "maximum", "exclusive_minimum", "exclusive_maximum", "enum",
+    "min_items", "max_items", "min_length", "pattern", "keys",
+})
+
+
+def spec_field(default: Any = dataclasses.MISSING, *, doc: str = "",
+               default_factory: Any = dataclasses.MISSING, **constraints: Any) -> Any:
+    """A dataclass field with its constraints and description as metadata.
+
+    Scalars: minimum, maximum, exclusive_minimum/maximum (bools, OpenAPI 3.0
+    style), enum, min_length, pattern. Tuples: min_items, max_items; enum and
+    the numeric bounds apply to the items. Mappings: keys (the allowed keys);
+    enum and the numeric bounds apply to the values.
+    """
+    unknown = set(constraints) - _CONSTRAINTS
+    if unknown:
+        raise TypeError(f"spec_field: unknown constraint {min(unknown)!r}")
+    metadata = {"doc": doc, **constraints}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _strip_optional(hint: Any) -> tuple[Any, bool]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return hint, False
+
+
+def _check_scalar(name: str, value: Any, meta: Mapping[str, Any]) -> None:
+    if "enum" in meta and value not in meta["enum"]:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(str, meta['enum']))}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
+        low, high = meta.get("minimum"), meta.get("maximum")
+        if low is not None:
+            if meta.get("exclusive_minimum") and not value > low:
+                raise ConfigError(f"{name}: must be > {low}, got {value}")
+            if not value >= low:
+                raise ConfigError(f"{name}: must be >= {low}, got {value}")
+        if high is not None:
+            if meta.get("exclusive_maximum") and not value < high:
+                raise ConfigError(f"{name}: must be < {high}, got {value}")
+            if not value <= high:
+                raise ConfigError(f"{name}: must be <= {high}, got {value}")
+    if isinstance(value, str):
+        if len(value) < meta.get("min_length", 0):
+            raise ConfigError(f"{name}: must not be empty" if meta["min_length"] == 1
+                              else f"{name}: needs at least {meta['min_length']} characters")
+        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
+            raise ConfigError(f"{name}: {value!r} does not match {meta['pattern']}")
+
+
+def check_fields(instance: Any) -> None:
+    """Enforce the constraints declared with `spec_field`; errors name the field."""
+    for f in dataclasses.fields(instance):
+        meta = f.metadata
+        value = getattr(instance, f.name)
+        if value is None or not (set(meta) & _CONSTRAINTS):
+            continue
+        if isinstance(value, tuple):
+            if len(value) < meta.get("min_items", 0):
+                raise ConfigError(f"{f.name}: needs at least {meta['min_items']} item"
+                                  f"{'s' if meta['min_items'] > 1 else ''}")
+            if "max_items" in meta and len(value) > meta["max_items"]:
+                raise ConfigError(f"{f.name}: at most {meta['max_items']} items")
+            for index, item in enumerate(value):
+                _check_scalar(f"{f.name}[{index}]", item, meta)
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                if "keys" in meta and key not in meta["keys"]:
+                    raise ConfigError(f"{f.name}: unknown key {key!r}; expected one of "
+                                      f"{', '.join(meta['keys'])}")
+                _check_scalar(f"{f.name}[{key!r}]", item, meta)
+        else:
+            _check_scalar(f.name, value, meta)
+
+
+def _freeze_mappings(instance: Any) -> None:
+    # load_dataclass builds plain dicts; a frozen spec should not hand out
+    # mutable state.
+    for f in dataclasses.fields(instance):
+        value = getattr(instance, f.name)
+        if isinstance(value, dict):
+            object.__setattr__(instance, f.name, types.MappingProxyType(dict(value)))
+
+
+class _Checked:
+    """Base for spec dataclasses: declared constraints are checked on build."""
+
+    def __post_init__(self) -> None:
+        _freeze_mappings(self)
+        check_fields(self)
+
+
+# --- the spec ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Artifact(_Checked):
+    """The ONNX artifact every tier's engine is built from."""
+
+    uri: str = spec_field(doc="path or URI of the ONNX model", min_length=1)
+    sha256: str = spec_field(doc="hex SHA-256 of the artifact", pattern=r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Batching(_Checked):
+    max_batch_size: int = spec_field(8, doc="largest batch the engine runs",
+                                     minimum=1, maximum=4096)
+    max_queue_delay_us: int = spec_field(
+        1000, doc="longest a request waits for a batch to fill", minimum=0, maximum=10_000_000)
+
+
+@dataclass(frozen=True)
+class TierSpec(_Checked):
+    """How one tier runs the model."""
+
+    engine: str = spec_field("onnxruntime", doc="engine backend", enum=ENGINES)
+    precision: str = spec_field("fp32", doc="numeric precision of the tier build",
+                                enum=PRECISIONS)
+    replicas: int = spec_field(1, doc="agents of this tier serving the model",
+                               minimum=0, maximum=1000)
+    batching: Batching = spec_field(default_factory=Batching, doc="dynamic batching")
+
+
+@dataclass(frozen=True)
+class CascadeSettings(_Checked):
+    tiers: tuple[str, ...] = spec_field(TIERS, doc="escalation order, cheapest first",
+                                        min_items=1, enum=TIERS)
+    threshold: float = spec_field(0.9, doc="escalate when confidence is below this",
+                                  minimum=0.0, maximum=1.0)
+    output: str = spec_field("", doc="output judged for confidence; empty: the only one")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(set(self.tiers)) != len(self.tiers):
+            raise ConfigError("tiers: a tier is listed twice")
+
+
+@dataclass(frozen=True)
+class Routing(_Checked):
+    policy: str = spec_field("slo-energy", doc="how the router picks a tier", enum=POLICIES)
+    slo_ms: float = spec_field(50.0, doc="latency target when a request sets none",
+                               minimum=0.0, exclusive_minimum=True)
+    cascade: CascadeSettings = spec_field(default_factory=CascadeSettings,
+                                          doc="settings of the cascade policy")
+
+
+@dataclass(frozen=True)
+class Stage(_Checked):
+    """One step of the rollout: canary traffic per tier and how long to judge it."""
+
+    name: str = spec_field(doc="shown in status and the CLI", min_length=1)
+    weights: Mapping[str, float] = spec_field(
+        doc="percent of each tier's traffic sent to the canary; unlisted tiers get 0",
+        keys=TIERS, minimum=0.0, maximum=100.0)
+    min_requests: int = spec_field(
+        200, doc="canary requests needed before the stage can pass", minimum=1)
+    min_duration_s: float = spec_field(
+        60.0, doc="seconds the stage runs at least before it can pass", minimum=0.0)
+    max_duration_s: float = spec_field(
+        3600.0, doc="seconds after which a stage still undecided follows on_failure",
+        minimum=0.0, exclusive_minimum=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_duration_s > self.max_duration_s:
+            raise ConfigError(f"max_duration_s: must be >= min_duration_s "
+                              f"({self.min_duration_s:g}), got {self.max_duration_s:g}")
+
+
+@dataclass(frozen=True)
+class LatencyBound(_Checked):
+    max_ratio: float = spec_field(
+        1.05, doc="canary latency may exceed stable's by this factor before it regresses",
+        minimum=1.0)
+    max_ms: float | None = spec_field(
+        None, doc="absolute bound on the canary's p95 (ms); null: none",
+        minimum=0.0, exclusive_minimum=True)
+
+
+@dataclass(frozen=True)
+class ErrorRateBound(_Checked):
+    max: float | None = spec_field(0.01, doc="absolute bound on the canary's error rate",
+                                   minimum=0.0, maximum=1.0)
+    max_ratio: float = spec_field(
+        2.0, doc="canary error rate may exceed stable's by this factor", minimum=1.0)
+
+
+@dataclass(frozen=True)
+class EnergyBound(_Checked):
+    max_ratio: float = spec_field(
+        1.1, doc="canary J/inference may exceed stable's by this factor", minimum=1.0)
+    min_windows: int = spec_field(
+        5, doc="telemetry windows of J/inference needed per version", minimum=2)
+
+
+@dataclass(frozen=True)
+class AgreementBound(_Checked):
+    min: float = spec_field(0.99, doc="least share of shadowed requests where canary and "
+                            "stable agree (judged by its lower confidence bound)",
+                            minimum=0.0, maximum=1.0)
+
+
+@dataclass(frozen=True)
+class AnalysisSpec(_Checked):
+    """What a canary must show; a metric set to null is not judged."""
+
+    latency_p95: LatencyBound | None = spec_field(default_factory=LatencyBound,
+                                                  doc="request latency, canary vs stable")
+    error_rate: ErrorRateBound | None = spec_field(default_factory=ErrorRateBound,
+                                                   doc="share of failed requests")
+    energy_per_inference: EnergyBound | None = spec_field(default_factory=EnergyBound,
+                                                          doc="joules per inference")
+    agreement: AgreementBound | None = spec_field(default_factory=AgreementBound,
+                                                  doc="shadow agreement with stable")
+    confidence: float = spec_field(
+        0.95, doc="confidence of every test (one-sided)", minimum=0.5, maximum=1.0,
+        exclusive_maximum=True)
+    min_samples: int = spec_field(
+        50, doc="samples per version below which a metric is inconclusive", minimum=1)
+    consecutive_failure_limit: int = spec_field(
+        1, doc="failed analyses in a row before on_failure", minimum=1, maximum=100)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not any((self.latency_p95, self.error_rate, self.energy_per_inference,
+                    self.agreement)):
+            raise ConfigError("latency_p95: every metric is null; judge at least one")
+
+
+@dataclass(frozen=True)
+class RolloutSpec(_Checked):
+    stages: tuple[Stage, ...] = spec_field(doc="canary steps, in order", min_items=1,
+                                           max_items=32)
+    analysis: AnalysisSpec = spec_field(default_factory=AnalysisSpec,
+                                        doc="how each stage is judged")
+    on_failure: str = spec_field("rollback", doc="what a failed or undecided stage does",
+                                 enum=ON_FAILURE)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        names = [stage.name for stage in self.stages]
+        for index, name in enumerate(names):
+            if name in names[:index]:
+                raise ConfigError(f"stages[{index}]: name {name!r} is used twice")
+
+
+@dataclass(frozen=True)
+class TieredModel(_Checked):
+    """A model served on the tiers, and how new versions of it roll out."""
+
+    name: str = spec_field(doc="model name", min_length=1,
+                           pattern=r"[a-z0-9]([-a-z0-9_.]*[a-z0-9])?")
+    artifact: Artifact = spec_field(doc="the model artifact")
+    tiers: Mapping[str, TierSpec] = spec_field(doc="tiers that serve the model", keys=TIERS)
+    rollout: RolloutSpec = spec_field(doc="staged canary of a new version")
+    routing: Routing = spec_field(default_factory=Routing, doc="routing policy")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.tiers:
+            raise ConfigError("tiers: needs at least one tier")
+        for index, stage in enumerate(self.rollout.stages):
+            for tier, weight in stage.weights.items():
+                if tier not in self.tiers and weight > 0:
+                    raise ConfigError(f"rollout.stages[{index}].weights: tier {tier!r} is not "
+                                      f"one the model runs on ({', '.join(self.tiers)})")
+        for tier in self.routing.cascade.tiers:
+            if self.routing.policy == "cascade" and tier not in self.tiers:
+                raise ConfigError(f"routing.cascade.tiers: tier {tier!r} is not one the "
+                                  f"model runs on ({', '.join(self.tiers)})")
+
+
+def load_tiered_model(data: Any, where: str = KIND) -> TieredModel:
+    """A TieredModel from a parsed YAML mapping: flat (`name:` beside the spec
+    keys) or a Kubernetes object (apiVersion, kind, metadata.name, spec)."""
+    if isinstance(data, Mapping) and "spec" in data:
+        api_version = f"{API_GROUP}/{API_VERSION}"
+        if data.get("apiVersion") != api_version:
+            raise ConfigError(f"{where}.apiVersion: expected {api_version}, "
+                              f"got {data.get('apiVersion')!r}")
+        if data.get("kind") != KIND:
+            raise ConfigError(f"{where}.kind: expected {KIND}, got {data.get('kind')!r}")
+        metadata = data.get("metadata")
+        if not isinstance(metadata, Mapping) or not metadata.get("name"):
+            raise ConfigError(f"{where}.metadata.name: required")
+        spec = data["spec"]
+        if not isinstance(spec, Mapping):
+            raise ConfigError(f"{where}.spec: expected a mapping, got {type(spec).__name__}")
+        if "name" in spec:
+            raise ConfigError(f"{where}.spec: unknown key 'name'; the name is metadata.name")
+        return load_dataclass(TieredModel, {"name": metadata["name"], **spec}, f"{where}.spec")
+    return load_dataclass(TieredModel, data, where)
+
+
+# --- status -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MetricResult:
+    """One metric's outcome and every number it was decided from."""
+
+    metric: str = spec_field(doc="latency_p95, error_rate, energy_per_inference, agreement")
+    outcome: str = spec_field(doc="the metric's outcome", enum=OUTCOMES)
+    reason: str = spec_field(doc="the outcome in words, with its numbers")
+    numbers: Mapping[str, float] = spec_field(
+        default_factory=dict, doc="samples, quantiles, test statistic, p-value, thresholds")
+
+
+@dataclass(frozen=True)
+class AnalysisRun:
+    """One analysis of canary vs stable: the worst metric outcome wins."""
+
+    window: int = spec_field(doc="measurement window judged; the same window counts once")
+    verdict: str = spec_field(doc="worst outcome of the metrics", enum=OUTCOMES)
+    metrics: tuple[MetricResult, ...] = spec_field(default=(), doc="per metric")
+
+    def with_outcome(self, outcome: str) -> tuple[MetricResult, ...]:
+        return tuple(m for m in self.metrics if m.outcome == outcome)
+
+    def summary(self) -> str:
+        return "; ".join(f"{m.metric} {m.outcome}: {m.reason}" for m in self.metrics)
+
+
+@dataclass(frozen=True)
+class RolloutStatus:
+    """Everything the engine needs to resume: all progress lives here."""
+
+    stable_version: int = spec_field(doc="version serving the rest of the traffic", minimum=0)
+    canary_version: int | None = spec_field(None, doc="version being rolled out", minimum=1)
+    stage_index: int = spec_field(0, doc="current stage of spec.rollout.stages", minimum=0)
+    phase: str = spec_field("Progressing", doc="where the rollout stands", enum=PHASES)
+    stage_started_at: float = spec_field(0.0, doc="when the current stage began (seconds)")
+    consecutive_failures: int = spec_field(0, doc="failed analyses in a row", minimum=0)
+    paused: bool = spec_field(False, doc="true while paused (by hand or by on_failure)")
+    last_analysis: AnalysisRun | None = spec_field(None, doc="the latest analysis")
+    message: str = spec_field("", doc="the latest decision's reason")
+
+
+# --- OpenAPI schema ---------------------------------------------------------
+
+_SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
+
+
+def _json_default(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _json_default(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_json_default(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json_default(v) for k, v in value.items()}
+    return value
+
+
+def _bounds(meta: Mapping[str, Any]) -> dict[str, Any]:
+    schema: dict[str, Any] = {}
+    for ours, theirs in (("minimum", "minimum"), ("maximum", "maximum"),
+                         ("exclusive_minimum", "exclusiveMinimum"),
+                         ("exclusive_maximum", "exclusiveMaximum"),
+                         ("min_length", "minLength")):
+        if meta.get(ours) is not None:
+            schema[theirs] = meta[ours]
+    if "pattern" in meta:
+        schema["pattern"] = f"^(?:{meta['pattern']})$"
+    if "enum" in meta:
+        schema["enum"] = list(meta["enum"])
+    return schema
+
+
+def _type_schema(hint: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+    hint, optional = _strip_optional(hint)
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        schema = openapi_schema(hint)
+    elif origin is tuple:
+        schema = {"type": "array", "items": _type_schema(typing.get_args(hint)[0], meta)}
+        if "min_items" in meta:
+            schema["minItems"] = meta["min_items"]
+        if "max_items" in meta:
+            schema["maxItems"] = meta["max_items"]
+        return _nullable(schema, optional)
+    elif origin in (Mapping, dict) or hint is dict:
+        args = typing.get_args(hint)
+        value_schema = _type_schema(args[1] if len(args) == 2 else Any, meta)
+        if "keys" in meta:  # known keys: one property each, so the API server checks them
+            schema = {"type": "object",
+                      "properties": {key: dict(value_schema) for key in meta["keys"]}}
+        else:
+            schema = {"type": "object", "additionalProperties": value_schema}
+        return _nullable(schema, optional)
+    elif hint is Any:
+        schema = {"x-kubernetes-preserve-unknown-fields": True}
+    elif hint in _SCALARS:
+        schema = {"type": _SCALARS[hint], **_bounds(meta)}
+    else:
+        raise TypeError(f"openapi_schema: unsupported type {hint!r}")
+    return _nullable(schema, optional)
+
+
+def _nullable(schema: dict[str, Any], optional: bool) -> dict[str, Any]:
+    if optional:
+        schema["nullable"] = True
+    return schema
+
+
+def openapi_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The OpenAPI v3 (Kubernetes structural) schema of a spec dataclass: types,
+    required fields, defaults, enums and bounds, from the same declarations
+    `check_fields` enforces."""
+    hints = typing.get_type_hints(cls)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
+        schema = _type_schema(hints[f.name], f.metadata)
+        if f.metadata.get("doc"):
+            schema["description"] = f.metadata["doc"]
+        if f.default is not dataclasses.MISSING:
+            if f.default is not None:
+                schema["default"] = _json_default(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            schema["default"] = _json_default(f.default_factory())
+        else:
+            required.append(f.name)
+        properties[f.name] = schema
+    result: dict[str, Any] = {"type": "object", "properties": properties}
+    if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):
+        result["description"] = " ".join(cls.__doc__.split())
+    if required:
+        result["required"] = required
+    return result
+
+
+def crd_validation() -> dict[str, Any]:
+    """The `validation` block of the TieredModel CRD version (spec and status)."""
+    return {"openAPIV3Schema": {
+        "type": "object",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": openapi_schema(TieredModel, exclude=("name",)),
+            "status": openapi_schema(RolloutStatus),
+        },
+        "required": ["spec"],
+    }}

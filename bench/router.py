@@ -7,15 +7,17 @@ table: the agent alone, pinned by nothing) on loopback; the client is
 for a fixed time after a warm-up. Two models: `mlp` (tiny: the request is all
 protocol) and `sized` (a ReduceMean over a ResNet-18-sized input,
 [1, 3, 224, 224] FP32 = 602 KB, so the forwarding of big payloads shows and
-the engine does not hide it). Direct and routed windows alternate, so each
-pair is measured side by side in time; the client, router and agent share
-this machine's cores, which the report says.
+the engine does not hide it). A third arm, `bench/passthrough_server.py`,
+forwards every request to the agent and does nothing else: the cost of a
+bare Python gRPC hop, so that what the router adds beyond it shows. Direct,
+pass-through and routed windows alternate, so each is measured beside the
+others in time; the client, router and agent share this machine's cores.
 
 Targets (small model): added P50 <= 0.5 ms at c=1; routed throughput >= 80%
 of direct at c=16. PASS / FAIL are printed and written; the exit code does
 not depend on them.
 
-Run: `.venv/bin/python bench/router.py` (about 2 minutes), `--seconds` per
+Run: `.venv/bin/python bench/router.py` (about 3 minutes), `--seconds` per
 window, `--rounds` alternations, `--out` for the JSON path.
 """
 
@@ -136,28 +138,38 @@ def main() -> int:
                 for model in MODELS}}))
             command = [sys.executable, "-m", "tiered", "router", "--routing-table", str(table),
                        "--port", "0", "--no-metrics"]
-            with ServerProcess(command, "router") as router:
+            passthrough = ServerProcess(
+                [sys.executable, str(REPO_ROOT / "bench" / "passthrough_server.py"),
+                 "--upstream", agent.address], "passthrough")
+            with ServerProcess(command, "router") as router, passthrough:
+                addresses = {"direct": agent.address, "router": router.address,
+                             "passthrough": passthrough.address}
                 rows = []
                 for model in MODELS:
                     for concurrency in args.concurrency:
-                        runs: dict[str, list] = {"direct": [], "router": []}
+                        runs: dict[str, list] = {target: [] for target in addresses}
                         for round_ in range(args.rounds):
-                            order = ("direct", "router") if round_ % 2 == 0 else \
-                                ("router", "direct")
+                            order = list(addresses) if round_ % 2 == 0 else \
+                                list(reversed(addresses))
                             for target in order:
-                                address = agent.address if target == "direct" else \
-                                    router.address
                                 runs[target].append(asyncio.run(drive(
-                                    address, model, concurrency, args.seconds, args.warmup)))
+                                    addresses[target], model, concurrency, args.seconds,
+                                    args.warmup)))
                                 print(f"  {model} c={concurrency} {target}: "
                                       f"{runs[target][-1]['throughput_rps']:.0f} req/s",
                                       file=sys.stderr, flush=True)
                         direct, routed = merge(runs["direct"]), merge(runs["router"])
+                        hop = merge(runs["passthrough"])
                         rows.append({
                             "model": model, "concurrency": concurrency,
-                            "direct": direct, "router": routed,
+                            "direct": direct, "router": routed, "passthrough": hop,
                             "added_p50_ms": routed["p50_ms"] - direct["p50_ms"],
                             "throughput_ratio": routed["throughput_rps"]
+                            / direct["throughput_rps"],
+                            # What a bare Python gRPC hop costs, and the router beyond it.
+                            "hop_added_p50_ms": hop["p50_ms"] - direct["p50_ms"],
+                            "router_beyond_hop_p50_ms": routed["p50_ms"] - hop["p50_ms"],
+                            "hop_throughput_ratio": hop["throughput_rps"]
                             / direct["throughput_rps"],
                         })
 
@@ -190,7 +202,8 @@ def main() -> int:
     args.out.write_text(json.dumps(result, indent=2))
 
     header = f"{'model':6} {'c':>3} | {'direct rps':>10} {'p50':>7} {'p99':>7} | " \
-             f"{'router rps':>10} {'p50':>7} {'p99':>7} | {'+p50 ms':>7} {'ratio':>6}"
+             f"{'router rps':>10} {'p50':>7} {'p99':>7} | {'+p50 ms':>7} {'ratio':>6} | " \
+             f"{'hop rps':>8} {'hop p50':>7} {'hop ratio':>9}"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -198,7 +211,8 @@ def main() -> int:
         print(f"{r['model']:6} {r['concurrency']:>3} | {d['throughput_rps']:>10.0f} "
               f"{d['p50_ms']:>7.2f} {d['p99_ms']:>7.2f} | {t['throughput_rps']:>10.0f} "
               f"{t['p50_ms']:>7.2f} {t['p99_ms']:>7.2f} | {r['added_p50_ms']:>7.2f} "
-              f"{r['throughput_ratio']:>6.2f}")
+              f"{r['throughput_ratio']:>6.2f} | {r['passthrough']['throughput_rps']:>8.0f} "
+              f"{r['passthrough']['p50_ms']:>7.2f} {r['hop_throughput_ratio']:>9.2f}")
     for t in targets:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['name']}: {t['value']:.3f} "
               f"(target {t['target']})")

@@ -62,6 +62,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tiered.agent.process import AgentError, AgentProcess, ServerProcess  # noqa: E402
 from tiered.models import zoo  # noqa: E402
+from tiered.tables import cell  # noqa: E402
+from tiered.tables import render as render_table  # noqa: E402
 
 # --------------------------------------------------------------------------- settings
 
@@ -452,41 +454,8 @@ def noisy_windows(
     return flagged
 
 
-def fmt(value: Any, digits: int | None = None) -> str:
-    """A table cell: '-' for missing; floats with more decimals the smaller they are."""
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return "nan"
-        if digits is None:
-            digits = 1 if abs(value) >= 1000 else 2 if abs(value) >= 1 else 3
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Plain-text table; text columns left-aligned, numbers right-aligned."""
-    cells = [[fmt(v) for v in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-    numeric = [
-        all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) and bool(rows)
-        for i in range(len(headers))
-    ]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(
-            v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)
-        ).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(headers), rule, *(line(r) for r in cells)])
-
-
 def render_report(result: Mapping[str, Any]) -> str:
-    baseline = format_table(
+    baseline = render_table(
         ["model", "batch", "after", "calls", "img/s", "p50 ms/call", "p95 ms/call", "ms/img",
          "other cpu"],
         [
@@ -498,20 +467,20 @@ def render_report(result: Mapping[str, Any]) -> str:
     )
     vs = {(r["model_name"], r["concurrency"]): r
           for r in result["ratios"]["agent_vs_inprocess_throughput"]}
-    agent = format_table(
+    agent = render_table(
         ["model", "c", "requests", "req/s", "p50 ms", "p95 ms", "p99 ms", "batch", "errors",
          "queue ms", "compute ms", "cpu cli/agt/oth", "vs ORT", "@batch"],
         [
             [r["model_name"], r["concurrency"], r["requests"], r["throughput"], r["p50_ms"],
              r["p95_ms"], r["p99_ms"], r["formed_batch"], r["errors"],
              r["agent_queue_ms_per_request"], r["agent_compute_ms_per_request"],
-             "/".join(fmt(r["cpu_cores"].get(k), 2) for k in ("client", "agent", "other")),
+             "/".join(cell(r["cpu_cores"].get(k), 2) for k in ("client", "agent", "other")),
              vs.get((r["model_name"], r["concurrency"]), {}).get("ratio"),
              vs.get((r["model_name"], r["concurrency"]), {}).get("inprocess_batch")]
             for r in result["agent"]
         ],
     )
-    speedup = format_table(
+    speedup = render_table(
         ["model", "c", "batched req/s", "unbatched req/s", "batched/unbatched",
          "floor req/s", "ceiling: floor/unbatched"],
         [
@@ -520,7 +489,7 @@ def render_report(result: Mapping[str, Any]) -> str:
             for r in result["ratios"]["batched_vs_unbatched_throughput"]
         ],
     )
-    overhead = format_table(
+    overhead = render_table(
         ["model", "agent p50 ms @c1", "in-process p50 ms @b1", "overhead ms", "floor p50 ms",
          "overhead beyond floor ms"],
         [
@@ -529,7 +498,7 @@ def render_report(result: Mapping[str, Any]) -> str:
             for r in result["ratios"]["p50_overhead_at_c1"]
         ],
     )
-    floor = format_table(
+    floor = render_table(
         ["model", "c", "agent p50 ms", "floor p50 ms", "above floor ms", "agent req/s",
          "floor req/s", "agent/floor"],
         [
@@ -539,7 +508,7 @@ def render_report(result: Mapping[str, Any]) -> str:
             for r in result["ratios"]["agent_over_floor"]
         ],
     )
-    targets = format_table(
+    targets = render_table(
         ["target", "what", "value", "needs", "verdict"],
         [
             [t["name"], t["description"], t["value"], f"{t['comparison']} {t['threshold']}",
@@ -859,8 +828,8 @@ async def run_sweep(
                     agent_rows.append(row)
                     progress(
                         f"agent {model_name} c={concurrency}: {row['throughput']:.1f} req/s, "
-                        f"p50 {fmt(row['p50_ms'], 3)} ms, p99 {fmt(row['p99_ms'], 3)} ms, "
-                        f"batch {fmt(row['formed_batch'])}, errors {row['errors']}"
+                        f"p50 {cell(row['p50_ms'], 3)} ms, p99 {cell(row['p99_ms'], 3)} ms, "
+                        f"batch {cell(row['formed_batch'])}, errors {row['errors']}"
                         f"{noise_note(row['cpu_cores'])}"
                     )
                     pair = [model_name, concurrency]
@@ -871,7 +840,7 @@ async def run_sweep(
                                                      floor.pid)
                         floor_rows.append({**base, "pair": pair})
                         progress(f"  floor c={concurrency}: {base['throughput']:.1f} req/s, "
-                                 f"p50 {fmt(base['p50_ms'], 3)} ms")
+                                 f"p50 {cell(base['p50_ms'], 3)} ms")
                     for batch in paired_batches(spec, row):
                         base = run_baseline(spec, session, batch, settings)
                         baseline_rows.append({**base, "pair": pair})

@@ -66,6 +66,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("tiered") is None:  # a checkout without `pip install -e`
     sys.path.insert(0, str(REPO_ROOT))
 
+from tiered.tables import cell  # noqa: E402
+from tiered.tables import render as render_table  # noqa: E402
+
 MODEL = "resnet18"
 INPUT, OUTPUT = "input", "logits"
 TIER = "datacenter"
@@ -174,29 +177,6 @@ def agreement(agent: float | None, direct: float | None, tolerance: float) -> di
     value = ratio(agent, direct)
     verdict = "N/A" if value is None else "PASS" if abs(value - 1) <= tolerance else "FAIL"
     return {"agent_over_direct": value, "tolerance": tolerance, "verdict": verdict}
-
-
-def fmt(value: Any, digits: int | None = None) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return "nan"
-        if digits is None:
-            digits = 0 if abs(value) >= 1000 else 2 if abs(value) >= 10 else 4
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[fmt(v) for v in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) for v, w in zip(values, widths)).rstrip()
-
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths),
-                      *(line(r) for r in cells)])
 
 
 # --------------------------------------------------------------------------- I/O: meters
@@ -628,9 +608,9 @@ def run(settings: Settings, out_path: Path) -> dict[str, Any]:
         onnx_path = write_model(repo, settings)
         served = [served_point(repo, batch, settings) for batch in settings.batches]
         for row in served:
-            progress(f"served B={row['batch']}: {fmt(row['img_per_s'])} img/s, agent "
-                     f"{fmt(row['agent']['j_per_inference'])} J/inf, direct "
-                     f"{fmt(row['direct']['j_per_inference'])} J/inf: "
+            progress(f"served B={row['batch']}: {cell(row['img_per_s'])} img/s, agent "
+                     f"{cell(row['agent']['j_per_inference'])} J/inf, direct "
+                     f"{cell(row['direct']['j_per_inference'])} J/inf: "
                      f"{row['agreement']['verdict']}")
         result["served"] = served
         result["inprocess"] = inprocess_points(
@@ -649,7 +629,7 @@ def run(settings: Settings, out_path: Path) -> dict[str, Any]:
 
 def report(result: Mapping[str, Any]) -> str:
     env = result["environment"]
-    served = table(
+    served = render_table(
         ["B", "span s", "inferences", "img/s", "batch", "busy", "W", "agent J", "direct J",
          "agent J/inf", "direct J/inf", "agent/direct", "direct J/client img", "check"],
         [[r["batch"], r["window"]["span_s"], r["agent"]["inferences"], r["img_per_s"],
@@ -658,20 +638,20 @@ def report(result: Mapping[str, Any]) -> str:
           r["agreement"]["agent_over_direct"], r["clients"]["j_per_image_direct"],
           r["agreement"]["verdict"]] for r in result["served"]],
     )
-    inprocess = table(
+    inprocess = render_table(
         ["B", "mode", "threads", "img/s", "W", "J/image"],
         [[r["batch"], r["mode"], r["threads"], r["img_per_s"], r["watts"], r["j_per_image"]]
          for r in result["inprocess"]],
     )
     counters = "; ".join(
-        f"B={r['batch']}: counter moved every {fmt(r['direct']['counter']['median_update_s'])}"
-        f" s by {fmt(r['direct']['counter']['median_step_j'])} J, span aligned "
+        f"B={r['batch']}: counter moved every {cell(r['direct']['counter']['median_update_s'])}"
+        f" s by {cell(r['direct']['counter']['median_step_j'])} J, span aligned "
         f"{r['window']['aligned']}, client errors {r['clients']['errors']}"
         for r in result["served"])
     t = result["target"]
     return "\n\n".join([
         "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())
-        + f"; idle {fmt(result['idle_watts'])} W",
+        + f"; idle {cell(result['idle_watts'])} W",
         "Served (agent = its Stats over whole slots [S, E); direct = the counter read here "
         f"({result['served'][0]['direct']['source'] if result['served'] else '-'}), "
         "interpolated at S and E, over the agent's inferences;\nbatch = formed engine batch; "

@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -57,6 +56,9 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("tiered") is None:  # a checkout without `pip install -e`
     sys.path.insert(0, str(REPO_ROOT))
+
+from tiered.tables import cell  # noqa: E402
+from tiered.tables import render as render_table  # noqa: E402
 
 MODEL = "resnet18"
 INPUT, OUTPUT = "input", "logits"
@@ -144,29 +146,6 @@ def per_request_ms(delta: Mapping[str, int]) -> dict[str, float | None]:
         "engine": mean("compute_infer"),
         "split": mean("compute_output"),
     }
-
-
-def fmt(value: Any, digits: int | None = None) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return "nan"
-        if digits is None:
-            digits = 0 if abs(value) >= 1000 else 2 if abs(value) >= 1 else 4
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[fmt(v) for v in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) for v, w in zip(values, widths)).rstrip()
-
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths),
-                      *(line(r) for r in cells)])
 
 
 # --------------------------------------------------------------------------- I/O: meters
@@ -723,8 +702,8 @@ def run(settings: RunSettings, out_path: Path) -> dict[str, Any]:
                     row = served_point(setup, servers, concurrency, settings, energy)
                     progress(
                         f"  {setup} c={concurrency}: {row['img_per_s']:.0f} img/s, p50 "
-                        f"{fmt(row['p50_ms'])} ms, batch {fmt(row['formed_batch'])}, server "
-                        f"cpu {fmt(row['server_cpu_cores'])}, errors {row['errors']}"
+                        f"{cell(row['p50_ms'])} ms, batch {cell(row['formed_batch'])}, server "
+                        f"cpu {cell(row['server_cpu_cores'])}, errors {row['errors']}"
                     )
                     served.append(row)
             finally:
@@ -796,12 +775,12 @@ def target(comparison: Sequence[Mapping[str, Any]], settings: RunSettings) -> di
 
 
 def report(result: Mapping[str, Any]) -> str:
-    inprocess = table(
+    inprocess = render_table(
         ["batch", "mode", "img/s", "p50 ms", "p99 ms", "J/img", "W"],
         [[r["batch"], r["mode"], r["img_per_s"], r["p50_ms"], r["p99_ms"], r["j_per_img"],
           r["watts"]] for r in result["inprocess"]],
     )
-    served = table(
+    served = render_table(
         ["setup", "c", "procs", "img/s", "p50 ms", "p99 ms", "batch", "err", "queue", "merge",
          "engine", "split", "server cpu", "client cpu", "J/img", "W"],
         [[r["setup"], r["concurrency"], r["client_processes"], r["img_per_s"], r["p50_ms"],
@@ -810,7 +789,7 @@ def report(result: Mapping[str, Any]) -> str:
           r["agent_ms_per_request"]["split"], r["server_cpu_cores"], r["client_cpu_cores"],
           r["j_per_img"], r["watts"]] for r in result["served"]],
     )
-    comparison = table(
+    comparison = render_table(
         ["setup", "c", "formed batch", "ref batch", "served img/s", "host x1 img/s",
          "host x2 img/s", "served/best"],
         [[r["setup"], r["concurrency"], r["formed_batch"], r["reference_batch"],
@@ -819,18 +798,18 @@ def report(result: Mapping[str, Any]) -> str:
     )
     keys = ["request_bytes", "decode_one_request_ms", "merge_ms", "stage_to_pinned_ms",
             "h2d_pinned_ms", "h2d_pageable_ms", "compute_graph_ms", "d2h_ms", "engine_run_ms"]
-    breakdown = table(["batch", *keys],
+    breakdown = render_table(["batch", *keys],
                       [[b["batch"], *(b.get(k) for k in keys)] for b in result["breakdown"]])
     t = result["target"]
     return "\n\n".join([
-        f"Environment: {result['environment']}  idle W: {fmt(result.get('idle_watts'))}",
+        f"Environment: {result['environment']}  idle W: {cell(result.get('idle_watts'))}",
         "In-process (same model and precision)\n" + inprocess,
         "Served (batch-1 FP32 requests; queue/merge/engine/split = the agent's per-request "
         "means in ms;\ncpu in cores; J/img = whole-GPU energy over the window / images)\n"
         + served,
         "Served vs in-process host-memory reference at the formed batch\n" + comparison,
         "One batch's host path, each step alone (ms per batch)\n" + breakdown,
-        f"Target: {t['what']} = {fmt(t['value'])} (needs {t['needs']}): {t['verdict']}",
+        f"Target: {t['what']} = {cell(t['value'])} (needs {t['needs']}): {t['verdict']}",
     ])
 
 

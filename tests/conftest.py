@@ -42,3 +42,13 @@ def agent(shared_repository) -> AgentProcess:
     with AgentProcess("edge", shared_repository) as process:
         yield process
         assert process.alive(), f"the shared agent died:\n{process.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def digits_models(tmp_path_factory) -> Path:
+    """The trained digits variants (v1, v2, heavy) and their data files, once per session."""
+    from tiered.controller.up import prepare_sample_models
+
+    out = tmp_path_factory.mktemp("digits-models")
+    prepare_sample_models(out, lambda line: None)
+    return out

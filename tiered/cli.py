@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tiered.errors import ConfigError
+from tiered.agent.process import AgentError
+from tiered.errors import ConfigError, TieredError
 from tiered.profiles import TIERS
 
 
@@ -45,9 +47,13 @@ def _top(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.protocol:
+        from tiered import tour
+
+        return tour.run(args.tier)
     from tiered import demo
 
-    return demo.run(args.tier)
+    return demo.run(args.out)
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -121,6 +127,151 @@ def _models_resnet18(args: argparse.Namespace) -> int:
         return 2
     print(f"wrote {path}: ResNet-18, random weights (seed {args.seed}), input `input` FP32 "
           f"[batch, 3, {args.image_size}, {args.image_size}], output `logits` FP32 [batch, 1000]")
+    return 0
+
+
+# -- the local system and its verbs ---------------------------------------------------------
+
+STATE_HELP = "state directory of the local system (default: .tiered)"
+
+
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tiered.controller import up
+
+    try:
+        system = up.load_system(args.file)
+        if args.state is not None:
+            system = dataclasses.replace(system, state_dir=str(args.state))
+        local = up.LocalUp(system, args.file.parent,
+                           progress=lambda line: print(line, flush=True))
+    except ConfigError as error:
+        print(f"tiered up: {error}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        running = local.start()
+        print(f"up: router on {running.router}; state in {local.layout.root}. "
+              "Ctrl-C stops everything.", flush=True)
+        local.supervise(stop)
+    except (TieredError, AgentError) as error:
+        print(f"tiered up: {error}", file=sys.stderr)
+        return 1
+    finally:
+        local.stop()
+    return 0
+
+
+def _controller(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from tiered.controller.local import LocalController
+
+    if args.log_level == "INFO":  # progress is printed; builds' library chatter is not
+        logging.getLogger().setLevel(logging.WARNING)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        controller = LocalController(args.state, interval_s=args.interval,
+                                     progress=lambda line: print(line, flush=True))
+    except TieredError as error:
+        print(f"tiered controller: {error}", file=sys.stderr)
+        return 2
+    try:
+        controller.run(stop)
+    finally:
+        controller.close()
+    return 0
+
+
+def _store(args: argparse.Namespace):
+    from tiered.controller.local import StateLayout
+    from tiered.controller.store import StateStore
+
+    layout = StateLayout(args.state)
+    if not layout.store.is_file():
+        raise ConfigError(f"no local system state in {args.state} (start one with "
+                          "`tiered up -f FILE`, or pass --state DIR)")
+    return StateStore(layout.store)
+
+
+def _verb(name: str, body) -> Callable[[argparse.Namespace], int]:
+    """Run a store verb; domain errors become one line on stderr and exit code 1."""
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except TieredError as error:
+            print(f"tiered {name}: {error}", file=sys.stderr)
+            return 1
+    return handler
+
+
+def _apply(args: argparse.Namespace) -> int:
+    from tiered.controller.verbs import apply_file
+
+    with _store(args) as store:
+        for name, result in apply_file(store, args.file):
+            print(f"tieredmodel/{name} {result}")
+    return 0
+
+
+def _get(args: argparse.Namespace) -> int:
+    import json
+
+    import yaml
+
+    from tiered.controller import verbs
+    from tiered.tables import render
+
+    with _store(args) as store:
+        records = [store.get(args.name)] if args.name else store.list()
+    if args.output == "table":
+        rows = [verbs.summary_row(r) for r in records]
+        if rows:
+            print(render(list(rows[0]), [list(r.values()) for r in rows]))
+        else:
+            print("no TieredModels applied")
+    else:
+        documents = [verbs.describe(r) for r in records]
+        print(json.dumps(documents, indent=2) if args.output == "json"
+              else yaml.safe_dump_all(documents, sort_keys=False), end="")
+    return 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from tiered.controller import verbs
+
+    with _store(args) as store:
+        if args.verb == "status":
+            return _rollout_status(store, args.name, args.watch)
+        decision = verbs.rollout_verb(store, args.name, args.verb, full=args.full)
+    print(f"{args.name}: {decision.action}: {decision.reason}")
+    return 0
+
+
+def _rollout_status(store, name: str, watch: bool) -> int:
+    import time
+
+    from tiered.controller import verbs
+    from tiered.controller.progress import progress_line
+
+    record = store.get(name)
+    row = verbs.summary_row(record)
+    print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
+    history = store.history(name)
+    for _, t, snap in history[-10:]:
+        print(progress_line(t, snap))
+    last = history[-1][0] if history else 0
+    while watch:
+        time.sleep(1.0)
+        for last, t, snap in store.history(name, after_id=last):
+            print(progress_line(t, snap), flush=True)
     return 0
 
 
@@ -217,10 +368,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="run the local demo: build a sample model, serve it, query it with tritonclient",
+        help="run the whole system locally: serve digits v1 on three tiers, promote v2, "
+        "roll back a heavier v3, write a report",
+        description="End to end on this machine (about 3 minutes on 2 cores): trains the "
+        "sample digits models into build/models (once), starts an agent per tier, the "
+        "router and the controller, sends traffic with tritonclient, applies "
+        "examples/digits-v2.yaml (promoted) and examples/digits-v3.yaml (rolled back), "
+        "prints every decision and writes OUT/report.html and OUT/report.json. "
+        "--protocol instead walks one agent through the v2 protocol.",
     )
+    demo.add_argument("--out", type=Path, default=Path("build/demo"), metavar="DIR",
+                      help="report and state directory (default: build/demo)")
+    demo.add_argument("--protocol", action="store_true",
+                      help="the short protocol tour: one agent, queried with tritonclient")
     demo.add_argument("--tier", default="edge", choices=TIERS,
-                      help="tier profile for the demo agent (default: edge)")
+                      help="--protocol: tier profile of the agent (default: edge)")
     demo.set_defaults(handler=_demo)
 
     build = commands.add_parser(
@@ -279,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
         "[batch, 1, 8, 8], pixels in [0, 1]; output `logits` FP32 [batch, 10]), "
         "DIR/digits-calibration.npz (`input`: training images for INT8 calibration) and "
         "DIR/digits-eval.npz (`input`, `label`: the held-out test split). Variants: v1 the "
-        "base model; v2 a retrained, wider one (a new version that answers a little "
-        "differently); heavy, many times the compute of v1 for latency-regression demos. "
+        "base model; v2 v1's network retrained with another seed (a new version, as costly, "
+        "that answers a little differently); heavy, many times the compute of v1 for latency-regression demos. "
         "Prints per-epoch progress to stderr and a summary per model.",
     )
     digits.add_argument("--variant", default="v1", choices=(*DIGITS_VARIANTS, "all"),
@@ -302,6 +464,65 @@ def build_parser() -> argparse.ArgumentParser:
     resnet18.add_argument("--seed", type=int, default=0, metavar="S",
                           help="weight seed; the same seed writes the same file (default: 0)")
     resnet18.set_defaults(handler=_models_resnet18)
+
+    up_cmd = commands.add_parser(
+        "up",
+        help="run the whole system on this machine: agents per tier, router, controller",
+        description="Start one agent per tier, the router and the controller as child "
+        "processes (restarted when they die), apply the TieredModels the system file lists, "
+        "and echo the controller's progress. State (store, model repositories, routing "
+        "table, logs) lives in the state directory, so a restart resumes rollouts. "
+        "Ctrl-C stops everything. See examples/local.yaml.",
+    )
+    up_cmd.add_argument("-f", "--file", required=True, type=Path, metavar="FILE",
+                        help="local system YAML (examples/local.yaml)")
+    up_cmd.add_argument("--state", type=Path, metavar="DIR",
+                        help="state directory (default: the file's state_dir)")
+    up_cmd.set_defaults(handler=_up)
+
+    controller = commands.add_parser(
+        "controller",
+        help="reconcile TieredModels of a local system (`tiered up` starts it)",
+        description="The controller loop over a local system's state directory: builds "
+        "versions for each tier, starts, judges, promotes and rolls back rollouts, and "
+        "writes the routing table. Safe to kill and restart: progress lives in the store.",
+    )
+    controller.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
+                            help=STATE_HELP)
+    controller.add_argument("--interval", type=float, default=2.0, metavar="S",
+                            help="seconds between reconcile passes (default 2)")
+    controller.set_defaults(handler=_controller)
+
+    apply_cmd = commands.add_parser(
+        "apply", help="create or update TieredModels from a YAML file",
+        description="Validate every TieredModel in FILE (--- separated), pin each "
+        "artifact's path and sha256, and store them; a changed artifact starts a rollout.")
+    apply_cmd.add_argument("-f", "--file", required=True, type=Path, metavar="FILE")
+    apply_cmd.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
+                           help=STATE_HELP)
+    apply_cmd.set_defaults(handler=_verb("apply", _apply))
+
+    get = commands.add_parser("get", help="list TieredModels and where their rollouts stand")
+    get.add_argument("name", nargs="?", help="one model (default: all)")
+    get.add_argument("-o", "--output", choices=("table", "yaml", "json"), default="table",
+                     help="table (default), or the whole record as yaml or json")
+    get.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
+                     help=STATE_HELP)
+    get.set_defaults(handler=_verb("get", _get))
+
+    rollout = commands.add_parser(
+        "rollout", help="show or steer a rollout: status, pause, resume, promote, abort",
+        description="status: the rollout's stage, weights and the latest decisions with "
+        "their numbers (--watch follows them). pause: hold at the current stage. resume: go "
+        "on (the stage's clock restarts). promote: skip to the next stage (--full: make "
+        "the canary stable now). abort: send all traffic back to the stable version.")
+    rollout.add_argument("verb", choices=("status", "pause", "resume", "promote", "abort"))
+    rollout.add_argument("name", help="the TieredModel")
+    rollout.add_argument("--full", action="store_true", help="promote: all the way")
+    rollout.add_argument("--watch", "-w", action="store_true", help="status: keep following")
+    rollout.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
+                         help=STATE_HELP)
+    rollout.set_defaults(handler=_verb("rollout", _rollout))
     return parser
 
 

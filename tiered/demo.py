@@ -1,181 +1,218 @@
-"""`tiered demo`: the whole path of a request, on this machine.
+"""`tiered demo` (`make demo`): the whole system on this machine, end to end.
 
-Builds a sample model into a model repository, starts a real agent process on
-loopback, and talks to it with the unmodified tritonclient the way users do:
-metadata, single and batched requests, concurrent requests merged by the
-dynamic batcher, a streamed exchange, a bad request, and the statistics.
-Every answer is checked against ONNX Runtime run in this process.
+Trains the sample digits models (once; they are kept in build/models),
+starts the local system (an agent per tier, the router, the controller),
+applies examples/digits.yaml (version 1 on three tiers), sends steady
+traffic through the router with the unmodified tritonclient, and rolls out
+two new versions the way a user would, by applying a changed spec:
+
+- examples/digits-v2.yaml, v1's network retrained: it must pass every stage
+  and be promoted;
+- examples/digits-v3.yaml, a much heavier network: its p95 and joules per
+  inference go up, and it must be rolled back in its first stage.
+
+Each controller decision and each judged window prints as it happens; at the
+end a report (HTML with plots, and JSON) is written, and the demo checks the
+outcomes and that no client request failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
-import tempfile
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from tiered.agent.process import AgentProcess
-from tiered.agent.repository import model_file, write_config
-from tiered.models import zoo
+from tiered.controller.local import StateLayout, decode_status
+from tiered.controller.progress import progress_line
+from tiered.controller.report import write_report
+from tiered.controller.store import StateStore
+from tiered.controller.up import ControllerSettings, LocalSystem, LocalUp, RouterPorts
+from tiered.controller.up import prepare_sample_models
+from tiered.controller.verbs import apply_file
+from tiered.rollout.engine import PROMOTED, ROLLED_BACK
+from tiered.rollout.spec import RolloutStatus
 
-MODEL = "mlp"
-FEATURES = 16
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+MODEL = "digits"
+TIER_MIX = {"edge": 0.6, "regional": 0.25, "datacenter": 0.15}  # where clients sit
+RATE_PER_S = 80.0
+CONCURRENCY = 8
+USERS = 500  # distinct tiered-key values: each user sticks to one version
+ROLLOUT_TIMEOUT_S = 180.0
 
 
-def _client_modules():
-    try:
+@dataclass
+class Traffic:
+    """A paced client load through the router; counts every answer."""
+
+    address: str
+    images: np.ndarray
+    rate_per_s: float = RATE_PER_S
+    outcomes: Counter = field(default_factory=Counter)
+    stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    async def _run(self) -> None:
         import tritonclient.grpc as grpcclient
         import tritonclient.grpc.aio as aioclient
-    except ImportError:
-        sys.exit("tiered demo needs tritonclient: pip install 'tiered[test]'")
-    return grpcclient, aioclient
+
+        rng = np.random.default_rng(0)
+        tiers, shares = list(TIER_MIX), list(TIER_MIX.values())
+        interval = CONCURRENCY / self.rate_per_s
+        async with aioclient.InferenceServerClient(self.address) as client:
+            async def worker(index: int) -> None:
+                next_at = time.monotonic() + index * interval / CONCURRENCY
+                while not self.stop.is_set():
+                    image = self.images[rng.integers(len(self.images))][None]
+                    tensor = grpcclient.InferInput("input", list(image.shape), "FP32")
+                    tensor.set_data_from_numpy(image)
+                    headers = {"tiered-tier": str(rng.choice(tiers, p=shares)),
+                               "tiered-key": f"user-{rng.integers(USERS)}"}
+                    try:
+                        await client.infer(MODEL, [tensor], headers=headers, client_timeout=10)
+                        self.outcomes["ok"] += 1
+                    except Exception as error:  # noqa: BLE001 -- counted and shown
+                        self.outcomes[f"failed: {str(error)[:120]}"] += 1
+                    next_at += interval
+                    await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+            await asyncio.gather(*(worker(i) for i in range(CONCURRENCY)))
 
 
-def build_repository(root: Path) -> Path:
-    path = zoo.mlp(model_file(root, MODEL, 1), in_features=FEATURES, out_features=4)
-    write_config(root, MODEL, {
-        "max_batch_size": 32,
-        "dynamic_batching": {"max_queue_delay_us": 500, "preferred_batch_sizes": [32]},
-    })
-    return path
+def _wait_until_served(address: str, image: np.ndarray, say: Callable[[str], None],
+                       timeout_s: float = 60.0) -> None:
+    """Until the router answers on every tier (it reads the table within a second)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(address)
+    tensor = grpcclient.InferInput("input", list(image.shape), "FP32")
+    tensor.set_data_from_numpy(image)
+    deadline = time.monotonic() + timeout_s
+    for tier in TIER_MIX:
+        while True:
+            try:
+                client.infer(MODEL, [tensor], headers={"tiered-tier": tier}, client_timeout=10)
+                break
+            except InferenceServerException as error:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the router does not serve {MODEL} on {tier}: "
+                                       f"{error}") from error
+                time.sleep(0.2)
+    say(f"the router at {address} answers on {', '.join(TIER_MIX)}")
 
 
-def _inputs(grpcclient, batch: np.ndarray):
-    tensor = grpcclient.InferInput("input", list(batch.shape), "FP32")
-    tensor.set_data_from_numpy(batch)
-    return [tensor]
+def _status(store: StateStore) -> RolloutStatus | None:
+    return decode_status(store.get(MODEL))
 
 
-async def _concurrent(aioclient, address: str, grpcclient, rows: np.ndarray) -> np.ndarray:
-    async with aioclient.InferenceServerClient(address) as client:
-        results = await asyncio.gather(
-            *(client.infer(MODEL, _inputs(grpcclient, row[None])) for row in rows)
-        )
-    return np.concatenate([r.as_numpy("probabilities") for r in results])
+def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None], bool],
+            last_id: int, timeout_s: float, say: Callable[[str], None]) -> int:
+    """Print new rollout snapshots until `done(status)` or the timeout; returns the
+    last history id shown."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        up.restart_dead()
+        up.echo_controller()
+        for last_id, t, snap in store.history(MODEL, after_id=last_id):
+            say(progress_line(t, snap))
+        if done(_status(store)):
+            return last_id
+        time.sleep(0.5)
+    raise TimeoutError(f"no outcome within {timeout_s:.0f} s: {store.get(MODEL).message}")
 
 
-def _stream(grpcclient, client, rows: np.ndarray) -> dict[str, np.ndarray]:
-    answers: dict[str, np.ndarray] = {}
-    errors: list[str] = []
-
-    def on_answer(result, error):
-        if error is not None:
-            errors.append(str(error))
-        else:
-            answers[result.get_response().id] = result.as_numpy("probabilities")
-
-    client.start_stream(callback=on_answer)
-    for index, row in enumerate(rows):
-        client.async_stream_infer(MODEL, _inputs(grpcclient, row[None]), request_id=str(index))
-    client.stop_stream()  # waits for every answer
-    if errors:
-        raise RuntimeError(f"stream errors: {errors}")
-    return answers
-
-
-def _telemetry(address: str):
-    import grpc
-
-    from tiered.protocol import telemetry_pb2 as tpb
-    from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
-
-    time.sleep(1.1)  # the Stats RPC reports whole one-second slots
-    with grpc.insecure_channel(address) as channel:
-        return tpb_grpc.TelemetryStub(channel).Stats(tpb.StatsRequest(model_name=MODEL),
-                                                     timeout=10)
-
-
-def run(tier: str = "edge") -> int:
-    grpcclient, aioclient = _client_modules()
-    import onnxruntime as ort
-
+def run(out: Path = Path("build/demo"), models: Path = Path("build/models")) -> int:
+    started = time.monotonic()
     checks: list[tuple[str, bool]] = []
+
+    def say(line: str) -> None:
+        print(f"  {line}", flush=True)
 
     def check(what: str, ok: bool) -> None:
         checks.append((what, bool(ok)))
-        print(f"  [{'ok' if ok else 'FAILED'}] {what}")
+        print(f"  [{'ok' if ok else 'FAILED'}] {what}", flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="tiered-demo-") as tmp:
-        root = Path(tmp)
-        print(f"1. Building a sample model into the repository {root}")
-        onnx_path = build_repository(root)
-        reference = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    print(f"1. Sample models in {models} (trained once, then reused)")
+    prepare_sample_models(models.resolve(), say)
+    if models.resolve() != (EXAMPLES.parent / "build" / "models").resolve():
+        sys.exit(f"tiered demo: the examples read their models from build/models; run it "
+                 f"from {EXAMPLES.parent}")
 
-        print(f"2. Starting `tiered agent --tier {tier}` on loopback")
-        started = time.monotonic()
-        with AgentProcess(tier, root) as agent:
-            print(f"   agent pid {agent.pid} listening on {agent.address} "
-                  f"({time.monotonic() - started:.1f} s)")
-            client = grpcclient.InferenceServerClient(agent.address)
-            meta = client.get_server_metadata()
-            print(f"3. Server {meta.name} {meta.version}, extensions: {', '.join(meta.extensions)}")
-            check("server live and ready", client.is_server_live() and client.is_server_ready())
-            model = client.get_model_metadata(MODEL)
-            print(f"   model {model.name} versions {list(model.versions)} platform {model.platform}")
-            for t in model.inputs:
-                print(f"     input  {t.name} {t.datatype} {list(t.shape)}")
-            for t in model.outputs:
-                print(f"     output {t.name} {t.datatype} {list(t.shape)}")
+    state = out / "state"
+    shutil.rmtree(state, ignore_errors=True)
+    system = LocalSystem(state_dir=str(state), router=RouterPorts(port=0),
+                         controller=ControllerSettings(interval_s=1.0))
+    up = LocalUp(system, EXAMPLES, progress=say)
+    print("2. Starting the local system: one agent per tier, the router, the controller")
+    try:
+        running = up.start()
+        with StateStore(StateLayout(state.resolve()).store) as store:
+            print("3. tiered apply -f examples/digits.yaml: version 1 on three tiers")
+            apply_file(store, EXAMPLES / "digits.yaml")
+            last = _follow(store, up, lambda s: s is not None and s.stable_version == 1,
+                           0, 120, say)
+            images = np.load(models / "digits-eval.npz")["input"]
+            _wait_until_served(running.router, images[:1], say)
+            traffic = Traffic(running.router, images)
+            traffic.start()
+            print(f"4. Traffic: {RATE_PER_S:g} requests/s through the router at "
+                  f"{running.router}, clients on "
+                  + ", ".join(f"{t} {s:.0%}" for t, s in TIER_MIX.items()))
+            time.sleep(5.0)
 
-            rng = np.random.default_rng(7)
-            rows = rng.standard_normal((64, FEATURES)).astype(np.float32)
-            expected = reference.run(None, {"input": rows})[0]
+            print("5. tiered apply -f examples/digits-v2.yaml: v1 retrained, rolled out in "
+                  "stages")
+            apply_file(store, EXAMPLES / "digits-v2.yaml")
+            last = _follow(store, up, lambda s: s is not None and s.phase == PROMOTED
+                           and s.stable_version == 2, last, ROLLOUT_TIMEOUT_S, say)
+            check("version 2 promoted through every stage", _status(store).stable_version == 2)
 
-            print("4. One request of 4 rows")
-            answer = client.infer(MODEL, _inputs(grpcclient, rows[:4])).as_numpy("probabilities")
-            np.set_printoptions(precision=4, suppress=True)
-            print(f"{answer}")
-            check("matches ONNX Runtime in-process", np.allclose(answer, expected[:4], atol=1e-6))
+            print("6. tiered apply -f examples/digits-v3.yaml: a heavier network")
+            apply_file(store, EXAMPLES / "digits-v3.yaml")
+            last = _follow(store, up, lambda s: s is not None and s.canary_version == 3
+                           and s.phase in (PROMOTED, ROLLED_BACK), last, ROLLOUT_TIMEOUT_S, say)
+            final = _status(store)
+            check("version 3 rolled back automatically", final.phase == ROLLED_BACK
+                  and final.stable_version == 2)
+            check("in its first stage", final.stage_index == 0)
+            time.sleep(3.0)  # answers in flight while the table changes
+            traffic.finish()
 
-            print("5. 64 concurrent single-row requests (the dynamic batcher merges them)")
-            before = client.get_inference_statistics(MODEL).model_stats[0]
-            merged = asyncio.run(_concurrent(aioclient, agent.address, grpcclient, rows))
-            after = client.get_inference_statistics(MODEL).model_stats[0]
-            executions = after.execution_count - before.execution_count
-            inferences = after.inference_count - before.inference_count
-            print(f"   {inferences} inferences in {executions} engine runs "
-                  f"(mean batch {inferences / max(executions, 1):.1f})")
-            check("all 64 answers match", np.allclose(merged, expected, atol=1e-6))
-
-            print("6. The same rows over one bidirectional stream")
-            streamed = _stream(grpcclient, client, rows[:16])
-            check("16 streamed answers match",
-                  len(streamed) == 16 and all(
-                      np.allclose(streamed[str(i)], expected[i:i + 1], atol=1e-6)
-                      for i in range(16)))
-
-            print("7. A bad request: 15 features instead of 16")
-            try:
-                client.infer(MODEL, _inputs(grpcclient, rows[:1, :15].copy()))
-                check("bad request refused", False)
-            except grpcclient.InferenceServerException as error:
-                print(f"   {error.status()}: {error.message()}")
-                check("bad request refused with INVALID_ARGUMENT",
-                      error.status() == "StatusCode.INVALID_ARGUMENT")
-
-            stats = client.get_inference_statistics(MODEL).model_stats[0].inference_stats
-            print("8. Statistics (ModelStatistics, Triton's shape)")
-            for phase in ("success", "fail", "queue", "compute_infer"):
-                d = getattr(stats, phase)
-                mean_us = d.ns / d.count / 1e3 if d.count else 0.0
-                print(f"   {phase:<14} count {d.count:>4}  mean {mean_us:8.1f} µs")
-            telemetry = _telemetry(agent.address)
-            print("9. Telemetry (tiered.v1.Telemetry, the last minute)")
-            for v in telemetry.versions:
-                energy = (f"{v.joules_per_inference * 1e3:.3f} mJ per inference "
-                          f"(source: {v.energy.source})" if v.has_energy and v.inferences
-                          else "no energy figure yet")
-                print(f"   {v.model_name} v{v.model_version} on {v.device}: {v.success} answered, "
-                      f"engine busy {v.busy_s * 1e3:.1f} ms, {energy}")
-            print(f"   Prometheus metrics: {agent.metrics_url}")
-            client.close()
-            print("10. Stopping the agent (SIGTERM drains in-flight requests)")
-        check("agent exited cleanly", agent.stop() == 0)
-
-    failed = [what for what, ok in checks if not ok]
-    print(f"\nDemo {'passed' if not failed else 'FAILED'}: {len(checks) - len(failed)}"
-          f"/{len(checks)} checks")
-    return 1 if failed else 0
+            history = [dict(snap, t=t) for _, t, snap in store.history(MODEL)]
+        ok = traffic.outcomes["ok"]
+        failed = {k: v for k, v in traffic.outcomes.items() if k != "ok"}
+        print(f"7. Traffic: {ok} answered, {sum(failed.values())} failed")
+        for what, count in failed.items():
+            print(f"     {count} x {what}")
+        check("every client request answered", ok > 0 and not failed)
+        t0 = history[0]["t"] if history else 0.0
+        html, js = write_report([dict(s, t=s["t"] - t0) for s in history], out,
+                                "tiered demo: digits v1 -> v2 (promoted) -> v3 (rolled back)",
+                                {"requests answered": ok, "requests failed": sum(failed.values()),
+                                 "traffic": f"{RATE_PER_S:g}/s, {CONCURRENCY} clients",
+                                 "demo seconds": round(time.monotonic() - started, 1)})
+        print(f"8. Report: {html} and {js}")
+    finally:
+        up.stop()
+    passed = sum(ok for _, ok in checks)
+    print(f"Demo {'passed' if passed == len(checks) else 'FAILED'}: {passed}/{len(checks)} "
+          f"checks in {time.monotonic() - started:.0f} s")
+    return 0 if passed == len(checks) else 1

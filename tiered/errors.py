@@ -38,3 +38,7 @@ class EngineError(TieredError):
 
 class ConfigError(TieredError):
     """A configuration file or tier profile is invalid; the message names the field."""
+
+
+class Conflict(TieredError):
+    """A write based on a stale revision; re-read and try again."""

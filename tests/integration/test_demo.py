@@ -1,4 +1,4 @@
-"""`make demo` runs `python -m tiered demo`: it must keep passing its own checks."""
+"""`tiered demo --protocol`, the one-agent protocol tour, keeps passing its own checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 
 def test_the_demo_passes_every_check():
-    result = subprocess.run([sys.executable, "-m", "tiered", "demo"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "tiered", "demo", "--protocol"], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Demo passed: 6/6 checks" in result.stdout

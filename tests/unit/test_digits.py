@@ -155,7 +155,7 @@ def test_v2_is_a_different_model_of_the_same_accuracy(
     assert written_v2.onnx_path.name == "digits-v2.onnx"
     assert trained_v2.test_accuracy >= MIN_ACCURACY
     assert written_v2.onnx_accuracy >= MIN_ACCURACY
-    assert trained_v2.parameters != trained_v1.parameters
+    assert trained_v2.variant.macs == trained_v1.variant.macs  # as costly: a retrained v1
     images, _ = _eval_data(written_v1.eval_path)
     noise = np.random.default_rng(0).random((200, 1, 8, 8), dtype=np.float32)
     inputs = np.concatenate([images, noise])

@@ -28,15 +28,18 @@ class AgentError(RuntimeError):
 class ServerProcess:
     """A child process that prints `listening on HOST:PORT` once it serves."""
 
-    def __init__(self, command: Sequence[str], name: str, env: dict[str, str] | None = None):
+    def __init__(self, command: Sequence[str], name: str, env: dict[str, str] | None = None,
+                 log_dir: Path | None = None):
         self.command = list(command)
         self.name = name
         self.env = env
         self.port: int | None = None
         self.metrics_url: str | None = None  # when the server prints one
         self._process: subprocess.Popen | None = None
-        self._log_dir = tempfile.TemporaryDirectory(prefix=f"tiered-{name}-")
-        self.log_path = Path(self._log_dir.name) / f"{name}.log"
+        self._log_offset = 0
+        # A log directory of our own is removed on exit; a given one is kept.
+        self._log_dir = None if log_dir else tempfile.TemporaryDirectory(prefix=f"tiered-{name}-")
+        self.log_path = Path(log_dir or self._log_dir.name) / f"{name}.log"
 
     @property
     def address(self) -> str:
@@ -51,7 +54,9 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
-        with self.log_path.open("wb") as log:
+        # A restart appends to the same log; only what this run wrote counts.
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env,
@@ -74,8 +79,11 @@ class ServerProcess:
         raise AgentError(f"{self.name} did not start within {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log(self) -> str:
+        """What this run of the process has written."""
         try:
-            return self.log_path.read_text(errors="replace")
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_offset)
+                return log.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
 
@@ -108,7 +116,8 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        self._log_dir.cleanup()
+        if self._log_dir is not None:
+            self._log_dir.cleanup()
 
 
 class AgentProcess(ServerProcess):
@@ -121,6 +130,8 @@ class AgentProcess(ServerProcess):
         *,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        port: int = 0,
+        log_dir: Path | None = None,
     ) -> None:
         self.tier = tier
         self.repository = Path(repository)
@@ -129,8 +140,8 @@ class AgentProcess(ServerProcess):
             "--tier", tier,
             "--model-repository", str(self.repository),
             "--host", "127.0.0.1",
-            "--port", "0",
+            "--port", str(port),
             "--metrics-port", "0",
             *extra_args,
         ]
-        super().__init__(command, f"agent-{tier}", env)
+        super().__init__(command, f"agent-{tier}", env, log_dir)

@@ -28,6 +28,7 @@ from tiered.agent.config import (
 from tiered.agent.model import ModelVersion
 from tiered.telemetry.recorder import VersionRecorder
 from tiered.engines import Engine, open_engine
+from tiered.engines.base import warm_up
 from tiered.engines import build as build_report
 from tiered.errors import ConfigError, NotFound, TieredError, Unavailable
 from tiered.profiles import TierProfile
@@ -243,6 +244,9 @@ class ModelRepository:
                 try:
                     where = f"{config.name}/config.yaml (version {version})"
                     completed = complete_with_engine(config, engine.inputs, engine.outputs, where)
+                    # Before it takes traffic, so a new canary's first answers are not
+                    # judged by a cold engine.
+                    await asyncio.to_thread(warm_up, engine)
                 except TieredError:
                     engine.close()
                     raise

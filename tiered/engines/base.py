@@ -48,3 +48,20 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release what the engine holds. Safe to call twice."""
+
+
+WARM_UP_RUNS = 3
+
+
+def warm_up(engine: Engine, runs: int = WARM_UP_RUNS) -> bool:
+    """Run the engine on zeros (batch 1 for dynamic dimensions) a few times, so
+    its first real requests do not pay for lazy allocation and kernel choice.
+    False, and nothing run, when an input has no numeric dtype to fill."""
+    feeds = {}
+    for spec in engine.inputs:
+        if spec.dtype.kind not in "biuf":
+            return False
+        feeds[spec.name] = np.zeros([1 if d < 0 else d for d in spec.shape], spec.dtype)
+    for _ in range(runs):
+        engine.run(engine.accept(feeds))
+    return True

@@ -26,6 +26,7 @@ _CODES: dict[type[errors.TieredError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.EngineError: grpc.StatusCode.INTERNAL,
+    errors.Conflict: grpc.StatusCode.ABORTED,
 }
 
 

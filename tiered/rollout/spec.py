@@ -150,7 +150,14 @@ class Artifact(_Checked):
     """The ONNX artifact every tier's engine is built from."""
 
     uri: str = spec_field(doc="path or URI of the ONNX model", min_length=1)
-    sha256: str = spec_field(doc="hex SHA-256 of the artifact", pattern=r"[0-9a-f]{64}")
+    sha256: str | None = spec_field(
+        None, doc="hex SHA-256 of the artifact; when omitted, `tiered apply` pins the "
+        "file's digest at apply time", pattern=r"[0-9a-f]{64}")
+    calibration: str | None = spec_field(
+        None, doc="npz of representative inputs for INT8 calibration; random inputs when "
+        "omitted")
+    eval: str | None = spec_field(
+        None, doc="npz of held-out inputs (and labels) the tier builds are judged on")
 
 
 @dataclass(frozen=True)
@@ -165,9 +172,11 @@ class Batching(_Checked):
 class TierSpec(_Checked):
     """How one tier runs the model."""
 
-    engine: str = spec_field("onnxruntime", doc="engine backend", enum=ENGINES)
-    precision: str = spec_field("fp32", doc="numeric precision of the tier build",
-                                enum=PRECISIONS)
+    engine: str | None = spec_field(None, doc="engine backend; null: the tier profile's",
+                                    enum=ENGINES)
+    precision: str | None = spec_field(
+        None, doc="numeric precision of the tier build; null: the tier profile's",
+        enum=PRECISIONS)
     replicas: int = spec_field(1, doc="agents of this tier serving the model",
                                minimum=0, maximum=1000)
     batching: Batching = spec_field(default_factory=Batching, doc="dynamic batching")
@@ -287,6 +296,9 @@ class RolloutSpec(_Checked):
                                         doc="how each stage is judged")
     on_failure: str = spec_field("rollback", doc="what a failed or undecided stage does",
                                  enum=ON_FAILURE)
+    shadow_fraction: float = spec_field(
+        0.1, doc="share of stable requests also sent to the canary to measure agreement",
+        minimum=0.0, maximum=1.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -393,13 +405,13 @@ class RolloutStatus:
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
-def _json_default(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
-        return {f.name: _json_default(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple):
-        return [_json_default(v) for v in value]
+        return [to_plain(v) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): _json_default(v) for k, v in value.items()}
+        return {str(k): to_plain(v) for k, v in value.items()}
     return value
 
 
@@ -469,9 +481,9 @@ def openapi_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
             schema["description"] = f.metadata["doc"]
         if f.default is not dataclasses.MISSING:
             if f.default is not None:
-                schema["default"] = _json_default(f.default)
+                schema["default"] = to_plain(f.default)
         elif f.default_factory is not dataclasses.MISSING:
-            schema["default"] = _json_default(f.default_factory())
+            schema["default"] = to_plain(f.default_factory())
         else:
             required.append(f.name)
         properties[f.name] = schema

@@ -1,0 +1,168 @@
+"""The local system end to end: `tiered up`'s processes, the controller, the CLI.
+
+One system for the module (an agent per tier, the router, the controller, all
+real processes on loopback), driven the way a user drives it: specs applied
+from YAML, traffic through the router with tritonclient, verbs through the
+`tiered` command line. Stages are short so that a rollout takes seconds.
+
+- v1 serves; v2 rolls out; the controller is killed mid-rollout and the
+  supervisor restarts it: the rollout resumes at the stage it had reached
+  (never back at stage 1) and v2 is promoted; pause and resume work from the
+  CLI on the way.
+- v3, the heavy network, is rolled back in its first stage.
+- Every client request in the module is answered.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from tiered.controller.local import StateLayout, decode_status
+from tiered.controller.store import StateStore
+from tiered.controller.up import ControllerSettings, LocalSystem, LocalUp, RouterPorts
+from tiered.demo import Traffic
+from tiered.rollout.engine import PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK
+
+pytest.importorskip("tritonclient.grpc")
+
+STAGE = {"min_requests": 40, "min_duration_s": 6, "max_duration_s": 90}
+
+
+def spec(variant: str, models: Path) -> dict:
+    return {
+        "apiVersion": "tiered.dev/v1alpha1", "kind": "TieredModel",
+        "metadata": {"name": "digits"},
+        "spec": {
+            "artifact": {"uri": str(models / f"digits-{variant}.onnx"),
+                         "calibration": str(models / "digits-calibration.npz"),
+                         "eval": str(models / "digits-eval.npz")},
+            "tiers": {tier: {"batching": {"max_batch_size": 1}}
+                      | ({"precision": "fp32"} if tier == "datacenter" else {})
+                      for tier in ("edge", "regional", "datacenter")},
+            "rollout": {
+                "stages": [{"name": "edge", "weights": {"edge": 25}, **STAGE},
+                           {"name": "wide", "weights": {"edge": 50, "regional": 50,
+                                                        "datacenter": 50}, **STAGE}],
+                "analysis": {"latency_p95": {"max_ratio": 1.15},
+                             "energy_per_inference": {"max_ratio": 1.25, "min_windows": 8},
+                             "agreement": {"min": 0.9}, "min_samples": 30,
+                             "consecutive_failure_limit": 2},
+                "shadow_fraction": 0.3,
+            },
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory, digits_models):
+    state = tmp_path_factory.mktemp("state")
+    local = LocalUp(LocalSystem(state_dir=str(state), router=RouterPorts(port=0),
+                                controller=ControllerSettings(interval_s=0.5)),
+                    state, progress=lambda line: None)
+    try:
+        running = local.start()
+        yield local, running, state
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="module")
+def store(system):
+    _, _, state = system
+    with StateStore(StateLayout(state).store) as opened:
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def traffic(system, store, digits_models):
+    local, running, state = system
+    apply(state, spec("v1", digits_models))
+    wait_for(local, store, lambda s: s is not None and s.stable_version == 1, 120)
+    images = np.load(digits_models / "digits-eval.npz")["input"]
+    from tiered.demo import _wait_until_served
+
+    _wait_until_served(running.router, images[:1], lambda line: None)
+    load = Traffic(running.router, images, rate_per_s=60.0)
+    load.start()
+    yield load
+    load.finish()
+    failed = {k: v for k, v in load.outcomes.items() if k != "ok"}
+    assert load.outcomes["ok"] > 1000 and not failed, load.outcomes
+
+
+def tiered(state: Path, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "tiered", *args, "--state", str(state)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def apply(state: Path, document: dict) -> None:
+    path = state / "spec.yaml"
+    path.write_text(yaml.safe_dump(document))
+    assert "tieredmodel/digits" in tiered(state, "apply", "-f", str(path)).stdout
+
+
+def wait_for(local: LocalUp, store: StateStore, done, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        local.restart_dead()
+        status = decode_status(store.get("digits"))
+        if done(status):
+            return status
+        time.sleep(0.25)
+    raise AssertionError(f"timed out; status {decode_status(store.get('digits'))}, "
+                         f"message {store.get('digits').message!r}")
+
+
+def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store, traffic,
+                                                                     digits_models):
+    local, _, state = system
+    apply(state, spec("v2", digits_models))
+    wait_for(local, store, lambda s: s.canary_version == 2 and s.phase == PROGRESSING, 120)
+
+    assert "paused by hand" in tiered(state, "rollout", "pause", "digits").stdout
+    paused = wait_for(local, store, lambda s: s.phase == PAUSED, 10)
+    time.sleep(2.0)  # the controller holds a paused rollout
+    assert decode_status(store.get("digits")).stage_index == paused.stage_index
+    assert "resumed by hand" in tiered(state, "rollout", "resume", "digits").stdout
+
+    reached = wait_for(local, store, lambda s: s.stage_index == 1 or s.phase == PROMOTED, 90)
+    if reached.phase == PROGRESSING:  # kill it mid-stage; the supervisor starts another
+        os.kill(local.controller.pid, signal.SIGKILL)
+        local.controller.wait()
+        resumed = wait_for(local, store, lambda s: local.controller.poll() is None, 30)
+        assert resumed.stage_index == 1 or resumed.phase == PROMOTED
+    promoted = wait_for(local, store, lambda s: s.phase == PROMOTED, 120)
+    assert promoted.stable_version == 2 and promoted.canary_version is None
+    stages = [snap["stage_index"] for _, _, snap in store.history("digits")
+              if snap.get("canary_version") == 2]
+    assert stages == sorted(stages), "the rollout went back a stage"
+
+    listing = tiered(state, "get").stdout
+    assert "digits" in listing and "Promoted" in listing and "v2" in listing
+    status = tiered(state, "rollout", "status", "digits").stdout
+    assert "promote: stage 2/2 'wide' passed" in status
+
+
+def test_a_heavier_version_is_rolled_back_in_its_first_stage(system, store, traffic,
+                                                            digits_models):
+    local, _, state = system
+    apply(state, spec("heavy", digits_models))
+    final = wait_for(local, store, lambda s: s.canary_version == 3
+                     and s.phase in (PROMOTED, ROLLED_BACK), 150)
+    assert final.phase == ROLLED_BACK and final.stable_version == 2
+    assert final.stage_index == 0
+    failed = {m.metric for m in final.last_analysis.metrics if m.outcome == "Failed"}
+    assert failed & {"latency_p95", "energy_per_inference"}, final.last_analysis.summary()
+    table = yaml.safe_load((StateLayout(state).routing_table).read_text())
+    assert all("canary" not in tier for tier in table["models"]["digits"]["tiers"].values())

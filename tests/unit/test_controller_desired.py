@@ -1,0 +1,303 @@
+"""Desired state as tables: version numbering, how a spec change moves the
+rollout, the versions agents serve, and the routing table (which must load)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tiered.controller.desired import (
+    ArtifactVersion,
+    follow_spec,
+    live,
+    routing_table,
+    served_versions,
+    version_of,
+)
+from tiered.rollout import engine
+from tiered.rollout.spec import Artifact, RolloutStatus, load_tiered_model
+from tiered.router.table import parse_table
+
+SHA_A, SHA_B, SHA_C = "aa" * 32, "bb" * 32, "cc" * 32
+NOW = 1000.0
+EDGE, REGIONAL, DATACENTER = "10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"
+ALL_AGENTS = {"edge": [EDGE], "regional": [REGIONAL], "datacenter": [DATACENTER]}
+
+
+STAGES = [{"name": "edge-10", "weights": {"edge": 10}},
+          {"name": "half", "weights": {"edge": 50, "regional": 50}}]
+
+
+def model(name="digits", tiers=("edge", "regional"), agreement=True, routing=None,
+          shadow=0.1, stages=STAGES):
+    analysis = {} if agreement else {"agreement": None}
+    data = {
+        "name": name,
+        "artifact": {"uri": "digits.onnx", "sha256": SHA_A},
+        "tiers": {tier: {} for tier in tiers},
+        "rollout": {
+            "stages": stages,
+            "analysis": analysis, "shadow_fraction": shadow,
+        },
+    }
+    if routing is not None:
+        data["routing"] = routing
+    return load_tiered_model(data)
+
+
+SPEC = model()
+
+
+def status(**changes):
+    base = RolloutStatus(stable_version=1, canary_version=2, stage_index=0,
+                         phase=engine.PROGRESSING, stage_started_at=NOW)
+    return dataclasses.replace(base, **changes)
+
+
+# --- version_of -------------------------------------------------------------
+
+KNOWN = (ArtifactVersion(1, "/a.onnx", SHA_A), ArtifactVersion(3, "/b.onnx", SHA_B))
+
+
+@pytest.mark.parametrize(("sha", "uri", "known", "version", "count"), [
+    (SHA_A, "/a.onnx", (), 1, 1),                    # first ever: version 1
+    (SHA_A, "/a.onnx", KNOWN, 1, 2),                 # same digest: same version
+    (SHA_B, "/moved/b.onnx", KNOWN, 3, 2),           # same bytes elsewhere: same version
+    (SHA_C, "/c.onnx", KNOWN, 4, 3),                 # new digest: max + 1 (2 never reused)
+])
+def test_version_of(sha, uri, known, version, count):
+    got, registry = version_of(Artifact(uri=uri, sha256=sha), known)
+    assert got == version
+    assert len(registry) == count
+    assert registry[: len(known)] == known  # nothing known is renumbered or dropped
+    assert next(e for e in registry if e.sha256 == sha).version == version
+
+
+def test_version_of_registers_new_digest_with_its_uri():
+    _, registry = version_of(Artifact(uri="/c.onnx", sha256=SHA_C), KNOWN)
+    assert registry[-1] == ArtifactVersion(4, "/c.onnx", SHA_C)
+
+
+def test_version_numbers_are_never_reused_across_a_sequence():
+    registry: tuple[ArtifactVersion, ...] = ()
+    seen = []
+    for sha in (SHA_A, SHA_B, SHA_A, SHA_C, SHA_B):
+        version, registry = version_of(Artifact(uri="/x.onnx", sha256=sha), registry)
+        seen.append(version)
+    assert seen == [1, 2, 1, 3, 2]
+    assert [e.version for e in registry] == [1, 2, 3]
+
+
+def test_version_of_unpinned_artifact_raises():
+    with pytest.raises(ValueError, match="artifact.sha256"):
+        version_of(Artifact(uri="/x.onnx"), KNOWN)
+
+
+# --- follow_spec ------------------------------------------------------------
+
+
+def test_first_version_serves_at_once():
+    t = follow_spec(SPEC, None, 1, NOW)
+    assert t is not None and t.action == "promote"
+    assert t.status.stable_version == 1
+    assert t.status.canary_version is None
+    assert t.status.phase == engine.PROMOTED
+    assert t.status.stage_started_at == NOW
+    assert "first version 1" in t.reason
+
+
+def test_new_version_starts_at_stage_zero_with_reason():
+    t = follow_spec(SPEC, status(canary_version=None, phase=engine.PROMOTED), 2, NOW + 5)
+    assert t is not None and t.action == "start"
+    assert (t.status.stable_version, t.status.canary_version) == (1, 2)
+    assert t.status.stage_index == 0
+    assert t.status.phase == engine.PROGRESSING
+    assert t.status.stage_started_at == NOW + 5
+    assert t.reason == "rolling out version 2 over 1: stage 1/2 'edge-10'"
+    assert t.status.message == t.reason
+
+
+@pytest.mark.parametrize("current", [
+    status(),                                          # same canary, progressing
+    status(phase=engine.PAUSED, paused=True),          # same canary, paused
+    status(phase=engine.ROLLED_BACK),                  # re-applying the rolled-back one
+    status(phase=engine.ABORTED),                      # re-applying the aborted one
+    status(stable_version=2, canary_version=None, phase=engine.PROMOTED),  # promoted
+])
+def test_nothing_to_do(current):
+    assert follow_spec(SPEC, current, 2, NOW) is None
+
+
+@pytest.mark.parametrize("current", [
+    status(canary_version=None, phase=engine.PROMOTED),
+    status(phase=engine.ROLLED_BACK),
+    status(phase=engine.ABORTED),
+])
+def test_back_to_stable_when_not_live_is_nothing(current):
+    assert follow_spec(SPEC, current, 1, NOW) is None
+
+
+@pytest.mark.parametrize("phase", [engine.PROGRESSING, engine.PAUSED])
+def test_back_to_stable_while_live_aborts(phase):
+    t = follow_spec(SPEC, status(phase=phase, paused=phase == engine.PAUSED), 1, NOW)
+    assert t is not None and t.action == "abort"
+    assert t.status.phase == engine.ABORTED
+    assert t.status.stable_version == 1
+    assert not live(t.status)
+    assert t.reason == ("spec is back at stable version 1: canary version 2 aborted, all "
+                        "traffic to version 1")
+
+
+def test_new_version_while_canary_live_replaces_it():
+    t = follow_spec(SPEC, status(stage_index=1), 3, NOW + 7)
+    assert t is not None and t.action == "start"
+    assert (t.status.stable_version, t.status.canary_version) == (1, 3)
+    assert t.status.stage_index == 0
+    assert t.status.stage_started_at == NOW + 7
+    assert "(replaces canary version 2)" in t.reason
+
+
+def test_new_version_after_rollback_does_not_say_replaces():
+    t = follow_spec(SPEC, status(phase=engine.ROLLED_BACK), 3, NOW)
+    assert t is not None and t.action == "start"
+    assert t.status.canary_version == 3
+    assert "replaces" not in t.reason
+
+
+# --- live / served_versions ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("current", "is_live", "served"), [
+    (None, False, ()),
+    (status(), True, (1, 2)),
+    (status(phase=engine.PAUSED, paused=True), True, (1, 2)),
+    (status(phase=engine.ROLLED_BACK), False, (1,)),
+    (status(phase=engine.ABORTED), False, (1,)),
+    (status(stable_version=2, canary_version=None, phase=engine.PROMOTED), False, (2,)),
+    (status(canary_version=None), False, (1,)),  # progressing with no canary: not live
+])
+def test_live_and_served_versions(current, is_live, served):
+    assert live(current) is is_live
+    assert served_versions(current) == served
+
+
+# --- routing_table ----------------------------------------------------------
+
+
+def table(models, agents=ALL_AGENTS, version=7):
+    document = routing_table(version, models, agents)
+    parsed = parse_table(document)  # must always load
+    assert parsed.version == version
+    return document, parsed
+
+
+def test_table_while_live_has_stage_weights_as_fractions():
+    document, parsed = table([(SPEC, status(stage_index=1))])
+    route = document["models"]["digits"]
+    assert route["policy"] == "slo-energy" and route["slo_ms"] == 50.0
+    assert set(route["tiers"]) == {"edge", "regional"}  # datacenter not in spec
+    assert route["tiers"]["edge"] == {"agents": [EDGE], "stable": 1, "canary": 2,
+                                      "canary_weight": 0.5, "shadow_fraction": 0.1}
+    assert route["tiers"]["regional"]["canary_weight"] == 0.5
+    assert parsed.models["digits"].tiers["edge"].canary == 2
+
+
+def test_table_stage_zero_gives_unlisted_tier_zero_weight():
+    document, _ = table([(SPEC, status())])
+    tiers = document["models"]["digits"]["tiers"]
+    assert tiers["edge"]["canary_weight"] == 0.1
+    assert tiers["regional"]["canary_weight"] == 0.0
+    assert tiers["regional"]["canary"] == 2  # still routed: shadow traffic may go there
+
+
+def test_table_paused_keeps_canary():
+    document, _ = table([(SPEC, status(phase=engine.PAUSED, paused=True))])
+    assert document["models"]["digits"]["tiers"]["edge"]["canary_weight"] == 0.1
+
+
+@pytest.mark.parametrize("current", [
+    status(phase=engine.ROLLED_BACK),
+    status(phase=engine.ABORTED),
+    status(stable_version=2, canary_version=None, phase=engine.PROMOTED),
+])
+def test_table_without_live_rollout_has_only_stable(current):
+    document, parsed = table([(SPEC, current)])
+    for route in document["models"]["digits"]["tiers"].values():
+        assert route == {"agents": route["agents"], "stable": current.stable_version}
+    assert all(r.canary is None and r.canary_weight == 0.0
+               for r in parsed.models["digits"].tiers.values())
+
+
+def test_table_shadow_zero_when_agreement_not_judged():
+    document, _ = table([(model(agreement=False), status())])
+    assert all(r["shadow_fraction"] == 0.0
+               for r in document["models"]["digits"]["tiers"].values())
+
+
+def test_table_shadow_uses_spec_fraction():
+    document, _ = table([(model(shadow=0.25), status())])
+    assert document["models"]["digits"]["tiers"]["edge"]["shadow_fraction"] == 0.25
+
+
+def test_table_omits_tiers_without_agents():
+    document, _ = table([(SPEC, status())], agents={"edge": [EDGE, "10.0.0.9:8001"],
+                                                    "regional": []})
+    tiers = document["models"]["digits"]["tiers"]
+    assert list(tiers) == ["edge"]
+    assert tiers["edge"]["agents"] == [EDGE, "10.0.0.9:8001"]
+
+
+def test_table_omits_models_with_no_tiers():
+    other = model(name="other", tiers=("datacenter",),
+                  stages=[{"name": "dc", "weights": {"datacenter": 20}}])
+    document, parsed = table([(SPEC, status()), (other, status())],
+                             agents={"edge": [EDGE]})
+    assert list(document["models"]) == ["digits"]
+    assert list(parsed.models) == ["digits"]
+
+
+def test_table_with_no_models_is_empty_and_loads():
+    document, parsed = table([], agents={})
+    assert document == {"version": 7, "models": {}}
+    assert dict(parsed.models) == {}
+
+
+def test_table_multiple_models_keep_their_own_status():
+    other = model(name="other")
+    document, _ = table([(SPEC, status()),
+                         (other, status(stable_version=5, canary_version=None,
+                                        phase=engine.PROMOTED))])
+    assert document["models"]["digits"]["tiers"]["edge"]["canary"] == 2
+    assert document["models"]["other"]["tiers"]["edge"] == {"agents": [EDGE], "stable": 5}
+
+
+CASCADE = {"policy": "cascade", "slo_ms": 20,
+           "cascade": {"tiers": ["edge", "regional", "datacenter"], "threshold": 0.7,
+                       "output": "probs"}}
+
+
+def test_table_cascade_tiers_filtered_to_routed_tiers():
+    spec = model(tiers=("edge", "regional", "datacenter"), routing=CASCADE)
+    document, parsed = table([(spec, status())],
+                             agents={"edge": [EDGE], "regional": [REGIONAL]})
+    route = document["models"]["digits"]
+    assert route["policy"] == "cascade" and route["slo_ms"] == 20
+    assert route["cascade"] == {"tiers": ["edge", "regional"], "threshold": 0.7,
+                                "output": "probs"}
+    assert parsed.models["digits"].cascade.tiers == ("edge", "regional")
+
+
+def test_table_cascade_with_every_tier_routed():
+    spec = model(tiers=("edge", "regional", "datacenter"), routing=CASCADE)
+    document, _ = table([(spec, status())])
+    assert document["models"]["digits"]["cascade"]["tiers"] == [
+        "edge", "regional", "datacenter"]
+
+
+def test_table_cascade_with_none_of_its_tiers_up_routes_by_slo_energy():
+    spec = model(routing={"policy": "cascade", "cascade": {"tiers": ["regional"]}})
+    document, parsed = table([(spec, status())], agents={"edge": [EDGE]})
+    assert list(document["models"]["digits"]["tiers"]) == ["edge"]
+    assert "cascade" not in document["models"]["digits"]
+    assert parsed.models["digits"].policy == "slo-energy"

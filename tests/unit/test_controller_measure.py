@@ -1,0 +1,193 @@
+"""StageAccumulator as tables: pooling over the stage's tiers, counts, the latency
+reservoir, J/inference windows, shadow deltas and the summary numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tiered.controller import measure
+from tiered.controller.measure import StageAccumulator, VersionReading
+
+STABLE, CANARY = 1, 2
+
+
+def accumulator(baseline=None, stage=0, seed=0):
+    return StageAccumulator(CANARY, stage, np.random.default_rng(seed), baseline or {})
+
+
+def reading(tier, version, success=0, failure=0, latencies=(), joules=None):
+    return VersionReading(tier, version, success, failure, tuple(latencies), joules)
+
+
+POLL = [
+    reading("edge", STABLE, 90, 10, (0.010, 0.020), 1.0),
+    reading("edge", CANARY, 8, 2, (0.030,), 2.0),
+    reading("regional", STABLE, 50, 0, (0.005,), 3.0),
+    reading("regional", CANARY, 20, 5, (0.040, 0.050), 4.0),
+    reading("datacenter", STABLE, 1000, 100, (0.001,), 9.0),
+]
+
+
+@pytest.mark.parametrize(("tiers", "stable", "canary"), [
+    # tiers -> (requests, errors, latencies ms, J/inf) for stable, then canary
+    (("edge",), (100, 10, (10.0, 20.0), (1.0,)), (10, 2, (30.0,), (2.0,))),
+    (("regional",), (50, 0, (5.0,), (3.0,)), (25, 5, (40.0, 50.0), (4.0,))),
+    (("edge", "regional"), (150, 10, (10.0, 20.0, 5.0), (1.0, 3.0)),
+     (35, 7, (30.0, 40.0, 50.0), (2.0, 4.0))),
+    (("datacenter",), (1100, 100, (1.0,), (9.0,)), (0, 0, (), ())),  # no canary there
+    ((), (0, 0, (), ()), (0, 0, (), ())),
+])
+def test_pooling_over_the_given_tiers_only(tiers, stable, canary):
+    acc = accumulator()
+    acc.add(POLL)
+    m = acc.measurements(STABLE, tiers)
+    for samples, (requests, errors, latencies, joules) in ((m.stable, stable),
+                                                           (m.canary, canary)):
+        assert samples.requests == requests
+        assert samples.errors == errors
+        assert samples.latencies_ms == pytest.approx(latencies)
+        assert tuple(samples.joules_per_inference) == joules
+
+
+def test_counts_sum_over_polls_and_window_increments():
+    acc = accumulator(stage=1)
+    assert acc.window == 0
+    for n in range(1, 4):
+        acc.add([reading("edge", CANARY, 10, 1, (0.001 * n,))])
+        assert acc.window == n
+    acc.add([])  # an empty poll is still a window
+    m = acc.measurements(STABLE, ["edge"])
+    assert (m.window, m.stage) == (4, 1)
+    assert (m.canary.requests, m.canary.errors) == (33, 3)
+    assert m.canary.latencies_ms == pytest.approx((1.0, 2.0, 3.0))
+    assert m.stable.requests == 0
+
+
+def test_measurements_accepts_any_iterable_of_tiers():
+    acc = accumulator()
+    acc.add(POLL)
+    m = acc.measurements(STABLE, iter(["edge", "regional"]))
+    assert (m.stable.requests, m.canary.requests) == (150, 35)
+
+
+@pytest.mark.parametrize(("success", "joules", "kept"), [
+    (5, 1.5, (1.5,)),
+    (0, 1.5, ()),       # no successful inference: no window
+    (5, None, ()),      # no energy reading: no window
+    (0, None, ()),
+    (1, 0.0, (0.0,)),   # zero joules is a value
+])
+def test_joules_window_only_with_success_and_value(success, joules, kept):
+    acc = accumulator()
+    acc.add([reading("edge", CANARY, success, 3, (), joules)])
+    assert tuple(acc.measurements(STABLE, ["edge"]).canary.joules_per_inference) == kept
+
+
+def test_joules_windows_bounded(monkeypatch):
+    monkeypatch.setattr(measure, "WINDOWS", 3)
+    acc = accumulator()
+    for n in range(6):
+        acc.add([reading("edge", CANARY, 1, 0, (), float(n))])
+    assert tuple(acc.measurements(STABLE, ["edge"]).canary.joules_per_inference) == (
+        3.0, 4.0, 5.0)
+
+
+@pytest.mark.parametrize(("offered", "bound"), [(3, 5), (5, 5), (50, 5), (400, 7)])
+def test_reservoir_bound(monkeypatch, offered, bound):
+    monkeypatch.setattr(measure, "RESERVOIR", bound)
+    acc = accumulator(seed=3)
+    values = [0.001 * (i + 1) for i in range(offered)]
+    for chunk in range(0, offered, 4):  # spread over several polls
+        acc.add([reading("edge", CANARY, 4, 0, values[chunk:chunk + 4])])
+    series = acc._series[("edge", CANARY)]
+    assert series.seen == offered
+    assert len(series.latencies_ms) == min(offered, bound)
+    kept = acc.measurements(STABLE, ["edge"]).canary.latencies_ms
+    assert len(kept) == min(offered, bound)
+    offered_ms = {round(v * 1000.0, 6) for v in values}
+    assert {round(v, 6) for v in kept} <= offered_ms
+    assert len(set(kept)) == len(kept)  # each sample kept at most once
+    if offered <= bound:
+        assert list(kept) == pytest.approx([v * 1000.0 for v in values])
+
+
+def test_reservoir_is_per_tier_and_version(monkeypatch):
+    monkeypatch.setattr(measure, "RESERVOIR", 4)
+    acc = accumulator()
+    acc.add([reading("edge", CANARY, 0, 0, [0.001] * 10),
+             reading("regional", CANARY, 0, 0, [0.002] * 10),
+             reading("edge", STABLE, 0, 0, [0.003] * 2)])
+    m = acc.measurements(STABLE, ["edge", "regional"])
+    assert len(m.canary.latencies_ms) == 8  # 4 per tier
+    assert len(m.stable.latencies_ms) == 2
+
+
+def test_reservoir_is_roughly_uniform(monkeypatch):
+    monkeypatch.setattr(measure, "RESERVOIR", 200)
+    acc = accumulator(seed=7)
+    acc.add([reading("edge", CANARY, 0, 0, [i / 1000.0 for i in range(4000)])])
+    kept = np.asarray(acc.measurements(STABLE, ["edge"]).canary.latencies_ms)
+    # uniform over 0..3999 ms: mean about 2000; keeping only the first 200 gives 100
+    assert 1600 < kept.mean() < 2400
+    assert (kept >= 2000).sum() > 60
+
+
+def test_shadow_counts_are_deltas_from_baseline():
+    baseline = {("edge", "agree"): 100.0, ("edge", "disagree"): 4.0}
+    acc = accumulator(baseline)
+    m = acc.measurements(STABLE, ["edge"])
+    assert (m.shadow_compared, m.shadow_agreed) == (0, 0)
+    acc.set_shadow({("edge", "agree"): 130.0, ("edge", "disagree"): 6.0,
+                    ("regional", "agree"): 10.0, ("regional", "error"): 50.0})
+    m = acc.measurements(STABLE, ["edge"])  # agreement counts over every tier
+    assert m.shadow_agreed == 30 + 10
+    assert m.shadow_compared == 30 + 2 + 10  # "error" is neither agree nor disagree
+    acc.set_shadow({("edge", "agree"): 131.0, ("edge", "disagree"): 6.0,
+                    ("regional", "agree"): 10.0})
+    m = acc.measurements(STABLE, ["edge"])  # cumulative counts replace, not add
+    assert (m.shadow_compared, m.shadow_agreed) == (43, 41)
+
+
+@pytest.mark.parametrize(("canary", "stage", "expected"), [
+    (2, 0, True), (2, 1, False), (3, 0, False), (3, 1, False),
+])
+def test_matches(canary, stage, expected):
+    assert accumulator(stage=0).matches(canary, stage) is expected
+
+
+def test_summary_numbers():
+    stable_s = [0.001 * i for i in range(1, 101)]
+    canary_s = [0.002, 0.004, 0.006, 0.100]
+    acc = accumulator({("edge", "agree"): 5.0})
+    acc.add([reading("edge", STABLE, 95, 5, stable_s, 1.0),
+             reading("edge", CANARY, 3, 1, canary_s, 2.0),
+             reading("regional", CANARY, 7, 0, (9.0,), 50.0)])  # not in `tiers`
+    acc.add([reading("edge", STABLE, 100, 0, (), 3.0),
+             reading("edge", CANARY, 4, 0, (), 4.0)])
+    acc.add([reading("edge", STABLE, 100, 0, (), 2.0)])
+    acc.set_shadow({("edge", "agree"): 23.0, ("edge", "disagree"): 2.0})
+    summary = acc.summary(STABLE, ["edge"])
+    assert summary == {
+        "stable_requests": 300, "canary_requests": 8,
+        "p95_stable_ms": pytest.approx(float(np.percentile([1000 * s for s in stable_s], 95))),
+        "p95_canary_ms": pytest.approx(float(np.percentile([2.0, 4.0, 6.0, 100.0], 95))),
+        "jpi_stable": 2.0, "jpi_canary": 3.0,
+        "agreement": pytest.approx(18 / 20), "agreement_compared": 20,
+    }
+    assert summary["p95_stable_ms"] == pytest.approx(95.05)
+
+
+def test_summary_with_nothing_measured():
+    summary = accumulator().summary(STABLE, ["edge"])
+    assert summary == {
+        "stable_requests": 0, "canary_requests": 0, "p95_stable_ms": None,
+        "p95_canary_ms": None, "jpi_stable": None, "jpi_canary": None,
+        "agreement": None, "agreement_compared": 0,
+    }
+
+
+def test_summary_agreement_none_when_only_errors_compared():
+    acc = accumulator()
+    acc.set_shadow({("edge", "error"): 12.0})
+    assert acc.summary(STABLE, ["edge"])["agreement"] is None

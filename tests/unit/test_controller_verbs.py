@@ -1,0 +1,389 @@
+"""The user's verbs against a real local store: artifact pinning, multi-document
+apply, reading YAML, the `tiered get` row and the manual rollout verbs."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+
+import pytest
+import yaml
+
+from tiered.controller import verbs
+from tiered.controller.local import decode_status
+from tiered.controller.store import StateStore
+from tiered.controller.verbs import (
+    apply_file,
+    pin_artifact,
+    read_documents,
+    rollout_verb,
+    summary_row,
+)
+from tiered.errors import ConfigError, Conflict, InvalidArgument
+from tiered.rollout import engine
+from tiered.rollout.spec import load_tiered_model, to_plain
+
+SHA = "ab" * 32
+NOW = 2000.0
+MODEL_BYTES = b"not really onnx, but bytes with a digest\n" * 10
+MODEL_SHA = hashlib.sha256(MODEL_BYTES).hexdigest()
+STAGES = [{"name": "edge-10", "weights": {"edge": 10}},
+          {"name": "half", "weights": {"edge": 50, "regional": 50}}]
+
+
+def flat(name="digits", artifact=None, **extra):
+    return {"name": name,
+            "artifact": artifact or {"uri": "/models/digits.onnx", "sha256": SHA},
+            "tiers": {"edge": {}, "regional": {}},
+            "rollout": {"stages": copy.deepcopy(STAGES)}, **extra}
+
+
+def kube(name="digits", artifact=None):
+    spec = flat(name, artifact)
+    del spec["name"]
+    return {"apiVersion": "tiered.dev/v1alpha1", "kind": "TieredModel",
+            "metadata": {"name": name, "labels": {"team": "ml"}}, "spec": spec}
+
+
+@pytest.fixture
+def base(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.onnx").write_bytes(MODEL_BYTES)
+    return tmp_path
+
+
+@pytest.fixture
+def store(tmp_path):
+    with StateStore(tmp_path / "state" / "state.db") as opened:
+        yield opened
+
+
+# --- pin_artifact -------------------------------------------------------------
+
+
+def artifact_of(document):
+    return document.get("spec", document)["artifact"]
+
+
+@pytest.mark.parametrize("form", [flat, kube])
+def test_pin_relative_paths_absolute_and_sha_filled(base, form):
+    document = form(artifact={"uri": "models/m.onnx", "calibration": "data/calib.npz",
+                              "eval": "./data/../data/eval.npz"})
+    original = copy.deepcopy(document)
+    pinned = pin_artifact(document, base, "f.yaml")
+    assert artifact_of(pinned) == {
+        "uri": str((base / "models" / "m.onnx").resolve()),
+        "calibration": str((base / "data" / "calib.npz").resolve()),
+        "eval": str((base / "data" / "eval.npz").resolve()),
+        "sha256": MODEL_SHA,
+    }
+    assert document == original  # the caller's document is not changed
+    assert {k: v for k, v in pinned.items() if k not in ("artifact", "spec")} == {
+        k: v for k, v in original.items() if k not in ("artifact", "spec")}
+    load_tiered_model(pinned)  # and it is a valid spec
+
+
+@pytest.mark.parametrize("form", [flat, kube])
+def test_pin_keeps_matching_sha(base, form):
+    pinned = pin_artifact(form(artifact={"uri": "models/m.onnx", "sha256": MODEL_SHA}),
+                          base, "f.yaml")
+    assert artifact_of(pinned)["sha256"] == MODEL_SHA
+
+
+@pytest.mark.parametrize("form", [flat, kube])
+def test_pin_wrong_sha_raises_naming_artifact_sha256(base, form):
+    where = r"f\.yaml\[1\]\.spec" if form is kube else r"f\.yaml\[1\]"
+    with pytest.raises(ConfigError, match=rf"^{where}\.artifact\.sha256: ") as info:
+        pin_artifact(form(artifact={"uri": "models/m.onnx", "sha256": SHA}), base,
+                     "f.yaml[1]")
+    assert MODEL_SHA in str(info.value) and SHA in str(info.value)
+
+
+@pytest.mark.parametrize("form", [flat, kube])
+def test_pin_missing_file_without_sha_raises_naming_artifact_uri(base, form):
+    where = r"f\.yaml\.spec" if form is kube else r"f\.yaml"
+    with pytest.raises(ConfigError, match=rf"^{where}\.artifact\.uri: .*missing\.onnx"):
+        pin_artifact(form(artifact={"uri": "missing.onnx"}), base, "f.yaml")
+
+
+@pytest.mark.parametrize("form", [flat, kube])
+def test_pin_missing_file_with_sha_only_made_absolute(base, form):
+    pinned = pin_artifact(form(artifact={"uri": "later.onnx", "sha256": SHA}), base, "f")
+    assert artifact_of(pinned) == {"uri": str((base / "later.onnx").resolve()),
+                                   "sha256": SHA}
+
+
+@pytest.mark.parametrize("form", [flat, kube])
+def test_pin_leaves_uris_with_a_scheme(base, form):
+    artifact = {"uri": "s3://bucket/m.onnx", "sha256": SHA,
+                "calibration": "https://example.com/c.npz", "eval": "file:///data/e.npz"}
+    pinned = pin_artifact(form(artifact=dict(artifact)), base, "f")
+    assert artifact_of(pinned) == artifact
+
+
+def test_pin_scheme_uri_without_sha_raises(base):
+    with pytest.raises(ConfigError, match=r"artifact\.uri: s3://bucket/m\.onnx"):
+        pin_artifact(flat(artifact={"uri": "s3://bucket/m.onnx"}), base, "f")
+
+
+def test_pin_absolute_path_stays(base):
+    target = base / "models" / "m.onnx"
+    pinned = pin_artifact(flat(artifact={"uri": str(target)}), base / "elsewhere", "f")
+    assert artifact_of(pinned) == {"uri": str(target.resolve()), "sha256": MODEL_SHA}
+
+
+@pytest.mark.parametrize("document", [
+    {"name": "digits"},
+    {"name": "digits", "artifact": "models/m.onnx"},
+    {"apiVersion": "tiered.dev/v1alpha1", "kind": "TieredModel", "spec": {}},
+])
+def test_pin_without_artifact_mapping_returns_document(base, document):
+    assert pin_artifact(document, base, "f") == document
+
+
+# --- read_documents / apply_file ------------------------------------------------
+
+
+def write_yaml(path, *documents):
+    path.write_text(yaml.safe_dump_all(documents, sort_keys=False))
+    return path
+
+
+def test_apply_file_created_unchanged_configured(base, store):
+    path = write_yaml(base / "models.yaml",
+                      flat("alpha", artifact={"uri": "models/m.onnx"}),
+                      kube("beta", artifact={"uri": "models/m.onnx"}))
+    assert apply_file(store, path) == [("alpha", "created"), ("beta", "created")]
+    stored = store.get("beta").spec
+    assert stored["spec"]["artifact"] == {"uri": str((base / "models/m.onnx").resolve()),
+                                          "sha256": MODEL_SHA}
+    assert stored["metadata"]["labels"] == {"team": "ml"}
+    assert apply_file(store, path) == [("alpha", "unchanged"), ("beta", "unchanged")]
+    assert store.get("alpha").generation == 1
+    changed = flat("alpha", artifact={"uri": "models/m.onnx"})
+    changed["tiers"]["edge"] = {"replicas": 2}
+    write_yaml(path, changed, kube("beta", artifact={"uri": "models/m.onnx"}))
+    assert apply_file(store, path) == [("alpha", "configured"), ("beta", "unchanged")]
+    assert store.get("alpha").generation == 2
+    assert store.get("alpha").spec["tiers"]["edge"] == {"replicas": 2}
+
+
+@pytest.mark.parametrize(("second", "match"), [
+    ({"name": "beta", "tiers": {}}, r"models\.yaml\[1\]"),                 # invalid spec
+    (flat("beta", artifact={"uri": "models/m.onnx", "sha256": SHA}),
+     r"models\.yaml\[1\]\.artifact\.sha256"),                             # wrong digest
+    (flat("beta", artifact={"uri": "nowhere.onnx"}), r"models\.yaml\[1\]\.artifact\.uri"),
+])
+def test_apply_file_invalid_second_document_stores_nothing(base, store, second, match):
+    path = write_yaml(base / "models.yaml", flat("alpha"), second)
+    with pytest.raises(ConfigError, match=match):
+        apply_file(store, path)
+    assert store.list() == []
+
+
+def test_apply_file_invalid_second_document_keeps_previous_first(base, store):
+    path = write_yaml(base / "models.yaml", flat("alpha"))
+    apply_file(store, path)
+    write_yaml(path, flat("alpha", routing={"slo_ms": 5}), {"name": "Bad Name!"})
+    with pytest.raises(ConfigError):
+        apply_file(store, path)
+    record = store.get("alpha")
+    assert (record.generation, record.revision) == (1, 1)
+    assert "routing" not in record.spec
+
+
+def test_read_documents_skips_empty_documents(base):
+    path = base / "d.yaml"
+    path.write_text("---\na: 1\n---\n---\nb: 2\n")
+    assert read_documents(path) == [{"a": 1}, {"b": 2}]
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("a: [1, 2\n", r"d\.yaml: invalid YAML"),
+    ("a: 1\n---\n- x\n- y\n", r"d\.yaml: document 2: expected a mapping, got list"),
+    ("just a string\n", r"d\.yaml: document 1: expected a mapping, got str"),
+])
+def test_read_documents_errors(base, text, match):
+    path = base / "d.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        read_documents(path)
+
+
+def test_read_documents_missing_file(base):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: cannot read"):
+        read_documents(base / "nope.yaml")
+
+
+# --- summary_row -------------------------------------------------------------
+
+
+def applied(store, name="digits", status=None, message=""):
+    record = store.apply(name, flat(name))
+    if status is not None or message:
+        record = store.write_status(name, record.revision,
+                                    status=None if status is None else to_plain(status),
+                                    artifacts=(), message=message)
+    return record
+
+
+SPEC = load_tiered_model(flat())
+
+
+def test_summary_row_pending(store):
+    row = summary_row(applied(store, message="building version 1"))
+    assert row == {"NAME": "digits", "PHASE": "Pending", "STAGE": "-", "STABLE": "-",
+                   "CANARY": "-", "WEIGHTS": "-", "MESSAGE": "building version 1"}
+
+
+@pytest.mark.parametrize(("status", "stage", "canary", "weights", "phase"), [
+    (engine.start(SPEC, 1, 2, NOW), "1/2 edge-10", "v2", "edge=10%", "Progressing"),
+    (engine.promote(SPEC, engine.start(SPEC, 1, 2, NOW), NOW).status, "2/2 half", "v2",
+     "edge=50% regional=50%", "Progressing"),
+    (engine.pause(SPEC, engine.start(SPEC, 1, 2, NOW), NOW).status, "1/2 edge-10", "v2",
+     "edge=10%", "Paused"),
+    (engine.promote(SPEC, engine.start(SPEC, 1, 2, NOW), NOW, full=True).status, "-", "-",
+     "-", "Promoted"),
+])
+def test_summary_row_with_status(store, status, stage, canary, weights, phase):
+    row = summary_row(applied(store, status=status))
+    assert row["PHASE"] == phase
+    assert row["STAGE"] == stage
+    assert row["CANARY"] == canary
+    assert row["WEIGHTS"] == weights
+    assert row["STABLE"] == ("v2" if phase == "Promoted" else "v1")
+    assert row["MESSAGE"] == status.message  # the record's own message is empty
+
+
+def test_summary_row_prefers_record_message(store):
+    row = summary_row(applied(store, status=engine.start(SPEC, 1, 2, NOW),
+                              message="build failed"))
+    assert row["MESSAGE"] == "build failed"
+
+
+# --- rollout_verb --------------------------------------------------------------
+
+
+def clock():
+    return NOW + 30.0
+
+
+def live(store, **changes):
+    status = engine.start(SPEC, 1, 2, NOW)
+    if changes.get("paused"):
+        status = engine.pause(SPEC, status, NOW).status
+    return applied(store, status=status)
+
+
+def after(store, record, decision, action):
+    """The stored status is the decision's; one snapshot was recorded."""
+    now = store.get("digits")
+    assert now.revision == record.revision + 1
+    assert decode_status(now) == decision.status
+    assert now.message == decision.reason
+    assert now.artifacts == record.artifacts
+    history = store.history("digits")
+    assert len(history) == 1
+    snap = history[0][2]
+    assert (snap["action"], snap["phase"], snap["reason"]) == (
+        action, decision.status.phase, decision.reason)
+    return decode_status(now)
+
+
+@pytest.mark.parametrize(("verb", "paused", "full", "action", "phase", "stage", "stable"), [
+    ("pause", False, False, "pause", "Paused", 0, 1),
+    ("resume", True, False, "resume", "Progressing", 0, 1),
+    ("promote", False, False, "advance", "Progressing", 1, 1),
+    ("promote", False, True, "promote", "Promoted", 0, 2),
+    ("abort", False, False, "abort", "Aborted", 0, 1),
+])
+def test_rollout_verb(store, verb, paused, full, action, phase, stage, stable):
+    record = live(store, paused=paused)
+    decision = rollout_verb(store, "digits", verb, full=full, now=clock)
+    assert decision.action == action
+    status = after(store, record, decision, action)
+    assert status.phase == phase
+    assert status.stage_index == stage
+    assert status.stable_version == stable
+    assert status.paused is (phase == "Paused")
+
+
+def test_resume_restarts_stage_clock(store):
+    live(store, paused=True)
+    rollout_verb(store, "digits", "resume", now=clock)
+    assert decode_status(store.get("digits")).stage_started_at == clock()
+
+
+def test_promote_full_says_so(store):
+    live(store)
+    decision = rollout_verb(store, "digits", "promote", full=True, now=clock)
+    assert decision.reason == "promoted version 2 by hand (full)"
+    assert decode_status(store.get("digits")).canary_version is None
+
+
+def test_promote_twice_reaches_promoted(store):
+    live(store)
+    rollout_verb(store, "digits", "promote", now=clock)
+    decision = rollout_verb(store, "digits", "promote", now=clock)
+    assert decision.status.phase == "Promoted"
+    assert decision.status.stable_version == 2
+    assert [s["action"] for _, _, s in store.history("digits")] == ["advance", "promote"]
+
+
+def test_unknown_verb_is_config_error_and_writes_nothing(store):
+    record = live(store)
+    with pytest.raises(ConfigError, match=r"verb: 'restart' is not one of pause, resume"):
+        rollout_verb(store, "digits", "restart", now=clock)
+    assert store.get("digits") == record
+    assert store.history("digits") == []
+
+
+def test_verb_without_status_is_config_error(store):
+    record = applied(store)
+    with pytest.raises(ConfigError, match="digits: has no status yet"):
+        rollout_verb(store, "digits", "pause", now=clock)
+    assert store.get("digits") == record
+    assert store.history("digits") == []
+
+
+def test_verb_on_finished_rollout_writes_nothing(store):
+    record = applied(store, status=engine.abort(SPEC, engine.start(SPEC, 1, 2, NOW),
+                                                NOW).status)
+    with pytest.raises(InvalidArgument, match="Aborted"):
+        rollout_verb(store, "digits", "promote", now=clock)
+    assert store.get("digits") == record
+    assert store.history("digits") == []
+
+
+def test_verb_retries_after_a_conflicting_write(store, monkeypatch):
+    live(store)
+    real = store.write_status
+    calls = []
+
+    def controller_wrote_first(name, revision, **kwargs):
+        calls.append(revision)
+        if len(calls) == 1:  # the controller writes between our read and our write
+            current = store.get(name)
+            real(name, current.revision, status=current.status, artifacts=current.artifacts,
+                 message="controller pass")
+        return real(name, revision, **kwargs)
+
+    monkeypatch.setattr(store, "write_status", controller_wrote_first)
+    decision = rollout_verb(store, "digits", "pause", now=clock)
+    assert calls == [2, 3]  # re-read after the conflict
+    assert decode_status(store.get("digits")).phase == "Paused"
+    assert decision.status.phase == "Paused"
+    assert len(store.history("digits")) == 1
+
+
+def test_verb_gives_up_after_retries(store, monkeypatch):
+    live(store)
+
+    def always_conflict(name, revision, **kwargs):
+        raise Conflict("busy")
+
+    monkeypatch.setattr(store, "write_status", always_conflict)
+    monkeypatch.setattr(verbs, "CONFLICT_RETRIES", 3)
+    with pytest.raises(Conflict, match="kept writing"):
+        rollout_verb(store, "digits", "abort", now=clock)
+    assert store.history("digits") == []

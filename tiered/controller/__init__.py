@@ -1,0 +1,1 @@
+"""The controller: reconcile TieredModels onto a backend (local processes or Kubernetes)."""

@@ -1,0 +1,126 @@
+"""Desired state, pure: which versions exist, which each tier serves, how a
+spec change moves the rollout, and the routing table the router should read.
+
+Functions of (spec, status, artifacts, agents, now) only; the backends (local
+processes, Kubernetes) turn their results into builds, loads and files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiered.profiles import TIERS
+from tiered.rollout import engine
+from tiered.rollout.spec import Artifact, RolloutStatus, TieredModel
+
+
+@dataclass(frozen=True)
+class ArtifactVersion:
+    """A version number given to one artifact digest; numbers are never reused."""
+
+    version: int
+    uri: str
+    sha256: str
+
+
+def version_of(artifact: Artifact, known: Sequence[ArtifactVersion]
+               ) -> tuple[int, tuple[ArtifactVersion, ...]]:
+    """The version of the spec's (pinned) artifact, registering a new one when
+    its digest has not been seen: the same bytes are always the same version."""
+    if artifact.sha256 is None:
+        raise ValueError("artifact.sha256: not pinned; `tiered apply` pins it")
+    for entry in known:
+        if entry.sha256 == artifact.sha256:
+            return entry.version, tuple(known)
+    version = max((entry.version for entry in known), default=0) + 1
+    return version, (*known, ArtifactVersion(version, artifact.uri, artifact.sha256))
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A rollout status change caused by the spec, and why."""
+
+    action: str  # start | promote | abort
+    reason: str
+    status: RolloutStatus
+
+
+def live(status: RolloutStatus | None) -> bool:
+    return (status is not None and status.canary_version is not None
+            and status.phase in (engine.PROGRESSING, engine.PAUSED))
+
+
+def follow_spec(spec: TieredModel, status: RolloutStatus | None, target: int,
+                now: float) -> Transition | None:
+    """What the spec's version asks of the rollout, or None when nothing.
+
+    The first version serves at once; a new version starts a rollout at stage
+    0 (replacing a live canary); going back to the stable version aborts a
+    live rollout. A version that already ran its rollout (promoted, rolled
+    back, aborted) is not rolled out again by re-applying the same spec.
+    """
+    if status is None:
+        first = RolloutStatus(stable_version=target, phase=engine.PROMOTED,
+                              stage_started_at=now, message=f"version {target} serving")
+        return Transition("promote", f"first version {target}: serving on every tier", first)
+    if target == status.stable_version:
+        if live(status):
+            reason = (f"spec is back at stable version {target}: canary version "
+                      f"{status.canary_version} aborted, all traffic to version {target}")
+            aborted = engine.abort(spec, status, now).status
+            return Transition("abort", reason, dataclasses.replace(aborted, message=reason))
+        return None
+    if target == status.canary_version:
+        return None
+    replaced = (f" (replaces canary version {status.canary_version})" if live(status)
+                else "")
+    started = engine.start(spec, status.stable_version, target, now)
+    reason = (f"rolling out version {target} over {status.stable_version}{replaced}: "
+              f"stage 1/{len(spec.rollout.stages)} {spec.rollout.stages[0].name!r}")
+    return Transition("start", reason, dataclasses.replace(started, message=reason))
+
+
+def served_versions(status: RolloutStatus | None) -> tuple[int, ...]:
+    """Versions the agents must serve: stable, plus the canary while it is live."""
+    if status is None:
+        return ()
+    if live(status):
+        return (status.stable_version, status.canary_version)
+    return (status.stable_version,)
+
+
+def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatus]],
+                  agents: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """The routing table document (see tiered.router.table) for these models,
+    with each tier's canary weight from the rollout's current stage."""
+    table: dict[str, Any] = {}
+    for spec, status in models:
+        weights = engine.canary_weights(spec, status)
+        shadow = (spec.rollout.shadow_fraction
+                  if live(status) and spec.rollout.analysis.agreement is not None else 0.0)
+        tiers: dict[str, Any] = {}
+        for tier in TIERS:
+            if tier not in spec.tiers or not agents.get(tier):
+                continue
+            route: dict[str, Any] = {"agents": list(agents[tier]),
+                                     "stable": status.stable_version}
+            if live(status):
+                route.update(canary=status.canary_version,
+                             canary_weight=round(weights[tier] / 100.0, 6),
+                             shadow_fraction=shadow)
+            tiers[tier] = route
+        if not tiers:
+            continue
+        cascade = spec.routing.cascade
+        cascade_tiers = [t for t in cascade.tiers if t in tiers]
+        # A cascade with none of its tiers up routes like slo-energy until one is.
+        policy = spec.routing.policy if cascade_tiers else "slo-energy"
+        route = {"policy": policy, "slo_ms": spec.routing.slo_ms, "tiers": tiers}
+        if cascade_tiers:
+            route["cascade"] = {"tiers": cascade_tiers, "threshold": cascade.threshold,
+                                "output": cascade.output}
+        table[spec.name] = route
+    return {"version": version, "models": table}

@@ -1,0 +1,449 @@
+"""The local backend: the controller loop over processes on this machine.
+
+`tiered up` starts one agent per tier, the router and this controller as
+child processes (see `tiered.controller.up`) and writes their addresses into
+the state directory. The controller reconciles every applied TieredModel, level-based:
+each pass reads spec and status from the store, and
+
+1. numbers the spec's artifact (a new digest is a new version);
+2. builds each served version for each tier into that tier's model
+   repository (verifying the artifact's sha256 first);
+3. follows the spec (first version serves at once, a new one starts a
+   rollout, going back aborts it) and, while a rollout is live, judges it
+   with the rollout engine from the agents' Telemetry.Stats and the router's
+   shadow counters;
+4. writes the status back (refused when a CLI verb wrote in between: the next
+   pass re-reads), the routing table with the stage's weights, and the
+   versions each agent serves; versions leave the agents only after the
+   router has had time to read a table without them.
+
+All progress lives in the store, so a restarted controller resumes the stage
+where it was; only the stage's samples start afresh (the stage clock does not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import yaml
+
+from tiered.agent.config import VersionPolicy
+from tiered.controller import desired
+from tiered.controller.measure import StageAccumulator, VersionReading
+from tiered.controller.store import Record, StateStore
+from tiered.errors import Conflict, TieredError
+from tiered.profiles import TIERS, load_profile
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.rollout import engine
+from tiered.rollout.spec import RolloutStatus, TieredModel, load_tiered_model, to_plain
+from tiered.settings import load_dataclass
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0
+LOAD_TIMEOUT_S = 120.0
+TABLE_GRACE_S = 3.0  # the router re-reads its table every second; leave it three
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where the local backend keeps things, under one state directory."""
+
+    root: Path
+
+    @property
+    def store(self) -> Path:
+        return self.root / "state.db"
+
+    @property
+    def routing_table(self) -> Path:
+        return self.root / "routing.yaml"
+
+    @property
+    def system(self) -> Path:
+        return self.root / "system.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def repository(self, tier: str) -> Path:
+        return self.root / "repositories" / tier
+
+
+@dataclass(frozen=True)
+class RunningSystem:
+    """What `tiered up` started: agent addresses per tier, the router's."""
+
+    agents: Mapping[str, tuple[str, ...]]
+    router: str
+    router_metrics: str | None = None  # http://host:port/metrics
+
+    @staticmethod
+    def read(path: Path) -> RunningSystem | None:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        return RunningSystem({t: tuple(a) for t, a in data["agents"].items()},
+                             data["router"], data.get("router_metrics"))
+
+    def write(self, path: Path) -> None:
+        write_atomically(path, json.dumps({"agents": {t: list(a) for t, a in
+                                                      self.agents.items()},
+                                           "router": self.router,
+                                           "router_metrics": self.router_metrics}, indent=2))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def decode_status(record: Record) -> RolloutStatus | None:
+    if record.status is None:
+        return None
+    return load_dataclass(RolloutStatus, record.status, f"{record.name} status")
+
+
+def decode_artifacts(record: Record) -> tuple[desired.ArtifactVersion, ...]:
+    return tuple(desired.ArtifactVersion(a["version"], a["uri"], a["sha256"])
+                 for a in record.artifacts)
+
+
+def snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason: str,
+             numbers: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One line of rollout history: where it stands and the numbers it used."""
+    index = min(status.stage_index, len(spec.rollout.stages) - 1)
+    run = status.last_analysis
+    return {
+        "model": spec.name, "stable_version": status.stable_version,
+        "canary_version": status.canary_version, "phase": status.phase,
+        "stage_index": index, "stage_name": spec.rollout.stages[index].name,
+        "stages": len(spec.rollout.stages),
+        "weights": dict(engine.canary_weights(spec, status)),
+        "action": action, "reason": reason,
+        "verdict": run.verdict if run is not None else None,
+        **{key: None for key in ("stable_requests", "canary_requests", "p95_stable_ms",
+                                 "p95_canary_ms", "jpi_stable", "jpi_canary", "agreement")},
+        "agreement_compared": 0,
+        **(numbers or {}),
+    }
+
+
+class LocalController:
+    """Reconciles every model in the store against the running local system."""
+
+    def __init__(self, state_dir: Path, *, interval_s: float = 2.0,
+                 clock: Callable[[], float] = time.time, seed: int = 0,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.layout = StateLayout(Path(state_dir))
+        self.store = StateStore(self.layout.store)
+        self.interval_s = interval_s
+        self.clock = clock
+        self.rng = np.random.default_rng(seed)
+        self.progress = progress or (lambda line: log.info("%s", line))
+        self._channels: dict[str, grpc.Channel] = {}
+        self._cursors: dict[tuple[str, str], float] = {}
+        self._stages: dict[str, StageAccumulator] = {}
+        self._rejected: dict[tuple[str, int, str], str] = {}  # (model, version, tier) -> why
+        self._served: dict[tuple[str, str], tuple[int, ...]] = {}  # (tier, model) -> versions
+        self._table: dict[str, Any] | None = None
+        self._table_models: dict[str, set[int]] = {}  # versions each model had in the table
+        self._table_written_at = 0.0
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self.store.close()
+
+    # -- the loop ---------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        self.progress(f"controller: state in {self.layout.root}, every {self.interval_s:g} s")
+        while not stop.is_set():
+            wait = self.interval_s
+            try:
+                self.reconcile_all()
+            except TieredError as error:
+                self.progress(f"controller: {error}")
+            except grpc.RpcError as error:
+                self.progress(f"controller: an agent did not answer: {error.code().name} "
+                              f"{error.details()}")
+            stop.wait(wait)
+
+    def reconcile_all(self) -> None:
+        system = RunningSystem.read(self.layout.system)
+        if system is None:
+            raise TieredError(f"no running system in {self.layout.system}: start `tiered up`")
+        models: list[tuple[TieredModel, RolloutStatus]] = []
+        for record in self.store.list():
+            try:
+                result = self.reconcile(record, system)
+            except Conflict as error:
+                self.progress(f"{record.name}: {error}")  # a verb wrote first: next pass
+                continue
+            except TieredError as error:
+                self._note(record, f"error: {error}")
+                continue
+            if result is not None:
+                models.append(result)
+        for spec, status in models:  # new versions load before the table names them
+            self._serve(spec, status, system)
+        self._write_table(models, system)
+
+    def reconcile(self, record: Record, system: RunningSystem
+                  ) -> tuple[TieredModel, RolloutStatus] | None:
+        spec = load_tiered_model(record.spec, record.name)
+        status = decode_status(record)
+        target, artifacts = desired.version_of(spec.artifact, decode_artifacts(record))
+        wanted = sorted({target, *desired.served_versions(status)})
+        missing = self._build(spec, artifacts, wanted)
+        if missing:
+            self._write(record, status, artifacts, missing)
+            return (spec, status) if status is not None else None
+        now = self.clock()
+        transition = desired.follow_spec(spec, status, target, now)
+        if transition is not None:
+            status = transition.status
+            self.store.record(spec.name, snapshot(spec, status, transition.action,
+                                                  transition.reason), now)
+            self.progress(f"{spec.name}: {transition.reason}")
+        if desired.live(status):
+            status = self._judge(spec, status, system, now)
+        else:  # the next rollout's samples start when it does
+            self._cursors = {k: v for k, v in self._cursors.items() if k[1] != spec.name}
+        self._write(record, status, artifacts, status.message)
+        return spec, status
+
+    # -- judging ----------------------------------------------------------------
+
+    def _judge(self, spec: TieredModel, status: RolloutStatus, system: RunningSystem,
+               now: float) -> RolloutStatus:
+        stage = self._stage(spec, status, system)
+        stage.add(self._readings(spec.name, system))
+        stage.set_shadow(self._shadow_counts(spec.name, status.canary_version, system))
+        tiers = [t for t, w in engine.canary_weights(spec, status).items() if w > 0]
+        measurements = stage.measurements(status.stable_version, tiers)
+        decision = engine.decide(spec, status, measurements, now)
+        numbers = stage.summary(status.stable_version, tiers)
+        self.store.record(spec.name, snapshot(spec, decision.status, decision.action,
+                                              decision.reason, numbers), now)
+        if decision.action != engine.HOLD:
+            self.progress(f"{spec.name}: {decision.action}: {decision.reason}")
+        return decision.status
+
+    def _stage(self, spec: TieredModel, status: RolloutStatus,
+               system: RunningSystem) -> StageAccumulator:
+        stage = self._stages.get(spec.name)
+        if stage is None or not stage.matches(status.canary_version, status.stage_index):
+            baseline = self._shadow_counts(spec.name, status.canary_version, system)
+            stage = StageAccumulator(status.canary_version, status.stage_index, self.rng,
+                                     baseline)
+            self._stages[spec.name] = stage
+        return stage
+
+    def _readings(self, model: str, system: RunningSystem) -> list[VersionReading]:
+        readings = []
+        for tier, agents in system.agents.items():
+            for agent in agents:
+                stub = tpb_grpc.TelemetryStub(self._channel(agent))
+                key = (agent, model)
+                first = key not in self._cursors
+                reply = stub.Stats(tpb.StatsRequest(model_name=model,
+                                                    cursor=self._cursors.get(key, 0.0)),
+                                   timeout=RPC_TIMEOUT_S)
+                self._cursors[key] = reply.end
+                if first:
+                    continue  # whatever came before this controller started is not this stage's
+                readings.extend(
+                    VersionReading(tier, int(v.model_version), v.success, v.failure,
+                                   tuple(v.latency_samples_s),
+                                   v.joules_per_inference if v.has_energy else None)
+                    for v in reply.versions if v.model_version.isdigit())
+        return readings
+
+    def _shadow_counts(self, model: str, version: int | None, system: RunningSystem
+                       ) -> dict[tuple[str, str], float]:
+        if version is None or not system.router_metrics:
+            return {}
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            with urllib.request.urlopen(system.router_metrics, timeout=RPC_TIMEOUT_S) as reply:
+                text = reply.read().decode()
+        except OSError as error:
+            log.warning("router metrics unreadable: %s", error)
+            return {}
+        counts: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name != "tiered_router_shadow":
+                continue
+            for sample in family.samples:
+                labels = sample.labels
+                if (sample.name.endswith("_total") and labels.get("model") == model
+                        and labels.get("version") == str(version)):
+                    key = (labels["tier"], labels["result"])
+                    counts[key] = counts.get(key, 0.0) + sample.value
+        return counts
+
+    # -- acting -----------------------------------------------------------------
+
+    def _build(self, spec: TieredModel, artifacts: Sequence[desired.ArtifactVersion],
+               versions: Sequence[int]) -> str:
+        """Build what is missing; '' when every version is in every tier's repository,
+        else why not (building takes one pass per tier build)."""
+        from tiered.engines import build
+
+        by_version = {a.version: a for a in artifacts}
+        for version in versions:
+            for tier in (t for t in TIERS if t in spec.tiers):
+                key = (spec.name, version, tier)
+                if key in self._rejected:
+                    return self._rejected[key]
+                repository = self.layout.repository(tier)
+                if (repository / spec.name / str(version)).is_dir():
+                    continue
+                artifact = by_version[version]
+                source = Path(artifact.uri)
+                digest = build.sha256_file(source) if source.is_file() else None
+                if digest != artifact.sha256:
+                    why = (f"version {version}: artifact {source} is missing" if digest is None
+                           else f"version {version}: artifact {source} has sha256 {digest}, "
+                           f"not the pinned {artifact.sha256}; refusing to build it")
+                    self._rejected[key] = why
+                    return why
+                self.progress(f"{spec.name}: building version {version} for {tier}")
+                started = time.monotonic()
+                outcome = self._build_one(spec, tier, version, source, repository)
+                if outcome.installed is None:
+                    why = (f"version {version} rejected on {tier}: "
+                           f"{outcome.decision.reason}")
+                    self._rejected[key] = why
+                    return why
+                self.progress(f"{spec.name}: built version {version} for {tier} in "
+                              f"{time.monotonic() - started:.1f} s: {outcome.decision.reason}")
+        return ""
+
+    def _build_one(self, spec: TieredModel, tier: str, version: int, source: Path,
+                   repository: Path):
+        from tiered.engines import build
+
+        tier_spec = spec.tiers[tier]
+        profile = load_profile(tier)
+        settings = build.choose_settings(profile, {
+            "backend": tier_spec.engine, "precision": tier_spec.precision,
+            "max_batch_size": tier_spec.batching.max_batch_size,
+        }, f"{spec.name} tiers.{tier}")
+        artifact = spec.artifact
+        request = build.BuildRequest(
+            source=source, repository=repository, model=spec.name, version=version,
+            calibration=Path(artifact.calibration) if artifact.calibration else None,
+            evaluation=Path(artifact.eval) if artifact.eval else None, force=True)
+        return build.build(request, profile, settings,
+                           now=datetime.datetime.now(datetime.timezone.utc))
+
+    def _serve(self, spec: TieredModel, status: RolloutStatus, system: RunningSystem) -> None:
+        """Make each tier's agents serve the wanted versions (plus, for a grace
+        period, those the router's table had until just now)."""
+        wanted = set(desired.served_versions(status))
+        if time.monotonic() - self._table_written_at < TABLE_GRACE_S:
+            wanted |= self._table_models.get(spec.name, set())
+        if self._table is not None:  # what the table names now, until a new one replaces it
+            route = (self._table.get("models") or {}).get(spec.name)
+            wanted |= _table_versions(route)
+        for tier in (t for t in TIERS if t in spec.tiers):
+            repository = self.layout.repository(tier)
+            versions = tuple(sorted(v for v in wanted
+                                    if (repository / spec.name / str(v)).is_dir()))
+            if not versions or self._served.get((tier, spec.name)) == versions:
+                continue
+            self._write_config(spec, tier, repository, versions)
+            for agent in system.agents.get(tier, ()):
+                stub = pb_grpc.GRPCInferenceServiceStub(self._channel(agent))
+                stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=spec.name),
+                                         timeout=LOAD_TIMEOUT_S)
+            self._served[(tier, spec.name)] = versions
+            self.progress(f"{spec.name}: {tier} serves version"
+                          f"{'s' if len(versions) > 1 else ''} "
+                          f"{', '.join(map(str, versions))}")
+
+    def _write_config(self, spec: TieredModel, tier: str, repository: Path,
+                      versions: tuple[int, ...]) -> None:
+        path = repository / spec.name / "config.yaml"
+        config = dict(yaml.safe_load(path.read_text()) or {})
+        batching = spec.tiers[tier].batching
+        config["version_policy"] = {"specific": list(versions)}
+        config["max_batch_size"] = batching.max_batch_size
+        config["dynamic_batching"] = {**(config.get("dynamic_batching") or {}),
+                                      "max_queue_delay_us": batching.max_queue_delay_us}
+        VersionPolicy(specific=versions)  # the agent will accept it
+        write_atomically(path, yaml.safe_dump(config, sort_keys=False))
+
+    def _write_table(self, models: Sequence[tuple[TieredModel, RolloutStatus]],
+                     system: RunningSystem) -> None:
+        if self._table is None and self.layout.routing_table.is_file():
+            self._table = yaml.safe_load(self.layout.routing_table.read_text()) or {}
+        previous = self._table or {"version": 0, "models": {}}
+        table = desired.routing_table(previous.get("version", 0), models, system.agents)
+        if table["models"] == previous.get("models"):
+            return
+        table["version"] = previous.get("version", 0) + 1
+        write_atomically(self.layout.routing_table, yaml.safe_dump(table, sort_keys=False))
+        self._table = table
+        self._table_written_at = time.monotonic()
+        for name, route in (previous.get("models") or {}).items():
+            self._table_models[name] = _table_versions(route)
+
+    def _write(self, record: Record, status: RolloutStatus | None,
+               artifacts: Sequence[desired.ArtifactVersion], message: str) -> None:
+        plain = None if status is None else to_plain(status)
+        plain_artifacts = tuple(dataclasses.asdict(a) for a in artifacts)
+        if (plain, plain_artifacts, message) == (record.status, record.artifacts,
+                                                 record.message):
+            return
+        self.store.write_status(record.name, record.revision, status=plain,
+                                artifacts=plain_artifacts, message=message)
+
+    def _note(self, record: Record, message: str) -> None:
+        if message != record.message:
+            self.progress(f"{record.name}: {message}")
+            try:
+                self.store.write_status(record.name, record.revision, status=record.status,
+                                        artifacts=record.artifacts, message=message)
+            except Conflict:
+                pass
+
+    def _channel(self, agent: str) -> grpc.Channel:
+        channel = self._channels.get(agent)
+        if channel is None:
+            channel = self._channels[agent] = grpc.insecure_channel(agent)
+        return channel
+
+
+def _table_versions(route: Mapping[str, Any] | None) -> set[int]:
+    """The versions one model's routing-table entry sends traffic to."""
+    if not route:
+        return set()
+    return {v for tier in route["tiers"].values()
+            for v in (tier.get("stable"), tier.get("canary")) if v}

@@ -1,0 +1,131 @@
+"""Measurements of a live rollout, accumulated from what agents and the router report.
+
+The controller polls each agent's Telemetry.Stats (counts, raw latency
+samples, J/inference per window) and reads the router's shadow-agreement
+counters; this module turns those readings into the rollout engine's
+`Measurements` for the current stage. Pure: readings in, a frozen value out;
+the polling itself is the controller's I/O.
+
+Samples count only from the moment the stage (canary version, stage index)
+was first seen, so one stage never judges another's traffic. Stable and
+canary are pooled over the tiers where the stage sends canary traffic, so
+both are measured on the same tiers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tiered.rollout.analysis import Measurements, VersionSamples
+
+RESERVOIR = 4000  # latency samples kept per (tier, version); uniform over the stage
+WINDOWS = 600  # J/inference windows kept per (tier, version)
+
+
+@dataclass
+class _Series:
+    requests: int = 0
+    errors: int = 0
+    latencies_ms: list[float] = field(default_factory=list)
+    seen: int = 0  # latency samples offered, for reservoir sampling
+    joules_per_inference: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class VersionReading:
+    """One agent's report for one version over one poll."""
+
+    tier: str
+    version: int
+    success: int
+    failure: int
+    latency_samples_s: tuple[float, ...] = ()
+    joules_per_inference: float | None = None
+
+
+class StageAccumulator:
+    """Samples of one stage of one rollout, per (tier, version)."""
+
+    def __init__(self, canary_version: int, stage: int, rng: np.random.Generator,
+                 shadow_baseline: Mapping[tuple[str, str], float]) -> None:
+        self.canary_version = canary_version
+        self.stage = stage
+        self.window = 0
+        self._rng = rng
+        self._series: dict[tuple[str, int], _Series] = {}
+        self._shadow_baseline = dict(shadow_baseline)
+        self._shadow: dict[tuple[str, str], float] = dict(shadow_baseline)
+
+    def matches(self, canary_version: int, stage: int) -> bool:
+        return (self.canary_version, self.stage) == (canary_version, stage)
+
+    def add(self, readings: Iterable[VersionReading]) -> None:
+        """One poll's readings; each poll is one analysis window."""
+        self.window += 1
+        for reading in readings:
+            series = self._series.setdefault((reading.tier, reading.version), _Series())
+            series.requests += reading.success + reading.failure
+            series.errors += reading.failure
+            for seconds in reading.latency_samples_s:
+                self._offer(series, seconds * 1000.0)
+            if reading.joules_per_inference is not None and reading.success > 0:
+                series.joules_per_inference.append(reading.joules_per_inference)
+                del series.joules_per_inference[:-WINDOWS]
+
+    def _offer(self, series: _Series, value: float) -> None:
+        series.seen += 1
+        if len(series.latencies_ms) < RESERVOIR:
+            series.latencies_ms.append(value)
+            return
+        slot = int(self._rng.integers(series.seen))
+        if slot < RESERVOIR:
+            series.latencies_ms[slot] = value
+
+    def set_shadow(self, counts: Mapping[tuple[str, str], float]) -> None:
+        """The router's cumulative (tier, result) counts for this canary version."""
+        self._shadow = dict(counts)
+
+    def measurements(self, stable_version: int, tiers: Iterable[str]) -> Measurements:
+        """Stable and canary pooled over `tiers`; agreement over every tier."""
+        tiers = tuple(tiers)
+        shadow = {key: self._shadow.get(key, 0.0) - self._shadow_baseline.get(key, 0.0)
+                  for key in self._shadow}
+        agreed = int(sum(v for (_, result), v in shadow.items() if result == "agree"))
+        disagreed = int(sum(v for (_, result), v in shadow.items() if result == "disagree"))
+        return Measurements(
+            window=self.window, stage=self.stage,
+            stable=self._pooled(stable_version, tiers),
+            canary=self._pooled(self.canary_version, tiers),
+            shadow_compared=agreed + disagreed, shadow_agreed=agreed)
+
+    def _pooled(self, version: int, tiers: tuple[str, ...]) -> VersionSamples:
+        parts = [self._series[(tier, version)] for tier in tiers
+                 if (tier, version) in self._series]
+        return VersionSamples(
+            latencies_ms=tuple(v for p in parts for v in p.latencies_ms),
+            requests=sum(p.requests for p in parts),
+            errors=sum(p.errors for p in parts),
+            joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference))
+
+    def summary(self, stable_version: int, tiers: Iterable[str]) -> dict[str, float | None]:
+        """The headline numbers for progress lines and history snapshots."""
+        m = self.measurements(stable_version, tiers)
+
+        def p95(samples: VersionSamples) -> float | None:
+            return (float(np.percentile(samples.latencies_ms, 95))
+                    if samples.latencies_ms else None)
+
+        def jpi(samples: VersionSamples) -> float | None:
+            values = samples.joules_per_inference
+            return float(np.median(values)) if values else None
+
+        return {
+            "stable_requests": m.stable.requests, "canary_requests": m.canary.requests,
+            "p95_stable_ms": p95(m.stable), "p95_canary_ms": p95(m.canary),
+            "jpi_stable": jpi(m.stable), "jpi_canary": jpi(m.canary),
+            "agreement": (m.shadow_agreed / m.shadow_compared if m.shadow_compared else None),
+            "agreement_compared": m.shadow_compared,
+        }

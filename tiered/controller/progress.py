@@ -1,0 +1,43 @@
+"""One terminal line per rollout snapshot: stage, weights, samples, p95s,
+J/inference, agreement and the decision, for `tiered rollout status` and
+the demo's live progress."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+
+def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def _joules(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.3f} mJ"
+
+
+def progress_line(t: float, snap: Mapping[str, Any]) -> str:
+    weights = " ".join(f"{tier[:3]} {w:g}%" for tier, w in (snap.get("weights") or {}).items()
+                       if w) or "no canary traffic"
+    versions = f"v{snap['stable_version']}"
+    if snap.get("canary_version") is not None:
+        versions += f"->v{snap['canary_version']}"
+    head = (f"{time.strftime('%H:%M:%S', time.localtime(t))} {snap['model']} {versions} "
+            f"{snap['phase']:<11}")
+    if snap.get("canary_version") is not None:
+        head += (f" stage {snap['stage_index'] + 1}/{snap['stages']} "
+                 f"{snap['stage_name']!s:<8} [{weights}]")
+    if snap.get("canary_requests") is None:
+        return f"{head} | {snap['action']}: {snap['reason']}"
+    agreement = snap.get("agreement")
+    numbers = (f"n {snap['stable_requests']}/{snap['canary_requests']}  "
+               f"p95 {_number(snap['p95_stable_ms'])}/{_number(snap['p95_canary_ms'])} ms  "
+               f"J/inf {_joules(snap['jpi_stable'])}/{_joules(snap['jpi_canary'])}  "
+               f"agree {'-' if agreement is None else f'{agreement:.1%}'}"
+               f" ({snap.get('agreement_compared', 0)})")
+    decision = snap["action"] if snap["action"] != "hold" else f"hold ({snap.get('verdict')})"
+    line = f"{head} | {numbers} | {decision}"
+    if snap["action"] != "hold":
+        line += f": {snap['reason']}"
+    return line

@@ -1,0 +1,345 @@
+"""The rollout report: one self-contained HTML page and its JSON twin.
+
+Renders the snapshots the controller recorded during rollouts (plain dicts in
+time order) as summary tables, one SVG chart per metric with a marker at every
+decision, and a table of decisions. A pure renderer: it never reads a clock or
+talks to a backend, and the page never loads anything — CSS and SVG are inline,
+there is no JavaScript and no external URL, so it opens offline from disk.
+Every string from the history or `extra` is escaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tiered import tables
+from tiered.profiles import TIERS
+from tiered.rollout.engine import FINISHED, HOLD
+
+W, H = 760, 250
+LEFT, RIGHT, TOP, BOTTOM = 60, 32, 34, 40  # plot margins inside the SVG
+CENTER_X, CENTER_Y = (LEFT + W - RIGHT) / 2, (TOP + H - BOTTOM) / 2
+MIDDLE = ' text-anchor="middle"'
+STABLE, CANARY = "#64748b", "#ea580c"
+TIER_COLORS = {"edge": "#0891b2", "regional": "#7c3aed", "datacenter": "#16a34a"}
+MARK_COLORS = {"promote": "#16a34a", "rollback": "#dc2626", "abort": "#dc2626"}
+FINAL_METRICS = ("p95_stable_ms", "p95_canary_ms", "jpi_stable", "jpi_canary",
+                 "agreement", "agreement_compared", "verdict")
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;color:#1e293b;
+ max-width:980px;margin:2em auto;padding:0 1em}
+h1{font-size:1.5em;margin-bottom:.3em}h2{font-size:1.15em;margin-top:1.8em}
+table{border-collapse:collapse;margin:.6em 0;width:100%}
+th,td{text-align:left;padding:.3em .6em;border-bottom:1px solid #e2e8f0;vertical-align:top}
+th{background:#f8fafc;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.badge{padding:.1em .5em;border-radius:.6em;background:#e2e8f0;font-size:.9em}
+.Promoted{background:#dcfce7}.RolledBack,.Aborted{background:#fee2e2}.Paused{background:#fef9c3}
+svg{width:100%;height:auto;margin:.4em 0;font:11px system-ui,sans-serif}
+svg .t{font-weight:600;font-size:13px}
+svg .mark text{paint-order:stroke;stroke:#fff;stroke-width:3px}
+"""
+
+Getter = Callable[[Mapping], Any]
+Line = tuple[str, str, Getter]  # legend label, color, value of a snapshot
+Mark = tuple[Mapping, str]  # a decision's snapshot and its label
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _num(value: Any) -> float | None:
+    """value as a finite float, or None (unknown, NaN or not a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _plain(value: Any) -> Any:
+    """value as JSON data: mappings to dicts, sequences to lists, NaN to None, others to str."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float):
+        return _num(value)
+    return value if value is None or isinstance(value, (bool, int, str)) else str(value)
+
+
+def _canary(group: Sequence[Mapping]) -> int | None:
+    return next((s["canary_version"] for s in group if s.get("canary_version") is not None), None)
+
+
+def _rollouts(history: Sequence[Mapping]) -> list[list[Mapping]]:
+    """Snapshots grouped per rollout: one begins at 'start' or at a model's new canary version;
+    idle snapshots after a finished rollout belong to none."""
+    groups: list[list[Mapping]] = []
+    current: dict[Any, list[Mapping]] = {}
+    for s in history:
+        model, canary, group = s.get("model"), s.get("canary_version"), current.get(s.get("model"))
+        if s.get("action") == "start" or (
+                canary is not None and (group is None or canary != _canary(group))):
+            group = current[model] = []
+            groups.append(group)
+        elif group is None or (group[-1].get("phase") in FINISHED
+                               and (s.get("action") or HOLD) == HOLD):
+            continue
+        group.append(s)
+    return groups
+
+
+def _decisions(history: Sequence[Mapping]) -> list[Mark]:
+    """Every non-hold snapshot with a short label: 'advance to stage 2', 'rollback v3'."""
+    found, canary = [], {}
+    for s in history:
+        if s.get("canary_version") is not None:
+            canary[s.get("model")] = s["canary_version"]
+        action = s.get("action") or HOLD
+        if action == HOLD:
+            continue
+        if action == "advance":
+            label = f"advance to stage {(s.get('stage_index') or 0) + 1}"
+        elif action in ("start", "promote", "rollback", "abort") and s.get("model") in canary:
+            label = f"{action} v{canary[s.get('model')]}"
+        else:
+            label = action
+        found.append((s, label))
+    return found
+
+
+def _summary(group: Sequence[Mapping]) -> dict[str, Any]:
+    first, last = group[0], group[-1]
+    t0, t1 = _num(first.get("t")), _num(last.get("t"))
+    final = {k: next((s[k] for s in reversed(group) if s.get(k) is not None), None)
+             for k in FINAL_METRICS}
+    return {"model": first.get("model"), "stable_version": first.get("stable_version"),
+            "canary_version": _canary(group), "outcome": last.get("phase"), "started_s": t0,
+            "duration_s": None if t0 is None or t1 is None else t1 - t0,
+            "stages_reached": max((s.get("stage_index") or 0) for s in group) + 1,
+            "stages": last.get("stages"),
+            "decisions": [{"t": s.get("t"), "action": s.get("action"), "label": label,
+                           "reason": s.get("reason")} for s, label in _decisions(group)],
+            "final": final}
+
+
+def report_json(history: Sequence[Mapping], title: str, extra: Mapping) -> dict[str, Any]:
+    """The report as JSON data: title, extra, one summary per rollout, and the history."""
+    return _plain({"title": title, "extra": extra,
+                   "rollouts": [_summary(g) for g in _rollouts(history)],
+                   "history": list(history)})
+
+
+def _scale(lo: float, hi: float, a: float, b: float) -> Callable[[float], float]:
+    """Linear map of [lo, hi] onto [a, b]; a one-value domain maps to the middle."""
+    if hi <= lo:
+        return lambda v: (a + b) / 2
+    return lambda v: a + (v - lo) * (b - a) / (hi - lo)
+
+
+def _ticks(lo: float, hi: float, cover: bool = False, count: int = 5) -> list[float]:
+    """About `count` round values (1, 2 or 5 times a power of ten apart) within [lo, hi]; with
+    `cover`, from the last one at or below lo to the first one at or above hi."""
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    eps = 1e-9  # so that 1.0 / 0.02 = 50.000000000000004 still counts as 50
+    if cover:
+        first, last = math.floor(lo / step + eps), math.ceil(hi / step - eps)
+    else:
+        first, last = math.ceil(lo / step - eps), math.floor(hi / step + eps)
+    return [round(i * step, 12) for i in range(first, last + 1)]
+
+
+def _path(points: Sequence[tuple[float | None, float | None]], sx, sy, step: bool) -> str:
+    """SVG path data through the points, lifting the pen at every unknown value; with `step`,
+    each value holds until the next point (for settings such as weights)."""
+    data, pen = [], "M"
+    for x, y in points:
+        if x is None or y is None:
+            pen = "M"
+        elif pen == "M":
+            # 'h0' after each move: a lone point then shows as a round-capped dot.
+            data.append(f"M{sx(x):.1f},{sy(y):.1f}h0")
+            pen = "L"
+        else:
+            data.append(f"H{sx(x):.1f}V{sy(y):.1f}" if step else f"L{sx(x):.1f},{sy(y):.1f}")
+    return "".join(data)
+
+
+def _text(x: float, y: float, text: str, attrs: str = "") -> str:
+    return f'<text x="{x:.1f}" y="{y:.1f}"{attrs}>{_e(text)}</text>'
+
+
+def _hline(y: float, color: str) -> str:
+    return f'<line x1="{LEFT}" y1="{y:.1f}" x2="{W - RIGHT}" y2="{y:.1f}" stroke="{color}"/>'
+
+
+def _axes(xs: Sequence[float], ys: Sequence[float], sx, sy, unit: str) -> list[str]:
+    """Grid lines and tick labels on both axes, plus the axis titles."""
+    return [*(_hline(sy(v), "#eef2f6") + _text(LEFT - 6, sy(v) + 4, f"{v:g}", ' text-anchor="end"')
+              for v in ys),
+            _hline(H - BOTTOM, "#94a3b8"),
+            *(_text(sx(v), H - BOTTOM + 15, f"{v:g}", MIDDLE) for v in xs),
+            _text(CENTER_X, H - 6, "time (s)", MIDDLE),
+            _text(0, 0, unit, f'{MIDDLE} transform="translate(14,{CENTER_Y}) rotate(-90)"')]
+
+
+def _legend(lines: Sequence[Line]) -> str:
+    """Swatches and labels, right-aligned above the plot."""
+    out, x = [], W - RIGHT
+    for label, color, _ in reversed(lines):
+        x -= 6.5 * len(label) + 30
+        out.append(f'<rect x="{x}" y="{TOP - 20}" width="14" height="4" fill="{color}"/>'
+                   + _text(x + 18, TOP - 15, label))
+    return "".join(out)
+
+
+def _marker(x: float, label: str, color: str) -> str:
+    """A dashed vertical line at x with its label running down beside it."""
+    return (f'<g class="mark"><line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{H - BOTTOM}" '
+            f'stroke="{color}" stroke-dasharray="4 3"/>'
+            + _text(0, 0, label, f' fill="{color}" transform="translate({x + 4:.1f},{TOP + 4}) '
+                    'rotate(90)"') + "</g>")
+
+
+def _chart(title: str, unit: str, history: Sequence[Mapping], lines: Sequence[Line],
+           include: Sequence[float], marks: Sequence[Mark], step: bool = False) -> str:
+    """One SVG line chart over time: a line per (label, color, getter), a marker per decision.
+
+    The y range spans the known values and `include` (e.g. 0, so that a ratio is not magnified).
+    """
+    ts = [_num(s.get("t")) for s in history]
+    series = [(color, [_num(get(s)) for s in history]) for _, color, get in lines]
+    known_t = [t for t in ts if t is not None]
+    values = [v for _, ys in series for v in ys if v is not None]
+    x0, x1 = (min(known_t), max(known_t)) if known_t else (0.0, 1.0)
+    y_ticks = _ticks(min([*values, *include]), max([*values, *include]), cover=True)
+    sx, sy = _scale(x0, x1, LEFT, W - RIGHT), _scale(y_ticks[0], y_ticks[-1], H - BOTTOM, TOP)
+    parts = [f"<title>{_e(title)}</title>", _text(LEFT, 16, title, ' class="t"'),
+             *_axes(_ticks(x0, x1), y_ticks, sx, sy, unit), _legend(lines)]
+    if not values:
+        parts.append(_text(CENTER_X, CENTER_Y, "no data", f'{MIDDLE} fill="#94a3b8"'))
+    parts += ['<g fill="none" stroke-width="2" stroke-linecap="round" stroke-linejoin="round">',
+              *(f'<path d="{_path(list(zip(ts, ys)), sx, sy, step)}" stroke="{color}"/>'
+                for color, ys in series), "</g>"]
+    parts += [_marker(sx(t), label, MARK_COLORS.get(s.get("action"), "#475569"))
+              for s, label in marks if (t := _num(s.get("t"))) is not None]
+    return (f'<svg viewBox="0 0 {W} {H}" role="img" aria-label="{_e(title)}">'
+            + "".join(parts) + "</svg>")
+
+
+def _field(key: str) -> Getter:
+    return lambda s: s.get(key)
+
+
+def _weight(tier: str) -> Getter:
+    return lambda s: (s.get("weights") or {}).get(tier)
+
+
+def _pair(stable: str, canary: str) -> list[Line]:
+    return [("stable", STABLE, _field(stable)), ("canary", CANARY, _field(canary))]
+
+
+def _charts(history: Sequence[Mapping], marks: Sequence[Mark]) -> str:
+    """The four charts of one model's snapshots."""
+    return "".join([
+        _chart("p95 latency", "ms", history, _pair("p95_stable_ms", "p95_canary_ms"), [0], marks),
+        _chart("Energy per inference", "J / inference", history, _pair("jpi_stable", "jpi_canary"),
+               [0], marks),
+        _chart("Canary weight per tier", "%", history,
+               [(tier, TIER_COLORS[tier], _weight(tier)) for tier in TIERS], [0, 100], marks,
+               step=True),
+        _chart("Agreement with stable", "fraction", history,
+               [("agreement", CANARY, _field("agreement"))], [1], marks)])
+
+
+class _Html(str):
+    """A table cell that is HTML already (escaped by whoever built it)."""
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """An HTML table: numbers right-aligned, '-' for unknown, text escaped unless _Html."""
+    def td(v: Any) -> str:
+        if isinstance(v, _Html):
+            return f"<td>{v}</td>"
+        numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
+        return f'<td class="n">{_e(tables.cell(v))}</td>' if numeric else f"<td>{_e(v)}</td>"
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(td(v) for v in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _badge(phase: str | None) -> _Html:
+    return _Html(f'<span class="badge {_e(phase)}">{_e(tables.cell(phase))}</span>')
+
+
+def _versions(stable: Any, canary: Any) -> str:
+    return f"v{stable}" if canary is None else f"v{stable} → v{canary}"
+
+
+def render_html(history: Sequence[Mapping], title: str, extra: Mapping) -> str:
+    """The report as one self-contained HTML page."""
+    facts = [(k, json.dumps(_plain(v)) if isinstance(v, (Mapping, list, tuple)) else v)
+             for k, v in extra.items()]
+    summaries = [_summary(g) for g in _rollouts(history)]
+    rollouts = [(r["model"], _versions(r["stable_version"], r["canary_version"]),
+                 _badge(r["outcome"]),
+                 r["duration_s"], f'{r["stages_reached"]}/{tables.cell(r["stages"])}',
+                 *(r["final"][k] for k in FINAL_METRICS[:5])) for r in summaries]
+    marks = _decisions(history)
+    decisions = [(s.get("t"), s.get("model"),
+                  _versions(s.get("stable_version"), s.get("canary_version")),
+                  f'{(s.get("stage_index") or 0) + 1} {s.get("stage_name") or ""}'.strip(),
+                  label, s.get("reason")) for s, label in marks]
+    sections = [f"<h1>{_e(title)}</h1>", _table(["fact", "value"], facts) if facts else ""]
+    if not history:
+        sections.append("<p>No snapshots were recorded.</p>")
+    else:
+        sections += ["<h2>Rollouts</h2>", _table(
+            ["model", "versions", "outcome", "duration (s)", "stages", "p95 stable (ms)",
+             "p95 canary (ms)", "J/inf stable", "J/inf canary", "agreement"], rollouts)]
+        for model in dict.fromkeys(s.get("model") for s in history):
+            sections += [f"<h2>{_e(model)}</h2>", _charts(
+                [s for s in history if s.get("model") == model],
+                [m for m in marks if m[0].get("model") == model])]
+        sections += ["<h2>Decisions</h2>", _table(
+            ["t (s)", "model", "versions", "stage", "action", "reason"], decisions)]
+    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>\n"
+            + "\n".join(sections) + "\n</body></html>\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write text to path so that readers see the old file or the new one, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_report(history: Sequence[Mapping], out_dir: Path, title: str,
+                 extra: Mapping) -> tuple[Path, Path]:
+    """Write report.html and report.json into out_dir (created if missing); return both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    html_path, json_path = out_dir / "report.html", out_dir / "report.json"
+    _write_atomic(html_path, render_html(history, title, extra))
+    _write_atomic(json_path, json.dumps(report_json(history, title, extra), indent=2) + "\n")
+    return html_path, json_path

@@ -1,0 +1,226 @@
+"""`tiered up`: the whole system on this machine, supervised.
+
+Starts one agent per tier (each on its tier's profile, serving the tier's
+model repository under the state directory), the router and the controller
+as child processes, writes their addresses for the controller and the CLI,
+applies the TieredModels the system file lists, and then watches: a child
+that dies is started again (agents and the router on the port they had), and
+the controller's progress lines are echoed. Ctrl-C stops everything, the
+controller first and the agents last.
+
+    # examples/local.yaml
+    state_dir: .tiered                # relative to the working directory
+    tiers: [edge, regional, datacenter]
+    router: {port: 8000, metrics_port: 0}
+    controller: {interval_s: 2}
+    sample_models: ../build/models    # train the sample digits models here when missing
+    apply: [digits.yaml]              # TieredModels, relative to this file
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiered.agent.process import AgentError, AgentProcess, ServerProcess
+from tiered.controller.local import RunningSystem, StateLayout, write_atomically
+from tiered.controller.store import StateStore
+from tiered.controller.verbs import apply_file
+from tiered.errors import ConfigError
+from tiered.profiles import TIERS
+from tiered.settings import load_dataclass, read_yaml
+
+log = logging.getLogger(__name__)
+
+SUPERVISE_INTERVAL_S = 0.5
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # then every 10 s
+SAMPLE_VARIANTS = ("v1", "v2", "heavy")
+
+
+@dataclass(frozen=True)
+class RouterPorts:
+    port: int = 8000
+    metrics_port: int = 0  # 0: any free port (the controller learns it)
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.interval_s <= 3600:
+            raise ConfigError(f"interval_s: expected 0.1..3600 s, got {self.interval_s}")
+
+
+@dataclass(frozen=True)
+class LocalSystem:
+    state_dir: str = ".tiered"
+    tiers: tuple[str, ...] = TIERS
+    router: RouterPorts = field(default_factory=RouterPorts)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+    sample_models: str | None = None
+    apply: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for index, tier in enumerate(self.tiers):
+            if tier not in TIERS:
+                raise ConfigError(f"tiers[{index}]: unknown tier {tier!r}; expected one of "
+                                  f"{', '.join(TIERS)}")
+        if not self.tiers or len(set(self.tiers)) != len(self.tiers):
+            raise ConfigError("tiers: list each tier once, at least one")
+
+
+def load_system(path: Path) -> LocalSystem:
+    return load_dataclass(LocalSystem, read_yaml(path), str(path))
+
+
+def prepare_sample_models(out: Path, progress: Callable[[str], None]) -> None:
+    """Train the sample digits models into `out` unless they are there."""
+    missing = [v for v in SAMPLE_VARIANTS if not (out / f"digits-{v}.onnx").is_file()]
+    if not missing:
+        return
+    try:
+        from tiered.models import digits
+    except ImportError as error:
+        raise ConfigError(f"sample_models: training needs the torch extra "
+                          f"(pip install 'tiered[torch]'): {error}") from error
+    for variant in missing:
+        started = time.monotonic()
+        model = digits.write_digits(out, variant)
+        progress(f"trained digits {variant} in {time.monotonic() - started:.1f} s: "
+                 f"{model.onnx_accuracy:.2%} held-out accuracy -> {model.onnx_path}")
+
+
+class LocalUp:
+    """Start, supervise and stop the local system."""
+
+    def __init__(self, system: LocalSystem, base: Path, *,
+                 progress: Callable[[str], None] = print) -> None:
+        self.system = system
+        self.base = Path(base)
+        self.layout = StateLayout(Path(system.state_dir).resolve())
+        self.progress = progress
+        self.agents: dict[str, AgentProcess] = {}
+        self.router: ServerProcess | None = None
+        self.controller: subprocess.Popen | None = None
+        self._controller_log_offset = 0
+        self._restarts: dict[str, int] = {}
+        self._next_start: dict[str, float] = {}
+
+    # -- start / stop ---------------------------------------------------------
+
+    def start(self) -> RunningSystem:
+        layout = self.layout
+        layout.logs.mkdir(parents=True, exist_ok=True)
+        if self.system.sample_models:
+            prepare_sample_models((self.base / self.system.sample_models).resolve(),
+                                  self.progress)
+        if not layout.routing_table.is_file():
+            write_atomically(layout.routing_table, "version: 0\nmodels: {}\n")
+        for tier in self.system.tiers:
+            layout.repository(tier).mkdir(parents=True, exist_ok=True)
+            self.agents[tier] = AgentProcess(tier, layout.repository(tier), log_dir=layout.logs,
+                                             extra_args=["--allow-failed-models"])
+        self.router = ServerProcess(
+            [sys.executable, "-m", "tiered", "router", "--routing-table",
+             str(layout.routing_table), "--host", "127.0.0.1",
+             "--port", str(self.system.router.port),
+             "--metrics-port", str(self.system.router.metrics_port)],
+            "router", log_dir=layout.logs)
+        for name, process in [*self.agents.items(), ("router", self.router)]:
+            process.start()
+            self.progress(f"{name}: pid {process.pid}, {process.address} "
+                          f"(log {process.log_path})")
+        running = self.running()
+        running.write(layout.system)
+        with StateStore(layout.store) as store:
+            for path in self.system.apply:
+                for name, result in apply_file(store, self.base / path):
+                    self.progress(f"tieredmodel/{name} {result}")
+        self._start_controller()
+        return running
+
+    def running(self) -> RunningSystem:
+        assert self.router is not None
+        return RunningSystem({tier: (agent.address,) for tier, agent in self.agents.items()},
+                             self.router.address, self.router.metrics_url)
+
+    def _start_controller(self) -> None:
+        log_path = self.layout.logs / "controller.log"
+        self._controller_log_offset = log_path.stat().st_size if log_path.exists() else 0
+        with log_path.open("ab") as out:
+            self.controller = subprocess.Popen(
+                [sys.executable, "-m", "tiered", "controller", "--state", str(self.layout.root),
+                 "--interval", str(self.system.controller.interval_s)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        self.progress(f"controller: pid {self.controller.pid} (log {log_path})")
+
+    def stop(self) -> None:
+        if self.controller is not None and self.controller.poll() is None:
+            self.controller.terminate()
+            try:
+                self.controller.wait(30)
+            except subprocess.TimeoutExpired:
+                self.controller.kill()
+        for process in [self.router, *self.agents.values()]:
+            if process is not None:
+                process.stop()
+        self.echo_controller()
+
+    # -- supervision ----------------------------------------------------------
+
+    def supervise(self, stop: threading.Event) -> None:
+        while not stop.wait(SUPERVISE_INTERVAL_S):
+            self.echo_controller()
+            self.restart_dead()
+
+    def echo_controller(self) -> None:
+        """Print what the controller logged since last time."""
+        log_path = self.layout.logs / "controller.log"
+        try:
+            with log_path.open("rb") as out:
+                out.seek(self._controller_log_offset)
+                text = out.read()
+        except FileNotFoundError:
+            return
+        complete = text.rfind(b"\n") + 1
+        self._controller_log_offset += complete
+        for line in text[:complete].decode(errors="replace").splitlines():
+            self.progress(line)
+
+    def restart_dead(self) -> None:
+        if self.controller is not None and self.controller.poll() is not None:
+            if self._due("controller", self.controller.returncode):
+                self._start_controller()
+        for name, process in [*self.agents.items(), ("router", self.router)]:
+            if process is None or process.alive():
+                continue
+            if not self._due(name, process.stop()):
+                continue
+            port = process.port
+            if port is not None:  # come back where clients and the table expect it
+                process.command[process.command.index("--port") + 1] = str(port)
+            try:
+                process.start()
+                self.progress(f"{name}: restarted, pid {process.pid}")
+            except AgentError as error:
+                self.progress(f"{name}: restart failed: {error}")
+
+    def _due(self, name: str, code: int | None) -> bool:
+        now = time.monotonic()
+        if name not in self._next_start:
+            count = self._restarts.get(name, 0)
+            delay = RESTART_BACKOFF_S[min(count, len(RESTART_BACKOFF_S) - 1)]
+            self._next_start[name] = now + delay
+            self.progress(f"{name}: exited with code {code}; restarting in {delay:g} s")
+        if now < self._next_start[name]:
+            return False
+        del self._next_start[name]
+        self._restarts[name] = self._restarts.get(name, 0) + 1
+        return True

@@ -1,0 +1,157 @@
+"""The user's verbs against the local store: apply, get, rollout status and
+the manual rollout verbs. The CLI prints what these return.
+
+`apply` pins each artifact: a relative path is made absolute (relative to
+the applied file) and a missing sha256 is filled in from the file, so the
+stored spec names exactly the bytes that will be built. A given sha256 that
+does not match the file is refused at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+from tiered.controller.local import decode_status, snapshot
+from tiered.controller.store import Record, StateStore
+from tiered.errors import ConfigError, Conflict
+from tiered.rollout import engine
+from tiered.rollout.spec import TieredModel, load_tiered_model, to_plain
+
+CONFLICT_RETRIES = 5
+VERBS: dict[str, Callable[..., engine.Decision]] = {
+    "pause": engine.pause, "resume": engine.resume, "promote": engine.promote,
+    "abort": engine.abort,
+}
+
+
+def read_documents(path: Path) -> list[Mapping[str, Any]]:
+    """Every YAML document in `path` (`---` separated), each a mapping."""
+    try:
+        documents = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: invalid YAML: {error}") from error
+    for index, document in enumerate(documents):
+        if not isinstance(document, Mapping):
+            raise ConfigError(f"{path}: document {index + 1}: expected a mapping, got "
+                              f"{type(document).__name__}")
+    return documents
+
+
+def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[str, Any]:
+    """The document with its artifact's local paths made absolute and its digest pinned."""
+    from tiered.engines.build import sha256_file
+
+    document = dict(document)
+    holder = dict(document["spec"]) if "spec" in document else document
+    where = f"{where}.spec" if "spec" in document else where
+    artifact = holder.get("artifact")
+    if not isinstance(artifact, Mapping):
+        return document  # validation names the missing or malformed field
+    artifact = dict(artifact)
+    for key in ("uri", "calibration", "eval"):
+        value = artifact.get(key)
+        if isinstance(value, str) and value and not urlparse(value).scheme:
+            artifact[key] = str((base / value).resolve())
+    uri = artifact.get("uri")
+    if isinstance(uri, str) and Path(uri).is_file():
+        digest = sha256_file(Path(uri))
+        given = artifact.get("sha256")
+        if given is None:
+            artifact["sha256"] = digest
+        elif given != digest:
+            raise ConfigError(f"{where}.artifact.sha256: {uri} has sha256 {digest}, "
+                              f"not {given}")
+    elif isinstance(uri, str) and artifact.get("sha256") is None:
+        raise ConfigError(f"{where}.artifact.uri: {uri} is not a file here, so its sha256 "
+                          "cannot be pinned; give artifact.sha256")
+    holder["artifact"] = artifact
+    if "spec" in document:
+        document["spec"] = holder
+    return document
+
+
+def apply_file(store: StateStore, path: Path) -> list[tuple[str, str]]:
+    """Apply every TieredModel in `path`; (name, created|configured|unchanged) each.
+    All documents are checked before any is stored."""
+    path = Path(path)
+    checked = []
+    for index, document in enumerate(read_documents(path)):
+        where = f"{path}[{index}]" if index else str(path)
+        pinned = pin_artifact(document, path.parent, where)
+        spec = load_tiered_model(pinned, where)
+        checked.append((spec, pinned))
+    results = []
+    for spec, pinned in checked:
+        before = _find(store, spec.name)
+        after = store.apply(spec.name, pinned)
+        results.append((spec.name, "created" if before is None else
+                        "configured" if after.generation != before.generation else "unchanged"))
+    return results
+
+
+def _find(store: StateStore, name: str) -> Record | None:
+    return next((r for r in store.list() if r.name == name), None)
+
+
+def spec_of(record: Record) -> TieredModel:
+    return load_tiered_model(record.spec, record.name)
+
+
+def summary_row(record: Record) -> dict[str, str]:
+    """One line of `tiered get`: name, phase, stage, versions, canary weights."""
+    spec, status = spec_of(record), decode_status(record)
+    if status is None:
+        return {"NAME": record.name, "PHASE": "Pending", "STAGE": "-", "STABLE": "-",
+                "CANARY": "-", "WEIGHTS": "-", "MESSAGE": record.message}
+    weights = engine.canary_weights(spec, status)
+    index = min(status.stage_index, len(spec.rollout.stages) - 1)
+    stage = (f"{index + 1}/{len(spec.rollout.stages)} {spec.rollout.stages[index].name}"
+             if status.canary_version is not None and status.phase != engine.PROMOTED else "-")
+    return {
+        "NAME": record.name, "PHASE": status.phase, "STAGE": stage,
+        "STABLE": f"v{status.stable_version}",
+        "CANARY": f"v{status.canary_version}" if status.canary_version else "-",
+        "WEIGHTS": " ".join(f"{t}={w:g}%" for t, w in weights.items() if w) or "-",
+        "MESSAGE": record.message or status.message,
+    }
+
+
+def describe(record: Record) -> dict[str, Any]:
+    """Everything `tiered get NAME -o yaml` shows: spec, status, artifact versions."""
+    return {"name": record.name, "generation": record.generation,
+            "revision": record.revision, "spec": dict(record.spec),
+            "status": record.status, "artifacts": list(record.artifacts),
+            "message": record.message}
+
+
+def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
+                 now: Callable[[], float] = time.time) -> engine.Decision:
+    """Apply a manual verb to the stored status (retrying when the controller
+    wrote in between); the controller acts on it at its next pass."""
+    if verb not in VERBS:
+        raise ConfigError(f"verb: {verb!r} is not one of {', '.join(VERBS)}")
+    for _ in range(CONFLICT_RETRIES):
+        record = store.get(name)
+        status = decode_status(record)
+        if status is None:
+            raise ConfigError(f"{name}: has no status yet; the controller has not served it")
+        spec = spec_of(record)
+        extra = {"full": full} if verb == "promote" else {}
+        decision = VERBS[verb](spec, status, now(), **extra)
+        try:
+            store.write_status(name, record.revision, status=to_plain(decision.status),
+                               artifacts=record.artifacts, message=decision.reason)
+        except Conflict:
+            continue
+        store.record(name, snapshot(spec, decision.status, decision.action, decision.reason))
+        return decision
+    raise Conflict(f"{name}: the controller kept writing; try again")
+

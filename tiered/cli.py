@@ -275,6 +275,13 @@ def _rollout_status(store, name: str, watch: bool) -> int:
     return 0
 
 
+def _crds(args: argparse.Namespace) -> int:
+    from tiered.controller.crd import write_crds
+
+    print(f"wrote {write_crds(args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tiered",
@@ -523,6 +530,14 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
                          help=STATE_HELP)
     rollout.set_defaults(handler=_verb("rollout", _rollout))
+
+    crds = commands.add_parser(
+        "crds", help="write the TieredModel CustomResourceDefinition (for the Helm chart)",
+        description="Write tieredmodels.tiered.dev.yaml, made from the same schema that "
+        "validates TieredModel YAML locally, into DIR.")
+    crds.add_argument("--out", type=Path, default=Path("helm/tiered/crds"), metavar="DIR",
+                      help="directory (default: helm/tiered/crds)")
+    crds.set_defaults(handler=_crds)
     return parser
 
 

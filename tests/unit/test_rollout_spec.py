@@ -183,6 +183,8 @@ def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
         "rollback", "pause"]
     assert spec["properties"]["artifact"]["properties"]["sha256"]["pattern"].startswith("^")
     status = root["properties"]["status"]["properties"]
+    assert status["artifacts"]["items"]["properties"]["version"]["minimum"] == 1
+    status = status["rollout"]["properties"]
     assert status["phase"]["enum"] == list(s.PHASES)
     assert status["last_analysis"]["properties"]["verdict"]["enum"] == list(s.OUTCOMES)
     # Structural: every node has a type (or preserves unknown fields).

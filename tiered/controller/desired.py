@@ -14,16 +14,7 @@ from typing import Any
 
 from tiered.profiles import TIERS
 from tiered.rollout import engine
-from tiered.rollout.spec import Artifact, RolloutStatus, TieredModel
-
-
-@dataclass(frozen=True)
-class ArtifactVersion:
-    """A version number given to one artifact digest; numbers are never reused."""
-
-    version: int
-    uri: str
-    sha256: str
+from tiered.rollout.spec import Artifact, ArtifactVersion, RolloutStatus, TieredModel
 
 
 def version_of(artifact: Artifact, known: Sequence[ArtifactVersion]

@@ -169,6 +169,27 @@ class Batching(_Checked):
 
 
 @dataclass(frozen=True)
+class Toleration(_Checked):
+    """A Kubernetes toleration, for tiers on tainted nodes (edge gateways, GPU pools)."""
+
+    key: str = spec_field("", doc="taint key; empty with Exists: every taint")
+    operator: str = spec_field("Equal", doc="Equal or Exists", enum=("Equal", "Exists"))
+    value: str = spec_field("", doc="taint value (Equal)")
+    effect: str = spec_field("", doc="empty: every effect",
+                             enum=("", "NoSchedule", "PreferNoSchedule", "NoExecute"))
+
+
+@dataclass(frozen=True)
+class Resources(_Checked):
+    """Container resources of the tier's agents, as Kubernetes quantities."""
+
+    requests: Mapping[str, str] = spec_field(default_factory=dict,
+                                             doc="e.g. {cpu: '2', memory: 4Gi}")
+    limits: Mapping[str, str] = spec_field(default_factory=dict,
+                                           doc="e.g. {nvidia.com/gpu: '1'}")
+
+
+@dataclass(frozen=True)
 class TierSpec(_Checked):
     """How one tier runs the model."""
 
@@ -180,6 +201,13 @@ class TierSpec(_Checked):
     replicas: int = spec_field(1, doc="agents of this tier serving the model",
                                minimum=0, maximum=1000)
     batching: Batching = spec_field(default_factory=Batching, doc="dynamic batching")
+    per_node: bool = spec_field(False, doc="Kubernetes: one agent on every matching node "
+                                "(a DaemonSet) instead of `replicas`")
+    node_selector: Mapping[str, str] = spec_field(default_factory=dict,
+                                                  doc="Kubernetes: node labels to run on")
+    tolerations: tuple[Toleration, ...] = spec_field((), doc="Kubernetes: taints to accept")
+    resources: Resources = spec_field(default_factory=Resources,
+                                      doc="Kubernetes: the agent container's resources")
 
 
 @dataclass(frozen=True)
@@ -400,6 +428,33 @@ class RolloutStatus:
     message: str = spec_field("", doc="the latest decision's reason")
 
 
+@dataclass(frozen=True)
+class ArtifactVersion:
+    """A version number given to one artifact digest; numbers are never reused."""
+
+    version: int = spec_field(doc="version number the agents serve it as", minimum=1)
+    uri: str = spec_field(doc="where the artifact was", min_length=1)
+    sha256: str = spec_field(doc="its digest", pattern=r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class TieredModelStatus:
+    """The resource's status: the rollout's progress plus what the controller keeps."""
+
+    rollout: RolloutStatus | None = spec_field(None, doc="the rollout; null before the "
+                                               "first version serves")
+    artifacts: tuple[ArtifactVersion, ...] = spec_field((), doc="every artifact seen, "
+                                                        "with its version number")
+    weights: Mapping[str, float] = spec_field(default_factory=dict, keys=TIERS,
+                                              doc="percent of each tier's traffic on the "
+                                              "canary now")
+    stage: str = spec_field("", doc="the live stage, as 'N/M name'; empty when none")
+    weights_summary: str = spec_field("", doc="weights in one line, for kubectl get")
+    observed_generation: int = spec_field(0, doc="the spec generation this status is for",
+                                          minimum=0)
+    message: str = spec_field("", doc="the latest event or error, in words")
+
+
 # --- OpenAPI schema ---------------------------------------------------------
 
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
@@ -504,7 +559,7 @@ def crd_validation() -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": openapi_schema(TieredModel, exclude=("name",)),
-            "status": openapi_schema(RolloutStatus),
+            "status": openapi_schema(TieredModelStatus),
         },
         "required": ["spec"],
     }}

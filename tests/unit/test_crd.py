@@ -1,0 +1,36 @@
+"""The CRD in the Helm chart is the one the spec's schema makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from tiered.controller import crd
+
+CHART_CRD = Path(__file__).resolve().parents[2] / "helm" / "tiered" / "crds" / crd.CRD_FILE
+
+
+def test_the_chart_crd_is_not_stale():
+    assert CHART_CRD.read_text() == crd.render(), (
+        "helm/tiered/crds is stale: run `tiered crds` after changing tiered/rollout/spec.py")
+
+
+def test_the_crd_has_a_status_subresource_and_printer_columns():
+    version, = crd.custom_resource_definition()["spec"]["versions"]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Phase"] == ".status.rollout.phase"
+    assert columns["Weights"] == ".status.weights_summary"
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    for column in crd.PRINTER_COLUMNS:  # every column names a field the schema has
+        node = {"properties": {"status": {"properties": status}}}
+        for part in column[2].strip(".").split("."):
+            node = node["properties"][part]
+        assert node["type"] == column[1], column
+
+
+def test_the_file_is_yaml_of_one_crd():
+    document = yaml.safe_load(CHART_CRD.read_text())
+    assert document["kind"] == "CustomResourceDefinition"
+    assert document["metadata"]["name"] == "tieredmodels.tiered.dev"

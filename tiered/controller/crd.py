@@ -1,0 +1,64 @@
+"""The TieredModel CustomResourceDefinition, made from the spec's one schema.
+
+`tiered crds` writes it into the Helm chart (helm/tiered/crds/); a test fails
+when the file there differs from what this module makes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tiered.rollout.spec import API_GROUP, API_VERSION, KIND, crd_validation
+
+PLURAL = "tieredmodels"
+SINGULAR = "tieredmodel"
+CRD_NAME = f"{PLURAL}.{API_GROUP}"
+CRD_FILE = f"{CRD_NAME}.yaml"
+HEADER = "# Made by `tiered crds` from tiered/rollout/spec.py; do not edit.\n"
+
+PRINTER_COLUMNS = (
+    ("Phase", "string", ".status.rollout.phase", "where the rollout stands"),
+    ("Stage", "string", ".status.stage", "the live stage"),
+    ("Stable", "integer", ".status.rollout.stable_version", "version serving the rest"),
+    ("Canary", "integer", ".status.rollout.canary_version", "version being rolled out"),
+    ("Weights", "string", ".status.weights_summary", "canary percent per tier"),
+)
+
+
+def custom_resource_definition() -> dict[str, Any]:
+    columns = [{"name": name, "type": kind, "jsonPath": path, "description": doc}
+               for name, kind, path, doc in PRINTER_COLUMNS]
+    columns.append({"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"})
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {"plural": PLURAL, "singular": SINGULAR, "kind": KIND,
+                      "shortNames": ["tm"], "categories": ["tiered"]},
+            "versions": [{
+                "name": API_VERSION,
+                "served": True,
+                "storage": True,
+                "schema": crd_validation(),
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": columns,
+            }],
+        },
+    }
+
+
+def render() -> str:
+    return HEADER + yaml.safe_dump(custom_resource_definition(), sort_keys=False, width=100)
+
+
+def write_crds(out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / CRD_FILE
+    path.write_text(render())
+    return path

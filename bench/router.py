@@ -42,13 +42,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("tiered") is None:  # run from a checkout without `pip install -e`
     sys.path.insert(0, str(REPO_ROOT))
 
-import onnx
-import tritonclient.grpc.aio as aioclient
-from onnx import TensorProto, helper
+import onnx  # noqa: E402
+import tritonclient.grpc.aio as aioclient  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
 
-from tiered.agent.process import AgentProcess, ServerProcess
-from tiered.agent.repository import model_file, write_config
-from tiered.models import zoo
+from tiered.agent.process import AgentProcess, ServerProcess  # noqa: E402
+from tiered.agent.repository import model_file, write_config  # noqa: E402
+from tiered.models import zoo  # noqa: E402
 
 MODELS = {
     "mlp": ("input", (1, 16)),

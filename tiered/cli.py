@@ -59,6 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _build(args: argparse.Namespace) -> int:
     import datetime
     import json
+    import tempfile
 
     from tiered.agent.config import check_model_name
     from tiered.engines import build
@@ -71,17 +72,19 @@ def _build(args: argparse.Namespace) -> int:
         "calibration_samples": args.calibration_samples,
         "min_agreement": args.min_agreement, "max_batch_size": args.max_batch_size,
     }
-    request = build.BuildRequest(
-        source=args.artifact, repository=args.repository, model=args.model,
-        version=args.version, calibration=args.calibration, evaluation=args.eval,
-        force=args.force, allow_accuracy_drop=args.allow_accuracy_drop,
-    )
     try:
         check_model_name(args.model)
         profile = load_profile(args.tier, args.profile)
         settings = build.choose_settings(profile, flags, f"{args.tier} profile build (and flags)")
-        outcome = build.build(request, profile, settings,
-                              now=datetime.datetime.now(datetime.timezone.utc))
+        with tempfile.TemporaryDirectory(prefix="tiered-fetch-") as work:
+            request = build.BuildRequest(
+                source=build.fetch_artifact(args.artifact, args.sha256, Path(work)),
+                repository=args.repository, model=args.model, version=args.version,
+                calibration=args.calibration, evaluation=args.eval, force=args.force,
+                allow_accuracy_drop=args.allow_accuracy_drop,
+            )
+            outcome = build.build(request, profile, settings,
+                                  now=datetime.datetime.now(datetime.timezone.utc))
     except TieredError as error:
         print(f"tiered build: {error}", file=sys.stderr)
         return 2
@@ -177,6 +180,8 @@ def _controller(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    if args.kubernetes:
+        return _kube_controller(args, stop)
     try:
         controller = LocalController(args.state, interval_s=args.interval,
                                      progress=lambda line: print(line, flush=True))
@@ -188,6 +193,45 @@ def _controller(args: argparse.Namespace) -> int:
     finally:
         controller.close()
     return 0
+
+
+def _kube_controller(args: argparse.Namespace, stop) -> int:
+    import json
+    import socket
+
+    from prometheus_client import start_http_server
+
+    from tiered.controller.kube import ControllerOptions, KubeController
+    from tiered.controller.kube_verbs import api_client
+    from tiered.controller.render import ClusterSettings
+
+    try:
+        addresses = json.loads(args.agent_addresses.read_text()) if args.agent_addresses else {}
+        settings = ClusterSettings(
+            namespace=args.namespace, agent_image=args.agent_image,
+            agent_gpu_image=args.agent_gpu_image, routing_configmap=args.routing_configmap,
+            router_metrics=args.router_metrics)
+        options = ControllerOptions(
+            identity=args.identity or socket.gethostname(), leader_elect=args.leader_elect,
+            lease_name=args.lease_name, lease_duration_s=args.lease_duration,
+            retire_grace_s=args.retire_grace, agent_addresses=addresses)
+        client = api_client(args.kubeconfig, args.context)
+    except (OSError, ValueError, TieredError) as error:
+        print(f"tiered controller: {error}", file=sys.stderr)
+        return 2
+    if args.metrics_port is not None:  # also what the liveness probe connects to
+        start_http_server(args.metrics_port)
+    print(f"tiered controller: namespace {args.namespace}, identity {options.identity}"
+          f"{', leader election on' if args.leader_elect else ''}", flush=True)
+    KubeController(settings, client, options=options,
+                   progress=lambda line: print(line, flush=True)).run(stop)
+    return 0
+
+
+def _cluster(args: argparse.Namespace):
+    from tiered.controller.kube_verbs import ClusterVerbs, api_client
+
+    return ClusterVerbs(api_client(args.kubeconfig, args.context), args.namespace)
 
 
 def _store(args: argparse.Namespace):
@@ -215,9 +259,13 @@ def _verb(name: str, body) -> Callable[[argparse.Namespace], int]:
 def _apply(args: argparse.Namespace) -> int:
     from tiered.controller.verbs import apply_file
 
-    with _store(args) as store:
-        for name, result in apply_file(store, args.file):
-            print(f"tieredmodel/{name} {result}")
+    if args.kubernetes:
+        results = _cluster(args).apply_file(args.file)
+    else:
+        with _store(args) as store:
+            results = apply_file(store, args.file)
+    for name, result in results:
+        print(f"tieredmodel/{name} {result}")
     return 0
 
 
@@ -229,16 +277,22 @@ def _get(args: argparse.Namespace) -> int:
     from tiered.controller import verbs
     from tiered.tables import render
 
-    with _store(args) as store:
-        records = [store.get(args.name)] if args.name else store.list()
-    if args.output == "table":
+    if args.kubernetes:
+        cluster = _cluster(args)
+        rows = cluster.rows(args.name)
+        documents = ([cluster.get(args.name)] if args.name else
+                     [cluster.get(row["NAME"]) for row in rows])
+    else:
+        with _store(args) as store:
+            records = [store.get(args.name)] if args.name else store.list()
         rows = [verbs.summary_row(r) for r in records]
+        documents = [verbs.describe(r) for r in records]
+    if args.output == "table":
         if rows:
             print(render(list(rows[0]), [list(r.values()) for r in rows]))
         else:
             print("no TieredModels applied")
     else:
-        documents = [verbs.describe(r) for r in records]
         print(json.dumps(documents, indent=2) if args.output == "json"
               else yaml.safe_dump_all(documents, sort_keys=False), end="")
     return 0
@@ -247,6 +301,15 @@ def _get(args: argparse.Namespace) -> int:
 def _rollout(args: argparse.Namespace) -> int:
     from tiered.controller import verbs
 
+    if args.kubernetes:
+        cluster = _cluster(args)
+        if args.verb == "status":
+            row = cluster.rows(args.name)[0]
+            print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
+            return 0
+        decision = cluster.rollout_verb(args.name, args.verb, full=args.full)
+        print(f"{args.name}: {decision.action}: {decision.reason}")
+        return 0
     with _store(args) as store:
         if args.verb == "status":
             return _rollout_status(store, args.name, args.watch)
@@ -270,8 +333,9 @@ def _rollout_status(store, name: str, watch: bool) -> int:
     last = history[-1][0] if history else 0
     while watch:
         time.sleep(1.0)
-        for last, t, snap in store.history(name, after_id=last):
+        for entry_id, t, snap in store.history(name, after_id=last):
             print(progress_line(t, snap), flush=True)
+            last = entry_id
     return 0
 
 
@@ -280,6 +344,17 @@ def _crds(args: argparse.Namespace) -> int:
 
     print(f"wrote {write_crds(args.out)}")
     return 0
+
+
+def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kubernetes", "-k", action="store_true",
+                        help="act on a cluster (the kubeconfig's current context, or "
+                        "in-cluster) instead of the local system")
+    parser.add_argument("--namespace", "-n", default="default",
+                        help="Kubernetes namespace (default: default)")
+    parser.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                        help="Kubernetes: kubeconfig file (default: ~/.kube/config)")
+    parser.add_argument("--context", help="Kubernetes: kubeconfig context")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -403,7 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
         "nothing. The report goes to stdout as JSON either way. Defaults come from the tier "
         "profile's build: mapping.",
     )
-    build.add_argument("artifact", type=Path, metavar="ARTIFACT.onnx", help="the FP32 ONNX model")
+    build.add_argument("artifact", metavar="ARTIFACT.onnx",
+                       help="the FP32 ONNX model: a path, or an http(s) URI to fetch")
+    build.add_argument("--sha256", metavar="HEX",
+                       help="refuse to build unless the artifact has this SHA-256")
     build.add_argument("--tier", required=True, choices=TIERS, help="the tier to build for")
     build.add_argument("--repository", required=True, type=Path, metavar="DIR",
                        help="model repository to write the version into")
@@ -497,7 +575,34 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
                             help=STATE_HELP)
     controller.add_argument("--interval", type=float, default=2.0, metavar="S",
-                            help="seconds between reconcile passes (default 2)")
+                            help="local: seconds between reconcile passes (default 2)")
+    _cluster_flags(controller)
+    controller.add_argument("--routing-configmap", default="tiered-routing", metavar="NAME",
+                            help="Kubernetes: the router's ConfigMap (default tiered-routing)")
+    controller.add_argument("--router-metrics", metavar="URL",
+                            help="Kubernetes: the router's /metrics, for shadow agreement")
+    controller.add_argument("--agent-image", default="tiered-agent:latest",
+                            help="Kubernetes: agent image for CPU tiers")
+    controller.add_argument("--agent-gpu-image", default="tiered-agent-cuda:latest",
+                            help="Kubernetes: agent image for GPU tiers")
+    controller.add_argument("--leader-elect", action="store_true",
+                            help="Kubernetes: reconcile only while holding the Lease")
+    controller.add_argument("--lease-name", default="tiered-controller",
+                            help="Kubernetes: the Lease (default tiered-controller)")
+    controller.add_argument("--lease-duration", type=int, default=15, metavar="S",
+                            help="Kubernetes: seconds a Lease holds without renewal "
+                            "(default 15)")
+    controller.add_argument("--retire-grace", type=float, default=120.0, metavar="S",
+                            help="Kubernetes: seconds a version's agents outlive the last "
+                            "routing table that named them (default 120; routers read a "
+                            "mounted ConfigMap within about a minute)")
+    controller.add_argument("--identity", help="Kubernetes: this candidate's name in the "
+                            "Lease (default: the host name, the pod's name in a cluster)")
+    controller.add_argument("--metrics-port", type=int, metavar="PORT",
+                            help="Kubernetes: serve Prometheus /metrics (and a probe) here")
+    controller.add_argument("--agent-addresses", type=Path, metavar="FILE",
+                            help="Kubernetes: JSON {service: host:port} for agents reached "
+                            "under other names (port-forwarding, tests)")
     controller.set_defaults(handler=_controller)
 
     apply_cmd = commands.add_parser(
@@ -505,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Validate every TieredModel in FILE (--- separated), pin each "
         "artifact's path and sha256, and store them; a changed artifact starts a rollout.")
     apply_cmd.add_argument("-f", "--file", required=True, type=Path, metavar="FILE")
+    _cluster_flags(apply_cmd)
     apply_cmd.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
                            help=STATE_HELP)
     apply_cmd.set_defaults(handler=_verb("apply", _apply))
@@ -513,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("name", nargs="?", help="one model (default: all)")
     get.add_argument("-o", "--output", choices=("table", "yaml", "json"), default="table",
                      help="table (default), or the whole record as yaml or json")
+    _cluster_flags(get)
     get.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
                      help=STATE_HELP)
     get.set_defaults(handler=_verb("get", _get))
@@ -527,6 +634,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("name", help="the TieredModel")
     rollout.add_argument("--full", action="store_true", help="promote: all the way")
     rollout.add_argument("--watch", "-w", action="store_true", help="status: keep following")
+    _cluster_flags(rollout)
     rollout.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
                          help=STATE_HELP)
     rollout.set_defaults(handler=_verb("rollout", _rollout))

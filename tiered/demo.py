@@ -34,8 +34,13 @@ from tiered.controller.local import StateLayout, decode_status
 from tiered.controller.progress import progress_line
 from tiered.controller.report import write_report
 from tiered.controller.store import StateStore
-from tiered.controller.up import ControllerSettings, LocalSystem, LocalUp, RouterPorts
-from tiered.controller.up import prepare_sample_models
+from tiered.controller.up import (
+    ControllerSettings,
+    LocalSystem,
+    LocalUp,
+    RouterPorts,
+    prepare_sample_models,
+)
 from tiered.controller.verbs import apply_file
 from tiered.rollout.engine import PROMOTED, ROLLED_BACK
 from tiered.rollout.spec import RolloutStatus
@@ -131,8 +136,9 @@ def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None
     while time.monotonic() < deadline:
         up.restart_dead()
         up.echo_controller()
-        for last_id, t, snap in store.history(MODEL, after_id=last_id):
+        for entry_id, t, snap in store.history(MODEL, after_id=last_id):
             say(progress_line(t, snap))
+            last_id = entry_id
         if done(_status(store)):
             return last_id
         time.sleep(0.5)

@@ -14,12 +14,14 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -29,6 +31,8 @@ from tritonclient.utils import InferenceServerException
 
 from tiered.agent.process import AgentProcess, ServerProcess
 from tiered.agent.repository import model_file, write_config
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 
 pytest.importorskip("torch")
 TIERS = ("edge", "regional", "datacenter")
@@ -283,8 +287,14 @@ def test_shadowing_counts_agreement_without_touching_answers(router, client, age
     edge = {"edge": {"agents": [agents["edge"].address], "stable": 1, "canary": 2,
                      "shadow_fraction": 1.0}}
     use_table(router, table_path, table(agents, 0, tiers=edge))
+    # What a controller reads to judge the canary: labelled with the version compared
+    # (the exposition lists labels alphabetically).
+    def shadow(result: str) -> float:
+        return metric(router, f'tiered_router_shadow_total{{model="digits",result="{result}",'
+                              f'tier="edge",version="2"}}')
+
+    before = {r: shadow(r) for r in ("agree", "disagree")}
     shadowed = metric(router, "tiered_router_shadow_total")
-    agreed = metric(router, 'tiered_router_shadow_total{model="digits",result="agree"')
     for i in range(20):
         result = client.infer("digits", inputs_of(images(seed=i)))
         assert result.get_response().model_version == "1"
@@ -292,9 +302,10 @@ def test_shadowing_counts_agreement_without_touching_answers(router, client, age
     while metric(router, "tiered_router_shadow_total") - shadowed < 20:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+    counted = {r: shadow(r) - before[r] for r in before}
+    assert sum(counted.values()) == 20, counted  # every comparison is agree or disagree
     # v1 and v2 both read digits well: they agree on most real images.
-    agreement = metric(router, 'tiered_router_shadow_total{model="digits",result="agree"') - agreed
-    assert agreement >= 15
+    assert counted["agree"] >= 15, counted
 
 
 def test_saturated_agents_answer_resource_exhausted_at_once(router, agents, table_path):
@@ -371,3 +382,76 @@ def test_an_agent_killed_mid_traffic_costs_no_client_error(router, agents, table
         assert answered > 50
     finally:
         spare.kill()
+
+
+def stats_by_version(client, *args) -> dict[str, dict]:
+    stats = client.get_inference_statistics("digits", *args, as_json=True)["model_stats"]
+    return {s["version"]: s for s in stats}
+
+
+def figure(row: dict | None, *path: str) -> int:
+    """One number of a statistics row as JSON (int64s are strings; zeros are left out)."""
+    value = row or {}
+    for key in path:
+        value = value.get(key, {})
+    return int(value or 0)
+
+
+def test_statistics_count_the_routers_answers_and_failures(router, client, agents, table_path):
+    edge = {"edge": {"agents": [agents["edge"].address], "stable": 1, "canary": 2,
+                     "canary_weight": 0.5}}
+    use_table(router, table_path, table(agents, 0, tiers=edge))
+    before = stats_by_version(client)
+    answered = [client.infer("digits", inputs_of(images(3)), headers={"tiered-key": f"k{i}"})
+                .get_response().model_version for i in range(20)]
+    with pytest.raises(InferenceServerException) as caught:
+        client.infer("digits", inputs_of(images()), headers={"tiered-slo-ms": "soon"})
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    after = stats_by_version(client)
+    assert set(answered) == {"1", "2"}
+    # perf_analyzer reads versions as integers: failures sit under "0", not "".
+    assert all(version.isdigit() for version in after)
+    for version in ("1", "2"):
+        count = answered.count(version)
+        for path in (("inference_stats", "success", "count"), ("inference_count",),
+                     ("execution_count",)):
+            assert figure(after[version], *path) - figure(before.get(version), *path) == count
+        assert figure(after[version], "inference_stats", "success", "ns") > \
+            figure(before.get(version), "inference_stats", "success", "ns")
+        assert figure(after[version], "inference_stats", "fail", "count") == 0
+        assert abs(figure(after[version], "last_inference") - time.time() * 1000) < 60_000
+    failed = figure(after["0"], "inference_stats", "fail", "count") - \
+        figure(before.get("0"), "inference_stats", "fail", "count")
+    assert failed == 1
+    assert figure(after["0"], "inference_stats", "fail", "ns") > 0
+    assert set(stats_by_version(client, "2")) == {"2"}
+    with pytest.raises(InferenceServerException) as caught:
+        client.get_inference_statistics("nothing")
+    assert caught.value.status() == "StatusCode.NOT_FOUND" and "name" in caught.value.message()
+
+
+def test_repository_index_lists_the_table_with_each_models_state(router, client, agents,
+                                                                 table_path):
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    document = table(agents, 0)
+    document["models"]["ghost"] = {"tiers": {"edge": {"agents": [dead]}}}
+    document["models"]["absent"] = {"tiers": {"edge": {"agents": [agents["edge"].address]}}}
+    use_table(router, table_path, document)
+    index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
+    assert {name: m.get("state") for name, m in index.items()} == {
+        "digits": "READY", "ghost": "UNAVAILABLE", "absent": "UNAVAILABLE"}
+    assert "ModelReady" in index["ghost"]["reason"]
+    with grpc.insecure_channel(router.address) as channel:
+        ready = pb_grpc.GRPCInferenceServiceStub(channel).RepositoryIndex(
+            pb.RepositoryIndexRequest(ready=True), timeout=10)
+    assert [m.name for m in ready.models] == ["digits"]
+
+
+def test_loading_and_unloading_are_the_controllers_job(client):
+    for call in (client.load_model, client.unload_model):
+        with pytest.raises(InferenceServerException) as caught:
+            call("digits")
+        assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+        assert "controller" in caught.value.message()

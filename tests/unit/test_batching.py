@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiered.agent.batching import (
-    Batcher,
     BatchDecision,
+    Batcher,
     BatchPolicy,
     Pending,
     form_batch,

@@ -12,8 +12,10 @@ from tiered.controller.desired import (
     follow_spec,
     live,
     routing_table,
+    same_agents,
     served_versions,
     version_of,
+    wanted_versions,
 )
 from tiered.rollout import engine
 from tiered.rollout.spec import Artifact, RolloutStatus, load_tiered_model
@@ -186,7 +188,7 @@ def test_live_and_served_versions(current, is_live, served):
 
 
 def table(models, agents=ALL_AGENTS, version=7):
-    document = routing_table(version, models, agents)
+    document = routing_table(version, models, same_agents(agents))
     parsed = parse_table(document)  # must always load
     assert parsed.version == version
     return document, parsed
@@ -301,3 +303,16 @@ def test_table_cascade_with_none_of_its_tiers_up_routes_by_slo_energy():
     assert list(document["models"]["digits"]["tiers"]) == ["edge"]
     assert "cascade" not in document["models"]["digits"]
     assert parsed.models["digits"].policy == "slo-energy"
+
+
+@pytest.mark.parametrize(("current", "target", "wanted"), [
+    (None, 1, (1,)),                                                    # first version
+    (RolloutStatus(stable_version=1, phase=engine.PROMOTED), 1, (1,)),  # serving it
+    (RolloutStatus(stable_version=1, phase=engine.PROMOTED), 2, (1, 2)),  # to roll out
+    (RolloutStatus(stable_version=1, canary_version=2, phase=engine.PROGRESSING), 2, (1, 2)),
+    (RolloutStatus(stable_version=1, canary_version=2, phase=engine.ROLLED_BACK), 2, (1,)),
+    (RolloutStatus(stable_version=1, canary_version=2, phase=engine.ABORTED), 2, (1,)),
+    (RolloutStatus(stable_version=1, canary_version=2, phase=engine.PROGRESSING), 3, (1, 2, 3)),
+])
+def test_wanted_versions(current, target, wanted):
+    assert wanted_versions(current, target) == wanted

@@ -191,3 +191,13 @@ def test_summary_agreement_none_when_only_errors_compared():
     acc = accumulator()
     acc.set_shadow({("edge", "error"): 12.0})
     assert acc.summary(STABLE, ["edge"])["agreement"] is None
+
+
+def test_energy_pools_the_polls_of_one_window():
+    acc = StageAccumulator(CANARY, 0, np.random.default_rng(0), {})
+    # two polls in window 7 (10 inferences at 0.2 J, 30 at 0.6 J), one in window 8
+    acc.add([reading("edge", CANARY, 10, 0, (), 0.2)], window=7)
+    acc.add([reading("edge", CANARY, 30, 0, (), 0.6)], window=7)
+    acc.add([reading("edge", CANARY, 5, 0, (), 1.0)], window=8)
+    windows = acc.measurements(STABLE, ["edge"]).canary.joules_per_inference
+    assert windows == pytest.approx((0.5, 1.0))  # (10*0.2 + 30*0.6) / 40, then 1.0

@@ -191,3 +191,17 @@ def test_shadow_only_for_stable_requests_with_a_canary():
 
 def test_top1_per_row():
     assert p.top1({"logits": np.array([[0, 3, 1], [5, 0, 0]])}) == (1, 0)
+
+
+def test_candidates_of_a_canary_with_its_own_agents():
+    from tiered.router.table import parse_table
+
+    route = parse_table({"version": 1, "models": {"m": {"tiers": {
+        "edge": {"agents": ["s:1", "s:2"], "stable": 1, "canary": 2, "canary_weight": 0.5,
+                 "canary_agents": ["c:1"]},
+        "regional": {"agents": ["r:1"], "stable": 1}}}}}).models["m"]
+    canary = p.candidates_of(route, {"edge": 2, "regional": 1})
+    assert [(c.tier, c.agent, c.version) for c in canary] == [
+        ("edge", "c:1", 2), ("regional", "r:1", 1)]
+    stable = p.candidates_of(route, {"edge": 1, "regional": 1})
+    assert [c.agent for c in stable] == ["s:1", "s:2", "r:1"]

@@ -87,3 +87,22 @@ def test_an_unreadable_file_names_the_file(tmp_path):
     path.write_text("version: [1\n")
     with pytest.raises(ConfigError, match="table.yaml: invalid YAML"):
         load_table(path)
+
+
+def test_canary_agents_serve_the_canary_version_only():
+    route = parse_table(tier(stable=1, canary=2, canary_weight=0.5,
+                             canary_agents=["10.0.0.9:8001"])).models["m"].tiers["edge"]
+    assert route.agents_for(2) == ("10.0.0.9:8001",)
+    assert route.agents_for(1) == ("127.0.0.1:1",)
+    assert parse_table(tier(stable=1, canary=2, canary_agents=["10.0.0.9:8001"])).agents() == {
+        "127.0.0.1:1", "10.0.0.9:8001"}
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"canary_agents": ["10.0.0.9:8001"]}, "canary_agents: listed but no canary version"),
+    ({"canary": 2, "canary_agents": ["nope"]}, "canary_agents[0]: expected HOST:PORT"),
+    ({"canary": 2, "canary_agents": ["a:1", "a:1"]}, "canary_agents: an address is listed"),
+])
+def test_bad_canary_agents_are_refused(fields, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_table(tier(**fields))

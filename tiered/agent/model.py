@@ -14,7 +14,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-
 from opentelemetry import trace
 
 from tiered.agent.batching import Batcher, BatchPolicy, BatchResult

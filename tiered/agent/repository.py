@@ -26,13 +26,13 @@ from tiered.agent.config import (
     parse_model_config,
 )
 from tiered.agent.model import ModelVersion
-from tiered.telemetry.recorder import VersionRecorder
 from tiered.engines import Engine, open_engine
-from tiered.engines.base import warm_up
 from tiered.engines import build as build_report
+from tiered.engines.base import warm_up
 from tiered.errors import ConfigError, NotFound, TieredError, Unavailable
 from tiered.profiles import TierProfile
 from tiered.settings import read_yaml
+from tiered.telemetry.recorder import VersionRecorder
 
 log = logging.getLogger(__name__)
 

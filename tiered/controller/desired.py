@@ -8,7 +8,7 @@ processes, Kubernetes) turn their results into builds, loads and files.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,10 +83,30 @@ def served_versions(status: RolloutStatus | None) -> tuple[int, ...]:
     return (status.stable_version,)
 
 
+AgentsOf = Callable[[TieredModel, str, int], Sequence[str]]  # (spec, tier, version) -> addresses
+
+
+def same_agents(agents: Mapping[str, Sequence[str]]) -> AgentsOf:
+    """Every version of a tier on the same agents (the local backend)."""
+    return lambda spec, tier, version: tuple(agents.get(tier, ()))
+
+
+def wanted_versions(status: RolloutStatus | None, target: int) -> tuple[int, ...]:
+    """Versions whose agents must exist: those served, plus the spec's version
+    while it is still to be rolled out (not once its rollout has ended)."""
+    served = served_versions(status)
+    ended = status is not None and target == status.canary_version and not live(status)
+    if target in served or ended:
+        return served
+    return tuple(sorted({*served, target}))
+
+
 def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatus]],
-                  agents: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+                  agents_of: AgentsOf) -> dict[str, Any]:
     """The routing table document (see tiered.router.table) for these models,
-    with each tier's canary weight from the rollout's current stage."""
+    with each tier's canary weight from the rollout's current stage. Where the
+    canary runs on other agents than stable (Kubernetes: a Deployment per
+    version), the tier lists them as `canary_agents`."""
     table: dict[str, Any] = {}
     for spec, status in models:
         weights = engine.canary_weights(spec, status)
@@ -94,14 +114,17 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
                   if live(status) and spec.rollout.analysis.agreement is not None else 0.0)
         tiers: dict[str, Any] = {}
         for tier in TIERS:
-            if tier not in spec.tiers or not agents.get(tier):
+            stable_agents = list(agents_of(spec, tier, status.stable_version))
+            if tier not in spec.tiers or not stable_agents:
                 continue
-            route: dict[str, Any] = {"agents": list(agents[tier]),
-                                     "stable": status.stable_version}
+            route: dict[str, Any] = {"agents": stable_agents, "stable": status.stable_version}
             if live(status):
                 route.update(canary=status.canary_version,
                              canary_weight=round(weights[tier] / 100.0, 6),
                              shadow_fraction=shadow)
+                canary_agents = list(agents_of(spec, tier, status.canary_version))
+                if canary_agents != stable_agents:
+                    route["canary_agents"] = canary_agents
             tiers[tier] = route
         if not tiers:
             continue

@@ -30,33 +30,28 @@ import logging
 import os
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 import yaml
 
 from tiered.agent.config import VersionPolicy
 from tiered.controller import desired
-from tiered.controller.measure import StageAccumulator, VersionReading
+from tiered.controller.judge import RolloutJudge, snapshot
 from tiered.controller.store import Record, StateStore
 from tiered.errors import Conflict, TieredError
 from tiered.profiles import TIERS, load_profile
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
-from tiered.protocol import telemetry_pb2 as tpb
-from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.rollout import engine
 from tiered.rollout.spec import RolloutStatus, TieredModel, load_tiered_model, to_plain
 from tiered.settings import load_dataclass
 
 log = logging.getLogger(__name__)
 
-RPC_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 120.0
 TABLE_GRACE_S = 3.0  # the router re-reads its table every second; leave it three
 
@@ -131,26 +126,6 @@ def decode_artifacts(record: Record) -> tuple[desired.ArtifactVersion, ...]:
                  for a in record.artifacts)
 
 
-def snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason: str,
-             numbers: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """One line of rollout history: where it stands and the numbers it used."""
-    index = min(status.stage_index, len(spec.rollout.stages) - 1)
-    run = status.last_analysis
-    return {
-        "model": spec.name, "stable_version": status.stable_version,
-        "canary_version": status.canary_version, "phase": status.phase,
-        "stage_index": index, "stage_name": spec.rollout.stages[index].name,
-        "stages": len(spec.rollout.stages),
-        "weights": dict(engine.canary_weights(spec, status)),
-        "action": action, "reason": reason,
-        "verdict": run.verdict if run is not None else None,
-        **{key: None for key in ("stable_requests", "canary_requests", "p95_stable_ms",
-                                 "p95_canary_ms", "jpi_stable", "jpi_canary", "agreement")},
-        "agreement_compared": 0,
-        **(numbers or {}),
-    }
-
-
 class LocalController:
     """Reconciles every model in the store against the running local system."""
 
@@ -161,11 +136,9 @@ class LocalController:
         self.store = StateStore(self.layout.store)
         self.interval_s = interval_s
         self.clock = clock
-        self.rng = np.random.default_rng(seed)
         self.progress = progress or (lambda line: log.info("%s", line))
         self._channels: dict[str, grpc.Channel] = {}
-        self._cursors: dict[tuple[str, str], float] = {}
-        self._stages: dict[str, StageAccumulator] = {}
+        self.judge = RolloutJudge(self._channel, seed)
         self._rejected: dict[tuple[str, int, str], str] = {}  # (model, version, tier) -> why
         self._served: dict[tuple[str, str], tuple[int, ...]] = {}  # (tier, model) -> versions
         self._table: dict[str, Any] | None = None
@@ -217,7 +190,7 @@ class LocalController:
         spec = load_tiered_model(record.spec, record.name)
         status = decode_status(record)
         target, artifacts = desired.version_of(spec.artifact, decode_artifacts(record))
-        wanted = sorted({target, *desired.served_versions(status)})
+        wanted = desired.wanted_versions(status, target)
         missing = self._build(spec, artifacts, wanted)
         if missing:
             self._write(record, status, artifacts, missing)
@@ -230,82 +203,17 @@ class LocalController:
                                                   transition.reason), now)
             self.progress(f"{spec.name}: {transition.reason}")
         if desired.live(status):
-            status = self._judge(spec, status, system, now)
-        else:  # the next rollout's samples start when it does
-            self._cursors = {k: v for k, v in self._cursors.items() if k[1] != spec.name}
+            decision, numbers = self.judge.judge(spec, status, system.agents,
+                                                 system.router_metrics, now)
+            status = decision.status
+            self.store.record(spec.name, snapshot(spec, status, decision.action,
+                                                  decision.reason, numbers), now)
+            if decision.action != engine.HOLD:
+                self.progress(f"{spec.name}: {decision.action}: {decision.reason}")
+        else:
+            self.judge.forget(spec.name)
         self._write(record, status, artifacts, status.message)
         return spec, status
-
-    # -- judging ----------------------------------------------------------------
-
-    def _judge(self, spec: TieredModel, status: RolloutStatus, system: RunningSystem,
-               now: float) -> RolloutStatus:
-        stage = self._stage(spec, status, system)
-        stage.add(self._readings(spec.name, system))
-        stage.set_shadow(self._shadow_counts(spec.name, status.canary_version, system))
-        tiers = [t for t, w in engine.canary_weights(spec, status).items() if w > 0]
-        measurements = stage.measurements(status.stable_version, tiers)
-        decision = engine.decide(spec, status, measurements, now)
-        numbers = stage.summary(status.stable_version, tiers)
-        self.store.record(spec.name, snapshot(spec, decision.status, decision.action,
-                                              decision.reason, numbers), now)
-        if decision.action != engine.HOLD:
-            self.progress(f"{spec.name}: {decision.action}: {decision.reason}")
-        return decision.status
-
-    def _stage(self, spec: TieredModel, status: RolloutStatus,
-               system: RunningSystem) -> StageAccumulator:
-        stage = self._stages.get(spec.name)
-        if stage is None or not stage.matches(status.canary_version, status.stage_index):
-            baseline = self._shadow_counts(spec.name, status.canary_version, system)
-            stage = StageAccumulator(status.canary_version, status.stage_index, self.rng,
-                                     baseline)
-            self._stages[spec.name] = stage
-        return stage
-
-    def _readings(self, model: str, system: RunningSystem) -> list[VersionReading]:
-        readings = []
-        for tier, agents in system.agents.items():
-            for agent in agents:
-                stub = tpb_grpc.TelemetryStub(self._channel(agent))
-                key = (agent, model)
-                first = key not in self._cursors
-                reply = stub.Stats(tpb.StatsRequest(model_name=model,
-                                                    cursor=self._cursors.get(key, 0.0)),
-                                   timeout=RPC_TIMEOUT_S)
-                self._cursors[key] = reply.end
-                if first:
-                    continue  # whatever came before this controller started is not this stage's
-                readings.extend(
-                    VersionReading(tier, int(v.model_version), v.success, v.failure,
-                                   tuple(v.latency_samples_s),
-                                   v.joules_per_inference if v.has_energy else None)
-                    for v in reply.versions if v.model_version.isdigit())
-        return readings
-
-    def _shadow_counts(self, model: str, version: int | None, system: RunningSystem
-                       ) -> dict[tuple[str, str], float]:
-        if version is None or not system.router_metrics:
-            return {}
-        from prometheus_client.parser import text_string_to_metric_families
-
-        try:
-            with urllib.request.urlopen(system.router_metrics, timeout=RPC_TIMEOUT_S) as reply:
-                text = reply.read().decode()
-        except OSError as error:
-            log.warning("router metrics unreadable: %s", error)
-            return {}
-        counts: dict[tuple[str, str], float] = {}
-        for family in text_string_to_metric_families(text):
-            if family.name != "tiered_router_shadow":
-                continue
-            for sample in family.samples:
-                labels = sample.labels
-                if (sample.name.endswith("_total") and labels.get("model") == model
-                        and labels.get("version") == str(version)):
-                    key = (labels["tier"], labels["result"])
-                    counts[key] = counts.get(key, 0.0) + sample.value
-        return counts
 
     # -- acting -----------------------------------------------------------------
 
@@ -405,7 +313,8 @@ class LocalController:
         if self._table is None and self.layout.routing_table.is_file():
             self._table = yaml.safe_load(self.layout.routing_table.read_text()) or {}
         previous = self._table or {"version": 0, "models": {}}
-        table = desired.routing_table(previous.get("version", 0), models, system.agents)
+        table = desired.routing_table(previous.get("version", 0), models,
+                                      desired.same_agents(system.agents))
         if table["models"] == previous.get("models"):
             return
         table["version"] = previous.get("version", 0) + 1

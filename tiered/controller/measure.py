@@ -31,7 +31,12 @@ class _Series:
     errors: int = 0
     latencies_ms: list[float] = field(default_factory=list)
     seen: int = 0  # latency samples offered, for reservoir sampling
-    joules_per_inference: list[float] = field(default_factory=list)
+    # window -> [joules, inferences]: J/inference is judged per window, pooled
+    # over that window's polls (a single second holds too few inferences)
+    energy: dict[int, list[float]] = field(default_factory=dict)
+
+    def joules_per_inference(self) -> list[float]:
+        return [joules / count for joules, count in self.energy.values() if count > 0]
 
 
 @dataclass(frozen=True)
@@ -62,9 +67,11 @@ class StageAccumulator:
     def matches(self, canary_version: int, stage: int) -> bool:
         return (self.canary_version, self.stage) == (canary_version, stage)
 
-    def add(self, readings: Iterable[VersionReading]) -> None:
-        """One poll's readings; each poll is one analysis window."""
+    def add(self, readings: Iterable[VersionReading], window: int | None = None) -> None:
+        """One poll's readings; their energy counts toward `window` (default: a
+        window of their own)."""
         self.window += 1
+        window = self.window if window is None else window
         for reading in readings:
             series = self._series.setdefault((reading.tier, reading.version), _Series())
             series.requests += reading.success + reading.failure
@@ -72,8 +79,11 @@ class StageAccumulator:
             for seconds in reading.latency_samples_s:
                 self._offer(series, seconds * 1000.0)
             if reading.joules_per_inference is not None and reading.success > 0:
-                series.joules_per_inference.append(reading.joules_per_inference)
-                del series.joules_per_inference[:-WINDOWS]
+                pooled = series.energy.setdefault(window, [0.0, 0])
+                pooled[0] += reading.joules_per_inference * reading.success
+                pooled[1] += reading.success
+                for old in list(series.energy)[:-WINDOWS]:
+                    del series.energy[old]
 
     def _offer(self, series: _Series, value: float) -> None:
         series.seen += 1
@@ -88,15 +98,17 @@ class StageAccumulator:
         """The router's cumulative (tier, result) counts for this canary version."""
         self._shadow = dict(counts)
 
-    def measurements(self, stable_version: int, tiers: Iterable[str]) -> Measurements:
-        """Stable and canary pooled over `tiers`; agreement over every tier."""
+    def measurements(self, stable_version: int, tiers: Iterable[str],
+                     window: int | None = None) -> Measurements:
+        """Stable and canary pooled over `tiers`; agreement over every tier. `window`
+        numbers the analysis (default: the count of polls)."""
         tiers = tuple(tiers)
         shadow = {key: self._shadow.get(key, 0.0) - self._shadow_baseline.get(key, 0.0)
                   for key in self._shadow}
         agreed = int(sum(v for (_, result), v in shadow.items() if result == "agree"))
         disagreed = int(sum(v for (_, result), v in shadow.items() if result == "disagree"))
         return Measurements(
-            window=self.window, stage=self.stage,
+            window=self.window if window is None else window, stage=self.stage,
             stable=self._pooled(stable_version, tiers),
             canary=self._pooled(self.canary_version, tiers),
             shadow_compared=agreed + disagreed, shadow_agreed=agreed)
@@ -108,7 +120,7 @@ class StageAccumulator:
             latencies_ms=tuple(v for p in parts for v in p.latencies_ms),
             requests=sum(p.requests for p in parts),
             errors=sum(p.errors for p in parts),
-            joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference))
+            joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference()))
 
     def summary(self, stable_version: int, tiers: Iterable[str]) -> dict[str, float | None]:
         """The headline numbers for progress lines and history snapshots."""

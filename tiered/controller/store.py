@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiered.errors import Conflict, ConfigError, NotFound
+from tiered.errors import ConfigError, Conflict, NotFound
 
 HISTORY_LIMIT = 20_000  # snapshots kept per model; older ones are dropped
 BUSY_TIMEOUT_S = 10.0
@@ -77,7 +77,7 @@ class StateStore:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> StateStore:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -195,9 +195,10 @@ class LocalUp:
             self.progress(line)
 
     def restart_dead(self) -> None:
-        if self.controller is not None and self.controller.poll() is not None:
-            if self._due("controller", self.controller.returncode):
-                self._start_controller()
+        controller = self.controller
+        if (controller is not None and controller.poll() is not None
+                and self._due("controller", controller.returncode)):
+            self._start_controller()
         for name, process in [*self.agents.items(), ("router", self.router)]:
             if process is None or process.alive():
                 continue

@@ -17,11 +17,12 @@ from urllib.parse import urlparse
 
 import yaml
 
-from tiered.controller.local import decode_status, snapshot
+from tiered.controller.judge import snapshot
+from tiered.controller.local import decode_status
 from tiered.controller.store import Record, StateStore
 from tiered.errors import ConfigError, Conflict
 from tiered.rollout import engine
-from tiered.rollout.spec import TieredModel, load_tiered_model, to_plain
+from tiered.rollout.spec import RolloutStatus, TieredModel, load_tiered_model, to_plain
 
 CONFLICT_RETRIES = 5
 VERBS: dict[str, Callable[..., engine.Decision]] = {
@@ -107,20 +108,25 @@ def spec_of(record: Record) -> TieredModel:
 
 def summary_row(record: Record) -> dict[str, str]:
     """One line of `tiered get`: name, phase, stage, versions, canary weights."""
-    spec, status = spec_of(record), decode_status(record)
+    return row_of(record.name, spec_of(record), decode_status(record), record.message)
+
+
+def row_of(name: str, spec: TieredModel, status: RolloutStatus | None,
+           message: str) -> dict[str, str]:
+    """The `tiered get` line of one model, whichever backend keeps it."""
     if status is None:
-        return {"NAME": record.name, "PHASE": "Pending", "STAGE": "-", "STABLE": "-",
-                "CANARY": "-", "WEIGHTS": "-", "MESSAGE": record.message}
+        return {"NAME": name, "PHASE": "Pending", "STAGE": "-", "STABLE": "-",
+                "CANARY": "-", "WEIGHTS": "-", "MESSAGE": message}
     weights = engine.canary_weights(spec, status)
     index = min(status.stage_index, len(spec.rollout.stages) - 1)
     stage = (f"{index + 1}/{len(spec.rollout.stages)} {spec.rollout.stages[index].name}"
              if status.canary_version is not None and status.phase != engine.PROMOTED else "-")
     return {
-        "NAME": record.name, "PHASE": status.phase, "STAGE": stage,
+        "NAME": name, "PHASE": status.phase, "STAGE": stage,
         "STABLE": f"v{status.stable_version}",
         "CANARY": f"v{status.canary_version}" if status.canary_version else "-",
         "WEIGHTS": " ".join(f"{t}={w:g}%" for t, w in weights.items() if w) or "-",
-        "MESSAGE": record.message or status.message,
+        "MESSAGE": message or status.message,
     }
 
 

@@ -40,8 +40,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from tiered.engines import BACKENDS, Engine, TensorSpec, open_engine
-from tiered.engines import quantize
+from tiered.engines import BACKENDS, Engine, TensorSpec, open_engine, quantize
 from tiered.errors import ConfigError, EngineError, TieredError
 from tiered.profiles import TierProfile
 from tiered.settings import load_dataclass, read_yaml
@@ -128,6 +127,45 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
         while block := stream.read(chunk_bytes):
             digest.update(block)
     return digest.hexdigest()
+
+
+MAX_ARTIFACT_BYTES = 4 << 30  # an artifact fetched over HTTP may be at most this large
+
+
+def fetch_artifact(uri: str, sha256: str | None, work: Path) -> Path:
+    """The artifact as a local file: a path as it is, an http(s) URI downloaded
+    into `work`; checked against `sha256` when one is given, so that nothing
+    but the pinned bytes is ever built."""
+    import urllib.parse
+    import urllib.request
+
+    scheme = urllib.parse.urlparse(uri).scheme
+    if scheme in ("http", "https"):
+        path = work / "artifact.onnx"
+        try:
+            with urllib.request.urlopen(uri, timeout=60) as reply, path.open("wb") as out:
+                copied = 0
+                while block := reply.read(1 << 20):
+                    copied += len(block)
+                    if copied > MAX_ARTIFACT_BYTES:
+                        raise ConfigError(f"artifact: {uri} is larger than "
+                                          f"{MAX_ARTIFACT_BYTES >> 30} GiB")
+                    out.write(block)
+        except OSError as error:
+            raise ConfigError(f"artifact: cannot fetch {uri}: {error}") from error
+    elif scheme in ("", "file"):
+        path = Path(urllib.parse.urlparse(uri).path if scheme else uri)
+        if not path.is_file():
+            raise ConfigError(f"artifact: {path} is not a file")
+    else:
+        raise ConfigError(f"artifact: unsupported URI scheme {scheme!r} in {uri} "
+                          "(a path, file://, http:// or https://)")
+    if sha256 is not None:
+        digest = sha256_file(path)
+        if digest != sha256:
+            raise ConfigError(f"artifact: {uri} has sha256 {digest}, not the expected "
+                              f"{sha256}; refusing to build it")
+    return path
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from onnx import numpy_helper
 
 from tiered.errors import ConfigError
 
-__all__ = ["OnnxModule", "SUPPORTED_OPS", "convert", "onnx_dtype_to_torch"]
+__all__ = ["SUPPORTED_OPS", "OnnxModule", "convert", "onnx_dtype_to_torch"]
 
 # ONNX element types the converter can hold as tensors.
 _ONNX_TO_TORCH: dict[int, torch.dtype] = {

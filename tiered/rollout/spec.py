@@ -308,6 +308,9 @@ class AnalysisSpec(_Checked):
         50, doc="samples per version below which a metric is inconclusive", minimum=1)
     consecutive_failure_limit: int = spec_field(
         1, doc="failed analyses in a row before on_failure", minimum=1, maximum=100)
+    interval_s: float = spec_field(
+        10.0, doc="seconds between analyses: the stage is judged once per interval, so "
+        "failures in a row are failures of distinct looks at growing data", minimum=0.1)
 
     def __post_init__(self) -> None:
         super().__post_init__()

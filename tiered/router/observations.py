@@ -64,7 +64,7 @@ def telemetry_of(response: tpb.StatsResponse, at: float) -> tuple[dict[str, Agen
         # Merge the versions' histograms (same bucket layout on one agent).
         merged: dict[int, int] = {}
         for v in answered:
-            for bucket, count in zip(v.latency.bucket, v.latency.count):
+            for bucket, count in zip(v.latency.bucket, v.latency.count, strict=False):
                 merged[bucket] = merged.get(bucket, 0) + count
         latency.lowest_s, latency.growth = answered[0].latency.lowest_s, \
             answered[0].latency.growth

@@ -158,12 +158,16 @@ class TierEstimate:
 
 def estimate_tier(tier: str, agents: Sequence[Candidate],
                   observations: Observations) -> TierEstimate:
-    seen = [observations.get(c.agent, _UNKNOWN) for c in agents]
-    # An agent nobody has measured predicts 0: it is tried, and so measured.
-    predicted = min((o.predicted_p95_s() or 0.0) for o in seen)
-    energies = [o.joules_per_inference for o in seen if o.joules_per_inference is not None]
-    return TierEstimate(tier, predicted, min(energies) if energies else math.inf,
-                        min(o.load for o in seen))
+    # One pass: this runs for every request. An agent nobody has measured
+    # predicts 0: it is tried, and so measured.
+    predicted = energy = load = math.inf
+    for candidate in agents:
+        seen = observations.get(candidate.agent, _UNKNOWN)
+        predicted = min(predicted, seen.predicted_p95_s() or 0.0)
+        if seen.joules_per_inference is not None:
+            energy = min(energy, seen.joules_per_inference)
+        load = min(load, seen.load)
+    return TierEstimate(tier, predicted, energy, load)  # an int: every tier has an agent
 
 
 class SloEnergy:
@@ -265,8 +269,8 @@ def top1(outputs: Mapping[str, np.ndarray], output_name: str = "") -> tuple[int,
 
 def candidates_of(route: ModelRoute, versions: Mapping[str, int]) -> list[Candidate]:
     """Every agent of the model, each with its tier's chosen version."""
-    return [Candidate(tier, agent, versions[tier])
-            for tier in route.ordered_tiers() for agent in route.tiers[tier].agents]
+    return [Candidate(tier, agent, versions[tier]) for tier in route.ordered_tiers()
+            for agent in route.tiers[tier].agents_for(versions[tier])]
 
 
 def policy_for(route: ModelRoute, request: RouteRequest) -> Pinned | SloEnergy | Cascade:

@@ -34,6 +34,7 @@ from tiered.protocol.status import error_from_status, translate_errors
 from tiered.protocol.streaming import answer_stream
 from tiered.router import policies
 from tiered.router.observations import Observer, TelemetryPoller
+from tiered.router.statistics import RouterStatistics
 from tiered.router.table import ModelRoute, RoutingTable, load_table
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,16 @@ MAX_MESSAGE_BYTES = 256 << 20
 MAX_CONCURRENT_RPCS = 8192
 MAX_STREAM_IN_FLIGHT = 256
 MAX_SHADOW_IN_FLIGHT = 64  # shadow calls beyond this are skipped, never queued
+MAX_CACHED_CHILDREN = 4096  # labelled Prometheus children kept at hand
+READY_PROBE_S = 1.0  # RepositoryIndex: how long a model's agents get to answer ModelReady
 METADATA_TIMEOUT_S = 5.0
 TABLE_POLL_S = 1.0
 STATS_LOG_S = 30.0
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.DEADLINE_EXCEEDED})
 HINTS = ("tiered-tier", "tiered-slo-ms", "tiered-key")
+PLACEMENT = ("the router does not load or unload models: placement is the controller's job "
+             "(change the TieredModel, or call RepositoryModelLoad on an agent)")
 
 def upstream_error(agent: str, error: grpc.aio.AioRpcError) -> errors.TieredError:
     return error_from_status(error.code(), f"{error.details()} (agent {agent})")
@@ -69,9 +74,10 @@ def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, st
     for key, value in metadata or ():
         if key in HINTS:
             found[key] = value
-    for key in HINTS:
-        if key in parameters:
-            found[key] = codec.parameter_value(parameters[key])
+    if parameters:
+        for key in HINTS:
+            if key in parameters:
+                found[key] = codec.parameter_value(parameters[key])
     slo = found.get("tiered-slo-ms")
     if slo is not None:
         try:
@@ -99,6 +105,9 @@ class ChannelPool:
             channel = grpc.aio.insecure_channel(agent, options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # A name that resolves to many agents (a headless Service) is
+                # balanced call by call rather than pinned to its first address.
+                ("grpc.lb_policy_name", "round_robin"),
             ])
             self._channels[agent] = channel
         return channel
@@ -129,12 +138,24 @@ class RouterMetrics:
                                  ["model", "tier", "code"], registry=self.registry)
         self.escalations = Counter("tiered_router_escalations", "Cascade escalations",
                                    ["model", "from_tier"], registry=self.registry)
-        self.shadow = Counter("tiered_router_shadow", "Shadowed requests by top-1 agreement",
-                              ["model", "tier", "result"], registry=self.registry)
+        self.shadow = Counter("tiered_router_shadow",
+                              "Shadowed requests by top-1 agreement of the canary version "
+                              "with the answer", ["model", "tier", "version", "result"],
+                              registry=self.registry)
         self.rejected = Counter("tiered_router_saturated", "Requests refused: all saturated",
                                 ["model"], registry=self.registry)
         self.table_version = Gauge("tiered_router_table_version", "Routing table in use",
                                    registry=self.registry)
+        self._answered: dict[tuple[str, str, str], Counter] = {}
+
+    def answered(self, model: str, tier: str, version: str) -> None:
+        """Count one answer; the labelled child is looked up once (a hot path)."""
+        child = self._answered.get((model, tier, version))
+        if child is None:
+            child = self.requests.labels(model, tier, version, "ok")
+            if len(self._answered) < MAX_CACHED_CHILDREN:
+                self._answered[(model, tier, version)] = child
+        child.inc()
 
 
 class Router:
@@ -149,11 +170,16 @@ class Router:
         self.pool = ChannelPool()
         self.metrics = RouterMetrics()
         self.metrics.table_version.set(table.version)
+        self.statistics = RouterStatistics()
         self._shadows: set[asyncio.Task] = set()
+        # Candidates per (model, version of each tier): built once per table.
+        self._candidates: dict[tuple[str, tuple[int, ...]], list[policies.Candidate]] = {}
 
     async def use_table(self, table: RoutingTable) -> None:
         self.table = table  # one assignment: a request sees the old table or the new one
+        self._candidates = {}
         self.metrics.table_version.set(table.version)
+        self.statistics.keep_only(table.models)
         agents = table.agents()
         self.observer.forget(agents)
         await self.pool.keep_only(agents)
@@ -164,25 +190,49 @@ class Router:
             raise errors.NotFound(f"model_name: {model!r} is not in the routing table")
         return route
 
-    def deadline_of(self, parameters: Mapping, time_remaining: float | None) -> float:
+    def deadline_of(self, parameters: Mapping, time_remaining: float | None,
+                    now: float) -> float:
         budget = self.table.timeout_s
         if time_remaining is not None:
             budget = min(budget, time_remaining)
-        if "timeout" in parameters:
+        if parameters and "timeout" in parameters:
             timeout = codec.parameter_value(parameters["timeout"])
             if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
                 budget = min(budget, timeout / 1e6)
-        return self.clock() + budget
+        return now + budget
 
     async def infer(self, request: pb.ModelInferRequest,
-                    metadata: Sequence[tuple[str, str]] | None, deadline: float
+                    metadata: Sequence[tuple[str, str]] | None, time_remaining: float | None
                     ) -> pb.ModelInferResponse:
+        """Route, forward, count; a model outside the table is NOT_FOUND and
+        counted nowhere, any other failure counts in the model's statistics."""
+        started = self.clock()
         model = request.model_name
         route = self.route_of(model)
+        try:
+            deadline = self.deadline_of(request.parameters, time_remaining, started)
+            response, chosen, choice = await self._route(request, route, metadata, deadline)
+        except Exception:
+            now = self.clock()
+            self.statistics.failed(model, now - started, now)
+            raise
+        now = self.clock()
+        self.statistics.succeeded(model, response.model_version, now - started, now)
+        self.metrics.answered(model, chosen.tier, response.model_version)
+        tier_route = route.tiers[chosen.tier]
+        if policies.should_shadow(tier_route, choice, self.rng):
+            self._shadow(request, response, chosen, tier_route.canary, route)
+        return response
+
+    async def _route(self, request: pb.ModelInferRequest, route: ModelRoute,
+                     metadata: Sequence[tuple[str, str]] | None, deadline: float
+                     ) -> tuple[pb.ModelInferResponse, policies.Candidate,
+                                policies.VersionChoice]:
+        model = request.model_name
         hints = read_hints(model, request.parameters, metadata)
-        choices = {tier: policies.pick_version(route.tiers[tier], hints.key, self.rng)
-                   for tier in route.tiers}
-        candidates = policies.candidates_of(route, {t: c.version for t, c in choices.items()})
+        choices = {tier: policies.pick_version(tier_route, hints.key, self.rng)
+                   for tier, tier_route in route.tiers.items()}
+        candidates = self.candidates(model, route, choices)
         policy = policies.policy_for(route, hints)
         observations = self.observer.snapshot((c.agent for c in candidates), model)
         ranking = policy.choose(candidates, hints, observations, self.rng)
@@ -190,11 +240,16 @@ class Router:
             response, chosen = await self._cascade(request, ranking, route, deadline)
         else:
             response, chosen = await self.forward(request, ranking.candidates, route, deadline)
-        self.metrics.requests.labels(model, chosen.tier, response.model_version, "ok").inc()
-        tier_route = route.tiers[chosen.tier]
-        if policies.should_shadow(tier_route, choices[chosen.tier], self.rng):
-            self._shadow(request, response, chosen, tier_route.canary, route)
-        return response
+        return response, chosen, choices[chosen.tier]
+
+    def candidates(self, model: str, route: ModelRoute,
+                   choices: Mapping[str, policies.VersionChoice]) -> list[policies.Candidate]:
+        key = (model, tuple(c.version for c in choices.values()))
+        candidates = self._candidates.get(key)
+        if candidates is None:  # at most 2^tiers per model: stable or canary on each
+            candidates = self._candidates[key] = policies.candidates_of(
+                route, {tier: choice.version for tier, choice in choices.items()})
+        return candidates
 
     async def forward(self, request: pb.ModelInferRequest,
                       candidates: Sequence[policies.Candidate], route: ModelRoute,
@@ -204,7 +259,8 @@ class Router:
         for candidate in candidates:
             if attempts >= route.failover_attempts:
                 break
-            remaining = deadline - self.clock()
+            now = self.clock()
+            remaining = deadline - now
             if remaining <= 0:
                 raise errors.DeadlineExceeded(
                     f"the request's deadline passed after {attempts} attempt(s)")
@@ -213,7 +269,7 @@ class Router:
                 continue
             attempts += 1
             request.model_version = str(candidate.version) if candidate.version else ""
-            started = self.clock()
+            started = now
             try:
                 response = await self.pool.stub(candidate.agent).ModelInfer(
                     request, timeout=remaining)
@@ -272,23 +328,28 @@ class Router:
         copy = pb.ModelInferRequest()
         copy.CopyFrom(request)
         copy.model_version = str(canary)
-        task = asyncio.create_task(self._compare(copy, response, chosen, route))
+        agents = route.tiers[chosen.tier].agents_for(canary)
+        agent = chosen.agent if chosen.agent in agents else self.rng.choice(agents)
+        task = asyncio.create_task(self._compare(copy, response, chosen.tier, agent, route))
         self._shadows.add(task)
         task.add_done_callback(self._shadows.discard)
 
     async def _compare(self, request: pb.ModelInferRequest, stable: pb.ModelInferResponse,
-                       chosen: policies.Candidate, route: ModelRoute) -> None:
+                       tier: str, agent: str, route: ModelRoute) -> None:
         model, output = request.model_name, route.cascade.output
         try:
-            shadow = await self.pool.stub(chosen.agent).ModelInfer(
+            shadow = await self.pool.stub(agent).ModelInfer(
                 request, timeout=self.table.timeout_s)
-            same = policies.top1(outputs_of(stable, output), output) == \
-                policies.top1(outputs_of(shadow, output), output)
-            result = "agree" if same else "disagree"
+            expected = policies.top1(outputs_of(stable, output), output)
+            seen = policies.top1(outputs_of(shadow, output), output)
+            if expected is None or seen is None:
+                result = "incomparable"  # no class scores to compare: never an agreement
+            else:
+                result = "agree" if expected == seen else "disagree"
         except Exception as error:  # noqa: BLE001 -- a shadow never touches the answer
             log.debug("shadow call failed: %s", error)
             result = "error"
-        self.metrics.shadow.labels(model, chosen.tier, result).inc()
+        self.metrics.shadow.labels(model, tier, request.model_version, result).inc()
 
     async def metadata_call(self, model: str, method: str, message):
         """ModelReady/Metadata/Config from the first agent of the model that answers."""
@@ -305,6 +366,27 @@ class Router:
                     last = (agent, error)
         assert last is not None
         raise upstream_error(*last)
+
+    async def model_ready(self, model: str) -> bool:
+        """Whether an agent of the model answers ModelReady true within READY_PROBE_S
+        (agents asked in tier order; the probe's whole budget is bounded)."""
+        route = self.table.models.get(model)
+        if route is None:
+            return False
+        deadline = self.clock() + READY_PROBE_S
+        for tier in route.ordered_tiers():
+            for agent in route.tiers[tier].agents:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return False
+                try:
+                    answer = await self.pool.stub(agent).ModelReady(
+                        pb.ModelReadyRequest(name=model), timeout=remaining)
+                except grpc.aio.AioRpcError:
+                    continue
+                if answer.ready:
+                    return True
+        return False
 
     async def any_agent_ready(self) -> bool:
         for agent in sorted(self.table.agents()):
@@ -353,7 +435,8 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name="tiered-router", version=tiered.__version__,
-                                         extensions=("model_configuration", "parameters"))
+                                         extensions=("model_configuration", "statistics",
+                                                     "parameters"))
 
     @translate_errors
     async def ModelReady(self, request, context):
@@ -371,8 +454,34 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def ModelInfer(self, request, context):
-        deadline = self.router.deadline_of(request.parameters, context.time_remaining())
-        return await self.router.infer(request, context.invocation_metadata(), deadline)
+        return await self.router.infer(request, context.invocation_metadata(),
+                                       context.time_remaining())
+
+    @translate_errors
+    async def ModelStatistics(self, request, context):
+        models = self.router.table.models
+        if request.name and request.name not in models:
+            raise errors.NotFound(f"name: {request.name!r} is not in the routing table")
+        return pb.ModelStatisticsResponse(model_stats=self.router.statistics.messages(
+            [request.name] if request.name else models, request.version,
+            self.router.clock(), time.time()))
+
+    @translate_errors
+    async def RepositoryIndex(self, request, context):
+        models = sorted(self.router.table.models)
+        ready = await asyncio.gather(*(self.router.model_ready(m) for m in models))
+        rows = [pb.RepositoryIndexResponse.ModelIndex(
+            name=model, state="READY" if up else "UNAVAILABLE",
+            reason="" if up else f"no agent of the model answered ModelReady true within "
+                                 f"{READY_PROBE_S:g} s")
+            for model, up in zip(models, ready, strict=True) if up or not request.ready]
+        return pb.RepositoryIndexResponse(models=rows)
+
+    async def RepositoryModelLoad(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, PLACEMENT)
+
+    async def RepositoryModelUnload(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, PLACEMENT)
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
@@ -382,8 +491,7 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
         metadata = context.invocation_metadata()
 
         async def infer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-            deadline = self.router.deadline_of(request.parameters, context.time_remaining())
-            return await self.router.infer(request, metadata, deadline)
+            return await self.router.infer(request, metadata, context.time_remaining())
 
         async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):
             yield response

@@ -20,6 +20,8 @@ reading the one file it is given, and never talks to agents.
             stable: 1               # 0: whatever the agent serves as latest
             canary: 2               # optional
             canary_weight: 0.05     # share of keys (or requests) sent to the canary
+            canary_agents: []       # optional: the canary's own agents (Kubernetes runs
+                                    # each version in its own Deployment); else `agents`
             shadow_fraction: 0.1    # share of stable requests also sent to the canary
 """
 
@@ -50,18 +52,23 @@ class TierRoute:
     canary: int | None = None
     canary_weight: float = 0.0
     shadow_fraction: float = 0.0
+    canary_agents: tuple[str, ...] = ()  # empty: the canary runs on `agents` too
 
     def __post_init__(self) -> None:
         if not self.agents:
             raise ConfigError("agents: needs at least one agent address")
-        if len(self.agents) > MAX_AGENTS_PER_TIER:
-            raise ConfigError(f"agents: at most {MAX_AGENTS_PER_TIER} per tier")
-        for index, address in enumerate(self.agents):
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"agents[{index}]: expected HOST:PORT, got {address!r}")
-        if len(set(self.agents)) != len(self.agents):
-            raise ConfigError("agents: an address is listed twice")
+        for name in ("agents", "canary_agents"):
+            addresses = getattr(self, name)
+            if len(addresses) > MAX_AGENTS_PER_TIER:
+                raise ConfigError(f"{name}: at most {MAX_AGENTS_PER_TIER} per tier")
+            for index, address in enumerate(addresses):
+                host, _, port = address.rpartition(":")
+                if not host or not port.isdigit():
+                    raise ConfigError(f"{name}[{index}]: expected HOST:PORT, got {address!r}")
+            if len(set(addresses)) != len(addresses):
+                raise ConfigError(f"{name}: an address is listed twice")
+        if self.canary_agents and self.canary is None:
+            raise ConfigError("canary_agents: listed but no canary version is set")
         if self.stable < 0:
             raise ConfigError(f"stable: expected a version >= 0, got {self.stable}")
         if self.canary is not None and self.canary < 1:
@@ -74,6 +81,12 @@ class TierRoute:
             raise ConfigError("canary_weight: is above 0 but no canary version is set")
         if self.canary is None and self.shadow_fraction > 0:
             raise ConfigError("shadow_fraction: is above 0 but no canary version is set")
+
+    def agents_for(self, version: int) -> tuple[str, ...]:
+        """The agents that serve `version` on this tier."""
+        if version == self.canary and self.canary_agents:
+            return self.canary_agents
+        return self.agents
 
 
 @dataclass(frozen=True)
@@ -144,7 +157,7 @@ class RoutingTable:
 
     def agents(self) -> frozenset[str]:
         return frozenset(a for m in self.models.values() for t in m.tiers.values()
-                         for a in t.agents)
+                         for a in (*t.agents, *t.canary_agents))
 
 
 def parse_table(data: Any, where: str = "routing table") -> RoutingTable:

@@ -1,0 +1,118 @@
+{{/*
+Names, labels and images shared by every template.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "tiered.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The resource name prefix: fullnameOverride, else <release>-<chart> (just the
+release name when it already contains the chart name). Kept to 40 characters so
+that "<fullname>-agent-datacenter" and similar still fit the 63 of a label value.
+*/}}
+{{- define "tiered.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tiered.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "tiered.labels" -}}
+helm.sh/chart: {{ include "tiered.chart" . }}
+app.kubernetes.io/name: {{ include "tiered.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tiered
+{{- end }}
+
+{{/*
+Selector labels of one component. Call with (dict "ctx" $ "component" "router").
+They never change between upgrades: selectors are immutable.
+*/}}
+{{- define "tiered.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tiered.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Labels of one component's objects: the common ones plus its selector labels. */}}
+{{- define "tiered.componentLabels" -}}
+{{ include "tiered.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+An image reference. Call with (dict "ctx" $ "image" .Values.images.agent);
+an empty tag means the chart's appVersion.
+*/}}
+{{- define "tiered.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{- define "tiered.controller.serviceAccountName" -}}
+{{- if .Values.controller.serviceAccount.create }}
+{{- default (printf "%s-controller" (include "tiered.fullname" .)) .Values.controller.serviceAccount.name }}
+{{- else }}
+{{- required "controller.serviceAccount.name is required when controller.serviceAccount.create is false" .Values.controller.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "tiered.routingConfigMap" -}}
+{{- printf "%s-routing" (include "tiered.fullname" .) }}
+{{- end }}
+
+{{- define "tiered.routerService" -}}
+{{- printf "%s-router" (include "tiered.fullname" .) }}
+{{- end }}
+
+{{- define "tiered.tlsSecretName" -}}
+{{- required "tls.secretName is required when tls.enabled is true" .Values.tls.secretName }}
+{{- end }}
+
+{{/* volumeMounts every container shares: scratch /tmp and, with TLS, the Secret. */}}
+{{- define "tiered.commonVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/tiered/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* volumes every pod shares, matching tiered.commonVolumeMounts */}}
+{{- define "tiered.commonVolumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "tiered.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{/*
+Environment every container shares. HOME points at the writable /tmp because
+the root filesystem is read-only and libraries (torch, pip caches) write there.
+*/}}
+{{- define "tiered.commonEnv" -}}
+- name: HOME
+  value: /tmp
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- end }}

@@ -1,0 +1,41 @@
+"""Renders of the chart shared by the chart tests (helm runs once per render)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.chart import helm
+
+# Every agent pool on, the edge one per node, TLS with client auth: the chart's
+# widest render.
+FULL_VALUES: dict[str, Any] = {
+    "tls": {"enabled": True, "secretName": "tiered-tls", "clientAuth": True},
+    "imagePullSecrets": [{"name": "registry"}],
+    "agentPools": {
+        "edge": {"enabled": True, "perNode": True},
+        "regional": {"enabled": True, "replicas": 2},
+        "datacenter": {"enabled": True, "modelRepository": {"existingClaim": "models"}},
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def helm_binary():
+    return helm.helm_binary()
+
+
+@pytest.fixture(scope="session")
+def default_render(helm_binary, tmp_path_factory) -> list[dict[str, Any]]:
+    return helm.render(None, tmp_path_factory.mktemp("default"))
+
+
+@pytest.fixture(scope="session")
+def full_render(helm_binary, tmp_path_factory) -> list[dict[str, Any]]:
+    return helm.render(FULL_VALUES, tmp_path_factory.mktemp("full"))
+
+
+@pytest.fixture(scope="session", params=["default", "full"])
+def any_render(request) -> list[dict[str, Any]]:
+    return request.getfixturevalue(f"{request.param}_render")

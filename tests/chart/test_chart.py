@@ -1,0 +1,482 @@
+"""The Helm chart, rendered by the real helm and checked object by object.
+
+Every rendered object is validated with kubernetes-validate --strict against
+Kubernetes 1.30.0; then the chart's own promises are asserted: hardened
+containers, least-privilege RBAC, controller arguments that name objects the
+chart really renders, selectors and Service ports that meet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+import tiered
+from tests.chart import helm
+from tests.chart.conftest import FULL_VALUES
+
+WORKLOADS = ("Deployment", "DaemonSet", "StatefulSet", "Job", "CronJob")
+IMAGE_REPO = "ghcr.io/tiered/"
+
+
+# ---- helpers -------------------------------------------------------------------
+
+def objects(rendered: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in rendered if obj["kind"] == kind]
+
+
+def one(rendered: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [obj for obj in objects(rendered, kind) if obj["metadata"]["name"] == name]
+    names = [obj["metadata"]["name"] for obj in objects(rendered, kind)]
+    assert len(found) == 1, f"expected one {kind} {name!r}; rendered: {names}"
+    return found[0]
+
+
+def workloads(rendered: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [obj for obj in rendered if obj["kind"] in WORKLOADS]
+
+
+def pod_spec(workload: Mapping[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+def containers(workload: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    spec = pod_spec(workload)
+    yield from spec.get("initContainers", [])
+    yield from spec["containers"]
+
+
+def container(workload: Mapping[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in pod_spec(workload)["containers"] if c["name"] == name]
+    return found
+
+
+def mounts(c: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+
+
+def volumes(workload: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
+
+
+def selected_workloads(rendered, service) -> list[dict[str, Any]]:
+    selector = service["spec"]["selector"].items()
+    return [w for w in workloads(rendered)
+            if selector <= w["spec"]["template"]["metadata"]["labels"].items()]
+
+
+def fullname() -> str:
+    return f"{helm.RELEASE}-tiered"
+
+
+def image(repository: str) -> str:
+    return f"{IMAGE_REPO}{repository}:{tiered.__version__}"
+
+
+# ---- the chart itself ------------------------------------------------------------
+
+def test_chart_metadata_matches_the_package():
+    chart = yaml.safe_load((helm.CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "tiered"
+    assert chart["version"] == "0.1.0"
+    assert chart["appVersion"] == tiered.__version__
+
+
+def test_crd_in_the_chart_is_the_one_tiered_crds_writes():
+    # crds/ is generated; a stale copy would install an old schema.
+    crd = yaml.safe_load((helm.CHART / "crds" / "tieredmodels.tiered.dev.yaml").read_text())
+    assert crd["kind"] == "CustomResourceDefinition"
+    assert crd["metadata"]["name"] == "tieredmodels.tiered.dev"
+    assert crd["spec"]["scope"] == "Namespaced"
+
+
+@pytest.mark.parametrize("values", [None, FULL_VALUES], ids=["default", "full"])
+@pytest.mark.parametrize("strict", [False, True], ids=["lint", "lint-strict"])
+def test_helm_lint_passes(values, strict, tmp_path, helm_binary):
+    args = ["lint", "--kube-version", helm.KUBE_VERSION] + (["--strict"] if strict else [])
+    result = helm.run_helm(args, values, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+# ---- values.schema.json ------------------------------------------------------------
+
+def _schema() -> dict[str, Any]:
+    return json.loads((helm.CHART / "values.schema.json").read_text())
+
+
+def _resolve(schema: Mapping[str, Any], root: Mapping[str, Any]) -> Mapping[str, Any]:
+    while "$ref" in schema:
+        path = schema["$ref"].removeprefix("#/").split("/")
+        target: Any = root
+        for part in path:
+            target = target[part]
+        schema = target
+    return schema
+
+
+def _leaves(values: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    if isinstance(values, Mapping) and values:
+        for key, value in values.items():
+            yield from _leaves(value, (*path, key))
+    else:
+        yield path
+
+
+def _schema_for(path: tuple[str, ...], root: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    node: Mapping[str, Any] = root
+    for key in path:
+        node = _resolve(node, root)
+        if key in node.get("properties", {}):
+            node = node["properties"][key]
+        elif isinstance(node.get("additionalProperties"), Mapping):
+            node = node["additionalProperties"]
+        elif node.get("type") == "object" and node.get("additionalProperties") is not False:
+            return node  # a free-form Kubernetes object (affinity terms)
+        else:
+            return None
+    return _resolve(node, root)
+
+
+def test_values_schema_is_draft7_and_accepts_the_defaults():
+    schema = _schema()
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    jsonschema.Draft7Validator.check_schema(schema)
+    values = yaml.safe_load((helm.CHART / "values.yaml").read_text())
+    jsonschema.Draft7Validator(schema).validate(values)
+    jsonschema.Draft7Validator(schema).validate(helm.deep_merge(values, FULL_VALUES))
+
+
+def test_values_schema_describes_every_value():
+    schema = _schema()
+    values = yaml.safe_load((helm.CHART / "values.yaml").read_text())
+    undescribed = [".".join(path) for path in _leaves(values) if _schema_for(path, schema) is None]
+    assert undescribed == []
+
+
+def test_values_schema_closes_the_charts_own_objects():
+    # Unknown keys (typos) in our own sections are errors, not silently ignored.
+    schema = _schema()
+    for path in [(), ("images",), ("tls",), ("controller",), ("router",), ("agentPools",),
+                 ("agentPools", "edge"), ("agentPools", "edge", "modelRepository")]:
+        node = _schema_for(path, schema)
+        assert node is not None and node.get("additionalProperties") is False, path
+
+
+@pytest.mark.parametrize("setting", [
+    "router.replicas=-1",
+    "router.replica=2",
+    "agentPools.edge.enabled=maybe",
+    "agentPools.gpu.enabled=true",
+    "images.agent.pullPolicy=Sometimes",
+    "controller.resources.requests.cpu=lots",
+    "tls.enabled=true",                      # without tls.secretName
+    "router.service.type=LoadBalancer",
+    "agentPools.edge.tolerations[0].operator=Maybe",
+])
+def test_invalid_values_are_rejected_by_the_schema(setting, tmp_path, helm_binary):
+    result = helm.run_helm([*helm.template_args(), "--set", setting], None, tmp_path)
+    assert result.returncode != 0, f"--set {setting} rendered"
+    assert "schema" in result.stderr, result.stderr
+
+
+# ---- every object is a valid Kubernetes 1.30 object ---------------------------------
+
+def test_every_rendered_object_validates_strictly_against_kubernetes(any_render):
+    kinds = set()
+    for obj in any_render:
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(obj, helm.KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            path = ".".join(str(p) for p in error.path)
+            pytest.fail(f"{where}: {path}: {error.message}")
+        except kubernetes_validate.SchemaNotFoundError:
+            pytest.fail(f"{where}: no Kubernetes {helm.KUBE_VERSION} schema for {obj['apiVersion']}")
+        kinds.add(obj["kind"])
+    assert {"CustomResourceDefinition", "Deployment", "Service", "ConfigMap", "Role",
+            "RoleBinding", "ServiceAccount"} <= kinds
+
+
+def test_strict_validation_rejects_an_unknown_field(default_render):
+    # Guards the test above against a validator that accepts anything.
+    deployment = dict(workloads(default_render)[0])
+    deployment["spec"] = {**deployment["spec"], "replica": 2}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, helm.KUBE_VERSION, strict=True)
+
+
+def test_everything_lands_in_the_release_namespace(any_render):
+    for obj in any_render:
+        if obj["kind"] != "CustomResourceDefinition":
+            assert obj["metadata"].get("namespace") == helm.NAMESPACE, obj["metadata"]["name"]
+
+
+# ---- hardening ---------------------------------------------------------------------
+
+def test_every_container_runs_hardened(any_render):
+    for workload in workloads(any_render):
+        pod = pod_spec(workload)["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == 10001
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in containers(workload):
+            where = f"{workload['metadata']['name']}/{c['name']}"
+            sc = c["securityContext"]
+            assert sc["runAsNonRoot"] is True, where
+            assert sc["runAsUser"] == 10001, where
+            assert sc["readOnlyRootFilesystem"] is True, where
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+            assert "add" not in sc["capabilities"], where
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            assert sc.get("privileged", False) is False, where
+            assert mounts(c)["/tmp"]["name"] == "tmp", where
+            assert "emptyDir" in volumes(workload)["tmp"], where
+            assert c["image"].startswith(IMAGE_REPO), where
+            assert c["resources"].get("limits", {}).get("memory"), where
+
+
+def test_only_the_controller_gets_an_api_token(any_render):
+    for workload in workloads(any_render):
+        spec = pod_spec(workload)
+        is_controller = workload["metadata"]["name"] == f"{fullname()}-controller"
+        assert spec["automountServiceAccountToken"] is is_controller, workload["metadata"]["name"]
+        if is_controller:
+            assert spec["serviceAccountName"] == f"{fullname()}-controller"
+
+
+def test_tls_secret_is_mounted_read_only_in_every_container(full_render, default_render):
+    for workload in workloads(full_render):
+        assert volumes(workload)["tls"]["secret"]["secretName"] == "tiered-tls"
+        for c in containers(workload):
+            tls = mounts(c)["/etc/tiered/tls"]
+            assert tls["name"] == "tls" and tls["readOnly"] is True
+    for workload in workloads(default_render):
+        assert "tls" not in volumes(workload)
+
+
+def test_image_pull_secrets_reach_every_pod(full_render):
+    for workload in workloads(full_render):
+        assert pod_spec(workload)["imagePullSecrets"] == [{"name": "registry"}]
+
+
+# ---- RBAC: least privilege ---------------------------------------------------------
+
+LEAST_PRIVILEGE = {
+    ("tiered.dev", "tieredmodels"): {"get", "list", "watch", "update", "patch"},
+    ("tiered.dev", "tieredmodels/status"): {"get", "update", "patch"},
+    ("tiered.dev", "tieredmodels/finalizers"): {"update"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "update", "patch", "delete"},
+    ("apps", "daemonsets"): {"get", "list", "watch", "create", "update", "patch", "delete"},
+    ("", "services"): {"get", "list", "watch", "create", "update", "patch", "delete"},
+    ("", "configmaps"): {"get", "list", "watch", "create", "update", "patch", "delete"},
+    ("", "events"): {"create", "patch"},
+    ("coordination.k8s.io", "leases"): {"get", "create", "update"},
+}
+
+
+def test_controller_role_is_exactly_least_privilege(any_render):
+    assert objects(any_render, "ClusterRole") == []
+    assert objects(any_render, "ClusterRoleBinding") == []
+    (role,) = objects(any_render, "Role")
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, rule
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    assert granted == LEAST_PRIVILEGE
+
+
+def test_role_is_bound_to_the_controllers_service_account(any_render):
+    (role,) = objects(any_render, "Role")
+    (binding,) = objects(any_render, "RoleBinding")
+    (account,) = objects(any_render, "ServiceAccount")
+    controller = one(any_render, "Deployment", f"{fullname()}-controller")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount",
+                                    "name": account["metadata"]["name"],
+                                    "namespace": helm.NAMESPACE}]
+    assert pod_spec(controller)["serviceAccountName"] == account["metadata"]["name"]
+
+
+# ---- the controller ----------------------------------------------------------------
+
+def test_controller_arguments_name_objects_the_chart_renders(any_render):
+    deployment = one(any_render, "Deployment", f"{fullname()}-controller")
+    assert deployment["spec"]["replicas"] == 1
+    c = container(deployment, "controller")
+    assert c["command"] == ["tiered"]
+    assert c["args"] == [
+        "controller", "--kubernetes", "--namespace", "$(POD_NAMESPACE)",
+        "--routing-configmap", f"{fullname()}-routing",
+        "--router-metrics", f"http://{fullname()}-router.{helm.NAMESPACE}.svc:8003/metrics",
+        "--agent-image", image("tiered-agent"),
+        "--agent-gpu-image", image("tiered-agent-cuda"),
+        "--leader-elect", "--metrics-port", "8080",
+    ]
+    args = dict(zip(c["args"], c["args"][1:]))
+    # The routing ConfigMap it rewrites is the one the router mounts.
+    routing = one(any_render, "ConfigMap", args["--routing-configmap"])
+    assert routing["data"] == {"routing.yaml": "version: 0\nmodels: {}\n"}
+    assert routing["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    # The router metrics it scrapes are served by a Service the chart renders.
+    host, port = args["--router-metrics"].removeprefix("http://").split("/")[0].split(":")
+    service_name, namespace, svc = host.split(".")
+    assert (namespace, svc) == (helm.NAMESPACE, "svc")
+    service = one(any_render, "Service", service_name)
+    assert int(port) in {p["port"] for p in service["spec"]["ports"]}
+    (router,) = selected_workloads(any_render, service)
+    assert router["metadata"]["name"] == f"{fullname()}-router"
+
+
+def test_controller_knows_its_pod_and_serves_metrics_on_8080(any_render):
+    c = container(one(any_render, "Deployment", f"{fullname()}-controller"), "controller")
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+           for e in c["env"]}
+    assert env["POD_NAMESPACE"] == "metadata.namespace"
+    assert env["POD_NAME"] == "metadata.name"
+    assert c["ports"] == [{"name": "metrics", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["livenessProbe"]["tcpSocket"]["port"] == 8080
+    assert c["readinessProbe"]["tcpSocket"]["port"] == 8080
+
+
+# ---- the router --------------------------------------------------------------------
+
+def test_router_reads_the_routing_configmap_and_probes_grpc_health(any_render):
+    router = one(any_render, "Deployment", f"{fullname()}-router")
+    assert router["spec"]["replicas"] == 2
+    c = container(router, "router")
+    assert c["args"] == ["router", "--routing-table", "/etc/tiered/routing/routing.yaml",
+                         "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8003"]
+    routing = mounts(c)["/etc/tiered/routing"]
+    # A subPath mount would never see the controller's rewrites.
+    assert "subPath" not in routing and routing["readOnly"] is True
+    assert volumes(router)[routing["name"]]["configMap"]["name"] == f"{fullname()}-routing"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe] == {**c[probe], "grpc": {"port": 8001}}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 8001, "metrics": 8003}
+    service = one(any_render, "Service", f"{fullname()}-router")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 8001,
+                                                                        "metrics": 8003}
+
+
+# ---- selectors and Services --------------------------------------------------------
+
+def test_workload_selectors_match_their_pod_labels(any_render):
+    for workload in workloads(any_render):
+        selector = workload["spec"]["selector"]["matchLabels"]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items(), workload["metadata"]["name"]
+    # ...and no two workloads share pods.
+    selectors = [tuple(sorted(w["spec"]["selector"]["matchLabels"].items()))
+                 for w in workloads(any_render)]
+    assert len(set(selectors)) == len(selectors)
+
+
+def test_services_select_one_workload_and_target_its_ports(any_render):
+    for service in objects(any_render, "Service"):
+        name = service["metadata"]["name"]
+        targets = selected_workloads(any_render, service)
+        assert len(targets) == 1, f"{name} selects {[w['metadata']['name'] for w in targets]}"
+        container_ports = [p for c in containers(targets[0]) for p in c.get("ports", [])]
+        by_name = {p["name"]: p["containerPort"] for p in container_ports if "name" in p}
+        for port in service["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            if isinstance(target, str):
+                assert target in by_name, f"{name}: no container port named {target}"
+                target = by_name[target]
+            assert target in {p["containerPort"] for p in container_ports}, f"{name}: {target}"
+            assert target == port["port"], f"{name}: port {port['port']} -> {target}"
+
+
+def test_probes_hit_ports_the_container_serves(any_render):
+    for workload in workloads(any_render):
+        for c in containers(workload):
+            served = {p["containerPort"] for p in c.get("ports", [])}
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                if probe in c:
+                    handler = c[probe].get("grpc") or c[probe].get("tcpSocket")
+                    assert handler["port"] in served, f"{c['name']} {probe}"
+
+
+# ---- agent pools -------------------------------------------------------------------
+
+def test_no_agent_pools_by_default(default_render):
+    names = {w["metadata"]["name"] for w in workloads(default_render)}
+    assert names == {f"{fullname()}-controller", f"{fullname()}-router"}
+
+
+@pytest.mark.parametrize("tier,kind,agent_image", [
+    ("edge", "DaemonSet", "tiered-agent"),
+    ("regional", "Deployment", "tiered-agent-cuda"),
+    ("datacenter", "Deployment", "tiered-agent-cuda"),
+])
+def test_agent_pool_serves_its_tier(full_render, tier, kind, agent_image):
+    pool = one(full_render, kind, f"{fullname()}-agent-{tier}")
+    c = container(pool, "agent")
+    assert c["image"] == image(agent_image)
+    assert c["args"] == ["agent", "--tier", tier, "--model-repository", "/models",
+                         "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8002"]
+    assert pod_spec(pool)["nodeSelector"] == {"tiered.dev/tier": tier}
+    assert mounts(c)["/models"]["name"] == "models"
+    service = one(full_render, "Service", f"{fullname()}-agent-{tier}")
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 8001,
+                                                                        "metrics": 8002}
+    if tier != "edge":
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+            pod_spec(pool)["tolerations"]
+
+
+def test_agent_pool_replicas_and_model_repository_follow_values(full_render):
+    regional = one(full_render, "Deployment", f"{fullname()}-agent-regional")
+    assert regional["spec"]["replicas"] == 2
+    assert volumes(regional)["models"] == {"name": "models", "emptyDir": {"sizeLimit": "20Gi"}}
+    datacenter = one(full_render, "Deployment", f"{fullname()}-agent-datacenter")
+    assert volumes(datacenter)["models"] == {"name": "models",
+                                             "persistentVolumeClaim": {"claimName": "models"}}
+    edge = one(full_render, "DaemonSet", f"{fullname()}-agent-edge")
+    assert "replicas" not in edge["spec"]
+
+
+# ---- NOTES.txt ---------------------------------------------------------------------
+
+def test_notes_say_how_to_apply_watch_and_reach_the_router(tmp_path, helm_binary):
+    # `helm install --dry-run` needs a cluster; render NOTES.txt through `tpl`
+    # in a copy of the chart instead.
+    chart = tmp_path / "tiered"
+    shutil.copytree(helm.CHART, chart)
+    shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes.tpl")
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n'
+        'data:\n  notes: {{ tpl (.Files.Get "notes.tpl") . | quote }}\n')
+    result = helm.run_helm([*helm.template_args(), "--show-only", "templates/zz-notes.yaml"],
+                           FULL_VALUES, tmp_path, chart=chart)
+    assert result.returncode == 0, result.stderr
+    notes = yaml.safe_load(result.stdout)["data"]["notes"]
+    for expected in ("kubectl apply", "kubectl get tieredmodels", "tiered get --kubernetes",
+                     f"{fullname()}-router.{helm.NAMESPACE}.svc:8001",
+                     f"kubectl port-forward -n {helm.NAMESPACE} svc/{fullname()}-router",
+                     "mounted for", "/etc/tiered/tls",
+                     f"daemonset/{fullname()}-agent-edge"):
+        assert expected in notes, f"{expected!r} missing from NOTES:\n{notes}"
+
+
+def test_chart_files_are_where_helm_expects_them():
+    templates = {p.name for p in (helm.CHART / "templates").iterdir()}
+    assert {"_helpers.tpl", "NOTES.txt"} <= templates
+    assert Path(helm.CHART / "values.schema.json").is_file()

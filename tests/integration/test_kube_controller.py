@@ -1,0 +1,299 @@
+"""The Kubernetes controller, a real process, against the API test double.
+
+No Kubernetes API server can run on these machines: `tests/kubeapi.py` speaks
+the REST and watch protocol (resourceVersions, 409 on stale writes, the
+status subresource, generation, finalizers, owner-reference GC, 410 Gone on
+an expired watch) and the controller reaches it through the official client.
+Nothing here plays kubelet except that the test marks Deployments available
+through their status subresource, as a kubelet's pods would. The agents'
+Telemetry service is played by small gRPC servers whose answers the test
+sets: stable and canary latency and J/inference per version.
+
+One flow: v1 serves; v2 (healthy) rolls out while two controllers share a
+Lease, the leader is killed mid-rollout, the other takes over and finishes
+it at the stage reached; v1's objects are retired; the watch history is
+compacted (410 Gone) before v3 (slower, costlier) is applied, and v3 is
+rolled back in its first stage; deleting the model removes its routes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+
+pytest.importorskip("kubernetes")
+
+from kubernetes import client  # noqa: E402
+
+from tests.kubeapi import FakeKubeAPI  # noqa: E402
+from tiered.controller import render  # noqa: E402
+from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
+
+NAMESPACE = "models"
+GROUP, VERSION, PLURAL = "tiered.dev", "v1alpha1", "tieredmodels"
+TIERS = ("edge", "regional")
+SHAS = {1: "a" * 64, 2: "b" * 64, 3: "c" * 64}
+# version -> (median latency ms, J/inference) the fake agents report
+BEHAVIOUR = {1: (4.0, 0.10), 2: (4.0, 0.10), 3: (12.0, 0.35)}
+
+
+class FakeTelemetry(tpb_grpc.TelemetryServicer):
+    """One (tier, version)'s agents, as the controller's Stats polls see them."""
+
+    def __init__(self, tier: str, version: int) -> None:
+        self.tier, self.version = tier, version
+        self.rng = np.random.default_rng(version * 10 + len(tier))
+
+    def Stats(self, request, context):
+        latency_ms, joules = BEHAVIOUR[self.version]
+        samples = self.rng.lognormal(np.log(latency_ms), 0.2, 40) / 1000.0
+        return tpb.StatsResponse(
+            tier=self.tier, start=request.cursor, end=time.time(), window_s=1.0,
+            versions=[tpb.VersionStats(
+                model_name=request.model_name, model_version=str(self.version),
+                success=40, inferences=40, latency_samples_s=samples.tolist(),
+                has_energy=True, joules_per_inference=joules * self.rng.uniform(0.9, 1.1))])
+
+
+@pytest.fixture(scope="module")
+def agents(tmp_path_factory):
+    servers, addresses = [], {}
+    for tier in TIERS:
+        for version in SHAS:
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            tpb_grpc.add_TelemetryServicer_to_server(FakeTelemetry(tier, version), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            server.start()
+            servers.append(server)
+            addresses[render.workload_name("digits", tier, version)] = f"127.0.0.1:{port}"
+    path = tmp_path_factory.mktemp("agents") / "addresses.json"
+    path.write_text(json.dumps(addresses))
+    yield path
+    for server in servers:
+        server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def api():
+    with FakeKubeAPI() as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def kube(api):
+    configuration = api.client_configuration()
+    return client.ApiClient(configuration)
+
+
+def start_controller(api, agents, tmp_path, identity: str) -> subprocess.Popen:
+    kubeconfig = api.kubeconfig(tmp_path / f"kubeconfig-{identity}")
+    log = (tmp_path / f"{identity}.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tiered", "controller", "--kubernetes", "--namespace", NAMESPACE,
+         "--kubeconfig", str(kubeconfig), "--leader-elect", "--identity", identity,
+         "--lease-duration", "3", "--retire-grace", "2", "--agent-addresses", str(agents),
+         "--routing-configmap", "tiered-routing"],
+        stdout=log, stderr=subprocess.STDOUT)
+
+
+def model(version: int) -> dict:
+    stage = {"min_requests": 60, "min_duration_s": 1.5, "max_duration_s": 60}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "TieredModel",
+        "metadata": {"name": "digits", "namespace": NAMESPACE},
+        "spec": {
+            "artifact": {"uri": f"https://models.example/digits-{version}.onnx",
+                         "sha256": SHAS[version]},
+            "tiers": {"edge": {"replicas": 2, "node_selector": {"tier": "edge"},
+                               "tolerations": [{"key": "edge", "operator": "Exists",
+                                                "effect": "NoSchedule"}]},
+                      "regional": {"resources": {"limits": {"nvidia.com/gpu": "1"}}}},
+            "rollout": {
+                "stages": [{"name": "edge", "weights": {"edge": 20}, **stage},
+                           {"name": "region", "weights": {"edge": 50, "regional": 50},
+                            **stage}],
+                "analysis": {"latency_p95": {"max_ratio": 1.2},
+                             "energy_per_inference": {"max_ratio": 1.3, "min_windows": 3},
+                             "agreement": None, "min_samples": 30, "interval_s": 0.5,
+                             "consecutive_failure_limit": 2},
+            },
+        },
+    }
+
+
+def wait(what, check, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def tiered_model(kube) -> dict:
+    return client.CustomObjectsApi(kube).get_namespaced_custom_object(
+        GROUP, VERSION, NAMESPACE, PLURAL, "digits")
+
+
+def rollout(kube) -> dict:
+    return (tiered_model(kube).get("status") or {}).get("rollout") or {}
+
+
+def workloads(api, version: int) -> list[dict]:
+    return [d for d in api.objects("deployments")
+            if d["metadata"]["labels"].get(render.LABEL_VERSION) == str(version)]
+
+
+def make_available(kube, api, version: int) -> None:
+    """What the pods' readiness would report to the API server."""
+    apps = client.AppsV1Api(kube)
+    wait(f"workloads of v{version}", lambda: len(workloads(api, version)) == len(TIERS))
+    status = {"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}}
+    for deployment in workloads(api, version):
+        apps.patch_namespaced_deployment_status(deployment["metadata"]["name"], NAMESPACE,
+                                                status)
+
+
+def routing_table(kube) -> dict:
+    config_map = client.CoreV1Api(kube).read_namespaced_config_map("tiered-routing", NAMESPACE)
+    return yaml.safe_load(config_map.data[render.ROUTING_KEY])
+
+
+def lease_holder(kube) -> str:
+    lease = client.CoordinationV1Api(kube).read_namespaced_lease("tiered-controller", NAMESPACE)
+    return lease.spec.holder_identity
+
+
+@pytest.fixture(scope="module")
+def controllers(api, agents, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("controllers")
+    started = {name: start_controller(api, agents, tmp, name) for name in ("c1", "c2")}
+    yield started, tmp
+    for process in started.values():
+        process.terminate()
+        process.wait(30)
+
+
+def test_first_version_serves_with_its_objects(kube, api, controllers):
+    custom = client.CustomObjectsApi(kube)
+    custom.create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, model(1))
+    make_available(kube, api, 1)
+    wait("v1 stable", lambda: rollout(kube).get("stable_version") == 1)
+
+    obj = tiered_model(kube)
+    assert render.FINALIZER in obj["metadata"]["finalizers"]
+    assert obj["status"]["observed_generation"] == obj["metadata"]["generation"] == 1
+    assert [a["sha256"] for a in obj["status"]["artifacts"]] == [SHAS[1]]
+    edge = next(d for d in workloads(api, 1) if d["metadata"]["name"] == "digits-edge-v1")
+    assert edge["spec"]["replicas"] == 2
+    pod = edge["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"tier": "edge"}
+    assert pod["tolerations"] == [{"key": "edge", "operator": "Exists", "effect": "NoSchedule"}]
+    build = pod["initContainers"][0]["command"]
+    assert build[:3] == ["tiered", "build", "https://models.example/digits-1.onnx"]
+    assert build[build.index("--sha256") + 1] == SHAS[1]
+    assert edge["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    services = {s["metadata"]["name"]: s for s in api.objects("services")}
+    assert services["digits-regional-v1"]["spec"]["clusterIP"] == "None"
+    table = wait("a routing table", lambda: routing_table(kube)["models"])
+    assert table["digits"]["tiers"]["edge"] == {
+        "agents": [f"digits-edge-v1.{NAMESPACE}.svc:8001"], "stable": 1}
+    assert lease_holder(kube) in ("c1", "c2")
+
+
+def test_a_healthy_version_is_promoted_across_a_leader_change(kube, api, controllers):
+    started, _ = controllers
+    custom = client.CustomObjectsApi(kube)
+    obj = tiered_model(kube)
+    obj["spec"] = model(2)["spec"]
+    custom.replace_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+    make_available(kube, api, 2)
+    wait("the v2 rollout", lambda: rollout(kube).get("canary_version") == 2)
+    edge = wait("the canary in the table",
+                lambda: routing_table(kube)["models"]["digits"]["tiers"]["edge"].get(
+                    "canary") == 2 and routing_table(kube)["models"]["digits"]["tiers"]["edge"])
+    assert edge["canary_agents"] == [f"digits-edge-v2.{NAMESPACE}.svc:8001"]
+    assert edge["agents"] == [f"digits-edge-v1.{NAMESPACE}.svc:8001"]
+
+    leader = lease_holder(kube)
+    reached = rollout(kube)["stage_index"]
+    started[leader].kill()  # mid-rollout; the other candidate takes the Lease once it expires
+    started[leader].wait()
+    wait("a new leader", lambda: lease_holder(kube) not in (leader, ""), 30)
+    stages = []
+    final = wait("v2 promoted", lambda: stages.append(rollout(kube).get("stage_index", 0))
+                 or (rollout(kube).get("phase") == "Promoted" and rollout(kube)), 60)
+    assert min(stages) >= reached, "the rollout went back a stage after the leader change"
+    assert final["stable_version"] == 2 and final.get("canary_version") is None
+    assert "promoting version 2" in final["message"]
+    wait("the table without a canary",
+         lambda: "canary" not in routing_table(kube)["models"]["digits"]["tiers"]["edge"])
+    wait("v1 retired", lambda: not workloads(api, 1) and not [
+        s for s in api.objects("services") if s["metadata"]["name"].endswith("-v1")], 30)
+
+
+def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controllers):
+    api.compact()  # the controller's next watch resumes too late: 410 Gone, re-list
+    api.drop_watches()
+    obj = tiered_model(kube)
+    obj["spec"] = model(3)["spec"]
+    client.CustomObjectsApi(kube).replace_namespaced_custom_object(
+        GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+    make_available(kube, api, 3)
+    final = wait("the v3 outcome", lambda: rollout(kube).get("canary_version") == 3
+                 and rollout(kube)["phase"] in ("RolledBack", "Promoted") and rollout(kube))
+    assert final["phase"] == "RolledBack" and final["stage_index"] == 0
+    assert final["stable_version"] == 2
+    failed = {m["metric"] for m in final["last_analysis"]["metrics"] if m["outcome"] == "Failed"}
+    assert failed & {"latency_p95", "energy_per_inference"}
+    wait("the table without a canary",
+         lambda: "canary" not in routing_table(kube)["models"]["digits"]["tiers"]["edge"])
+    wait("v3 retired", lambda: not workloads(api, 3), 30)
+    status = tiered_model(kube)["status"]
+    assert status["stage"] == "" and status["weights_summary"] == ""
+
+
+def test_deleting_the_model_removes_its_routes(kube, api, controllers):
+    client.CustomObjectsApi(kube).delete_namespaced_custom_object(
+        GROUP, VERSION, NAMESPACE, PLURAL, "digits")
+    wait("the model gone", lambda: not api.objects("tieredmodels"))
+    assert routing_table(kube)["models"] == {}
+    assert not api.objects("deployments") and not api.objects("services")  # owned: collected
+
+
+def test_the_cli_verbs_speak_to_the_cluster(kube, api, controllers, tmp_path):
+    kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+    document = tmp_path / "digits.yaml"
+    document.write_text(yaml.safe_dump(model(1)))
+
+    def tiered(*args: str) -> str:
+        result = subprocess.run([sys.executable, "-m", "tiered", *args, "--kubernetes",
+                                 "--namespace", NAMESPACE, "--kubeconfig", str(kubeconfig)],
+                                check=False, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    assert "tieredmodel/digits created" in tiered("apply", "-f", str(document))
+    assert "tieredmodel/digits unchanged" in tiered("apply", "-f", str(document))
+    make_available(kube, api, 1)
+    wait("v1 stable again", lambda: rollout(kube).get("stable_version") == 1)
+    assert "Promoted" in tiered("get")
+    document.write_text(yaml.safe_dump(model(2)))
+    assert "tieredmodel/digits configured" in tiered("apply", "-f", str(document))
+    make_available(kube, api, 2)
+    wait("the v2 rollout", lambda: rollout(kube).get("phase") == "Progressing")
+    assert "paused by hand" in tiered("rollout", "pause", "digits")
+    assert rollout(kube)["phase"] == "Paused"
+    assert "promoted version 2 by hand (full)" in tiered("rollout", "promote", "digits",
+                                                         "--full")
+    wait("v2 stable", lambda: rollout(kube).get("stable_version") == 2)

@@ -1,0 +1,151 @@
+"""The user's verbs against a cluster: the same apply, get and rollout verbs as
+the local backend, on TieredModel resources through the Kubernetes API.
+
+`apply` pins each artifact as the local verb does (a local file's sha256 is
+filled in; its path must also be reachable from the agents' pods); the
+rollout verbs write the status subresource at the resourceVersion they read,
+retrying when the controller wrote in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tiered.controller.crd import PLURAL
+from tiered.controller.verbs import CONFLICT_RETRIES, VERBS, pin_artifact, read_documents, row_of
+from tiered.errors import ConfigError, Conflict, NotFound
+from tiered.rollout import engine
+from tiered.rollout.spec import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    TieredModelStatus,
+    load_tiered_model,
+    to_plain,
+)
+from tiered.settings import load_dataclass
+
+
+def api_client(kubeconfig: Path | None = None, context: str | None = None):
+    """A client from the kubeconfig (its current context, or `context`), else in-cluster."""
+    from kubernetes import client, config
+
+    try:
+        if kubeconfig is not None or context is not None:
+            return config.new_client_from_config(
+                config_file=str(kubeconfig) if kubeconfig else None, context=context)
+        try:
+            return config.new_client_from_config()
+        except config.ConfigException:
+            config.load_incluster_config()
+            return client.ApiClient()
+    except config.ConfigException as error:
+        raise ConfigError(f"kubeconfig: {error}") from error
+
+
+class ClusterVerbs:
+    def __init__(self, api, namespace: str) -> None:
+        from kubernetes import client
+
+        self.custom = client.CustomObjectsApi(api)
+        self.namespace = namespace
+
+    def _call(self, verb: str, *args: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            method = (f"{verb}_namespaced_custom_object" if verb != "replace_status"
+                      else "replace_namespaced_custom_object_status")
+            return getattr(self.custom, method)(API_GROUP, API_VERSION, self.namespace,
+                                                PLURAL, *args)
+        except ApiException as error:
+            if error.status == 404:
+                raise NotFound(f"{PLURAL}.{API_GROUP} {args[0] if args else ''} not found in "
+                               f"namespace {self.namespace}") from None
+            if error.status == 409:
+                raise Conflict(f"changed by someone else: {error.reason}") from None
+            if error.status == 422:
+                raise ConfigError(f"the API server refused it: {error.body}") from None
+            raise
+
+    def apply_file(self, path: Path) -> list[tuple[str, str]]:
+        """Create or update every TieredModel in `path`; all are checked first."""
+        documents, spec_of = [], {}
+        for index, document in enumerate(read_documents(path)):
+            where = f"{path}[{index}]" if index else str(path)
+            pinned = pin_artifact(document, Path(path).parent, where)
+            spec = load_tiered_model(pinned, where)
+            body = dict(pinned) if "spec" in pinned else _resource(pinned)
+            body.setdefault("metadata", {}).setdefault("name", spec.name)
+            documents.append((spec.name, body))
+            spec_of[spec.name] = spec
+        results = []
+        for name, body in documents:
+            try:
+                existing = self._call("get", name)
+            except NotFound:
+                self._call("create", body)
+                results.append((name, "created"))
+                continue
+            # Compared as parsed specs: the API server fills in schema defaults.
+            if to_plain(load_tiered_model(existing, name)) == to_plain(spec_of[name]):
+                results.append((name, "unchanged"))
+                continue
+            existing["spec"] = body["spec"]
+            self._call("replace", name, existing)
+            results.append((name, "configured"))
+        return results
+
+    def rows(self, name: str | None = None) -> list[dict[str, str]]:
+        items = ([self._call("get", name)] if name else self._call("list")["items"])
+        rows = []
+        for item in items:
+            status = _status(item)
+            spec = load_tiered_model(item, item["metadata"]["name"])
+            rows.append(row_of(spec.name, spec, status.rollout, status.message))
+        return rows
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self._call("get", name)
+
+    def rollout_verb(self, name: str, verb: str, *, full: bool = False,
+                     now: Callable[[], float] = time.time) -> engine.Decision:
+        if verb not in VERBS:
+            raise ConfigError(f"verb: {verb!r} is not one of {', '.join(VERBS)}")
+        for _ in range(CONFLICT_RETRIES):
+            obj = self._call("get", name)
+            status = _status(obj)
+            if status.rollout is None:
+                raise ConfigError(f"{name}: has no rollout status yet; the controller has "
+                                  "not served it")
+            spec = load_tiered_model(obj, name)
+            extra = {"full": full} if verb == "promote" else {}
+            decision = VERBS[verb](spec, status.rollout, now(), **extra)
+            written = dataclasses.replace(status, rollout=decision.status,
+                                          message=decision.reason)
+            body = {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
+                    "metadata": {"name": name, "namespace": self.namespace,
+                                 "resourceVersion": obj["metadata"]["resourceVersion"]},
+                    "status": to_plain(written)}
+            try:
+                self._call("replace_status", name, body)
+            except Conflict:
+                continue
+            return decision
+        raise Conflict(f"{name}: the controller kept writing; try again")
+
+
+def _resource(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat TieredModel document (name beside the spec keys) as a resource."""
+    spec = {k: v for k, v in flat.items() if k != "name"}
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+            "metadata": {"name": flat["name"]}, "spec": spec}
+
+
+def _status(obj: dict[str, Any]) -> TieredModelStatus:
+    return load_dataclass(TieredModelStatus, obj.get("status") or {},
+                          f"{obj['metadata']['name']}.status")

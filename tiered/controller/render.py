@@ -1,0 +1,240 @@
+"""Desired Kubernetes objects for a TieredModel, pure: (spec, status, settings) -> dicts.
+
+Per tier and per served version (stable, and the canary while it is live):
+a Deployment of agents (a DaemonSet when the tier runs one agent per node)
+whose init container builds that version for the tier from the artifact
+(`tiered build`, which checks the sha256 first), and a headless Service in
+front of them. The router's table lives in one ConfigMap for the namespace.
+Every object carries the TieredModel as its controller owner, so Kubernetes
+deletes them with it, and a hash of its own desired form, so the controller
+replaces only what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiered.controller import desired
+from tiered.profiles import TIERS
+from tiered.rollout.spec import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    ArtifactVersion,
+    RolloutStatus,
+    TieredModel,
+)
+
+AGENT_PORT = 8001
+AGENT_METRICS_PORT = 8002
+MODELS_DIR = "/models"
+ROUTING_KEY = "routing.yaml"
+GPU_TIERS = ("regional", "datacenter")
+
+LABEL_MODEL = f"{API_GROUP}/model"
+LABEL_TIER = f"{API_GROUP}/tier"
+LABEL_VERSION = f"{API_GROUP}/version"
+LABEL_MANAGED = "app.kubernetes.io/managed-by"
+MANAGER = "tiered-controller"
+SPEC_HASH = f"{API_GROUP}/spec-hash"
+FINALIZER = f"{API_GROUP}/routing"
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """Where the controller works and what it runs there."""
+
+    namespace: str
+    agent_image: str = "tiered-agent:latest"
+    agent_gpu_image: str = "tiered-agent-cuda:latest"
+    routing_configmap: str = "tiered-routing"
+    router_metrics: str | None = None  # http://router:8003/metrics, for shadow agreement
+    image_pull_policy: str = "IfNotPresent"
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    uid: str
+
+
+def dns_label(*parts: str) -> str:
+    """A DNS-1035 label (Service names need one) from `parts`, at most 63 characters."""
+    name = re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+    if not name or not name[0].isalpha():
+        name = f"m-{name}"
+    if len(name) > 63:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+        name = f"{name[:54].rstrip('-')}-{digest}"
+    return name
+
+
+def workload_name(model: str, tier: str, version: int) -> str:
+    return dns_label(model, tier, f"v{version}")
+
+
+def agent_address(model: str, tier: str, version: int, namespace: str) -> str:
+    return f"{workload_name(model, tier, version)}.{namespace}.svc:{AGENT_PORT}"
+
+
+def _labels(model: str, tier: str, version: int) -> dict[str, str]:
+    return {LABEL_MODEL: dns_label(model), LABEL_TIER: tier, LABEL_VERSION: str(version),
+            LABEL_MANAGED: MANAGER}
+
+
+def _owner_reference(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": owner.name,
+            "uid": owner.uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def _with_hash(obj: dict[str, Any]) -> dict[str, Any]:
+    digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+    obj["metadata"].setdefault("annotations", {})[SPEC_HASH] = digest
+    return obj
+
+
+SECURITY_CONTEXT = {
+    "runAsNonRoot": True, "runAsUser": 10001, "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def _build_command(spec: TieredModel, tier: str, artifact: ArtifactVersion) -> list[str]:
+    tier_spec = spec.tiers[tier]
+    command = ["tiered", "build", artifact.uri, "--sha256", artifact.sha256, "--tier", tier,
+               "--repository", MODELS_DIR, "--model", spec.name,
+               "--version", str(artifact.version),
+               "--max-batch-size", str(tier_spec.batching.max_batch_size)]
+    for flag, value in (("--backend", tier_spec.engine), ("--precision", tier_spec.precision),
+                        ("--calibration", spec.artifact.calibration),
+                        ("--eval", spec.artifact.eval)):
+        if value:
+            command += [flag, value]
+    return command
+
+
+def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owner: Owner,
+                   settings: ClusterSettings) -> dict[str, Any]:
+    """The Deployment (or DaemonSet) serving `artifact`'s version on `tier`."""
+    tier_spec = spec.tiers[tier]
+    labels = _labels(spec.name, tier, artifact.version)
+    image = settings.agent_gpu_image if tier in GPU_TIERS else settings.agent_image
+    volumes = [{"name": "models", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    resources = {k: dict(v) for k, v in (("requests", tier_spec.resources.requests),
+                                         ("limits", tier_spec.resources.limits)) if v}
+    pod = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+        "initContainers": [{
+            "name": "build", "image": image, "imagePullPolicy": settings.image_pull_policy,
+            "command": _build_command(spec, tier, artifact), "volumeMounts": mounts,
+            "securityContext": SECURITY_CONTEXT, "resources": resources,
+        }],
+        "containers": [{
+            "name": "agent", "image": image, "imagePullPolicy": settings.image_pull_policy,
+            "command": ["tiered", "agent", "--tier", tier, "--model-repository", MODELS_DIR,
+                        "--host", "0.0.0.0", "--port", str(AGENT_PORT),
+                        "--metrics-port", str(AGENT_METRICS_PORT)],
+            "ports": [{"name": "grpc", "containerPort": AGENT_PORT},
+                      {"name": "metrics", "containerPort": AGENT_METRICS_PORT}],
+            "readinessProbe": {"grpc": {"port": AGENT_PORT}, "periodSeconds": 5},
+            "livenessProbe": {"grpc": {"port": AGENT_PORT}, "periodSeconds": 10,
+                              "failureThreshold": 6},
+            "volumeMounts": mounts, "securityContext": SECURITY_CONTEXT,
+            "resources": resources,
+        }],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 45,  # the agent drains in-flight requests
+    }
+    if tier_spec.node_selector:
+        pod["nodeSelector"] = dict(tier_spec.node_selector)
+    if tier_spec.tolerations:
+        pod["tolerations"] = [{k: v for k, v in (("key", t.key), ("operator", t.operator),
+                                                 ("value", t.value), ("effect", t.effect)) if v}
+                              for t in tier_spec.tolerations]
+    template = {"metadata": {"labels": labels}, "spec": pod}
+    workload_spec: dict[str, Any] = {"selector": {"matchLabels": labels}, "template": template}
+    if not tier_spec.per_node:
+        workload_spec["replicas"] = tier_spec.replicas
+    return _with_hash({
+        "apiVersion": "apps/v1", "kind": "DaemonSet" if tier_spec.per_node else "Deployment",
+        "metadata": {"name": workload_name(spec.name, tier, artifact.version),
+                     "namespace": settings.namespace, "labels": labels,
+                     "ownerReferences": [_owner_reference(owner)]},
+        "spec": workload_spec,
+    })
+
+
+def agent_service(spec: TieredModel, tier: str, version: int, owner: Owner,
+                  settings: ClusterSettings) -> dict[str, Any]:
+    """A headless Service: the router resolves every agent pod behind it."""
+    labels = _labels(spec.name, tier, version)
+    return _with_hash({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": workload_name(spec.name, tier, version),
+                     "namespace": settings.namespace, "labels": labels,
+                     "ownerReferences": [_owner_reference(owner)]},
+        "spec": {"clusterIP": "None", "selector": labels,
+                 "ports": [{"name": "grpc", "port": AGENT_PORT, "targetPort": "grpc"},
+                           {"name": "metrics", "port": AGENT_METRICS_PORT,
+                            "targetPort": "metrics"}]},
+    })
+
+
+def desired_objects(spec: TieredModel, status: RolloutStatus | None,
+                    artifacts: Sequence[ArtifactVersion], versions: Sequence[int],
+                    owner: Owner, settings: ClusterSettings) -> list[dict[str, Any]]:
+    """Workloads and Services for `versions` on each of the model's tiers."""
+    by_version = {a.version: a for a in artifacts}
+    objects = []
+    for tier in (t for t in TIERS if t in spec.tiers):
+        for version in sorted(versions):
+            objects.append(agent_workload(spec, tier, by_version[version], owner, settings))
+            objects.append(agent_service(spec, tier, version, owner, settings))
+    return objects
+
+
+def tier_agents(spec: TieredModel, version: int, namespace: str) -> dict[str, tuple[str, ...]]:
+    """Per tier, the address of `version`'s agents."""
+    return {tier: (agent_address(spec.name, tier, version, namespace),)
+            for tier in TIERS if tier in spec.tiers}
+
+
+def routing_configmap(models: Sequence[tuple[TieredModel, RolloutStatus]], version: int,
+                      settings: ClusterSettings) -> dict[str, Any]:
+    """The router's table for every model of the namespace, in its ConfigMap."""
+    import yaml
+
+    table = desired.routing_table(
+        version, models,
+        lambda spec, tier, v: (agent_address(spec.name, tier, v, settings.namespace),))
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": settings.routing_configmap, "namespace": settings.namespace,
+                     "labels": {LABEL_MANAGED: MANAGER}},
+        "data": {ROUTING_KEY: yaml.safe_dump(table, sort_keys=False)},
+    }
+
+
+def status_fields(spec: TieredModel, status: RolloutStatus | None) -> Mapping[str, Any]:
+    """The status's summary fields for printer columns: stage and weights."""
+    from tiered.rollout import engine
+
+    if status is None:
+        return {"stage": "", "weights": {}, "weights_summary": ""}
+    weights = dict(engine.canary_weights(spec, status))
+    live = desired.live(status)
+    index = min(status.stage_index, len(spec.rollout.stages) - 1)
+    return {
+        "stage": f"{index + 1}/{len(spec.rollout.stages)} {spec.rollout.stages[index].name}"
+                 if live else "",
+        "weights": weights,
+        "weights_summary": " ".join(f"{t}={w:g}%" for t, w in weights.items() if w),
+    }
+

@@ -77,10 +77,14 @@ def _build(args: argparse.Namespace) -> int:
         profile = load_profile(args.tier, args.profile)
         settings = build.choose_settings(profile, flags, f"{args.tier} profile build (and flags)")
         with tempfile.TemporaryDirectory(prefix="tiered-fetch-") as work:
+            def data(uri: str | None, name: str) -> Path | None:
+                return build.fetch_artifact(uri, None, Path(work), name) if uri else None
+
             request = build.BuildRequest(
                 source=build.fetch_artifact(args.artifact, args.sha256, Path(work)),
                 repository=args.repository, model=args.model, version=args.version,
-                calibration=args.calibration, evaluation=args.eval, force=args.force,
+                calibration=data(args.calibration, "calibration.npz"),
+                evaluation=data(args.eval, "eval.npz"), force=args.force,
                 allow_accuracy_drop=args.allow_accuracy_drop,
             )
             outcome = build.build(request, profile, settings,
@@ -488,10 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--model", required=True, metavar="NAME", help="model name (directory)")
     build.add_argument("--version", required=True, type=int, metavar="V",
                        help="version to write (a positive integer)")
-    build.add_argument("--calibration", type=Path, metavar="DATA.npz",
-                       help="INT8 calibration inputs: one array per model input, keyed by its "
+    build.add_argument("--calibration", metavar="DATA.npz",
+                       help="INT8 calibration inputs (a path or http(s) URI): one array per model input, keyed by its "
                        "name (default: random inputs)")
-    build.add_argument("--eval", type=Path, metavar="DATA.npz",
+    build.add_argument("--eval", metavar="DATA.npz",
                        help="eval inputs like --calibration, plus optional integer `labels` "
                        "(default: random inputs: agreement only, no accuracy)")
     build.add_argument("--calibration-method", metavar="METHOD",

@@ -132,7 +132,8 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
 MAX_ARTIFACT_BYTES = 4 << 30  # an artifact fetched over HTTP may be at most this large
 
 
-def fetch_artifact(uri: str, sha256: str | None, work: Path) -> Path:
+def fetch_artifact(uri: str, sha256: str | None, work: Path, name: str = "artifact.onnx"
+                   ) -> Path:
     """The artifact as a local file: a path as it is, an http(s) URI downloaded
     into `work`; checked against `sha256` when one is given, so that nothing
     but the pinned bytes is ever built."""
@@ -141,7 +142,7 @@ def fetch_artifact(uri: str, sha256: str | None, work: Path) -> Path:
 
     scheme = urllib.parse.urlparse(uri).scheme
     if scheme in ("http", "https"):
-        path = work / "artifact.onnx"
+        path = work / name
         try:
             with urllib.request.urlopen(uri, timeout=60) as reply, path.open("wb") as out:
                 copied = 0

@@ -46,7 +46,7 @@ import onnx  # noqa: E402
 import tritonclient.grpc.aio as aioclient  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
-from tiered.agent.process import AgentProcess, ServerProcess  # noqa: E402
+from tiered.agent.process import AgentProcess, RouterProcess, ServerProcess  # noqa: E402
 from tiered.agent.repository import model_file, write_config  # noqa: E402
 from tiered.models import zoo  # noqa: E402
 
@@ -136,12 +136,10 @@ def main() -> int:
             table.write_text(json.dumps({"version": 1, "models": {
                 model: {"max_in_flight": 1024, "tiers": {"edge": {"agents": [agent.address]}}}
                 for model in MODELS}}))
-            command = [sys.executable, "-m", "tiered", "router", "--routing-table", str(table),
-                       "--port", "0", "--no-metrics"]
             passthrough = ServerProcess(
                 [sys.executable, str(REPO_ROOT / "bench" / "passthrough_server.py"),
                  "--upstream", agent.address], "passthrough")
-            with ServerProcess(command, "router") as router, passthrough:
+            with RouterProcess(table, metrics_port=None) as router, passthrough:
                 addresses = {"direct": agent.address, "router": router.address,
                              "passthrough": passthrough.address}
                 rows = []

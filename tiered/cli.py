@@ -12,6 +12,7 @@ from pathlib import Path
 from tiered.agent.process import AgentError
 from tiered.errors import ConfigError, TieredError
 from tiered.profiles import TIERS
+from tiered.protocol.security import add_tls_flags, security_from_args
 
 
 def _agent(args: argparse.Namespace) -> int:
@@ -21,9 +22,12 @@ def _agent(args: argparse.Namespace) -> int:
 
     try:
         profile = load_profile(args.tier, args.profile)
+        security = security_from_args(args)
+        authorizer = authorizer_from_args(args)
     except ConfigError as error:
         print(f"tiered agent: {error}", file=sys.stderr)
         return 2
+    security.warn_if_plaintext("tiered agent")
     settings = server.AgentSettings(
         profile=profile,
         repository=args.model_repository,
@@ -33,15 +37,42 @@ def _agent(args: argparse.Namespace) -> int:
         telemetry=not args.no_telemetry,
         tracing=TracingSettings(base_rate=args.trace_base_rate, otlp_endpoint=args.otlp_endpoint),
         allow_failed_models=args.allow_failed_models,
+        security=security, authorizer=authorizer,
     )
     return server.run(settings)
+
+
+def authorizer_from_args(args: argparse.Namespace):
+    from tiered.protocol.security import Authorizer, read_tokens
+
+    inference = read_tokens(args.inference_token_file, "--inference-token-file")
+    return Authorizer(admin_tokens=read_tokens(args.admin_token_file, "--admin-token-file"),
+                      admin_names=frozenset(args.admin_cn or ()),
+                      inference_tokens=inference or None)
+
+
+def _add_auth_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("authorization")
+    group.add_argument("--admin-token-file", type=Path, metavar="FILE",
+                       help="tokens (one per line) allowed to load and unload models; "
+                       "without admin credentials load and unload are refused")
+    group.add_argument("--admin-cn", action="append", metavar="NAME",
+                       help="a client-certificate common name allowed to load and unload "
+                       "(mTLS; repeatable)")
+    group.add_argument("--inference-token-file", type=Path, metavar="FILE",
+                       help="tokens (one per line) inference requires (default: open)")
 
 
 def _top(args: argparse.Namespace) -> int:
     from tiered import top
 
     try:
-        return top.run(args.agents, args.interval, args.once, args.model)
+        transport = security_from_args(args)
+    except ConfigError as error:
+        print(f"tiered top: {error}", file=sys.stderr)
+        return 2
+    try:
+        return top.run(args.agents, args.interval, args.once, args.model, transport)
     except KeyboardInterrupt:
         return 0
 
@@ -211,14 +242,15 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
 
     try:
         addresses = json.loads(args.agent_addresses.read_text()) if args.agent_addresses else {}
+        transport = security_from_args(args)
         settings = ClusterSettings(
             namespace=args.namespace, agent_image=args.agent_image,
             agent_gpu_image=args.agent_gpu_image, routing_configmap=args.routing_configmap,
-            router_metrics=args.router_metrics)
+            router_metrics=args.router_metrics, tls_secret=args.agent_tls_secret)
         options = ControllerOptions(
             identity=args.identity or socket.gethostname(), leader_elect=args.leader_elect,
             lease_name=args.lease_name, lease_duration_s=args.lease_duration,
-            retire_grace_s=args.retire_grace, agent_addresses=addresses)
+            retire_grace_s=args.retire_grace, agent_addresses=addresses, transport=transport)
         client = api_client(args.kubeconfig, args.context)
     except (OSError, ValueError, TieredError) as error:
         print(f"tiered controller: {error}", file=sys.stderr)
@@ -406,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "ones always are, slow ones by latency (default 0.01)")
     agent.add_argument("--allow-failed-models", action="store_true",
                        help="start even if some models fail to load (they show as UNAVAILABLE)")
+    add_tls_flags(agent)
+    _add_auth_flags(agent)
     agent.set_defaults(handler=_agent)
 
     top = commands.add_parser(
@@ -420,14 +454,22 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--once", action="store_true",
                      help="print the whole window once and exit (no screen clearing)")
     top.add_argument("--model", default="", help="only this model")
+    add_tls_flags(top, server=False)
     top.set_defaults(handler=_top)
 
     def _router(args: argparse.Namespace) -> int:
         from tiered.router import server as router_server
 
+        try:
+            transport = security_from_args(args)
+        except ConfigError as error:
+            print(f"tiered router: {error}", file=sys.stderr)
+            return 2
+        transport.warn_if_plaintext("tiered router")
         return router_server.run(router_server.RouterSettings(
             routing_table=args.routing_table, host=args.host, port=args.port,
             metrics_port=None if args.no_metrics else args.metrics_port, seed=args.seed,
+            security=transport,
         ))
 
     router = commands.add_parser(
@@ -450,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
     router.add_argument("--seed", type=int, default=None,
                         help="seed of the split for requests without a tiered-key")
+    add_tls_flags(router)
     router.set_defaults(handler=_router)
 
     demo = commands.add_parser(
@@ -581,6 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     controller.add_argument("--interval", type=float, default=2.0, metavar="S",
                             help="local: seconds between reconcile passes (default 2)")
     _cluster_flags(controller)
+    add_tls_flags(controller, server=False)
     controller.add_argument("--routing-configmap", default="tiered-routing", metavar="NAME",
                             help="Kubernetes: the router's ConfigMap (default tiered-routing)")
     controller.add_argument("--router-metrics", metavar="URL",
@@ -604,6 +648,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "Lease (default: the host name, the pod's name in a cluster)")
     controller.add_argument("--metrics-port", type=int, metavar="PORT",
                             help="Kubernetes: serve Prometheus /metrics (and a probe) here")
+    controller.add_argument("--agent-tls-secret", metavar="SECRET",
+                            help="Kubernetes: a kubernetes.io/tls Secret (with ca.crt) the "
+                            "agents serve mTLS with; the controller then needs --tls-* flags "
+                            "(default: agents run --insecure)")
     controller.add_argument("--agent-addresses", type=Path, metavar="FILE",
                             help="Kubernetes: JSON {service: host:port} for agents reached "
                             "under other names (port-forwarding, tests)")

@@ -42,3 +42,11 @@ class ConfigError(TieredError):
 
 class Conflict(TieredError):
     """A write based on a stale revision; re-read and try again."""
+
+
+class Unauthenticated(TieredError):
+    """The call carries no credentials where some are required."""
+
+
+class PermissionDenied(TieredError):
+    """The caller's credentials do not allow this call."""

@@ -17,6 +17,7 @@ import grpc
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.protocol.security import PLAINTEXT, TransportSecurity, channel
 
 HEADERS = ("agent", "tier", "model", "ver", "dev", "req/s", "err%", "p50 ms", "p95 ms",
            "p99 ms", "queue p50", "J/inf", "source", "inflight", "queued")
@@ -63,8 +64,8 @@ class _Agent:
 
 
 def run(addresses: Sequence[str], interval_s: float = 2.0, once: bool = False,
-        model: str = "") -> int:
-    agents = [_Agent(a, tpb_grpc.TelemetryStub(grpc.insecure_channel(a))) for a in addresses]
+        model: str = "", transport: TransportSecurity = PLAINTEXT) -> int:
+    agents = [_Agent(a, tpb_grpc.TelemetryStub(channel(a, transport))) for a in addresses]
     while True:
         table, errors = [], []
         for agent in agents:

@@ -314,6 +314,18 @@ def test_role_is_bound_to_the_controllers_service_account(any_render):
 
 # ---- the controller ----------------------------------------------------------------
 
+TLS_ARGS = ["--tls-cert", "/etc/tiered/tls/tls.crt", "--tls-key", "/etc/tiered/tls/tls.key",
+            "--tls-ca", "/etc/tiered/tls/ca.crt"]
+
+
+def security_args(c: dict, server: bool) -> list[str]:
+    """What a container must pass: TLS from the mounted Secret (mTLS for servers in
+    the full render, which sets clientAuth), else an explicit --insecure."""
+    if "/etc/tiered/tls" not in mounts(c):
+        return ["--insecure"]
+    return TLS_ARGS + (["--tls-client-auth"] if server else [])
+
+
 def test_controller_arguments_name_objects_the_chart_renders(any_render):
     deployment = one(any_render, "Deployment", f"{fullname()}-controller")
     assert deployment["spec"]["replicas"] == 1
@@ -325,7 +337,8 @@ def test_controller_arguments_name_objects_the_chart_renders(any_render):
         "--router-metrics", f"http://{fullname()}-router.{helm.NAMESPACE}.svc:8003/metrics",
         "--agent-image", image("tiered-agent"),
         "--agent-gpu-image", image("tiered-agent-cuda"),
-        "--leader-elect", "--metrics-port", "8080",
+        "--leader-elect", "--metrics-port", "8080", *security_args(c, server=False),
+        *(["--agent-tls-secret", "tiered-tls"] if "/etc/tiered/tls" in mounts(c) else []),
     ]
     args = dict(zip(c["args"], c["args"][1:]))
     # The routing ConfigMap it rewrites is the one the router mounts.
@@ -360,13 +373,17 @@ def test_router_reads_the_routing_configmap_and_probes_grpc_health(any_render):
     assert router["spec"]["replicas"] == 2
     c = container(router, "router")
     assert c["args"] == ["router", "--routing-table", "/etc/tiered/routing/routing.yaml",
-                         "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8003"]
+                         "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8003",
+                         *security_args(c, server=True)]
     routing = mounts(c)["/etc/tiered/routing"]
     # A subPath mount would never see the controller's rewrites.
     assert "subPath" not in routing and routing["readOnly"] is True
     assert volumes(router)[routing["name"]]["configMap"]["name"] == f"{fullname()}-routing"
+    # Kubernetes' gRPC probe is plaintext only: under TLS the port is probed.
+    probe_of = ({"tcpSocket": {"port": 8001}} if "/etc/tiered/tls" in mounts(c)
+                else {"grpc": {"port": 8001}})
     for probe in ("livenessProbe", "readinessProbe"):
-        assert c[probe] == {**c[probe], "grpc": {"port": 8001}}
+        assert c[probe] == {**c[probe], **probe_of}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 8001, "metrics": 8003}
     service = one(any_render, "Service", f"{fullname()}-router")
     assert service["spec"]["type"] == "ClusterIP"
@@ -430,7 +447,8 @@ def test_agent_pool_serves_its_tier(full_render, tier, kind, agent_image):
     c = container(pool, "agent")
     assert c["image"] == image(agent_image)
     assert c["args"] == ["agent", "--tier", tier, "--model-repository", "/models",
-                         "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8002"]
+                         "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8002",
+                         *security_args(c, server=True)]
     assert pod_spec(pool)["nodeSelector"] == {"tiered.dev/tier": tier}
     assert mounts(c)["/models"]["name"] == "models"
     service = one(full_render, "Service", f"{fullname()}-agent-{tier}")
@@ -471,7 +489,7 @@ def test_notes_say_how_to_apply_watch_and_reach_the_router(tmp_path, helm_binary
     for expected in ("kubectl apply", "kubectl get tieredmodels", "tiered get --kubernetes",
                      f"{fullname()}-router.{helm.NAMESPACE}.svc:8001",
                      f"kubectl port-forward -n {helm.NAMESPACE} svc/{fullname()}-router",
-                     "mounted for", "/etc/tiered/tls",
+                     "every gRPC hop uses Secret", "/etc/tiered/tls",
                      f"daemonset/{fullname()}-agent-edge"):
         assert expected in notes, f"{expected!r} missing from NOTES:\n{notes}"
 

@@ -65,6 +65,16 @@ class Traffic:
             thread.join(30)
 
 
+ADMIN_TOKEN = "lifecycle-admin"
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def admin_token(tmp_path) -> Path:
+    path = tmp_path / "admin.token"
+    path.write_text(f"{ADMIN_TOKEN}\n")
+    return path
+
+
 def wait_for(predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -74,12 +84,12 @@ def wait_for(predicate, timeout_s: float = 10.0) -> None:
 
 def test_new_version_loads_during_traffic_without_a_failed_request(tmp_path):
     root = mlp_repository(tmp_path)
-    with AgentProcess("edge", root) as agent, \
+    with AgentProcess("edge", root, admin_token_file=admin_token(tmp_path)) as agent, \
             grpcclient.InferenceServerClient(agent.address) as client:
         with Traffic(agent.address, "mlp") as traffic:
             wait_for(lambda: len(traffic.versions) > 20)
             zoo.mlp(model_file(root, "mlp", 2), seed=2)
-            client.load_model("mlp")  # the default policy serves the newest version
+            client.load_model("mlp", headers=ADMIN)  # the default policy serves the newest version
             served_at_load = len(traffic.versions)
             wait_for(lambda: traffic.versions[-1:] == ["2"] and len(traffic.versions) > served_at_load + 20)
         assert traffic.failures == []
@@ -91,11 +101,11 @@ def test_new_version_loads_during_traffic_without_a_failed_request(tmp_path):
 
 def test_unload_drains_then_refuses_and_load_brings_it_back(tmp_path):
     root = mlp_repository(tmp_path)
-    with AgentProcess("edge", root) as agent, \
+    with AgentProcess("edge", root, admin_token_file=admin_token(tmp_path)) as agent, \
             grpcclient.InferenceServerClient(agent.address) as client:
         with Traffic(agent.address, "mlp") as traffic:
             wait_for(lambda: len(traffic.versions) > 20)
-            client.unload_model("mlp")
+            client.unload_model("mlp", headers=ADMIN)
             answered_at_unload = len(traffic.versions)
             wait_for(lambda: len(traffic.failures) > 5)
         # Unload answers only after in-flight requests finished: none failed mid-way.
@@ -105,25 +115,25 @@ def test_unload_drains_then_refuses_and_load_brings_it_back(tmp_path):
         assert not client.is_model_ready("mlp")
         index = {m.name: m for m in client.get_model_repository_index().models}
         assert index["mlp"].state == "UNAVAILABLE" and index["mlp"].reason == "unloaded"
-        client.load_model("mlp")
+        client.load_model("mlp", headers=ADMIN)
         assert client.infer("mlp", mlp_inputs()).as_numpy("probabilities").shape == (1, 4)
 
 
 def test_bad_config_on_reload_is_refused_and_the_old_version_keeps_serving(tmp_path):
     root = mlp_repository(tmp_path)
-    with AgentProcess("edge", root) as agent, \
+    with AgentProcess("edge", root, admin_token_file=admin_token(tmp_path)) as agent, \
             grpcclient.InferenceServerClient(agent.address) as client:
         (root / "mlp" / "config.yaml").write_text("max_batch_size: 8\ndynamic_batchin: {}\n")
         with pytest.raises(InferenceServerException) as caught:
-            client.load_model("mlp")
+            client.load_model("mlp", headers=ADMIN)
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert "dynamic_batchin" in caught.value.message()
         assert client.infer("mlp", mlp_inputs()).get_response().model_version == "1"
         with pytest.raises(InferenceServerException) as caught:
-            client.load_model("../etc")
+            client.load_model("../etc", headers=ADMIN)
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
         with pytest.raises(InferenceServerException) as caught:
-            client.load_model("absent")
+            client.load_model("absent", headers=ADMIN)
         assert caught.value.status() == "StatusCode.NOT_FOUND"
 
 
@@ -195,15 +205,50 @@ def test_missing_repository_is_a_clear_start_up_error(tmp_path):
 def test_reload_rebuilds_only_versions_whose_files_changed(tmp_path):
     """Reload rebuilds a version whose file changed and keeps one that did not."""
     root = mlp_repository(tmp_path)
-    with AgentProcess("edge", root) as agent, \
+    with AgentProcess("edge", root, admin_token_file=admin_token(tmp_path)) as agent, \
             grpcclient.InferenceServerClient(agent.address) as client:
         before = client.infer("mlp", mlp_inputs()).as_numpy("probabilities")
-        client.load_model("mlp")  # nothing changed: same answers
+        client.load_model("mlp", headers=ADMIN)  # nothing changed: same answers
         np.testing.assert_array_equal(
             client.infer("mlp", mlp_inputs()).as_numpy("probabilities"), before)
         replacement = tmp_path / "other.onnx"
         zoo.mlp(replacement, seed=9)
         shutil.copy(replacement, root / "mlp" / "1" / "model.onnx")
-        client.load_model("mlp")
+        client.load_model("mlp", headers=ADMIN)
         after = client.infer("mlp", mlp_inputs()).as_numpy("probabilities")
         assert not np.allclose(after, before)
+
+
+def test_load_and_unload_need_an_admin_token(tmp_path):
+    root = mlp_repository(tmp_path)
+    with AgentProcess("edge", root, admin_token_file=admin_token(tmp_path)) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        for headers, status in ((None, "StatusCode.UNAUTHENTICATED"),
+                                ({"authorization": "Bearer guess"},
+                                 "StatusCode.PERMISSION_DENIED")):
+            with pytest.raises(InferenceServerException) as caught:
+                client.unload_model("mlp", headers=headers)
+            assert caught.value.status() == status
+            assert "admin token" in caught.value.message()
+        assert client.is_model_ready("mlp")  # refused calls changed nothing
+        assert client.infer("mlp", mlp_inputs()).get_response().model_version == "1"
+    with AgentProcess("edge", root) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:  # no admin at all
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("mlp", headers=ADMIN)
+        assert caught.value.status() == "StatusCode.PERMISSION_DENIED"
+
+
+def test_a_symlink_out_of_the_repository_is_refused(tmp_path):
+    root = mlp_repository(tmp_path / "repository")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    zoo.mlp(outside / "model.onnx", seed=3)
+    with AgentProcess("edge", root, admin_token_file=admin_token(tmp_path)) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        (root / "mlp" / "2").symlink_to(outside, target_is_directory=True)
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("mlp", headers=ADMIN)
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "leads out of the repository" in caught.value.message()
+        assert client.infer("mlp", mlp_inputs()).get_response().model_version == "1"

@@ -95,7 +95,8 @@ def test_tiered_top_prints_a_row_per_model_version(agent):
     send(agent.address, 5)
     wait_for_next_slot()
     result = subprocess.run(
-        [sys.executable, "-m", "tiered", "top", agent.address, "--once", "--model", "add_sub"],
+        [sys.executable, "-m", "tiered", "top", agent.address, "--once", "--model", "add_sub",
+         "--insecure"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr

@@ -101,7 +101,7 @@ def start_controller(api, agents, tmp_path, identity: str) -> subprocess.Popen:
         [sys.executable, "-m", "tiered", "controller", "--kubernetes", "--namespace", NAMESPACE,
          "--kubeconfig", str(kubeconfig), "--leader-elect", "--identity", identity,
          "--lease-duration", "3", "--retire-grace", "2", "--agent-addresses", str(agents),
-         "--routing-configmap", "tiered-routing"],
+         "--routing-configmap", "tiered-routing", "--insecure"],
         stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import threading
 import time
 import urllib.request
@@ -29,7 +28,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
-from tiered.agent.process import AgentProcess, ServerProcess
+from tiered.agent.process import AgentProcess
+from tiered.agent.process import RouterProcess as RouterCommand
 from tiered.agent.repository import model_file, write_config
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
@@ -39,11 +39,9 @@ TIERS = ("edge", "regional", "datacenter")
 VERSIONS = {1: "v1", 2: "v2", 3: "heavy"}
 
 
-class RouterProcess(ServerProcess):
+class RouterProcess(RouterCommand):
     def __init__(self, table: Path) -> None:
-        super().__init__([sys.executable, "-m", "tiered", "router", "--routing-table",
-                          str(table), "--port", "0", "--metrics-port", "0", "--seed", "0"],
-                         "router")
+        super().__init__(table, extra_args=["--seed", "0"])
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,11 @@ class AgentProcess(ServerProcess):
         env: dict[str, str] | None = None,
         port: int = 0,
         log_dir: Path | None = None,
+        security_args: Sequence[str] = ("--insecure",),
+        admin_token_file: Path | None = None,
     ) -> None:
+        """`security_args`: the agent's --tls-* flags, or --insecure (loopback
+        tests and the local system); `admin_token_file` allows load/unload."""
         self.tier = tier
         self.repository = Path(repository)
         command = [
@@ -142,6 +146,34 @@ class AgentProcess(ServerProcess):
             "--host", "127.0.0.1",
             "--port", str(port),
             "--metrics-port", "0",
+            *security_args,
+            *(["--admin-token-file", str(admin_token_file)] if admin_token_file else []),
             *extra_args,
         ]
         super().__init__(command, f"agent-{tier}", env, log_dir)
+
+
+class RouterProcess(ServerProcess):
+    """`tiered router` on a loopback port (0: a free one) over a routing table file."""
+
+    def __init__(
+        self,
+        routing_table: Path,
+        *,
+        port: int = 0,
+        metrics_port: int | None = 0,  # None: no /metrics
+        security_args: Sequence[str] = ("--insecure",),
+        extra_args: Sequence[str] = (),
+        log_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        command = [
+            sys.executable, "-m", "tiered", "router",
+            "--routing-table", str(routing_table),
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            *(["--no-metrics"] if metrics_port is None else ["--metrics-port", str(metrics_port)]),
+            *security_args,
+            *extra_args,
+        ]
+        super().__init__(command, "router", env, log_dir)

@@ -29,7 +29,7 @@ from tiered.agent.model import ModelVersion
 from tiered.engines import Engine, open_engine
 from tiered.engines import build as build_report
 from tiered.engines.base import warm_up
-from tiered.errors import ConfigError, NotFound, TieredError, Unavailable
+from tiered.errors import ConfigError, InvalidArgument, NotFound, TieredError, Unavailable
 from tiered.profiles import TierProfile
 from tiered.settings import read_yaml
 from tiered.telemetry.recorder import VersionRecorder
@@ -76,6 +76,14 @@ def versions_on_disk(model_dir: Path) -> dict[int, Path]:
             if (child / MODEL_FILE).is_file():
                 found[int(child.name)] = child / MODEL_FILE
     return found
+
+
+def inside_repository(root: Path, path: Path, what: str) -> None:
+    """Refuse a file that a symlink (of the model, version or file) takes out of
+    the repository: what an agent runs must be what its repository holds."""
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise InvalidArgument(f"model_name: {what} leads out of the repository "
+                              f"({path} -> {path.resolve()}); refusing to load it")
 
 
 class ModelRepository:
@@ -215,10 +223,13 @@ class ModelRepository:
         config_path = model_dir / "config.yaml"
         if not config_path.is_file():
             raise NotFound(f"model_name: no model {name!r} in repository {self.root}")
+        inside_repository(self.root, config_path, name)
         where = f"{name}/config.yaml"
         config = parse_model_config(name, read_yaml(config_path), self.profile, where)
         on_disk = versions_on_disk(model_dir)
         wanted = {v: on_disk[v] for v in config.version_policy.select(on_disk)}
+        for version, path in wanted.items():
+            inside_repository(self.root, path, f"{name} version {version}")
         if not wanted:
             raise ConfigError(
                 f"{name}: no version directory with {MODEL_FILE} matches the version policy "

@@ -28,6 +28,7 @@ from tiered.profiles import TierProfile
 from tiered.protocol import descriptors
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.protocol.security import PLAINTEXT, Authorizer, TransportSecurity, add_port
 from tiered.telemetry import tracing
 from tiered.telemetry.tracing import TracingSettings
 
@@ -44,6 +45,8 @@ class AgentSettings:
     telemetry: bool = True  # per-version windows and energy (tiered.v1.Telemetry)
     tracing: TracingSettings = TracingSettings()  # off unless an OTLP endpoint is set
     allow_failed_models: bool = False  # else a model that fails to load stops start-up
+    security: TransportSecurity = PLAINTEXT
+    authorizer: Authorizer = Authorizer()  # with no admin credentials, load/unload are refused
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -73,7 +76,7 @@ async def serve(settings: AgentSettings) -> None:
         maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
     )
     tracer = tracing.configure(f"tiered-agent-{settings.profile.tier}", settings.tracing)
-    servicer = InferenceServicer(repository, tracer)
+    servicer = InferenceServicer(repository, tracer, settings.authorizer)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     hub = TelemetryHub.for_this_machine(repository)
     tpb_grpc.add_TelemetryServicer_to_server(TelemetryServicer(hub), server)
@@ -84,7 +87,7 @@ async def serve(settings: AgentSettings) -> None:
     )
     address = f"{settings.host}:{settings.port}"
     try:
-        port = server.add_insecure_port(address)
+        port = add_port(server, address, settings.security)
     except RuntimeError as error:
         raise ConfigError(f"cannot listen on {address}: {error}") from error
     await server.start()

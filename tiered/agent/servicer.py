@@ -22,6 +22,7 @@ from tiered.errors import TieredError
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import messages
+from tiered.protocol.security import Authorizer
 from tiered.protocol.status import translate_errors
 from tiered.protocol.streaming import answer_stream
 from tiered.telemetry.tracing import context_from_metadata
@@ -40,9 +41,11 @@ def _deadline(timeout_s: float, context: grpc.aio.ServicerContext) -> float:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, repository: ModelRepository, tracer: trace.Tracer | None = None) -> None:
+    def __init__(self, repository: ModelRepository, tracer: trace.Tracer | None = None,
+                 authorizer: Authorizer | None = None) -> None:
         self.repository = repository
         self.tracer = tracer  # None: tracing off, no spans made
+        self.authorizer = authorizer or Authorizer()
         self.ready = False  # set once the repository is loaded; cleared on shutdown
 
     @translate_errors
@@ -103,6 +106,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             yield response
 
     async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        self.authorizer.require_inference(context)
         model = self.repository.get(request.model_name, request.model_version)
         try:
             call = messages.decode_infer_request(request)
@@ -143,12 +147,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def RepositoryModelLoad(self, request, context):
+        self.authorizer.require_admin(context)
         messages.repository_parameters(request.parameters)
         await self.repository.load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @translate_errors
     async def RepositoryModelUnload(self, request, context):
+        self.authorizer.require_admin(context)
         messages.repository_parameters(request.parameters)
         await self.repository.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()

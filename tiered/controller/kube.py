@@ -40,6 +40,8 @@ from tiered.controller import desired, render
 from tiered.controller.crd import PLURAL
 from tiered.controller.judge import RolloutJudge
 from tiered.errors import ConfigError, Conflict, TieredError
+from tiered.protocol import security
+from tiered.protocol.security import PLAINTEXT, TransportSecurity
 from tiered.rollout import engine
 from tiered.rollout.spec import (
     API_GROUP,
@@ -194,6 +196,7 @@ class ControllerOptions:
     resync_s: float = RESYNC_S
     retire_grace_s: float = RETIRE_GRACE_S
     agent_addresses: Mapping[str, str] = dataclasses.field(default_factory=dict)  # tests
+    transport: TransportSecurity = PLAINTEXT  # channels to the agents' Telemetry service
 
 
 class KubeController:
@@ -574,5 +577,6 @@ class KubeController:
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(address)
+            channel = self._channels[address] = security.channel(address,
+                                                                 self.options.transport)
         return channel

@@ -78,6 +78,21 @@ class StateLayout:
     def logs(self) -> Path:
         return self.root / "logs"
 
+    @property
+    def admin_token(self) -> Path:
+        """The token the agents accept for load and unload (mode 0600)."""
+        return self.root / "admin.token"
+
+    def ensure_admin_token(self) -> Path:
+        if not self.admin_token.is_file():
+            import secrets
+
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.admin_token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(32) + "\n")
+        return self.admin_token
+
     def repository(self, tier: str) -> Path:
         return self.root / "repositories" / tier
 
@@ -290,7 +305,7 @@ class LocalController:
             for agent in system.agents.get(tier, ()):
                 stub = pb_grpc.GRPCInferenceServiceStub(self._channel(agent))
                 stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=spec.name),
-                                         timeout=LOAD_TIMEOUT_S)
+                                         timeout=LOAD_TIMEOUT_S, metadata=self._admin())
             self._served[(tier, spec.name)] = versions
             self.progress(f"{spec.name}: {tier} serves version"
                           f"{'s' if len(versions) > 1 else ''} "
@@ -342,6 +357,10 @@ class LocalController:
                                         artifacts=record.artifacts, message=message)
             except Conflict:
                 pass
+
+    def _admin(self) -> tuple[tuple[str, str], ...]:
+        token = self.layout.admin_token.read_text().strip()
+        return (("authorization", f"Bearer {token}"),)
 
     def _channel(self, agent: str) -> grpc.Channel:
         channel = self._channels.get(agent)

@@ -33,6 +33,7 @@ from tiered.rollout.spec import (
 AGENT_PORT = 8001
 AGENT_METRICS_PORT = 8002
 MODELS_DIR = "/models"
+TLS_DIR = "/etc/tiered/tls"
 ROUTING_KEY = "routing.yaml"
 GPU_TIERS = ("regional", "datacenter")
 
@@ -55,6 +56,9 @@ class ClusterSettings:
     routing_configmap: str = "tiered-routing"
     router_metrics: str | None = None  # http://router:8003/metrics, for shadow agreement
     image_pull_policy: str = "IfNotPresent"
+    # A kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt) the agents serve with,
+    # requiring client certificates from the same CA; None: plaintext (--insecure).
+    tls_secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,17 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
     image = settings.agent_gpu_image if tier in GPU_TIERS else settings.agent_image
     volumes = [{"name": "models", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    security = ["--insecure"]
+    # Kubernetes' gRPC probe speaks plaintext only: under TLS the port is probed.
+    probe: dict[str, Any] = {"grpc": {"port": AGENT_PORT}}
+    if settings.tls_secret:
+        probe = {"tcpSocket": {"port": AGENT_PORT}}
+        volumes.append({"name": "tls", "secret": {"secretName": settings.tls_secret}})
+        agent_mounts = [*mounts, {"name": "tls", "mountPath": TLS_DIR, "readOnly": True}]
+        security = ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key",
+                    "--tls-ca", f"{TLS_DIR}/ca.crt", "--tls-client-auth"]
+    else:
+        agent_mounts = mounts
     resources = {k: dict(v) for k, v in (("requests", tier_spec.resources.requests),
                                          ("limits", tier_spec.resources.limits)) if v}
     pod = {
@@ -140,13 +155,12 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
             "name": "agent", "image": image, "imagePullPolicy": settings.image_pull_policy,
             "command": ["tiered", "agent", "--tier", tier, "--model-repository", MODELS_DIR,
                         "--host", "0.0.0.0", "--port", str(AGENT_PORT),
-                        "--metrics-port", str(AGENT_METRICS_PORT)],
+                        "--metrics-port", str(AGENT_METRICS_PORT), *security],
             "ports": [{"name": "grpc", "containerPort": AGENT_PORT},
                       {"name": "metrics", "containerPort": AGENT_METRICS_PORT}],
-            "readinessProbe": {"grpc": {"port": AGENT_PORT}, "periodSeconds": 5},
-            "livenessProbe": {"grpc": {"port": AGENT_PORT}, "periodSeconds": 10,
-                              "failureThreshold": 6},
-            "volumeMounts": mounts, "securityContext": SECURITY_CONTEXT,
+            "readinessProbe": {**probe, "periodSeconds": 5},
+            "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+            "volumeMounts": agent_mounts, "securityContext": SECURITY_CONTEXT,
             "resources": resources,
         }],
         "volumes": volumes,

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiered.agent.process import AgentError, AgentProcess, ServerProcess
+from tiered.agent.process import AgentError, AgentProcess, RouterProcess, ServerProcess
 from tiered.controller.local import RunningSystem, StateLayout, write_atomically
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file
@@ -123,16 +123,15 @@ class LocalUp:
                                   self.progress)
         if not layout.routing_table.is_file():
             write_atomically(layout.routing_table, "version: 0\nmodels: {}\n")
+        admin_token = layout.ensure_admin_token()
         for tier in self.system.tiers:
             layout.repository(tier).mkdir(parents=True, exist_ok=True)
             self.agents[tier] = AgentProcess(tier, layout.repository(tier), log_dir=layout.logs,
-                                             extra_args=["--allow-failed-models"])
-        self.router = ServerProcess(
-            [sys.executable, "-m", "tiered", "router", "--routing-table",
-             str(layout.routing_table), "--host", "127.0.0.1",
-             "--port", str(self.system.router.port),
-             "--metrics-port", str(self.system.router.metrics_port)],
-            "router", log_dir=layout.logs)
+                                             extra_args=["--allow-failed-models"],
+                                             admin_token_file=admin_token)
+        self.router = RouterProcess(layout.routing_table, port=self.system.router.port,
+                                    metrics_port=self.system.router.metrics_port,
+                                    log_dir=layout.logs)
         for name, process in [*self.agents.items(), ("router", self.router)]:
             process.start()
             self.progress(f"{name}: pid {process.pid}, {process.address} "

@@ -57,6 +57,7 @@ _LENGTH = struct.Struct("<I")
 # allocation.
 MAX_DIMENSION = 1 << 40
 MAX_ELEMENTS = 1 << 40
+MAX_RANK = 32  # numpy's limit before numpy 2 (64 since)
 
 
 def dtype_of(datatype: str, *, field: str = "datatype") -> np.dtype:
@@ -81,6 +82,8 @@ def datatype_of(dtype: np.dtype) -> str:
 
 
 def element_count(shape: Sequence[int], *, field: str) -> int:
+    if len(shape) > MAX_RANK:
+        raise InvalidArgument(f"{field}: shape has {len(shape)} dimensions; at most {MAX_RANK}")
     count = 1
     for dim in shape:
         if dim < 0:
@@ -200,6 +203,10 @@ def decode_inputs(request) -> dict[str, np.ndarray]:
             raise InvalidArgument(f"{field}: input given more than once")
         shape = tuple(tensor.shape)
         if raw:
+            if tensor.contents.ListFields():  # two sources for one tensor: refuse, never pick
+                raise InvalidArgument(
+                    f"{field}: contents given beside raw_input_contents; send one of them"
+                )
             arrays[tensor.name] = from_raw(raw[index], tensor.datatype, shape, field=field)
         else:
             arrays[tensor.name] = from_contents(tensor.contents, tensor.datatype, shape, field=field)

@@ -27,6 +27,8 @@ _CODES: dict[type[errors.TieredError], grpc.StatusCode] = {
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.EngineError: grpc.StatusCode.INTERNAL,
     errors.Conflict: grpc.StatusCode.ABORTED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

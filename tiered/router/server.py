@@ -27,9 +27,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 import tiered
 from tiered import errors
-from tiered.protocol import codec, descriptors
+from tiered.protocol import codec, descriptors, security
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol.security import PLAINTEXT, TransportSecurity
 from tiered.protocol.status import error_from_status, translate_errors
 from tiered.protocol.streaming import answer_stream
 from tiered.router import policies
@@ -65,6 +66,7 @@ class RouterSettings:
     port: int = 8001
     metrics_port: int | None = None  # None: off, 0: any free port
     seed: int | None = None  # rng seed for reproducible splits without keys
+    security: TransportSecurity = PLAINTEXT  # the router's port and its channels to agents
 
 
 def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, str]] | None
@@ -95,14 +97,15 @@ def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, st
 class ChannelPool:
     """One channel per agent address, reused by every call to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, security: TransportSecurity = PLAINTEXT) -> None:
+        self.security = security  # agents are checked against its CA; mTLS with its cert
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.GRPCInferenceServiceStub] = {}
 
     def channel(self, agent: str) -> grpc.aio.Channel:
         channel = self._channels.get(agent)
         if channel is None:
-            channel = grpc.aio.insecure_channel(agent, options=[
+            channel = security.channel(agent, self.security, aio=True, options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 # A name that resolves to many agents (a headless Service) is
@@ -162,12 +165,12 @@ class Router:
     """The data plane: table, observations, pool and the forwarding logic."""
 
     def __init__(self, table: RoutingTable, *, rng: random.Random | None = None,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, transport: TransportSecurity = PLAINTEXT) -> None:
         self.table = table
         self.rng = rng or random.Random()
         self.clock = clock
         self.observer = Observer(clock)
-        self.pool = ChannelPool()
+        self.pool = ChannelPool(transport)
         self.metrics = RouterMetrics()
         self.metrics.table_version.set(table.version)
         self.statistics = RouterStatistics()
@@ -507,13 +510,26 @@ async def watch_table(router: Router, path: Path, interval_s: float = TABLE_POLL
             continue
         seen = stamp
         try:
-            table = load_table(path)
+            table = read_table(path)
         except errors.ConfigError as error:
             log.error("routing table rejected, still serving version %d: %s",
                       router.table.version, error)
             continue
+        except Exception:  # noqa: BLE001 -- the watcher must outlive any file it is given
+            log.exception("routing table rejected, still serving version %d: %s could not be "
+                          "read", router.table.version, path)
+            continue
         await router.use_table(table)
         log.info("routing table version %d loaded from %s", table.version, path)
+
+
+def read_table(path: Path) -> RoutingTable:
+    """load_table, with a file that is not text (binary garbage) a ConfigError too."""
+    try:
+        return load_table(path)
+    except UnicodeDecodeError as error:
+        raise errors.ConfigError(f"{path}: not UTF-8 text ({error.reason} at byte "
+                                 f"{error.start})") from None
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:
@@ -539,8 +555,8 @@ async def log_statistics(router: Router, interval_s: float = STATS_LOG_S) -> Non
 
 
 async def serve(settings: RouterSettings) -> None:
-    table = load_table(settings.routing_table)
-    router = Router(table, rng=random.Random(settings.seed))
+    table = read_table(settings.routing_table)
+    router = Router(table, rng=random.Random(settings.seed), transport=settings.security)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -554,7 +570,7 @@ async def serve(settings: RouterSettings) -> None:
         descriptors.reflection_service_names(), server, pool=descriptors.reflection_pool())
     address = f"{settings.host}:{settings.port}"
     try:
-        port = server.add_insecure_port(address)
+        port = security.add_port(server, address, settings.security)
     except RuntimeError as error:
         raise errors.ConfigError(f"cannot listen on {address}: {error}") from error
     await server.start()

@@ -116,3 +116,38 @@ the root filesystem is read-only and libraries (torch, pip caches) write there.
 - name: PYTHONUNBUFFERED
   value: "1"
 {{- end }}
+
+{{/*
+Transport security flags of a component: TLS from the mounted Secret, or an
+explicit --insecure (the binaries refuse to guess). Servers add
+--tls-client-auth when tls.clientAuth is on. Call with (dict "ctx" . "server" true).
+*/}}
+{{- define "tiered.tlsArgs" -}}
+{{- if .ctx.Values.tls.enabled }}
+- --tls-cert
+- /etc/tiered/tls/tls.crt
+- --tls-key
+- /etc/tiered/tls/tls.key
+- --tls-ca
+- /etc/tiered/tls/ca.crt
+{{- if and .server .ctx.Values.tls.clientAuth }}
+- --tls-client-auth
+{{- end }}
+{{- else }}
+- --insecure
+{{- end }}
+{{- end }}
+
+{{/*
+A probe of the gRPC port: Kubernetes' native gRPC probe speaks plaintext only,
+so under TLS the port itself is probed.
+*/}}
+{{- define "tiered.grpcProbe" -}}
+{{- if .Values.tls.enabled }}
+tcpSocket:
+  port: 8001
+{{- else }}
+grpc:
+  port: 8001
+{{- end }}
+{{- end }}

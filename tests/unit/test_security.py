@@ -1,0 +1,96 @@
+"""Transport settings and authorization, pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiered.errors import ConfigError, PermissionDenied, Unauthenticated
+from tiered.protocol.security import Authorizer, TransportSecurity, read_tokens, tls_args
+
+
+class Context:
+    """What a gRPC servicer context tells about the caller."""
+
+    def __init__(self, token: str | None = None, names: tuple[str, ...] = ()) -> None:
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.names = names
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def auth_context(self):
+        return {"x509_common_name": [n.encode() for n in self.names]} if self.names else {}
+
+
+@pytest.fixture
+def pem(tmp_path):
+    for name in ("cert", "key", "ca"):
+        (tmp_path / f"{name}.pem").write_text("-----BEGIN X-----\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({}, "or --insecure for plaintext: one is required"),
+    ({"insecure": True, "client_auth": True}, "--insecure: give it alone"),
+    ({"cert": "cert.pem"}, "--tls-cert and --tls-key: give both"),
+    ({"cert": "cert.pem", "key": "key.pem", "client_auth": True}, "needs --tls-ca"),
+    ({"ca": "missing.pem"}, "--tls-ca: .*missing.pem is not a file"),
+])
+def test_transport_settings_refuse_what_cannot_work(pem, fields, message):
+    fields = {k: (pem / v if isinstance(v, str) else v) for k, v in fields.items()}
+    with pytest.raises(ConfigError, match=message):
+        TransportSecurity(**fields)
+
+
+def test_tls_args_give_a_child_the_same_settings(pem):
+    security = TransportSecurity(cert=pem / "cert.pem", key=pem / "key.pem", ca=pem / "ca.pem",
+                                 client_auth=True)
+    assert tls_args(security) == ["--tls-cert", str(pem / "cert.pem"), "--tls-key",
+                                  str(pem / "key.pem"), "--tls-ca", str(pem / "ca.pem"),
+                                  "--tls-client-auth"]
+    assert tls_args(security, server=False)[-1] == str(pem / "ca.pem")
+    assert tls_args(TransportSecurity(insecure=True)) == ["--insecure"]
+
+
+@pytest.mark.parametrize(("context", "error"), [
+    (Context(), Unauthenticated),
+    (Context("wrong"), PermissionDenied),
+    (Context(names=("reader",)), PermissionDenied),
+    (Context("s3cret"), None),
+    (Context(names=("ops",)), None),
+])
+def test_admin_needs_a_token_or_an_admin_certificate(context, error):
+    authorizer = Authorizer(admin_tokens=frozenset({"s3cret"}), admin_names=frozenset({"ops"}))
+    if error is None:
+        authorizer.require_admin(context)
+    else:
+        with pytest.raises(error, match="admin token"):
+            authorizer.require_admin(context)
+
+
+def test_inference_is_open_unless_tokens_are_set():
+    Authorizer().require_inference(Context())
+    guarded = Authorizer(admin_tokens=frozenset({"a"}), inference_tokens=frozenset({"i"}))
+    guarded.require_inference(Context("i"))
+    guarded.require_inference(Context("a"))  # an admin may always infer
+    with pytest.raises(Unauthenticated):
+        guarded.require_inference(Context())
+    with pytest.raises(PermissionDenied):
+        guarded.require_inference(Context("x"))
+
+
+def test_no_admin_configured_refuses_every_load():
+    with pytest.raises(PermissionDenied):
+        Authorizer().require_admin(Context("anything"))
+
+
+def test_token_files(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("# admins\none\n\n two \n")
+    assert read_tokens(path, "--admin-token-file") == {"one", "two"}
+    path.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="holds no token"):
+        read_tokens(path, "--admin-token-file")
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_tokens(tmp_path / "absent", "--admin-token-file")
+    assert read_tokens(None, "--admin-token-file") == frozenset()

@@ -1,0 +1,194 @@
+"""Transport security for every gRPC hop, and who may call what.
+
+TLS on every server and channel (client -> router, router -> agent,
+controller -> agent), mutual when the server asks for client certificates.
+Plaintext only when asked for with `--insecure`, and then with a warning.
+Authorization: repository load/unload need an admin token (metadata
+`authorization: Bearer T`) or, under mTLS, a client certificate whose common
+name is an admin's; inference is open unless inference tokens are set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from tiered.errors import ConfigError, PermissionDenied, Unauthenticated
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransportSecurity:
+    """PEM files of one process: its own certificate and key, and the CA its
+    peers' certificates must chain to; or plaintext, explicitly."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+    client_auth: bool = False  # servers: require a client certificate signed by `ca`
+    insecure: bool = False
+
+    def __post_init__(self) -> None:
+        if self.insecure and (self.cert or self.key or self.ca or self.client_auth):
+            raise ConfigError("--insecure: give it alone, without --tls-* flags")
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("--tls-cert and --tls-key: give both or neither")
+        if not self.insecure and not self.ca and not self.cert:
+            raise ConfigError("--tls-cert and --tls-key (or --tls-ca), or --insecure for "
+                              "plaintext: one is required")
+        if self.client_auth and not self.ca:
+            raise ConfigError("--tls-client-auth: needs --tls-ca to check client certificates")
+        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key),
+                           ("--tls-ca", self.ca)):
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{flag}: {path} is not a file")
+
+    def _read(self, path: Path | None) -> bytes | None:
+        return Path(path).read_bytes() if path is not None else None
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """None for plaintext."""
+        if self.insecure:
+            return None
+        if not (self.cert and self.key):
+            raise ConfigError("--tls-cert and --tls-key: a server needs its own certificate")
+        return grpc.ssl_server_credentials(
+            [(self._read(self.key), self._read(self.cert))],
+            root_certificates=self._read(self.ca), require_client_auth=self.client_auth)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """None for plaintext; else the CA to trust and, for mTLS, our certificate."""
+        if self.insecure:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read(self.ca), private_key=self._read(self.key),
+            certificate_chain=self._read(self.cert))
+
+    def warn_if_plaintext(self, component: str) -> None:
+        if self.insecure:
+            log.warning("%s: plaintext gRPC (--insecure): traffic and tokens are readable "
+                        "on the network", component)
+
+
+PLAINTEXT = TransportSecurity(insecure=True)
+
+
+def add_port(server, address: str, security: TransportSecurity) -> int:
+    credentials = security.server_credentials()
+    if credentials is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, credentials)
+
+
+def channel(address: str, security: TransportSecurity, options: Sequence = (),
+            aio: bool = False):
+    """A channel to `address` with this process's credentials."""
+    module = grpc.aio if aio else grpc
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return module.insecure_channel(address, options=list(options))
+    return module.secure_channel(address, credentials, options=list(options))
+
+
+def add_tls_flags(parser: argparse.ArgumentParser, server: bool = True) -> None:
+    group = parser.add_argument_group("transport security")
+    group.add_argument("--tls-cert", type=Path, metavar="PEM",
+                       help="this process's certificate (servers: required unless --insecure)")
+    group.add_argument("--tls-key", type=Path, metavar="PEM", help="its private key")
+    group.add_argument("--tls-ca", type=Path, metavar="PEM",
+                       help="CA bundle that peers' certificates must chain to")
+    if server:
+        group.add_argument("--tls-client-auth", action="store_true",
+                           help="require client certificates signed by --tls-ca (mTLS)")
+    group.add_argument("--insecure", action="store_true",
+                       help="plaintext gRPC, no TLS (logged as a warning)")
+
+
+def security_from_args(args: argparse.Namespace) -> TransportSecurity:
+    return TransportSecurity(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
+                             client_auth=getattr(args, "tls_client_auth", False),
+                             insecure=args.insecure)
+
+
+def tls_args(security: TransportSecurity, server: bool = True) -> list[str]:
+    """The flags that give a child process the same transport security."""
+    if security.insecure:
+        return ["--insecure"]
+    flags = []
+    for flag, path in (("--tls-cert", security.cert), ("--tls-key", security.key),
+                       ("--tls-ca", security.ca)):
+        if path is not None:
+            flags += [flag, str(path)]
+    if server and security.client_auth:
+        flags.append("--tls-client-auth")
+    return flags
+
+
+def read_tokens(path: Path | None, flag: str) -> frozenset[str]:
+    """Tokens from a file, one per line; blank lines and #-comments ignored."""
+    if path is None:
+        return frozenset()
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as error:
+        raise ConfigError(f"{flag}: cannot read {path}: {error.strerror}") from error
+    tokens = frozenset(t.strip() for t in lines if t.strip() and not t.startswith("#"))
+    if not tokens:
+        raise ConfigError(f"{flag}: {path} holds no token")
+    return tokens
+
+
+@dataclass(frozen=True)
+class Authorizer:
+    """Who may do what: admins load and unload; inference is open unless
+    `inference_tokens` are set (an admin may always infer)."""
+
+    admin_tokens: frozenset[str] = frozenset()
+    admin_names: frozenset[str] = frozenset()  # client certificate common names (mTLS)
+    inference_tokens: frozenset[str] | None = None
+
+    def require_admin(self, context) -> None:
+        if self._token_in(context, self.admin_tokens) or self._name_in(context):
+            return
+        self._refuse(context, "repository load and unload need an admin token "
+                     "(authorization: Bearer ...) or an admin client certificate")
+
+    def require_inference(self, context) -> None:
+        if self.inference_tokens is None:
+            return
+        if (self._token_in(context, self.inference_tokens | self.admin_tokens)
+                or self._name_in(context)):
+            return
+        self._refuse(context, "inference needs a token (authorization: Bearer ...)")
+
+    def _refuse(self, context, what: str) -> None:
+        if _bearer(context) is None and not _peer_names(context):
+            raise Unauthenticated(what)
+        raise PermissionDenied(f"{what}; the credentials given are not allowed")
+
+    @staticmethod
+    def _token_in(context, tokens: Iterable[str]) -> bool:
+        given = _bearer(context)
+        return given is not None and any(hmac.compare_digest(given, t) for t in tokens)
+
+    def _name_in(self, context) -> bool:
+        return bool(self.admin_names & _peer_names(context))
+
+
+def _bearer(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):].strip()
+    return None
+
+
+def _peer_names(context) -> frozenset[str]:
+    auth = context.auth_context() or {}
+    return frozenset(v.decode() for v in auth.get("x509_common_name", ()))

@@ -41,9 +41,10 @@ from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
 NAMESPACE = "models"
 GROUP, VERSION, PLURAL = "tiered.dev", "v1alpha1", "tieredmodels"
 TIERS = ("edge", "regional")
-SHAS = {1: "a" * 64, 2: "b" * 64, 3: "c" * 64}
+SHAS = {1: "a" * 64, 2: "b" * 64, 3: "c" * 64, 4: "d" * 64}  # artifacts by their name
 # version -> (median latency ms, J/inference) the fake agents report
-BEHAVIOUR = {1: (4.0, 0.10), 2: (4.0, 0.10), 3: (12.0, 0.35)}
+BEHAVIOUR = {1: (4.0, 0.10), 2: (4.0, 0.10), 3: (12.0, 0.35), 4: (4.0, 0.10)}
+UNREACHABLE: set[str] = set()  # services whose fake agents answer UNAVAILABLE
 
 
 class FakeTelemetry(tpb_grpc.TelemetryServicer):
@@ -51,9 +52,12 @@ class FakeTelemetry(tpb_grpc.TelemetryServicer):
 
     def __init__(self, tier: str, version: int) -> None:
         self.tier, self.version = tier, version
+        self.service = render.workload_name("digits", tier, version)
         self.rng = np.random.default_rng(version * 10 + len(tier))
 
     def Stats(self, request, context):
+        if self.service in UNREACHABLE:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "agent down")
         latency_ms, joules = BEHAVIOUR[self.version]
         samples = self.rng.lognormal(np.log(latency_ms), 0.2, 40) / 1000.0
         return tpb.StatsResponse(
@@ -297,3 +301,98 @@ def test_the_cli_verbs_speak_to_the_cluster(kube, api, controllers, tmp_path):
     assert "promoted version 2 by hand (full)" in tiered("rollout", "promote", "digits",
                                                          "--full")
     wait("v2 stable", lambda: rollout(kube).get("stable_version") == 2)
+
+
+def test_an_unreadable_agent_holds_the_stage_until_it_is_back(kube, api, controllers,
+                                                              monkeypatch):
+    obj = tiered_model(kube)
+    assert rollout(kube)["stable_version"] == 2
+    # The model was deleted and applied again, so the next artifact is version 3
+    # of this incarnation: here a healthy one.
+    monkeypatch.setitem(BEHAVIOUR, 3, BEHAVIOUR[4])
+    obj["spec"] = model(4)["spec"]
+    UNREACHABLE.add(render.workload_name("digits", "edge", 3))
+    try:
+        client.CustomObjectsApi(kube).replace_namespaced_custom_object(
+            GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+        make_available(kube, api, 3)
+        held = wait("a hold on partial data", lambda: "telemetry unreadable" in
+                    (tiered_model(kube).get("status") or {}).get("message", "") and rollout(kube))
+        time.sleep(3.0)  # many analysis intervals: still no verdict on partial data
+        assert rollout(kube)["phase"] == "Progressing"
+        assert rollout(kube)["stage_index"] == held["stage_index"] == 0
+    finally:
+        UNREACHABLE.clear()
+    final = wait("the new version promoted", lambda: rollout(kube).get("phase") == "Promoted"
+                 and rollout(kube).get("stable_version") == 3 and rollout(kube), 60)
+    assert final.get("canary_version") is None
+
+
+
+def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
+        kube, api, agents, tmp_path):
+    """Kill the controller right after every step it takes: stages only go
+    forward, and the routing table settles at exactly the current stage's weights."""
+    namespace = "restarts"
+    custom = client.CustomObjectsApi(kube)
+    kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+    stage_weights = [s["weights"] for s in model(2)["spec"]["rollout"]["stages"]]
+
+    def controller() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tiered", "controller", "--kubernetes", "--namespace",
+             namespace, "--kubeconfig", str(kubeconfig), "--retire-grace", "1",
+             "--agent-addresses", str(agents), "--routing-configmap", "tiered-routing",
+             "--insecure"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def state() -> tuple:
+        item = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "digits")
+        r = (item.get("status") or {}).get("rollout") or {}
+        return (r.get("phase"), r.get("stable_version"), r.get("canary_version"),
+                r.get("stage_index"))
+
+    def mark_available(version: int) -> None:
+        names = {render.workload_name("digits", tier, version) for tier in TIERS}
+        wait(f"v{version} workloads", lambda: names <= {
+            d["metadata"]["name"] for d in api.objects("deployments")
+            if d["metadata"]["namespace"] == namespace})
+        for name in names:
+            client.AppsV1Api(kube).patch_namespaced_deployment_status(name, namespace, {
+                "status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}})
+
+    def table_matches_status() -> bool:
+        data = client.CoreV1Api(kube).read_namespaced_config_map(
+            "tiered-routing", namespace).data[render.ROUTING_KEY]
+        tiers = yaml.safe_load(data)["models"]["digits"]["tiers"]
+        phase, _, _, index = state()
+        weights = stage_weights[index] if phase == "Progressing" else {}
+        return all(round(route.get("canary_weight", 0.0) * 100, 6) == weights.get(tier, 0)
+                   for tier, route in tiers.items())
+
+    body = model(1)
+    body["metadata"]["namespace"] = namespace
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    process = controller()
+    try:
+        mark_available(1)
+        wait("v1", lambda: state()[1] == 1)
+        obj = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "digits")
+        obj["spec"] = model(2)["spec"]
+        custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "digits", obj)
+        mark_available(2)
+        seen = [state()]
+        while seen[-1][:2] != ("Promoted", 2):
+            wait("the table at the stage's weights", table_matches_status, 30)
+            before = seen[-1]
+            seen.append(wait("a step", lambda: state() != before and state(), 60))  # noqa: B023
+            process.kill()  # right after the step, whatever it was writing next
+            process.wait()
+            process = controller()
+        assert len(seen) >= 4, seen  # started, advanced, promoted: a restart after each
+        indices = [s[3] for s in seen if s[0] == "Progressing" and s[2] == 2]
+        assert indices == sorted(indices), f"went back a stage: {seen}"
+        assert state()[:3] == ("Promoted", 2, None)
+        wait("the table without a canary", table_matches_status, 30)
+    finally:
+        process.kill()
+        process.wait()

@@ -9,6 +9,7 @@ weights) is its own business.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -89,11 +90,18 @@ class RolloutJudge:
         # share a number): a failure counts once per look, not once per poll,
         # and each window's energy is one J/inference sample.
         window = int(now // spec.rollout.analysis.interval_s)
-        stage.add(self._readings(spec.name, agents), window)
+        readings, unreadable = self._readings(spec.name, agents)
+        stage.add(readings, window)
         stage.set_shadow(self._shadow(spec.name, status.canary_version, router_metrics))
         tiers = [t for t, w in engine.canary_weights(spec, status).items() if w > 0]
-        measurements = stage.measurements(status.stable_version, tiers, window)
-        decision = engine.decide(spec, status, measurements, now)
+        if unreadable:  # partial data is never judged: hold (max_duration still applies)
+            decision = engine.decide(spec, status, None, now)
+            why = f"telemetry unreadable from {', '.join(unreadable)}: {decision.reason}"
+            decision = dataclasses.replace(
+                decision, reason=why, status=dataclasses.replace(decision.status, message=why))
+        else:
+            measurements = stage.measurements(status.stable_version, tiers, window)
+            decision = engine.decide(spec, status, measurements, now)
         return decision, stage.summary(status.stable_version, tiers)
 
     def forget(self, model: str) -> None:
@@ -102,8 +110,9 @@ class RolloutJudge:
         self._stages.pop(model, None)
 
     def _readings(self, model: str, agents: Mapping[str, Sequence[str]]
-                  ) -> list[VersionReading]:
-        readings = []
+                  ) -> tuple[list[VersionReading], list[str]]:
+        """This poll's readings, and the agents that could not be read."""
+        readings, unreadable = [], []
         for tier, addresses in agents.items():
             for agent in addresses:
                 key = (agent, model)
@@ -114,6 +123,7 @@ class RolloutJudge:
                         timeout=RPC_TIMEOUT_S)
                 except grpc.RpcError as error:  # an agent away: its samples are missing
                     log.warning("telemetry of %s unreadable: %s", agent, error.code().name)
+                    unreadable.append(agent)
                     continue
                 self._cursors[key] = reply.end
                 if first:
@@ -123,7 +133,7 @@ class RolloutJudge:
                                    tuple(v.latency_samples_s),
                                    v.joules_per_inference if v.has_energy else None)
                     for v in reply.versions if v.model_version.isdigit())
-        return readings
+        return readings, unreadable
 
     def _shadow(self, model: str, version: int | None, url: str | None
                 ) -> dict[tuple[str, str], float]:

@@ -90,7 +90,8 @@ class StateStore:
             try:
                 yield self._db
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # SQLite may have rolled back already (disk full)
+                    self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
         except sqlite3.DatabaseError as error:  # corrupt file, disk full, locked too long

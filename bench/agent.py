@@ -60,8 +60,8 @@ import tritonclient.grpc.aio as aioclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from tiered.agent.process import AgentError, AgentProcess, ServerProcess
 from tiered.models import zoo
+from tiered.processes import AgentError, AgentProcess, ServerProcess
 from tiered.tables import cell
 from tiered.tables import render as render_table
 

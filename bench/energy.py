@@ -351,7 +351,7 @@ def execution_counts(address: str) -> tuple[int, int]:
 
 
 def served_point(repo: Path, batch: int, settings: Settings) -> dict[str, Any]:
-    from tiered.agent.process import AgentProcess
+    from tiered.processes import AgentProcess
 
     write_config(repo, batch, settings)
     progress(f"served B={batch}: starting the agent")

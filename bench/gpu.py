@@ -622,7 +622,7 @@ def agent_command(repo: Path, switch_interval_s: float | None) -> list[str]:
 
 
 def start_servers(commands: Sequence[Sequence[str]], name: str) -> list[Any]:
-    from tiered.agent.process import ServerProcess
+    from tiered.processes import ServerProcess
 
     servers = []
     try:

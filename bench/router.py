@@ -46,9 +46,9 @@ import onnx  # noqa: E402
 import tritonclient.grpc.aio as aioclient  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
-from tiered.agent.process import AgentProcess, RouterProcess, ServerProcess  # noqa: E402
 from tiered.agent.repository import model_file, write_config  # noqa: E402
 from tiered.models import zoo  # noqa: E402
+from tiered.processes import AgentProcess, RouterProcess, ServerProcess  # noqa: E402
 
 MODELS = {
     "mlp": ("input", (1, 16)),

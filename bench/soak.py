@@ -42,9 +42,9 @@ if importlib.util.find_spec("tiered") is None:  # run from a checkout without `p
 import tritonclient.grpc.aio as aioclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from tiered.agent.process import AgentProcess, RouterProcess  # noqa: E402
 from tiered.agent.repository import model_file, write_config  # noqa: E402
 from tiered.models import zoo  # noqa: E402
+from tiered.processes import AgentProcess, RouterProcess  # noqa: E402
 from tiered.tables import render  # noqa: E402
 
 RSS_GROWTH_LIMIT = 0.20  # fraction

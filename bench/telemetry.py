@@ -30,9 +30,9 @@ import tritonclient.grpc.aio as aioclient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiered.agent.process import AgentProcess
 from tiered.agent.repository import model_file, write_config
 from tiered.models import zoo
+from tiered.processes import AgentProcess
 
 TARGET_COST = 0.03
 MODELS = {"mlp": ("input", (16,)), "resnet18": ("input", (3, 64, 64))}

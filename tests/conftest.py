@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tiered.agent.process import AgentProcess
 from tiered.agent.repository import model_file, write_config
 from tiered.models import zoo
+from tiered.processes import AgentProcess
 
 # Every datatype the identity model carries through the wire and back.
 IDENTITY_DATATYPES = tuple(zoo.V2_TO_ONNX)

@@ -9,8 +9,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tiered.agent.process import AgentError
 from tiered.errors import ConfigError, TieredError
+from tiered.processes import AgentError
 from tiered.profiles import TIERS
 from tiered.protocol.security import add_tls_flags, security_from_args
 

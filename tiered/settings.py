@@ -31,7 +31,7 @@ def read_yaml(path: Path) -> Mapping[str, Any]:
         raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
+    except (yaml.YAMLError, ValueError, RecursionError) as error:  # bad !!int, dates, nesting
         raise ConfigError(f"{path}: invalid YAML: {error}") from error
     if data is None:
         return {}
@@ -48,7 +48,7 @@ def load_dataclass(cls: type[T], data: Any, where: str) -> T:
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ConfigError(
             f"{where}: unknown key {unknown[0]!r}; expected one of {', '.join(sorted(fields))}"
@@ -62,7 +62,7 @@ def load_dataclass(cls: type[T], data: Any, where: str) -> T:
         raise ConfigError(f"{where}: {error}") from error
     except ConfigError as error:  # raised by the dataclass's own checks
         message = str(error)
-        names_a_field = re.match(r"^[a-z_][a-z0-9_]*(\[\d+\])?: ", message)
+        names_a_field = re.match(r"^[a-z_][a-z0-9_]*(\[[^\]]+\])?: ", message)
         raise ConfigError(f"{where}{'.' if names_a_field else ': '}{message}") from error
 
 
@@ -95,11 +95,18 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if not -(2**63) <= value < 2**63:  # int64, as in the CRD
+            raise ConfigError(f"{where}: expected a 64-bit integer, got one of "
+                              f"{value.bit_length()} bits")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float's range
+            raise ConfigError(f"{where}: expected a finite number, got an integer of "
+                              f"{value.bit_length()} bits") from None
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")

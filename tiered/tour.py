@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered.agent.process import AgentProcess
 from tiered.agent.repository import model_file, write_config
 from tiered.models import zoo
+from tiered.processes import AgentProcess
 
 MODEL = "mlp"
 FEATURES = 16

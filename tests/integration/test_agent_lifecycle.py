@@ -14,9 +14,9 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from tiered.agent.process import AgentError, AgentProcess
 from tiered.agent.repository import model_file, write_config
 from tiered.models import zoo
+from tiered.processes import AgentError, AgentProcess
 from tiered.profiles import PROFILE_DIR
 
 FEATURES = 16

@@ -265,6 +265,7 @@ def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controll
     wait("v3 retired", lambda: not workloads(api, 3), 30)
     status = tiered_model(kube)["status"]
     assert status["stage"] == "" and status["weights_summary"] == ""
+    assert "rolling back to version 2" in status["message"]
 
 
 def test_deleting_the_model_removes_its_routes(kube, api, controllers):

@@ -28,9 +28,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
-from tiered.agent.process import AgentProcess
-from tiered.agent.process import RouterProcess as RouterCommand
 from tiered.agent.repository import model_file, write_config
+from tiered.processes import AgentProcess
+from tiered.processes import RouterProcess as RouterCommand
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 

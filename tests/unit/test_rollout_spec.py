@@ -87,7 +87,7 @@ _DELETE = object()
 INVALID = {
     "no stages": (_set("rollout.stages", []), "TieredModel.rollout.stages: needs at least 1"),
     "weight above 100": (_set("rollout.stages.0.weights", {"edge": 150}),
-                         "rollout.stages[0]: weights['edge']: must be <= 100"),
+                         "rollout.stages[0].weights['edge']: must be <= 100"),
     "negative weight": (_set("rollout.stages.0.weights", {"edge": -1}),
                         "weights['edge']: must be >= 0"),
     "unknown tier in weights": (_set("rollout.stages.0.weights", {"moon": 5}),

@@ -18,7 +18,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from tiered.agent.process import AgentProcess  # noqa: E402
 from tiered.agent.repository import model_file, write_config  # noqa: E402
 from tiered.engines import open_engine  # noqa: E402
 from tiered.engines.base import TensorSpec  # noqa: E402
@@ -33,6 +32,7 @@ from tiered.engines.torch_engine import (  # noqa: E402
 )
 from tiered.errors import ConfigError  # noqa: E402
 from tiered.models import zoo  # noqa: E402
+from tiered.processes import AgentProcess  # noqa: E402
 from tiered.settings import load_dataclass  # noqa: E402
 
 CUDA = torch.cuda.is_available()

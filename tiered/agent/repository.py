@@ -116,7 +116,7 @@ class ModelRepository:
             raise NotFound(f"model_name: unknown model {name!r}")
         if not version:
             return entry.versions[max(entry.versions)]
-        if not version.isdigit() or int(version) not in entry.versions:
+        if not (version.isascii() and version.isdigit()) or int(version) not in entry.versions:
             raise NotFound(
                 f"model_version: model {name!r} has no version {version!r} "
                 f"(serving {', '.join(map(str, sorted(entry.versions)))})"

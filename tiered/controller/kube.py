@@ -372,9 +372,11 @@ class KubeController:
         wanted = desired.wanted_versions(rollout, target)
         self._apply(render.desired_objects(spec, rollout, artifacts, wanted, owner,
                                            self.settings))
-        waiting = [tier for tier in spec.tiers if not self._available(spec, tier, target)]
+        waiting = [tier for tier in spec.tiers if target in wanted
+                   and target not in desired.served_versions(rollout)
+                   and not self._available(spec, tier, target)]
         requeue: float | None = self.options.resync_s
-        if waiting and target not in desired.served_versions(rollout):
+        if waiting:
             message = (f"version {target}: waiting for its agents on {', '.join(waiting)} "
                        "(building and starting)")
             requeue = WAIT_AVAILABLE_S

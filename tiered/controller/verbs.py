@@ -25,6 +25,7 @@ from tiered.rollout import engine
 from tiered.rollout.spec import RolloutStatus, TieredModel, load_tiered_model, to_plain
 
 CONFLICT_RETRIES = 5
+MAX_PATH = 4096  # longest artifact path accepted
 VERBS: dict[str, Callable[..., engine.Decision]] = {
     "pause": engine.pause, "resume": engine.resume, "promote": engine.promote,
     "abort": engine.abort,
@@ -34,11 +35,13 @@ VERBS: dict[str, Callable[..., engine.Decision]] = {
 def read_documents(path: Path) -> list[Mapping[str, Any]]:
     """Every YAML document in `path` (`---` separated), each a mapping."""
     try:
-        documents = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: invalid YAML: {error}") from error
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: cannot read: {error}") from error
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except (yaml.YAMLError, ValueError, RecursionError) as error:  # bad dates, huge ints too
+        raise ConfigError(f"{path}: invalid YAML: {str(error)[:300]}") from error
     for index, document in enumerate(documents):
         if not isinstance(document, Mapping):
             raise ConfigError(f"{path}: document {index + 1}: expected a mapping, got "
@@ -51,6 +54,8 @@ def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[st
     from tiered.engines.build import sha256_file
 
     document = dict(document)
+    if "spec" in document and not isinstance(document["spec"], Mapping):
+        return document  # validation names the malformed spec
     holder = dict(document["spec"]) if "spec" in document else document
     where = f"{where}.spec" if "spec" in document else where
     artifact = holder.get("artifact")
@@ -60,6 +65,8 @@ def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[st
     for key in ("uri", "calibration", "eval"):
         value = artifact.get(key)
         if isinstance(value, str) and value and not urlparse(value).scheme:
+            if "\0" in value or len(value) > MAX_PATH:
+                raise ConfigError(f"{where}.artifact.{key}: not a usable path")
             artifact[key] = str((base / value).resolve())
     uri = artifact.get("uri")
     if isinstance(uri, str) and Path(uri).is_file():

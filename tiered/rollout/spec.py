@@ -383,7 +383,13 @@ def load_tiered_model(data: Any, where: str = KIND) -> TieredModel:
             raise ConfigError(f"{where}.spec: expected a mapping, got {type(spec).__name__}")
         if "name" in spec:
             raise ConfigError(f"{where}.spec: unknown key 'name'; the name is metadata.name")
-        return load_dataclass(TieredModel, {"name": metadata["name"], **spec}, f"{where}.spec")
+        try:
+            return load_dataclass(TieredModel, {"name": metadata["name"], **spec}, f"{where}.spec")
+        except ConfigError as error:  # the name came from metadata.name: say so
+            prefix = f"{where}.spec.name: "
+            if str(error).startswith(prefix):
+                raise ConfigError(f"{where}.metadata.name: {str(error)[len(prefix):]}") from error
+            raise
     return load_dataclass(TieredModel, data, where)
 
 

@@ -1,8 +1,10 @@
-"""Start and stop server child processes (`tiered agent`, ...) on loopback.
+"""Start and stop tiered's server processes (`tiered agent`, `tiered router`).
 
-Used by the demo, the benchmarks and the tests (and later the local backend):
-the agent binds port 0 and prints the port it got, so nothing races for
-ports. Its output goes to a log file whose tail is shown when it fails.
+Used by the local backend (`tiered up`), the demo, the benchmarks and the
+tests. It only builds command lines: nothing here imports the agent or the
+router. A server binds port 0 when asked and prints the port it got, so
+nothing races for ports; its output goes to a log file whose tail is shown
+when it fails.
 """
 
 from __future__ import annotations

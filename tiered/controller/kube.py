@@ -35,6 +35,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 import grpc
+import yaml
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
 
 from tiered.controller import desired, render
 from tiered.controller.crd import PLURAL
@@ -64,12 +67,6 @@ RETIRE_AFTER = f"{API_GROUP}/retire-after"
 WORKLOAD_KINDS = ("Deployment", "DaemonSet", "Service")
 
 
-def _api_error():
-    from kubernetes.client.exceptions import ApiException
-
-    return ApiException
-
-
 class LeaseElector:
     """Leader election on a coordination.k8s.io/v1 Lease, as client-go does it:
     hold the lease by renewing it; take it over once it has expired."""
@@ -80,7 +77,6 @@ class LeaseElector:
         self.identity, self.duration_s, self.clock = identity, duration_s, clock
 
     def try_acquire_or_renew(self) -> bool:
-        ApiException = _api_error()
         now = _micro_time(self.clock())
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace)
@@ -123,7 +119,6 @@ class LeaseElector:
 
     def release(self) -> None:
         """Let the next candidate take over at once (on a clean shutdown)."""
-        ApiException = _api_error()
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace)
             if lease.spec.holder_identity != self.identity:
@@ -206,8 +201,6 @@ class KubeController:
                  options: ControllerOptions = ControllerOptions(),
                  clock: Callable[[], float] = time.time,
                  progress: Callable[[str], None] | None = None) -> None:
-        from kubernetes import client
-
         self.settings = settings
         self.options = options
         self.clock = clock
@@ -265,9 +258,6 @@ class KubeController:
             return True
 
     def _watch(self, stop: threading.Event, leading: threading.Event) -> None:
-        from kubernetes import watch
-
-        ApiException = _api_error()
         version = None
         while not stop.is_set() and leading.is_set():
             try:
@@ -336,7 +326,6 @@ class KubeController:
 
     def reconcile(self, name: str) -> float | None:
         """Make the world match one TieredModel; seconds until it wants another look."""
-        ApiException = _api_error()
         try:
             obj = self.custom.get_namespaced_custom_object(
                 API_GROUP, API_VERSION, self.settings.namespace, PLURAL, name)
@@ -429,7 +418,6 @@ class KubeController:
             return TieredModelStatus(message=f"status unreadable, rebuilt: {error}")
 
     def _replace_model(self, obj: dict[str, Any]) -> dict[str, Any]:
-        ApiException = _api_error()
         try:
             return self.custom.replace_namespaced_custom_object(
                 API_GROUP, API_VERSION, self.settings.namespace, PLURAL,
@@ -440,7 +428,6 @@ class KubeController:
             raise
 
     def _write_status(self, obj: dict[str, Any], status: TieredModelStatus) -> None:
-        ApiException = _api_error()
         plain = to_plain(status)
         if plain == obj.get("status"):
             return
@@ -461,7 +448,6 @@ class KubeController:
 
     def _write_routing(self, without: str | None = None) -> None:
         """The namespace's routing table, from every model's stored status."""
-        ApiException = _api_error()
         listing = self.custom.list_namespaced_custom_object(
             API_GROUP, API_VERSION, self.settings.namespace, PLURAL)
         models = []
@@ -483,14 +469,12 @@ class KubeController:
             if error.status != 404:
                 raise
             existing, current = None, None
-        import yaml
-
-        version = (yaml.safe_load(current) or {}).get("version", 0) if current else 0
-        wanted = render.routing_configmap(models, version, self.settings)
-        if current and yaml.safe_load(current).get("models") == yaml.safe_load(
-                wanted["data"][render.ROUTING_KEY]).get("models"):
-            return
+        table = (yaml.safe_load(current) or {}) if current else {}
+        version = table.get("version", 0)
         wanted = render.routing_configmap(models, version + 1, self.settings)
+        if current and table.get("models") == yaml.safe_load(
+                wanted["data"][render.ROUTING_KEY])["models"]:
+            return  # unchanged: no write, no new version
         if existing is None:
             self.core.create_namespaced_config_map(self.settings.namespace, wanted)
         else:
@@ -507,7 +491,6 @@ class KubeController:
         return getattr(api, f"{verb}_namespaced_{suffix}")(*args, **kwargs)
 
     def _apply(self, objects: list[dict[str, Any]]) -> None:
-        ApiException = _api_error()
         for obj in objects:
             kind = obj["kind"]
             name, namespace = obj["metadata"]["name"], self.settings.namespace
@@ -529,7 +512,6 @@ class KubeController:
             self.progress(f"updated {obj['kind']} {name}")
 
     def _available(self, spec: TieredModel, tier: str, version: int) -> bool:
-        ApiException = _api_error()
         per_node = spec.tiers[tier].per_node
         try:
             workload = self._call("DaemonSet" if per_node else "Deployment", "read",

@@ -38,7 +38,6 @@ from typing import Any
 import grpc
 import yaml
 
-from tiered.agent.config import VersionPolicy
 from tiered.controller import desired
 from tiered.controller.judge import RolloutJudge, snapshot
 from tiered.controller.store import Record, StateStore
@@ -170,7 +169,6 @@ class LocalController:
     def run(self, stop: threading.Event) -> None:
         self.progress(f"controller: state in {self.layout.root}, every {self.interval_s:g} s")
         while not stop.is_set():
-            wait = self.interval_s
             try:
                 self.reconcile_all()
             except TieredError as error:
@@ -178,7 +176,7 @@ class LocalController:
             except grpc.RpcError as error:
                 self.progress(f"controller: an agent did not answer: {error.code().name} "
                               f"{error.details()}")
-            stop.wait(wait)
+            stop.wait(self.interval_s)
 
     def reconcile_all(self) -> None:
         system = RunningSystem.read(self.layout.system)
@@ -320,7 +318,6 @@ class LocalController:
         config["max_batch_size"] = batching.max_batch_size
         config["dynamic_batching"] = {**(config.get("dynamic_batching") or {}),
                                       "max_queue_delay_us": batching.max_queue_delay_us}
-        VersionPolicy(specific=versions)  # the agent will accept it
         write_atomically(path, yaml.safe_dump(config, sort_keys=False))
 
     def _write_table(self, models: Sequence[tuple[TieredModel, RolloutStatus]],

@@ -19,8 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from tiered.controller import desired
 from tiered.profiles import TIERS
+from tiered.rollout import engine
 from tiered.rollout.spec import (
     API_GROUP,
     API_VERSION,
@@ -223,8 +226,6 @@ def tier_agents(spec: TieredModel, version: int, namespace: str) -> dict[str, tu
 def routing_configmap(models: Sequence[tuple[TieredModel, RolloutStatus]], version: int,
                       settings: ClusterSettings) -> dict[str, Any]:
     """The router's table for every model of the namespace, in its ConfigMap."""
-    import yaml
-
     table = desired.routing_table(
         version, models,
         lambda spec, tier, v: (agent_address(spec.name, tier, v, settings.namespace),))
@@ -238,8 +239,6 @@ def routing_configmap(models: Sequence[tuple[TieredModel, RolloutStatus]], versi
 
 def status_fields(spec: TieredModel, status: RolloutStatus | None) -> Mapping[str, Any]:
     """The status's summary fields for printer columns: stage and weights."""
-    from tiered.rollout import engine
-
     if status is None:
         return {"stage": "", "weights": {}, "weights_summary": ""}
     weights = dict(engine.canary_weights(spec, status))

@@ -382,7 +382,10 @@ def _crds(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_flags(parser: argparse.ArgumentParser) -> None:
+def _backend_flags(parser: argparse.ArgumentParser) -> None:
+    """Where a command acts: the local system's state directory, or a cluster."""
+    parser.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
+                        help=STATE_HELP)
     parser.add_argument("--kubernetes", "-k", action="store_true",
                         help="act on a cluster (the kubeconfig's current context, or "
                         "in-cluster) instead of the local system")
@@ -573,8 +576,9 @@ def build_parser() -> argparse.ArgumentParser:
         "[batch, 1, 8, 8], pixels in [0, 1]; output `logits` FP32 [batch, 10]), "
         "DIR/digits-calibration.npz (`input`: training images for INT8 calibration) and "
         "DIR/digits-eval.npz (`input`, `label`: the held-out test split). Variants: v1 the "
-        "base model; v2 v1's network retrained with another seed (a new version, as costly, "
-        "that answers a little differently); heavy, many times the compute of v1 for latency-regression demos. "
+        "base model; v2 v1's network retrained with another seed (a new version, as "
+        "costly, that answers a little differently); heavy, many times the compute of v1 "
+        "for latency-regression demos. "
         "Prints per-epoch progress to stderr and a summary per model.",
     )
     digits.add_argument("--variant", default="v1", choices=(*DIGITS_VARIANTS, "all"),
@@ -619,11 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
         "versions for each tier, starts, judges, promotes and rolls back rollouts, and "
         "writes the routing table. Safe to kill and restart: progress lives in the store.",
     )
-    controller.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
-                            help=STATE_HELP)
     controller.add_argument("--interval", type=float, default=2.0, metavar="S",
                             help="local: seconds between reconcile passes (default 2)")
-    _cluster_flags(controller)
+    _backend_flags(controller)
     add_tls_flags(controller, server=False)
     controller.add_argument("--routing-configmap", default="tiered-routing", metavar="NAME",
                             help="Kubernetes: the router's ConfigMap (default tiered-routing)")
@@ -662,18 +664,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Validate every TieredModel in FILE (--- separated), pin each "
         "artifact's path and sha256, and store them; a changed artifact starts a rollout.")
     apply_cmd.add_argument("-f", "--file", required=True, type=Path, metavar="FILE")
-    _cluster_flags(apply_cmd)
-    apply_cmd.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
-                           help=STATE_HELP)
+    _backend_flags(apply_cmd)
     apply_cmd.set_defaults(handler=_verb("apply", _apply))
 
     get = commands.add_parser("get", help="list TieredModels and where their rollouts stand")
     get.add_argument("name", nargs="?", help="one model (default: all)")
     get.add_argument("-o", "--output", choices=("table", "yaml", "json"), default="table",
                      help="table (default), or the whole record as yaml or json")
-    _cluster_flags(get)
-    get.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
-                     help=STATE_HELP)
+    _backend_flags(get)
     get.set_defaults(handler=_verb("get", _get))
 
     rollout = commands.add_parser(
@@ -686,9 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("name", help="the TieredModel")
     rollout.add_argument("--full", action="store_true", help="promote: all the way")
     rollout.add_argument("--watch", "-w", action="store_true", help="status: keep following")
-    _cluster_flags(rollout)
-    rollout.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
-                         help=STATE_HELP)
+    _backend_flags(rollout)
     rollout.set_defaults(handler=_verb("rollout", _rollout))
 
     crds = commands.add_parser(

@@ -74,6 +74,17 @@ def follow_spec(spec: TieredModel, status: RolloutStatus | None, target: int,
     return Transition("start", reason, dataclasses.replace(started, message=reason))
 
 
+def stage_label(spec: TieredModel, status: RolloutStatus) -> str:
+    """The status's stage as people read it: 'N/M name'."""
+    index = min(status.stage_index, len(spec.rollout.stages) - 1)
+    return f"{index + 1}/{len(spec.rollout.stages)} {spec.rollout.stages[index].name}"
+
+
+def weights_summary(weights: Mapping[str, float]) -> str:
+    """Canary percent of the tiers that have any, in one line: 'edge=20% regional=5%'."""
+    return " ".join(f"{tier}={weight:g}%" for tier, weight in weights.items() if weight)
+
+
 def served_versions(status: RolloutStatus | None) -> tuple[int, ...]:
     """Versions the agents must serve: stable, plus the canary while it is live."""
     if status is None:

@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-import grpc
 import yaml
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
@@ -43,8 +42,7 @@ from tiered.controller import desired, render
 from tiered.controller.crd import PLURAL
 from tiered.controller.judge import RolloutJudge
 from tiered.errors import ConfigError, Conflict, TieredError
-from tiered.protocol import security
-from tiered.protocol.security import PLAINTEXT, TransportSecurity
+from tiered.protocol.security import PLAINTEXT, ChannelCache, TransportSecurity
 from tiered.rollout import engine
 from tiered.rollout.spec import (
     API_GROUP,
@@ -52,9 +50,7 @@ from tiered.rollout.spec import (
     TieredModel,
     TieredModelStatus,
     load_tiered_model,
-    to_plain,
 )
-from tiered.settings import load_dataclass
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +208,7 @@ class KubeController:
                                     options.lease_name, options.identity,
                                     options.lease_duration_s, clock)
         self.queue = WorkQueue()
-        self._channels: dict[str, grpc.Channel] = {}
-        self.judge = RolloutJudge(self._channel)
+        self.judge = RolloutJudge(ChannelCache(options.transport))
         self._table_version = 0
 
     # -- running ----------------------------------------------------------------
@@ -411,8 +406,7 @@ class KubeController:
 
     def _status(self, obj: Mapping[str, Any]) -> TieredModelStatus:
         try:
-            return load_dataclass(TieredModelStatus, obj.get("status") or {},
-                                  f"{obj['metadata']['name']}.status")
+            return render.decode_status(obj)
         except ConfigError as error:  # a status we cannot read is rebuilt, and says so
             log.warning("%s", error)
             return TieredModelStatus(message=f"status unreadable, rebuilt: {error}")
@@ -428,14 +422,9 @@ class KubeController:
             raise
 
     def _write_status(self, obj: dict[str, Any], status: TieredModelStatus) -> None:
-        plain = to_plain(status)
-        if plain == obj.get("status"):
+        body = render.status_body(obj, status)
+        if body["status"] == obj.get("status"):
             return
-        body = {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
-                "metadata": {"name": obj["metadata"]["name"],
-                             "namespace": self.settings.namespace,
-                             "resourceVersion": obj["metadata"]["resourceVersion"]},
-                "status": plain}
         try:
             self.custom.replace_namespaced_custom_object_status(
                 API_GROUP, API_VERSION, self.settings.namespace, PLURAL,
@@ -557,10 +546,3 @@ class KubeController:
         service = render.workload_name(spec.name, tier, version)
         return self.options.agent_addresses.get(
             service, render.agent_address(spec.name, tier, version, self.settings.namespace))
-
-    def _channel(self, address: str) -> grpc.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = security.channel(address,
-                                                                 self.options.transport)
-        return channel

@@ -16,18 +16,23 @@ from pathlib import Path
 from typing import Any
 
 from tiered.controller.crd import PLURAL
-from tiered.controller.verbs import CONFLICT_RETRIES, VERBS, pin_artifact, read_documents, row_of
+from tiered.controller.render import decode_status, status_body
+from tiered.controller.verbs import (
+    CONFLICT_RETRIES,
+    manual_decision,
+    pin_artifact,
+    read_documents,
+    row_of,
+)
 from tiered.errors import ConfigError, Conflict, NotFound
 from tiered.rollout import engine
 from tiered.rollout.spec import (
     API_GROUP,
     API_VERSION,
     KIND,
-    TieredModelStatus,
     load_tiered_model,
     to_plain,
 )
-from tiered.settings import load_dataclass
 
 
 def api_client(kubeconfig: Path | None = None, context: str | None = None):
@@ -104,7 +109,7 @@ class ClusterVerbs:
         items = ([self._call("get", name)] if name else self._call("list")["items"])
         rows = []
         for item in items:
-            status = _status(item)
+            status = decode_status(item)
             spec = load_tiered_model(item, item["metadata"]["name"])
             rows.append(row_of(spec.name, spec, status.rollout, status.message))
         return rows
@@ -114,25 +119,15 @@ class ClusterVerbs:
 
     def rollout_verb(self, name: str, verb: str, *, full: bool = False,
                      now: Callable[[], float] = time.time) -> engine.Decision:
-        if verb not in VERBS:
-            raise ConfigError(f"verb: {verb!r} is not one of {', '.join(VERBS)}")
         for _ in range(CONFLICT_RETRIES):
             obj = self._call("get", name)
-            status = _status(obj)
-            if status.rollout is None:
-                raise ConfigError(f"{name}: has no rollout status yet; the controller has "
-                                  "not served it")
-            spec = load_tiered_model(obj, name)
-            extra = {"full": full} if verb == "promote" else {}
-            decision = VERBS[verb](spec, status.rollout, now(), **extra)
+            status = decode_status(obj)
+            decision = manual_decision(name, load_tiered_model(obj, name), status.rollout, verb,
+                                       full=full, now=now())
             written = dataclasses.replace(status, rollout=decision.status,
                                           message=decision.reason)
-            body = {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
-                    "metadata": {"name": name, "namespace": self.namespace,
-                                 "resourceVersion": obj["metadata"]["resourceVersion"]},
-                    "status": to_plain(written)}
             try:
-                self._call("replace_status", name, body)
+                self._call("replace_status", name, status_body(obj, written))
             except Conflict:
                 continue
             return decision
@@ -145,7 +140,3 @@ def _resource(flat: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
             "metadata": {"name": flat["name"]}, "spec": spec}
 
-
-def _status(obj: dict[str, Any]) -> TieredModelStatus:
-    return load_dataclass(TieredModelStatus, obj.get("status") or {},
-                          f"{obj['metadata']['name']}.status")

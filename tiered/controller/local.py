@@ -42,9 +42,11 @@ from tiered.controller import desired
 from tiered.controller.judge import RolloutJudge, snapshot
 from tiered.controller.store import Record, StateStore
 from tiered.errors import Conflict, TieredError
+from tiered.files import sha256_file, write_atomically
 from tiered.profiles import TIERS, load_profile
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol.security import ChannelCache
 from tiered.rollout import engine
 from tiered.rollout.spec import RolloutStatus, TieredModel, load_tiered_model, to_plain
 from tiered.settings import load_dataclass
@@ -120,15 +122,6 @@ class RunningSystem:
                                            "router_metrics": self.router_metrics}, indent=2))
 
 
-def write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        partial.write_text(text)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
 def decode_status(record: Record) -> RolloutStatus | None:
     if record.status is None:
         return None
@@ -151,7 +144,7 @@ class LocalController:
         self.interval_s = interval_s
         self.clock = clock
         self.progress = progress or (lambda line: log.info("%s", line))
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channel = ChannelCache()  # loopback agents run --insecure
         self.judge = RolloutJudge(self._channel, seed)
         self._rejected: dict[tuple[str, int, str], str] = {}  # (model, version, tier) -> why
         self._served: dict[tuple[str, str], tuple[int, ...]] = {}  # (tier, model) -> versions
@@ -160,8 +153,7 @@ class LocalController:
         self._table_written_at = 0.0
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
+        self._channel.close()
         self.store.close()
 
     # -- the loop ---------------------------------------------------------------
@@ -234,7 +226,6 @@ class LocalController:
                versions: Sequence[int]) -> str:
         """Build what is missing; '' when every version is in every tier's repository,
         else why not (building takes one pass per tier build)."""
-        from tiered.engines import build
 
         by_version = {a.version: a for a in artifacts}
         for version in versions:
@@ -247,7 +238,7 @@ class LocalController:
                     continue
                 artifact = by_version[version]
                 source = Path(artifact.uri)
-                digest = build.sha256_file(source) if source.is_file() else None
+                digest = sha256_file(source) if source.is_file() else None
                 if digest != artifact.sha256:
                     why = (f"version {version}: artifact {source} is missing" if digest is None
                            else f"version {version}: artifact {source} has sha256 {digest}, "
@@ -359,11 +350,6 @@ class LocalController:
         token = self.layout.admin_token.read_text().strip()
         return (("authorization", f"Bearer {token}"),)
 
-    def _channel(self, agent: str) -> grpc.Channel:
-        channel = self._channels.get(agent)
-        if channel is None:
-            channel = self._channels[agent] = grpc.insecure_channel(agent)
-        return channel
 
 
 def _table_versions(route: Mapping[str, Any] | None) -> set[int]:

@@ -31,7 +31,10 @@ from tiered.rollout.spec import (
     ArtifactVersion,
     RolloutStatus,
     TieredModel,
+    TieredModelStatus,
+    to_plain,
 )
+from tiered.settings import load_dataclass
 
 AGENT_PORT = 8001
 AGENT_METRICS_PORT = 8002
@@ -242,12 +245,22 @@ def status_fields(spec: TieredModel, status: RolloutStatus | None) -> Mapping[st
     if status is None:
         return {"stage": "", "weights": {}, "weights_summary": ""}
     weights = dict(engine.canary_weights(spec, status))
-    live = desired.live(status)
-    index = min(status.stage_index, len(spec.rollout.stages) - 1)
-    return {
-        "stage": f"{index + 1}/{len(spec.rollout.stages)} {spec.rollout.stages[index].name}"
-                 if live else "",
-        "weights": weights,
-        "weights_summary": " ".join(f"{t}={w:g}%" for t, w in weights.items() if w),
-    }
+    return {"stage": desired.stage_label(spec, status) if desired.live(status) else "",
+            "weights": weights, "weights_summary": desired.weights_summary(weights)}
+
+
+def decode_status(obj: Mapping[str, Any]) -> TieredModelStatus:
+    """A TieredModel resource's status; ConfigError naming the field when malformed."""
+    return load_dataclass(TieredModelStatus, obj.get("status") or {},
+                          f"{obj['metadata']['name']}.status")
+
+
+def status_body(obj: Mapping[str, Any], status: TieredModelStatus) -> dict[str, Any]:
+    """A write of `status` to the status subresource, valid only at the
+    resourceVersion `obj` was read at (else 409)."""
+    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"],
+            "metadata": {"name": obj["metadata"]["name"],
+                         "namespace": obj["metadata"]["namespace"],
+                         "resourceVersion": obj["metadata"]["resourceVersion"]},
+            "status": to_plain(status)}
 

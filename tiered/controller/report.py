@@ -10,17 +10,15 @@ Every string from the history or `extra` is escaped.
 
 from __future__ import annotations
 
-import contextlib
 import html
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tiered import tables
+from tiered.files import write_atomically
 from tiered.profiles import TIERS
 from tiered.rollout.engine import FINISHED, HOLD
 
@@ -320,26 +318,12 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping) -> str:
             + "\n".join(sections) + "\n</body></html>\n")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write text to path so that readers see the old file or the new one, never a part."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def write_report(history: Sequence[Mapping], out_dir: Path, title: str,
                  extra: Mapping) -> tuple[Path, Path]:
     """Write report.html and report.json into out_dir (created if missing); return both paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     html_path, json_path = out_dir / "report.html", out_dir / "report.json"
-    _write_atomic(html_path, render_html(history, title, extra))
-    _write_atomic(json_path, json.dumps(report_json(history, title, extra), indent=2) + "\n")
+    write_atomically(html_path, render_html(history, title, extra))
+    write_atomically(json_path, json.dumps(report_json(history, title, extra), indent=2) + "\n")
     return html_path, json_path

@@ -28,10 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiered.controller.local import RunningSystem, StateLayout, write_atomically
+from tiered.controller.local import RunningSystem, StateLayout
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file
 from tiered.errors import ConfigError
+from tiered.files import write_atomically
 from tiered.processes import AgentError, AgentProcess, RouterProcess, ServerProcess
 from tiered.profiles import TIERS
 from tiered.settings import load_dataclass, read_yaml

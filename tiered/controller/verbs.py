@@ -17,10 +17,12 @@ from urllib.parse import urlparse
 
 import yaml
 
+from tiered.controller import desired
 from tiered.controller.judge import snapshot
 from tiered.controller.local import decode_status
 from tiered.controller.store import Record, StateStore
 from tiered.errors import ConfigError, Conflict
+from tiered.files import sha256_file
 from tiered.rollout import engine
 from tiered.rollout.spec import RolloutStatus, TieredModel, load_tiered_model, to_plain
 
@@ -51,8 +53,6 @@ def read_documents(path: Path) -> list[Mapping[str, Any]]:
 
 def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[str, Any]:
     """The document with its artifact's local paths made absolute and its digest pinned."""
-    from tiered.engines.build import sha256_file
-
     document = dict(document)
     if "spec" in document and not isinstance(document["spec"], Mapping):
         return document  # validation names the malformed spec
@@ -124,15 +124,13 @@ def row_of(name: str, spec: TieredModel, status: RolloutStatus | None,
     if status is None:
         return {"NAME": name, "PHASE": "Pending", "STAGE": "-", "STABLE": "-",
                 "CANARY": "-", "WEIGHTS": "-", "MESSAGE": message}
-    weights = engine.canary_weights(spec, status)
-    index = min(status.stage_index, len(spec.rollout.stages) - 1)
-    stage = (f"{index + 1}/{len(spec.rollout.stages)} {spec.rollout.stages[index].name}"
+    stage = (desired.stage_label(spec, status)
              if status.canary_version is not None and status.phase != engine.PROMOTED else "-")
     return {
         "NAME": name, "PHASE": status.phase, "STAGE": stage,
         "STABLE": f"v{status.stable_version}",
         "CANARY": f"v{status.canary_version}" if status.canary_version else "-",
-        "WEIGHTS": " ".join(f"{t}={w:g}%" for t, w in weights.items() if w) or "-",
+        "WEIGHTS": desired.weights_summary(engine.canary_weights(spec, status)) or "-",
         "MESSAGE": message or status.message,
     }
 
@@ -145,20 +143,27 @@ def describe(record: Record) -> dict[str, Any]:
             "message": record.message}
 
 
+def manual_decision(name: str, spec: TieredModel, status: RolloutStatus | None, verb: str,
+                    *, full: bool, now: float) -> engine.Decision:
+    """A manual verb on a rollout, for either backend: pause, resume, promote
+    (`full`: all the way) or abort."""
+    if verb not in VERBS:
+        raise ConfigError(f"verb: {verb!r} is not one of {', '.join(VERBS)}")
+    if status is None:
+        raise ConfigError(f"{name}: has no status yet; the controller has not served it")
+    extra = {"full": full} if verb == "promote" else {}
+    return VERBS[verb](spec, status, now, **extra)
+
+
 def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
                  now: Callable[[], float] = time.time) -> engine.Decision:
     """Apply a manual verb to the stored status (retrying when the controller
     wrote in between); the controller acts on it at its next pass."""
-    if verb not in VERBS:
-        raise ConfigError(f"verb: {verb!r} is not one of {', '.join(VERBS)}")
     for _ in range(CONFLICT_RETRIES):
         record = store.get(name)
-        status = decode_status(record)
-        if status is None:
-            raise ConfigError(f"{name}: has no status yet; the controller has not served it")
         spec = spec_of(record)
-        extra = {"full": full} if verb == "promote" else {}
-        decision = VERBS[verb](spec, status, now(), **extra)
+        decision = manual_decision(name, spec, decode_status(record), verb, full=full,
+                                   now=now())
         try:
             store.write_status(name, record.revision, status=to_plain(decision.status),
                                artifacts=record.artifacts, message=decision.reason)

@@ -24,7 +24,6 @@ It must never pass a rejected build into the repository either.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import importlib.metadata
 import json
 import math
@@ -42,6 +41,7 @@ import yaml
 
 from tiered.engines import BACKENDS, Engine, TensorSpec, open_engine, quantize
 from tiered.errors import ConfigError, EngineError, TieredError
+from tiered.files import sha256_file, write_atomically
 from tiered.profiles import TierProfile
 from tiered.settings import load_dataclass, read_yaml
 
@@ -119,14 +119,6 @@ def choose_settings(
 
 
 # -- pure parts: digests, metrics, gate, latency ----------------------------------------------
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while block := stream.read(chunk_bytes):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 MAX_ARTIFACT_BYTES = 4 << 30  # an artifact fetched over HTTP may be at most this large
@@ -794,7 +786,7 @@ def install_version(
             os.rename(staging, target)
             placed = True
             if not config_path.exists():
-                _write_atomically(config_path, yaml.safe_dump(dict(config), sort_keys=False))
+                write_atomically(config_path, yaml.safe_dump(dict(config), sort_keys=False))
         except BaseException:
             if placed:
                 shutil.rmtree(target, ignore_errors=True)
@@ -810,15 +802,6 @@ def install_version(
         raise ConfigError(f"repository: cannot write {target}: {error}") from error
     shutil.rmtree(retired, ignore_errors=True)
     return target
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        partial.write_text(text)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def read_report(version_dir: Path) -> dict[str, Any] | None:

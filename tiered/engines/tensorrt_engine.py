@@ -26,9 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import queue
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +36,7 @@ import numpy as np
 
 from tiered.engines.base import Engine, TensorSpec
 from tiered.errors import ConfigError, EngineError, InvalidArgument
+from tiered.files import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +218,8 @@ class TensorRTEngine(Engine):
             log.info("%s: TensorRT engine from cache %s", model_path, plan_path)
         else:
             plan = self._build(model_path, shapes)
-            _write_atomically(plan_path, plan)
+            plan_path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(plan_path, plan)
             log.info("%s: built a TensorRT engine, cached at %s", model_path, plan_path)
         self.plan_path = plan_path
         runtime = trt.Runtime(self._logger)
@@ -357,15 +357,3 @@ class TensorRTEngine(Engine):
         self._engine = None
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: a crashed or
-    concurrent build never leaves a half-written plan under the real name."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".part")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

@@ -192,3 +192,22 @@ def _bearer(context) -> str | None:
 def _peer_names(context) -> frozenset[str]:
     auth = context.auth_context() or {}
     return frozenset(v.decode() for v in auth.get("x509_common_name", ()))
+
+
+class ChannelCache:
+    """One blocking channel per address, with this process's credentials."""
+
+    def __init__(self, security: TransportSecurity = PLAINTEXT) -> None:
+        self.security = security
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def __call__(self, address: str) -> grpc.Channel:
+        found = self._channels.get(address)
+        if found is None:
+            found = self._channels[address] = channel(address, self.security)
+        return found
+
+    def close(self) -> None:
+        for open_channel in self._channels.values():
+            open_channel.close()
+        self._channels.clear()

@@ -36,23 +36,33 @@ def mlp_repository(root: Path) -> Path:
 
 
 class Traffic:
-    """Threads sending requests back to back, counting every outcome."""
+    """Threads sending requests back to back, each logging its outcomes in order."""
 
     def __init__(self, address: str, model: str, threads: int = 4) -> None:
         self.address, self.model = address, model
-        self.versions: list[str] = []
-        self.failures: list[str] = []
+        self.logs: list[list[tuple[bool, str]]] = [[] for _ in range(threads)]
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._send) for _ in range(threads)]
+        self._threads = [threading.Thread(target=self._send, args=(log,)) for log in self.logs]
 
-    def _send(self) -> None:
+    def _send(self, log: list[tuple[bool, str]]) -> None:
         with grpcclient.InferenceServerClient(self.address) as client:
             while not self._stop.is_set():
                 try:
                     result = client.infer(self.model, mlp_inputs())
-                    self.versions.append(result.get_response().model_version)
+                    log.append((True, result.get_response().model_version))
                 except InferenceServerException as error:
-                    self.failures.append(f"{error.status()}: {error.message()}")
+                    log.append((False, f"{error.status()}: {error.message()}"))
+
+    def outcomes(self, answered: bool) -> list[str]:
+        return [what for log in self.logs for ok, what in log if ok == answered]
+
+    @property
+    def versions(self) -> list[str]:
+        return self.outcomes(answered=True)
+
+    @property
+    def failures(self) -> list[str]:
+        return self.outcomes(answered=False)
 
     def __enter__(self) -> Traffic:
         for thread in self._threads:
@@ -91,12 +101,14 @@ def test_new_version_loads_during_traffic_without_a_failed_request(tmp_path):
             zoo.mlp(model_file(root, "mlp", 2), seed=2)
             client.load_model("mlp", headers=ADMIN)  # the default policy serves the newest version
             served_at_load = len(traffic.versions)
-            wait_for(lambda: traffic.versions[-1:] == ["2"] and len(traffic.versions) > served_at_load + 20)
+            wait_for(lambda: all(log[-1:] == [(True, "2")] for log in traffic.logs)
+                     and len(traffic.versions) > served_at_load + 20)
         assert traffic.failures == []
         assert set(traffic.versions) == {"1", "2"}
         assert client.get_model_metadata("mlp").versions == ["2"]
-        first_two = traffic.versions.index("2")
-        assert "1" not in traffic.versions[first_two + 8:], "old version served after the swap"
+        for log in traffic.logs:  # once a thread saw the new version, it never sees the old one
+            first_two = log.index((True, "2"))
+            assert (True, "1") not in log[first_two:], "old version served after the swap"
 
 
 def test_unload_drains_then_refuses_and_load_brings_it_back(tmp_path):
@@ -108,8 +120,13 @@ def test_unload_drains_then_refuses_and_load_brings_it_back(tmp_path):
             client.unload_model("mlp", headers=ADMIN)
             answered_at_unload = len(traffic.versions)
             wait_for(lambda: len(traffic.failures) > 5)
-        # Unload answers only after in-flight requests finished: none failed mid-way.
-        assert len(traffic.versions) == answered_at_unload
+        # Unload answers only after in-flight requests finished: at most one answer
+        # per thread was still on its way back, and no thread was answered after
+        # its first refusal.
+        assert len(traffic.versions) - answered_at_unload <= len(traffic.logs)
+        for log in traffic.logs:
+            first_refusal = next((i for i, (ok, _) in enumerate(log) if not ok), len(log))
+            assert all(not ok for ok, _ in log[first_refusal:]), log[first_refusal:]
         assert {f.split(":")[0] for f in traffic.failures} <= {
             "StatusCode.NOT_FOUND", "StatusCode.UNAVAILABLE"}
         assert not client.is_model_ready("mlp")

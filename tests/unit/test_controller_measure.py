@@ -1,4 +1,4 @@
-"""StageAccumulator as tables: pooling over the stage's tiers, counts, the latency
+"""StageAccumulator as tables: samples per tier of the stage, counts, the latency
 reservoir, J/inference windows, shadow deltas and the summary numbers."""
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ POLL = [
     (("datacenter",), (1100, 100, (1.0,), (9.0,)), (0, 0, (), ())),  # no canary there
     ((), (0, 0, (), ()), (0, 0, (), ())),
 ])
-def test_pooling_over_the_given_tiers_only(tiers, stable, canary):
+def test_per_tier_samples_of_the_given_tiers_only(tiers, stable, canary):
     acc = accumulator()
     acc.add(POLL)
     m = acc.measurements(STABLE, tiers)
-    for samples, (requests, errors, latencies, joules) in ((m.stable, stable),
-                                                           (m.canary, canary)):
+    assert tuple(m.tiers) == tiers
+    for samples, (requests, errors, latencies, joules) in ((m.pooled("stable"), stable),
+                                                           (m.pooled("canary"), canary)):
         assert samples.requests == requests
         assert samples.errors == errors
         assert samples.latencies_ms == pytest.approx(latencies)
@@ -59,16 +60,18 @@ def test_counts_sum_over_polls_and_window_increments():
     acc.add([])  # an empty poll is still a window
     m = acc.measurements(STABLE, ["edge"])
     assert (m.window, m.stage) == (4, 1)
-    assert (m.canary.requests, m.canary.errors) == (33, 3)
-    assert m.canary.latencies_ms == pytest.approx((1.0, 2.0, 3.0))
-    assert m.stable.requests == 0
+    edge = m.tiers["edge"]
+    assert (edge.canary.requests, edge.canary.errors) == (33, 3)
+    assert edge.canary.latencies_ms == pytest.approx((1.0, 2.0, 3.0))
+    assert edge.stable.requests == 0
 
 
 def test_measurements_accepts_any_iterable_of_tiers():
     acc = accumulator()
     acc.add(POLL)
     m = acc.measurements(STABLE, iter(["edge", "regional"]))
-    assert (m.stable.requests, m.canary.requests) == (150, 35)
+    assert (m.pooled("stable").requests, m.pooled("canary").requests) == (150, 35)
+    assert (m.tiers["regional"].stable.requests, m.tiers["regional"].canary.requests) == (50, 25)
 
 
 @pytest.mark.parametrize(("success", "joules", "kept"), [
@@ -81,7 +84,7 @@ def test_measurements_accepts_any_iterable_of_tiers():
 def test_joules_window_only_with_success_and_value(success, joules, kept):
     acc = accumulator()
     acc.add([reading("edge", CANARY, success, 3, (), joules)])
-    assert tuple(acc.measurements(STABLE, ["edge"]).canary.joules_per_inference) == kept
+    assert tuple(acc.measurements(STABLE, ["edge"]).tiers["edge"].canary.joules_per_inference) == kept
 
 
 def test_joules_windows_bounded(monkeypatch):
@@ -89,7 +92,7 @@ def test_joules_windows_bounded(monkeypatch):
     acc = accumulator()
     for n in range(6):
         acc.add([reading("edge", CANARY, 1, 0, (), float(n))])
-    assert tuple(acc.measurements(STABLE, ["edge"]).canary.joules_per_inference) == (
+    assert tuple(acc.measurements(STABLE, ["edge"]).tiers["edge"].canary.joules_per_inference) == (
         3.0, 4.0, 5.0)
 
 
@@ -103,7 +106,7 @@ def test_reservoir_bound(monkeypatch, offered, bound):
     series = acc._series[("edge", CANARY)]
     assert series.seen == offered
     assert len(series.latencies_ms) == min(offered, bound)
-    kept = acc.measurements(STABLE, ["edge"]).canary.latencies_ms
+    kept = acc.measurements(STABLE, ["edge"]).tiers["edge"].canary.latencies_ms
     assert len(kept) == min(offered, bound)
     offered_ms = {round(v * 1000.0, 6) for v in values}
     assert {round(v, 6) for v in kept} <= offered_ms
@@ -119,15 +122,15 @@ def test_reservoir_is_per_tier_and_version(monkeypatch):
              reading("regional", CANARY, 0, 0, [0.002] * 10),
              reading("edge", STABLE, 0, 0, [0.003] * 2)])
     m = acc.measurements(STABLE, ["edge", "regional"])
-    assert len(m.canary.latencies_ms) == 8  # 4 per tier
-    assert len(m.stable.latencies_ms) == 2
+    assert [len(m.tiers[t].canary.latencies_ms) for t in ("edge", "regional")] == [4, 4]
+    assert len(m.tiers["edge"].stable.latencies_ms) == 2
 
 
 def test_reservoir_is_roughly_uniform(monkeypatch):
     monkeypatch.setattr(measure, "RESERVOIR", 200)
     acc = accumulator(seed=7)
     acc.add([reading("edge", CANARY, 0, 0, [i / 1000.0 for i in range(4000)])])
-    kept = np.asarray(acc.measurements(STABLE, ["edge"]).canary.latencies_ms)
+    kept = np.asarray(acc.measurements(STABLE, ["edge"]).tiers["edge"].canary.latencies_ms)
     # uniform over 0..3999 ms: mean about 2000; keeping only the first 200 gives 100
     assert 1600 < kept.mean() < 2400
     assert (kept >= 2000).sum() > 60
@@ -199,5 +202,5 @@ def test_energy_pools_the_polls_of_one_window():
     acc.add([reading("edge", CANARY, 10, 0, (), 0.2)], window=7)
     acc.add([reading("edge", CANARY, 30, 0, (), 0.6)], window=7)
     acc.add([reading("edge", CANARY, 5, 0, (), 1.0)], window=8)
-    windows = acc.measurements(STABLE, ["edge"]).canary.joules_per_inference
+    windows = acc.measurements(STABLE, ["edge"]).tiers["edge"].canary.joules_per_inference
     assert windows == pytest.approx((0.5, 1.0))  # (10*0.2 + 30*0.6) / 40, then 1.0

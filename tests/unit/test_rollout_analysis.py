@@ -177,10 +177,9 @@ def test_agreement(case):
 
 def test_a_run_takes_the_worst_metric_and_skips_null_ones():
     spec = AnalysisSpec(energy_per_inference=None, agreement=None)
-    measurements = a.Measurements(
-        window=3, stage=0,
+    measurements = a.Measurements(window=3, stage=0, tiers={"edge": a.TierSamples(
         stable=a.VersionSamples(tuple(STABLE), 2000, 0),
-        canary=a.VersionSamples(tuple(SLOWER), 400, 0))
+        canary=a.VersionSamples(tuple(SLOWER), 400, 0))})
     run = a.analyze(spec, measurements)
     assert [m.metric for m in run.metrics] == ["latency_p95", "error_rate"]
     assert run.verdict == a.FAILED and run.window == 3
@@ -188,8 +187,71 @@ def test_a_run_takes_the_worst_metric_and_skips_null_ones():
 
 
 def test_missing_data_is_never_a_pass():
-    empty = a.Measurements(window=0, stage=0, stable=a.VersionSamples(),
-                           canary=a.VersionSamples())
+    empty = a.Measurements(window=0, stage=0, tiers={"edge": a.TierSamples()})
     run = a.analyze(AnalysisSpec(), empty)
     assert run.verdict == a.INCONCLUSIVE
     assert {m.outcome for m in run.metrics} == {a.INCONCLUSIVE}
+
+
+# --- per tier -----------------------------------------------------------------
+
+LATENCY_ONLY = AnalysisSpec(error_rate=None, energy_per_inference=None, agreement=None)
+
+
+def lognormal_ms(median_ms, n, seed):
+    return tuple(np.random.default_rng(seed).lognormal(math.log(median_ms), 0.3, n))
+
+
+def version(latencies):
+    return a.VersionSamples(latencies, len(latencies), 0)
+
+
+def test_a_regression_on_one_tier_fails_that_tier_by_name():
+    tiers = {
+        "edge": a.TierSamples(version(lognormal_ms(10, 2000, 1)), version(lognormal_ms(10, 2000, 2))),
+        "regional": a.TierSamples(version(lognormal_ms(5, 300, 3)), version(lognormal_ms(8, 100, 4))),
+    }
+    run = a.analyze(LATENCY_ONLY, a.Measurements(window=1, stage=1, tiers=tiers))
+    outcomes = {m.label: m.outcome for m in run.metrics}
+    assert outcomes == {"latency_p95 on edge": a.SUCCESSFUL,
+                        "latency_p95 on regional": a.FAILED}
+    assert run.verdict == a.FAILED
+
+
+def test_each_tier_is_compared_with_its_own_stable_whatever_the_traffic_mix():
+    # Same version behaviour on each tier; the canary runs mostly on the slow
+    # tier and stable mostly on the fast one. Pooled, the canary looks slower.
+    tiers = {
+        "edge": a.TierSamples(version(lognormal_ms(5, 1900, 1)), version(lognormal_ms(5, 100, 2))),
+        "datacenter": a.TierSamples(version(lognormal_ms(20, 100, 3)),
+                                    version(lognormal_ms(20, 1900, 4))),
+    }
+    measurements = a.Measurements(window=1, stage=2, tiers=tiers)
+    assert a.analyze(LATENCY_ONLY, measurements).verdict == a.SUCCESSFUL
+    pooled = a.Measurements(window=1, stage=2, tiers={"all": a.TierSamples(
+        measurements.pooled("stable"), measurements.pooled("canary"))})
+    assert a.analyze(LATENCY_ONLY, pooled).verdict == a.FAILED
+
+
+def test_tiers_share_the_false_alarm_rate():
+    same = a.TierSamples(version(lognormal_ms(10, 300, 5)), version(lognormal_ms(10, 300, 6)))
+    run = a.analyze(LATENCY_ONLY, a.Measurements(window=1, stage=0, tiers={
+        "edge": same, "regional": same, "datacenter": a.TierSamples()}))
+    # datacenter served nothing this stage: left out; the two others split the alpha
+    assert [m.tier for m in run.metrics] == ["edge", "regional"]
+    each = 1 - (1 - LATENCY_ONLY.confidence) / 2
+    assert [m.numbers["confidence"] for m in run.metrics] == pytest.approx([each, each])
+
+
+def test_with_no_traffic_anywhere_every_tier_is_inconclusive():
+    run = a.analyze(LATENCY_ONLY, a.Measurements(window=1, stage=0, tiers={
+        "edge": a.TierSamples(), "regional": a.TierSamples()}))
+    assert [(m.tier, m.outcome) for m in run.metrics] == [
+        ("edge", a.INCONCLUSIVE), ("regional", a.INCONCLUSIVE)]
+    assert run.verdict == a.INCONCLUSIVE
+
+
+def test_a_tier_with_stable_traffic_and_no_canary_is_inconclusive_not_skipped():
+    run = a.analyze(LATENCY_ONLY, a.Measurements(window=1, stage=0, tiers={
+        "edge": a.TierSamples(version(lognormal_ms(10, 300, 7)), a.VersionSamples())}))
+    assert run.verdict == a.INCONCLUSIVE and "too few samples" in run.metrics[0].reason

@@ -47,10 +47,10 @@ SLOW_MS = tuple(R.lognormal(math.log(30), 0.5, 400))
 def measure(window=1, stage=0, canary_ms=SAME_MS, requests=400, errors=0, joules=1.0,
             agreed=400, compared=400):
     return a.Measurements(
-        window=window, stage=stage,
-        stable=a.VersionSamples(STABLE_MS, 8000, 8, (1.0, 1.01, 0.99)),
-        canary=a.VersionSamples(canary_ms, requests, errors,
-                                (joules, joules * 1.01, joules * 0.99)),
+        window=window, stage=stage, tiers={"edge": a.TierSamples(
+            stable=a.VersionSamples(STABLE_MS, 8000, 8, (1.0, 1.01, 0.99)),
+            canary=a.VersionSamples(canary_ms, requests, errors,
+                                    (joules, joules * 1.01, joules * 0.99)))},
         shadow_compared=compared, shadow_agreed=agreed)
 
 

@@ -8,8 +8,8 @@ the polling itself is the controller's I/O.
 
 Samples count only from the moment the stage (canary version, stage index)
 was first seen, so one stage never judges another's traffic. Stable and
-canary are pooled over the tiers where the stage sends canary traffic, so
-both are measured on the same tiers.
+canary are kept per tier, for the tiers where the stage sends canary
+traffic, so each tier's canary is compared with that tier's stable.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiered.rollout.analysis import Measurements, VersionSamples
+from tiered.rollout.analysis import Measurements, TierSamples, VersionSamples
 
 RESERVOIR = 4000  # latency samples kept per (tier, version); uniform over the stage
 WINDOWS = 600  # J/inference windows kept per (tier, version)
@@ -100,31 +100,31 @@ class StageAccumulator:
 
     def measurements(self, stable_version: int, tiers: Iterable[str],
                      window: int | None = None) -> Measurements:
-        """Stable and canary pooled over `tiers`; agreement over every tier. `window`
+        """Stable and canary on each of `tiers`; agreement over every tier. `window`
         numbers the analysis (default: the count of polls)."""
-        tiers = tuple(tiers)
         shadow = {key: self._shadow.get(key, 0.0) - self._shadow_baseline.get(key, 0.0)
                   for key in self._shadow}
         agreed = int(sum(v for (_, result), v in shadow.items() if result == "agree"))
         disagreed = int(sum(v for (_, result), v in shadow.items() if result == "disagree"))
         return Measurements(
             window=self.window if window is None else window, stage=self.stage,
-            stable=self._pooled(stable_version, tiers),
-            canary=self._pooled(self.canary_version, tiers),
+            tiers={tier: TierSamples(self._samples(tier, stable_version),
+                                     self._samples(tier, self.canary_version))
+                   for tier in tiers},
             shadow_compared=agreed + disagreed, shadow_agreed=agreed)
 
-    def _pooled(self, version: int, tiers: tuple[str, ...]) -> VersionSamples:
-        parts = [self._series[(tier, version)] for tier in tiers
-                 if (tier, version) in self._series]
-        return VersionSamples(
-            latencies_ms=tuple(v for p in parts for v in p.latencies_ms),
-            requests=sum(p.requests for p in parts),
-            errors=sum(p.errors for p in parts),
-            joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference()))
+    def _samples(self, tier: str, version: int) -> VersionSamples:
+        series = self._series.get((tier, version))
+        if series is None:
+            return VersionSamples()
+        return VersionSamples(latencies_ms=tuple(series.latencies_ms), requests=series.requests,
+                              errors=series.errors,
+                              joules_per_inference=tuple(series.joules_per_inference()))
 
     def summary(self, stable_version: int, tiers: Iterable[str]) -> dict[str, float | None]:
         """The headline numbers for progress lines and history snapshots."""
         m = self.measurements(stable_version, tiers)
+        stable, canary = m.pooled("stable"), m.pooled("canary")
 
         def p95(samples: VersionSamples) -> float | None:
             return (float(np.percentile(samples.latencies_ms, 95))
@@ -135,9 +135,9 @@ class StageAccumulator:
             return float(np.median(values)) if values else None
 
         return {
-            "stable_requests": m.stable.requests, "canary_requests": m.canary.requests,
-            "p95_stable_ms": p95(m.stable), "p95_canary_ms": p95(m.canary),
-            "jpi_stable": jpi(m.stable), "jpi_canary": jpi(m.canary),
+            "stable_requests": stable.requests, "canary_requests": canary.requests,
+            "p95_stable_ms": p95(stable), "p95_canary_ms": p95(canary),
+            "jpi_stable": jpi(stable), "jpi_canary": jpi(canary),
             "agreement": (m.shadow_agreed / m.shadow_compared if m.shadow_compared else None),
             "agreement_compared": m.shadow_compared,
         }

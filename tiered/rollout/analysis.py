@@ -1,9 +1,10 @@
 """Canary vs stable, per metric: the statistics a rollout stage is judged by.
 
-Each metric ends Successful, Failed, Inconclusive or Error and carries every
-number it was decided from; a run's verdict is the worst of them (Failed >
-Error > Inconclusive > Successful). Missing data, or fewer samples than the
-spec's minimum, is Inconclusive: never a pass.
+Each metric is judged per tier (agreement over all tiers), ends Successful,
+Failed, Inconclusive or Error and carries every number it was decided from;
+a run's verdict is the worst of them (Failed > Error > Inconclusive >
+Successful). Missing data, or fewer samples than the spec's minimum, is
+Inconclusive: never a pass.
 
 - latency_p95: one-sided Mann-Whitney U of canary/max_ratio against stable
   (the effect-size margin: the canary regresses only if it is slower than
@@ -27,8 +28,8 @@ for how it compares with the exact distribution's use in scipy).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 
 import numpy as np
@@ -67,8 +68,21 @@ class VersionSamples:
 
 
 @dataclass(frozen=True)
+class TierSamples:
+    """Stable and canary on one tier."""
+
+    stable: VersionSamples = VersionSamples()
+    canary: VersionSamples = VersionSamples()
+
+    @property
+    def served(self) -> bool:
+        return self.stable.requests > 0 or self.canary.requests > 0
+
+
+@dataclass(frozen=True)
 class Measurements:
-    """Canary and stable over the current stage, as the adapter collected them.
+    """Canary and stable over the current stage, per tier the stage sends canary
+    traffic to, as the adapter collected them.
 
     `window` numbers the analyses: the same window judged twice counts once
     toward the consecutive-failure limit. `stage` is the stage index the
@@ -77,10 +91,18 @@ class Measurements:
 
     window: int
     stage: int
-    stable: VersionSamples
-    canary: VersionSamples
-    shadow_compared: int = 0  # shadowed requests whose outputs were compared
+    tiers: Mapping[str, TierSamples]
+    shadow_compared: int = 0  # shadowed requests whose outputs were compared, every tier
     shadow_agreed: int = 0
+
+    def pooled(self, version: str) -> VersionSamples:
+        """One version ("stable" or "canary") over every tier, for headline figures."""
+        parts = [getattr(samples, version) for samples in self.tiers.values()]
+        return VersionSamples(
+            latencies_ms=tuple(v for p in parts for v in p.latencies_ms),
+            requests=sum(p.requests for p in parts),
+            errors=sum(p.errors for p in parts),
+            joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference))
 
 
 # --- statistics -------------------------------------------------------------
@@ -321,22 +343,42 @@ def _combine(name: str, outcomes: list[str], reasons: list[str],
 
 
 def analyze(spec: AnalysisSpec, measurements: Measurements) -> AnalysisRun:
-    """Judge every configured metric of canary vs stable; the worst outcome wins."""
-    stable, canary = measurements.stable, measurements.canary
+    """Judge every configured metric of canary vs stable on each tier, and
+    agreement over all of them; the worst outcome wins.
+
+    Each tier is judged on its own samples, so a tier's regression is not
+    diluted by another tier's traffic and stable is compared on the tier the
+    canary ran on. A tier where neither version served a request this stage
+    has nothing at stake and is left out (unless no tier served any). The
+    per-tier tests share the spec's false-alarm rate (Bonferroni): with k
+    tiers each is judged at confidence 1 - (1 - confidence) / k.
+    """
+    tiers = ({tier: s for tier, s in measurements.tiers.items() if s.served}
+             or dict(measurements.tiers) or {None: TierSamples()})
+    confidence = 1 - (1 - spec.confidence) / len(tiers)
     metrics: list[MetricResult] = []
-    if spec.latency_p95 is not None:
-        metrics.append(judge_latency(spec.latency_p95, stable.latencies_ms, canary.latencies_ms,
-                                     spec.confidence, spec.min_samples))
-    if spec.error_rate is not None:
-        metrics.append(judge_error_rate(spec.error_rate, stable.errors, stable.requests,
-                                        canary.errors, canary.requests, spec.confidence,
-                                        spec.min_samples))
-    if spec.energy_per_inference is not None:
-        metrics.append(judge_energy(spec.energy_per_inference, stable.joules_per_inference,
-                                    canary.joules_per_inference, spec.confidence))
+    for tier, samples in tiers.items():
+        metrics.extend(replace(m, tier=tier)
+                       for m in _judge_tier(spec, samples.stable, samples.canary, confidence))
     if spec.agreement is not None:
         metrics.append(judge_agreement(spec.agreement, measurements.shadow_agreed,
                                        measurements.shadow_compared, spec.confidence,
                                        spec.min_samples))
     return AnalysisRun(measurements.window, worst([m.outcome for m in metrics]),
                        tuple(metrics))
+
+
+def _judge_tier(spec: AnalysisSpec, stable: VersionSamples, canary: VersionSamples,
+                confidence: float) -> list[MetricResult]:
+    metrics: list[MetricResult] = []
+    if spec.latency_p95 is not None:
+        metrics.append(judge_latency(spec.latency_p95, stable.latencies_ms, canary.latencies_ms,
+                                     confidence, spec.min_samples))
+    if spec.error_rate is not None:
+        metrics.append(judge_error_rate(spec.error_rate, stable.errors, stable.requests,
+                                        canary.errors, canary.requests, confidence,
+                                        spec.min_samples))
+    if spec.energy_per_inference is not None:
+        metrics.append(judge_energy(spec.energy_per_inference, stable.joules_per_inference,
+                                    canary.joules_per_inference, confidence))
+    return metrics

@@ -145,7 +145,7 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
 
     if run.verdict == FAILED:
         limit = spec.rollout.analysis.consecutive_failure_limit
-        detail = "; ".join(f"{m.metric}: {m.reason}" for m in run.with_outcome(FAILED))
+        detail = "; ".join(f"{m.label}: {m.reason}" for m in run.with_outcome(FAILED))
         if failures >= limit:
             return _on_failure(spec, status, f"{where} failed ({failures} of {limit} in a "
                                f"row): {detail}", run)
@@ -153,7 +153,7 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
                          f"row): {detail}", status, run, _requeue(stage, elapsed))
 
     why = []
-    requests = measurements.canary.requests
+    requests = measurements.pooled("canary").requests
     if requests < stage.min_requests:
         why.append(f"too little data: {requests} of {stage.min_requests} canary requests")
     if elapsed < stage.min_duration_s:
@@ -161,7 +161,7 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
     if run.verdict in (INCONCLUSIVE, ERROR):
         pending = run.with_outcome(INCONCLUSIVE) + run.with_outcome(ERROR)
         why.append(f"analysis {run.verdict.lower()}: " +
-                   "; ".join(f"{m.metric}: {m.reason}" for m in pending))
+                   "; ".join(f"{m.label}: {m.reason}" for m in pending))
     if why:
         if timed_out:
             return _on_failure(spec, status, f"{where} undecided at max_duration_s "

@@ -405,6 +405,12 @@ class MetricResult:
     reason: str = spec_field(doc="the outcome in words, with its numbers")
     numbers: Mapping[str, float] = spec_field(
         default_factory=dict, doc="samples, quantiles, test statistic, p-value, thresholds")
+    tier: str | None = spec_field(
+        default=None, doc="the tier judged; null for agreement, judged over every tier")
+
+    @property
+    def label(self) -> str:
+        return self.metric if self.tier is None else f"{self.metric} on {self.tier}"
 
 
 @dataclass(frozen=True)
@@ -419,7 +425,7 @@ class AnalysisRun:
         return tuple(m for m in self.metrics if m.outcome == outcome)
 
     def summary(self) -> str:
-        return "; ".join(f"{m.metric} {m.outcome}: {m.reason}" for m in self.metrics)
+        return "; ".join(f"{m.label} {m.outcome}: {m.reason}" for m in self.metrics)
 
 
 @dataclass(frozen=True)

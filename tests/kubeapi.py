@@ -10,8 +10,8 @@ client exactly as against a cluster::
 
 Implemented, following the real API server:
 - Kinds (all namespaced): tiered.dev/v1alpha1 tieredmodels, apps/v1 deployments
-  and daemonsets, v1 services, configmaps and events, coordination.k8s.io/v1
-  leases. Paths /api/v1/namespaces/{ns}/{plural}[/{name}[/status]],
+  and daemonsets, v1 services, pods, configmaps and events,
+  coordination.k8s.io/v1 leases. Paths /api/v1/namespaces/{ns}/{plural}[/{name}[/status]],
   /apis/{group}/{version}/namespaces/{ns}/..., the all-namespaces collections
   /api/v1/{plural} and /apis/{g}/{v}/{plural}, and /version.
 - Server-set metadata: uid, creationTimestamp, namespace, resourceVersion (one
@@ -28,9 +28,9 @@ Implemented, following the real API server:
   volumeMounts, ports, ownerReferences, conditions, union for finalizers and
   $patch/$deleteFromPrimitiveList directives; 415 for strategic merge on custom
   resources as the real server), delete and deletecollection.
-- Status subresource (tieredmodels, deployments, daemonsets, services): writes
-  to the main resource keep the stored status; writes to /status change only
-  status. Status is dropped on create.
+- Status subresource (tieredmodels, deployments, daemonsets, services, pods):
+  writes to the main resource keep the stored status; writes to /status change
+  only status. Status is dropped on create.
 - Finalizers: delete sets deletionTimestamp and deletionGracePeriodSeconds=0
   (MODIFIED); the update that empties finalizers removes the object (DELETED,
   whose object is the last stored state). New finalizers on a deleting object
@@ -131,6 +131,7 @@ KINDS = {(k.group, k.version, k.plural): k for k in (
     Kind("apps", "v1", "deployments", "Deployment", True, True),
     Kind("apps", "v1", "daemonsets", "DaemonSet", True, True),
     Kind("", "v1", "services", "Service", True),
+    Kind("", "v1", "pods", "Pod", True),  # written by tests as a kubelet would report them
     Kind("", "v1", "configmaps", "ConfigMap"),
     Kind("", "v1", "events", "Event"),
     Kind("coordination.k8s.io", "v1", "leases", "Lease"),
@@ -847,9 +848,9 @@ class FakeKubeAPI:
                                 f"{want}, {field} in object meta: {obj['metadata'].get(field)}")
         result, gone = self._delete(kind, obj, "DELETE", path,
                                     opts.get("propagationPolicy") == "Orphan")
-        # The real registry answers a deleted Service with the object itself (its
-        # store sets ReturnDeletedObject); other built-in kinds with a Status.
-        if gone and not kind.custom and kind.plural != "services":
+        # The real registry answers a deleted Service or Pod with the object itself
+        # (their stores set ReturnDeletedObject); other built-in kinds with a Status.
+        if gone and not kind.custom and kind.plural not in ("services", "pods"):
             return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {},
                          "status": "Success", "details": {"name": name, "group": kind.group,
                                                           "kind": kind.plural,

@@ -280,6 +280,7 @@ LEAST_PRIVILEGE = {
     ("", "services"): {"get", "list", "watch", "create", "update", "patch", "delete"},
     ("", "configmaps"): {"get", "list", "watch", "create", "update", "patch", "delete"},
     ("", "events"): {"create", "patch"},
+    ("", "pods"): {"list"},  # a failed build's termination message, for status
     ("coordination.k8s.io", "leases"): {"get", "create", "update"},
 }
 

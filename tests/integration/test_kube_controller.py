@@ -330,6 +330,48 @@ def test_an_unreadable_agent_holds_the_stage_until_it_is_back(kube, api, control
 
 
 
+def test_a_build_refused_for_its_sha256_says_so_in_status(kube, api, controllers):
+    """The kubelet's report of the failed build init container reaches the
+    TieredModel's status, and the refused version never takes traffic."""
+    before = rollout(kube)
+    assert before["phase"] == "Promoted" and before["stable_version"] == 3
+    obj = tiered_model(kube)
+    obj["spec"] = model(3)["spec"]  # an artifact not seen in this incarnation: version 4
+    custom = client.CustomObjectsApi(kube)
+    custom.replace_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+    wait("workloads of v4", lambda: len(workloads(api, 4)) == len(TIERS))
+    edge = next(d for d in workloads(api, 4) if d["metadata"]["labels"][render.LABEL_TIER]
+                == "edge")
+    refused = (f"tiered build: artifact: /tmp/digits-3.onnx has sha256 {'e' * 64}, not the "
+               f"expected {SHAS[3]}; refusing to build it")
+    core = client.CoreV1Api(kube)
+    name = "digits-edge-v4-7f9c4"
+    core.create_namespaced_pod(NAMESPACE, {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": edge["spec"]["template"]["metadata"]["labels"]},
+        "spec": edge["spec"]["template"]["spec"]})
+    core.patch_namespaced_pod_status(name, NAMESPACE, {"status": {
+        "phase": "Pending", "initContainerStatuses": [{
+            "name": render.BUILD_CONTAINER, "ready": False, "restartCount": 2,
+            "image": "tiered-agent:latest", "imageID": "",
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 2, "reason": "Error",
+                                         "message": f"fetching the artifact\n{refused}\n"}}}]}})
+    message = wait("the refusal in status", lambda: "refused" in (
+        tiered_model(kube).get("status") or {}).get("message", "") and
+        tiered_model(kube)["status"]["message"])
+    assert message == f"version 4 refused: edge: {refused}"
+    time.sleep(1.0)  # several reconciles later, still nothing rolls out
+    assert rollout(kube) == before
+    assert "canary" not in routing_table(kube)["models"]["digits"]["tiers"]["edge"]
+
+    core.delete_namespaced_pod(name, NAMESPACE)
+    obj = tiered_model(kube)
+    obj["spec"] = model(4)["spec"]  # back to the stable artifact: version 4 is retired
+    custom.replace_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+    wait("v4 retired", lambda: not workloads(api, 4), 30)
+    assert rollout(kube)["stable_version"] == 3
+
 def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
         kube, api, agents, tmp_path):
     """Kill the controller right after every step it takes: stages only go

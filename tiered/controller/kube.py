@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import json
 import logging
 import threading
 import time
@@ -361,8 +362,14 @@ class KubeController:
                    and not self._available(spec, tier, target)]
         requeue: float | None = self.options.resync_s
         if waiting:
-            message = (f"version {target}: waiting for its agents on {', '.join(waiting)} "
-                       "(building and starting)")
+            refused = {tier: why for tier in waiting
+                       if (why := self._build_failure(spec, tier, target))}
+            if refused:
+                message = f"version {target} refused: " + "; ".join(
+                    f"{tier}: {why}" for tier, why in refused.items())
+            else:
+                message = (f"version {target}: waiting for its agents on "
+                           f"{', '.join(waiting)} (building and starting)")
             requeue = WAIT_AVAILABLE_S
         else:
             transition = desired.follow_spec(spec, rollout, target, now)
@@ -515,6 +522,14 @@ class KubeController:
             return False
         ready = status.number_available if per_node else status.available_replicas
         return bool(ready and ready >= 1)
+
+    def _build_failure(self, spec: TieredModel, tier: str, version: int) -> str | None:
+        """Why the build failed on a pod of this tier and version, if it did (a
+        sha256 mismatch, an engine that refused the model)."""
+        response = self.core.list_namespaced_pod(
+            self.settings.namespace, label_selector=render.pod_selector(spec.name, tier, version),
+            _preload_content=False)  # plain JSON: the kubelet's status as it is
+        return render.build_failure(json.loads(response.data).get("items") or [])
 
     def _retire(self, spec: TieredModel, served: tuple[int, ...], now: float) -> float | None:
         """Delete owned objects of versions no longer served, once their grace has

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,7 @@ LABEL_MANAGED = "app.kubernetes.io/managed-by"
 MANAGER = "tiered-controller"
 SPEC_HASH = f"{API_GROUP}/spec-hash"
 FINALIZER = f"{API_GROUP}/routing"
+BUILD_CONTAINER = "build"  # the init container that verifies and builds the artifact
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,11 @@ def agent_address(model: str, tier: str, version: int, namespace: str) -> str:
 def _labels(model: str, tier: str, version: int) -> dict[str, str]:
     return {LABEL_MODEL: dns_label(model), LABEL_TIER: tier, LABEL_VERSION: str(version),
             LABEL_MANAGED: MANAGER}
+
+
+def pod_selector(model: str, tier: str, version: int) -> str:
+    """The label selector of one (tier, version)'s agent pods."""
+    return ",".join(f"{k}={v}" for k, v in _labels(model, tier, version).items())
 
 
 def _owner_reference(owner: Owner) -> dict[str, Any]:
@@ -153,9 +159,13 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
     pod = {
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
         "initContainers": [{
-            "name": "build", "image": image, "imagePullPolicy": settings.image_pull_policy,
+            "name": BUILD_CONTAINER, "image": image,
+            "imagePullPolicy": settings.image_pull_policy,
             "command": _build_command(spec, tier, artifact), "volumeMounts": mounts,
             "securityContext": SECURITY_CONTEXT, "resources": resources,
+            # A failed build's last log lines become its termination message,
+            # which the controller copies into the TieredModel's status.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
         }],
         "containers": [{
             "name": "agent", "image": image, "imagePullPolicy": settings.image_pull_policy,
@@ -247,6 +257,25 @@ def status_fields(spec: TieredModel, status: RolloutStatus | None) -> Mapping[st
     weights = dict(engine.canary_weights(spec, status))
     return {"stage": desired.stage_label(spec, status) if desired.live(status) else "",
             "weights": weights, "weights_summary": desired.weights_summary(weights)}
+
+
+def build_failure(pods: Iterable[Mapping[str, Any]]) -> str | None:
+    """Why the build init container failed on one of these pods (as the kubelet
+    reports them): the last line of its termination message; None while no
+    build has failed."""
+    for pod in pods:
+        for container in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            if container.get("name") != BUILD_CONTAINER:
+                continue
+            for state in (container.get("state"), container.get("lastState")):
+                terminated = (state or {}).get("terminated") or {}
+                if terminated.get("exitCode"):
+                    lines = [line.strip() for line in
+                             (terminated.get("message") or "").splitlines() if line.strip()]
+                    return lines[-1] if lines else (
+                        f"the build exited with code {terminated['exitCode']} "
+                        f"({terminated.get('reason') or 'Error'})")
+    return None
 
 
 def decode_status(obj: Mapping[str, Any]) -> TieredModelStatus:

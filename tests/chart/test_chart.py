@@ -285,23 +285,47 @@ LEAST_PRIVILEGE = {
 }
 
 
-def test_controller_role_is_exactly_least_privilege(any_render):
-    assert objects(any_render, "ClusterRole") == []
-    assert objects(any_render, "ClusterRoleBinding") == []
-    (role,) = objects(any_render, "Role")
-    granted: dict[tuple[str, str], set[str]] = {}
+def granted(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    """(API group, resource) -> verbs, with no wildcard anywhere."""
+    grants: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
         assert set(rule) <= {"apiGroups", "resources", "verbs"}, rule
         for field in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[field], rule
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
-                granted.setdefault((group, resource), set()).update(rule["verbs"])
-    assert granted == LEAST_PRIVILEGE
+                grants.setdefault((group, resource), set()).update(rule["verbs"])
+    return grants
+
+
+def test_controller_role_is_exactly_least_privilege(any_render):
+    assert objects(any_render, "ClusterRole") == []
+    assert objects(any_render, "ClusterRoleBinding") == []
+    assert granted(one(any_render, "Role", f"{fullname()}-controller")) == LEAST_PRIVILEGE
+
+
+READ = {"get", "list", "watch"}
+
+
+def test_user_roles_grant_the_verbs_and_nothing_is_bound_to_them(any_render):
+    assert granted(one(any_render, "Role", f"{fullname()}-viewer")) == {
+        ("tiered.dev", "tieredmodels"): READ, ("tiered.dev", "tieredmodels/status"): READ}
+    # apply creates/replaces/deletes; the rollout verbs replace the status subresource
+    assert granted(one(any_render, "Role", f"{fullname()}-operator")) == {
+        ("tiered.dev", "tieredmodels"): READ | {"create", "update", "patch", "delete"},
+        ("tiered.dev", "tieredmodels/status"): {"get", "update", "patch"}}
+    bound = {b["roleRef"]["name"] for b in objects(any_render, "RoleBinding")}
+    assert bound == {f"{fullname()}-controller"}
+
+
+def test_user_roles_can_be_left_out(helm_binary, tmp_path):
+    rendered = helm.render({"userRoles": {"create": False}}, tmp_path)
+    assert [r["metadata"]["name"] for r in objects(rendered, "Role")] == [
+        f"{fullname()}-controller"]
 
 
 def test_role_is_bound_to_the_controllers_service_account(any_render):
-    (role,) = objects(any_render, "Role")
+    role = one(any_render, "Role", f"{fullname()}-controller")
     (binding,) = objects(any_render, "RoleBinding")
     (account,) = objects(any_render, "ServiceAccount")
     controller = one(any_render, "Deployment", f"{fullname()}-controller")

@@ -8,6 +8,7 @@ import sqlite3
 import pytest
 
 from tiered.controller import store as store_module
+from tiered.controller.local import StateLayout
 from tiered.controller.store import StateStore
 from tiered.errors import ConfigError, Conflict, NotFound
 
@@ -204,3 +205,15 @@ def test_corrupt_file_gives_config_error_naming_it(tmp_path):
     assert str(path) in str(info.value)
     assert not isinstance(info.value, sqlite3.Error)
     assert isinstance(info.value.__cause__, sqlite3.DatabaseError)
+
+
+def test_the_state_directory_is_private_to_its_user(tmp_path):
+    with StateStore(tmp_path / "fresh" / "state.db"):  # a verb before `tiered up`
+        pass
+    assert (tmp_path / "fresh").stat().st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    StateLayout(shared).create()  # `tiered up` takes its directory private
+    assert shared.stat().st_mode & 0o777 == 0o700
+    token = StateLayout(tmp_path / "new").ensure_admin_token()
+    assert (token.stat().st_mode & 0o777, token.parent.stat().st_mode & 0o777) == (0o600, 0o700)

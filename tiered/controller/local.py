@@ -84,11 +84,18 @@ class StateLayout:
         """The token the agents accept for load and unload (mode 0600)."""
         return self.root / "admin.token"
 
+    def create(self) -> StateLayout:
+        """The state directory, private to this user: whoever can write it can
+        run every control verb, so it is the local system's authorization."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        return self
+
     def ensure_admin_token(self) -> Path:
         if not self.admin_token.is_file():
             import secrets
 
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.create()
             fd = os.open(self.admin_token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as out:
                 out.write(secrets.token_urlsafe(32) + "\n")

@@ -65,7 +65,7 @@ class StateStore:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # private when new
         try:
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S,
                                        isolation_level=None)  # explicit transactions

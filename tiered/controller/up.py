@@ -117,7 +117,7 @@ class LocalUp:
     # -- start / stop ---------------------------------------------------------
 
     def start(self) -> RunningSystem:
-        layout = self.layout
+        layout = self.layout.create()
         layout.logs.mkdir(parents=True, exist_ok=True)
         if self.system.sample_models:
             prepare_sample_models((self.base / self.system.sample_models).resolve(),

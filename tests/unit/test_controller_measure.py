@@ -204,3 +204,19 @@ def test_energy_pools_the_polls_of_one_window():
     acc.add([reading("edge", CANARY, 5, 0, (), 1.0)], window=8)
     windows = acc.measurements(STABLE, ["edge"]).tiers["edge"].canary.joules_per_inference
     assert windows == pytest.approx((0.5, 1.0))  # (10*0.2 + 30*0.6) / 40, then 1.0
+
+
+def test_samples_start_with_the_canarys_first_request():
+    acc = accumulator()
+    # the canary's agents are still loading: stable alone, slowed, is not compared
+    acc.add([reading("edge", STABLE, 50, 0, (0.090,), 5.0), reading("edge", CANARY)])
+    acc.add([reading("edge", STABLE, 50, 0, (0.080,), 5.0)])
+    m = acc.measurements(STABLE, ["edge"])
+    assert (m.tiers["edge"].stable.requests, m.tiers["edge"].canary.requests) == (0, 0)
+    acc.add([reading("edge", STABLE, 40, 0, (0.010,), 1.0),
+             reading("edge", CANARY, 10, 0, (0.011,), 1.1)])
+    acc.add([reading("edge", STABLE, 40, 0, (0.012,), 1.0)])  # from then on, every poll
+    edge = acc.measurements(STABLE, ["edge"]).tiers["edge"]
+    assert (edge.stable.requests, edge.canary.requests) == (80, 10)
+    assert edge.stable.latencies_ms == pytest.approx((10.0, 12.0))
+    assert acc.window == 4

@@ -7,7 +7,8 @@ counters; this module turns those readings into the rollout engine's
 the polling itself is the controller's I/O.
 
 Samples count only from the moment the stage (canary version, stage index)
-was first seen, so one stage never judges another's traffic. Stable and
+was first seen and the canary has served, so one stage never judges another's
+traffic and stable is measured over the same time as the canary. Stable and
 canary are kept per tier, for the tiers where the stage sends canary
 traffic, so each tier's canary is compared with that tier's stable.
 """
@@ -59,6 +60,7 @@ class StageAccumulator:
         self.canary_version = canary_version
         self.stage = stage
         self.window = 0
+        self.canary_served = False  # samples count from the canary's first request on
         self._rng = rng
         self._series: dict[tuple[str, int], _Series] = {}
         self._shadow_baseline = dict(shadow_baseline)
@@ -69,9 +71,19 @@ class StageAccumulator:
 
     def add(self, readings: Iterable[VersionReading], window: int | None = None) -> None:
         """One poll's readings; their energy counts toward `window` (default: a
-        window of their own)."""
+        window of their own). Polls before the canary's first request are left
+        out: the two versions are compared over the same time, not stable alone
+        while the canary's agents load."""
         self.window += 1
         window = self.window if window is None else window
+        readings = list(readings)
+        if not self.canary_served:
+            self.canary_served = any(
+                r.version == self.canary_version and (r.success + r.failure or
+                                                      r.latency_samples_s)
+                for r in readings)
+            if not self.canary_served:
+                return
         for reading in readings:
             series = self._series.setdefault((reading.tier, reading.version), _Series())
             series.requests += reading.success + reading.failure

@@ -11,6 +11,8 @@ from YAML, traffic through the router with tritonclient, verbs through the
   CLI on the way.
 - v3, the heavy network, is rolled back (`make demo` checks that it happens in
   the first stage; this test's stages are shorter).
+- An artifact whose bytes change after `tiered apply` pinned them is refused
+  at the build, and the status says so.
 - Every client request in the module is answered.
 """
 
@@ -175,3 +177,23 @@ def test_a_heavier_version_is_rolled_back(system, store, traffic, digits_models)
     while canary_routed() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not canary_routed()
+
+
+def test_an_artifact_changed_after_apply_is_refused_and_says_so(system, store, traffic,
+                                                                digits_models):
+    local, _, state = system
+    before = decode_status(store.get("digits"))
+    artifact = state / "digits-tampered.onnx"
+    artifact.write_bytes((digits_models / "digits-v2.onnx").read_bytes() + b"\0")
+    document = spec("v2", digits_models)
+    document["spec"]["artifact"]["uri"] = str(artifact)
+    apply(state, document)  # pins the digest of these bytes: a new version
+    artifact.write_bytes(artifact.read_bytes() + b"tampered")
+    wait_for(local, store, lambda s: "refusing to build it" in store.get("digits").message, 60)
+    message = store.get("digits").message
+    assert message.startswith("version 4 refused on edge: tiered build: artifact:"), message
+    time.sleep(2.0)  # several passes later: nothing built, nothing rolled out
+    assert decode_status(store.get("digits")) == before
+    assert not (StateLayout(state).repository("edge") / "digits" / "4").exists()
+    apply(state, spec("v2", digits_models))  # back to the stable artifact
+    wait_for(local, store, lambda s: "refused" not in store.get("digits").message, 30)

@@ -30,6 +30,23 @@ def version_of(artifact: Artifact, known: Sequence[ArtifactVersion]
     return version, (*known, ArtifactVersion(version, artifact.uri, artifact.sha256))
 
 
+def build_args(spec: TieredModel, tier: str, artifact: ArtifactVersion,
+               repository: str) -> list[str]:
+    """The `tiered build` arguments that make one tier's build of one version:
+    the artifact is checked against its sha256 first. Both backends run it."""
+    tier_spec = spec.tiers[tier]
+    args = ["build", artifact.uri, "--sha256", artifact.sha256, "--tier", tier,
+            "--repository", repository, "--model", spec.name,
+            "--version", str(artifact.version),
+            "--max-batch-size", str(tier_spec.batching.max_batch_size)]
+    for flag, value in (("--backend", tier_spec.engine), ("--precision", tier_spec.precision),
+                        ("--calibration", spec.artifact.calibration),
+                        ("--eval", spec.artifact.eval)):
+        if value:
+            args += [flag, value]
+    return args
+
+
 @dataclass(frozen=True)
 class Transition:
     """A rollout status change caused by the spec, and why."""

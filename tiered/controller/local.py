@@ -7,7 +7,8 @@ each pass reads spec and status from the store, and
 
 1. numbers the spec's artifact (a new digest is a new version);
 2. builds each served version for each tier into that tier's model
-   repository (verifying the artifact's sha256 first);
+   repository with `tiered build` in a process of its own, as the Kubernetes
+   init container does (the artifact is checked against its sha256 first);
 3. follows the spec (first version serves at once, a new one starts a
    rollout, going back aborts it) and, while a rollout is live, judges it
    with the rollout engine from the agents' Telemetry.Stats and the router's
@@ -24,10 +25,11 @@ where it was; only the stage's samples start afresh (the stage clock does not).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,8 +44,8 @@ from tiered.controller import desired
 from tiered.controller.judge import RolloutJudge, snapshot
 from tiered.controller.store import Record, StateStore
 from tiered.errors import Conflict, TieredError
-from tiered.files import sha256_file, write_atomically
-from tiered.profiles import TIERS, load_profile
+from tiered.files import write_atomically
+from tiered.profiles import TIERS
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol.security import ChannelCache
@@ -54,6 +56,7 @@ from tiered.settings import load_dataclass
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 120.0
+BUILD_TIMEOUT_S = 600.0  # one tier build of one version
 TABLE_GRACE_S = 3.0  # the router re-reads its table every second; leave it three
 
 
@@ -231,9 +234,8 @@ class LocalController:
 
     def _build(self, spec: TieredModel, artifacts: Sequence[desired.ArtifactVersion],
                versions: Sequence[int]) -> str:
-        """Build what is missing; '' when every version is in every tier's repository,
-        else why not (building takes one pass per tier build)."""
-
+        """Build what is missing; '' when every version is in every tier's
+        repository, else why not (a refused build is not tried again)."""
         by_version = {a.version: a for a in artifacts}
         for version in versions:
             for tier in (t for t in TIERS if t in spec.tiers):
@@ -243,44 +245,34 @@ class LocalController:
                 repository = self.layout.repository(tier)
                 if (repository / spec.name / str(version)).is_dir():
                     continue
-                artifact = by_version[version]
-                source = Path(artifact.uri)
-                digest = sha256_file(source) if source.is_file() else None
-                if digest != artifact.sha256:
-                    why = (f"version {version}: artifact {source} is missing" if digest is None
-                           else f"version {version}: artifact {source} has sha256 {digest}, "
-                           f"not the pinned {artifact.sha256}; refusing to build it")
-                    self._rejected[key] = why
-                    return why
                 self.progress(f"{spec.name}: building version {version} for {tier}")
                 started = time.monotonic()
-                outcome = self._build_one(spec, tier, version, source, repository)
-                if outcome.installed is None:
-                    why = (f"version {version} rejected on {tier}: "
-                           f"{outcome.decision.reason}")
-                    self._rejected[key] = why
-                    return why
+                built, said = self._build_one(spec, tier, by_version[version], repository)
+                if not built:
+                    self._rejected[key] = f"version {version} refused on {tier}: {said}"
+                    return self._rejected[key]
                 self.progress(f"{spec.name}: built version {version} for {tier} in "
-                              f"{time.monotonic() - started:.1f} s: {outcome.decision.reason}")
+                              f"{time.monotonic() - started:.1f} s: {said}")
         return ""
 
-    def _build_one(self, spec: TieredModel, tier: str, version: int, source: Path,
-                   repository: Path):
-        from tiered.engines import build
-
-        tier_spec = spec.tiers[tier]
-        profile = load_profile(tier)
-        settings = build.choose_settings(profile, {
-            "backend": tier_spec.engine, "precision": tier_spec.precision,
-            "max_batch_size": tier_spec.batching.max_batch_size,
-        }, f"{spec.name} tiers.{tier}")
-        artifact = spec.artifact
-        request = build.BuildRequest(
-            source=source, repository=repository, model=spec.name, version=version,
-            calibration=Path(artifact.calibration) if artifact.calibration else None,
-            evaluation=Path(artifact.eval) if artifact.eval else None, force=True)
-        return build.build(request, profile, settings,
-                           now=datetime.datetime.now(datetime.timezone.utc))
+    def _build_one(self, spec: TieredModel, tier: str, artifact: desired.ArtifactVersion,
+                   repository: Path) -> tuple[bool, str]:
+        """`tiered build` in a process of its own, as on Kubernetes: whether it
+        wrote the version, and its last word (the verdict, or why not)."""
+        command = [sys.executable, "-m", "tiered",
+                   *desired.build_args(spec, tier, artifact, str(repository)), "--force"]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S, check=False)
+        except subprocess.TimeoutExpired:
+            return False, f"tiered build: did not finish in {BUILD_TIMEOUT_S:g} s"
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        said = lines[-1] if lines else f"tiered build: exit code {done.returncode}"
+        if done.returncode != 0:
+            log.warning("%s: %s", " ".join(command), done.stderr.strip())
+            return False, said
+        # "tiered build: wrote DIR. VERDICT": the verdict is what progress shows
+        return True, said.removeprefix("tiered build: wrote ").partition(". ")[2] or said
 
     def _serve(self, spec: TieredModel, status: RolloutStatus, system: RunningSystem) -> None:
         """Make each tier's agents serve the wanted versions (plus, for a grace

@@ -121,20 +121,6 @@ SECURITY_CONTEXT = {
 }
 
 
-def _build_command(spec: TieredModel, tier: str, artifact: ArtifactVersion) -> list[str]:
-    tier_spec = spec.tiers[tier]
-    command = ["tiered", "build", artifact.uri, "--sha256", artifact.sha256, "--tier", tier,
-               "--repository", MODELS_DIR, "--model", spec.name,
-               "--version", str(artifact.version),
-               "--max-batch-size", str(tier_spec.batching.max_batch_size)]
-    for flag, value in (("--backend", tier_spec.engine), ("--precision", tier_spec.precision),
-                        ("--calibration", spec.artifact.calibration),
-                        ("--eval", spec.artifact.eval)):
-        if value:
-            command += [flag, value]
-    return command
-
-
 def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owner: Owner,
                    settings: ClusterSettings) -> dict[str, Any]:
     """The Deployment (or DaemonSet) serving `artifact`'s version on `tier`."""
@@ -161,7 +147,8 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
         "initContainers": [{
             "name": BUILD_CONTAINER, "image": image,
             "imagePullPolicy": settings.image_pull_policy,
-            "command": _build_command(spec, tier, artifact), "volumeMounts": mounts,
+            "command": ["tiered", *desired.build_args(spec, tier, artifact, MODELS_DIR)],
+            "volumeMounts": mounts,
             "securityContext": SECURITY_CONTEXT, "resources": resources,
             # A failed build's last log lines become its termination message,
             # which the controller copies into the TieredModel's status.

@@ -340,8 +340,12 @@ def _rollout(args: argparse.Namespace) -> int:
     if args.kubernetes:
         cluster = _cluster(args)
         if args.verb == "status":
+            from tiered.controller.render import decode_status
+
             row = cluster.rows(args.name)[0]
             print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
+            for line in verbs.analysis_lines(decode_status(cluster.get(args.name)).rollout):
+                print(line)
             return 0
         decision = cluster.rollout_verb(args.name, args.verb, full=args.full)
         print(f"{args.name}: {decision.action}: {decision.reason}")
@@ -363,6 +367,8 @@ def _rollout_status(store, name: str, watch: bool) -> int:
     record = store.get(name)
     row = verbs.summary_row(record)
     print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
+    for line in verbs.analysis_lines(verbs.decode_status(record)):
+        print(line)
     history = store.history(name)
     for _, t, snap in history[-10:]:
         print(progress_line(t, snap))

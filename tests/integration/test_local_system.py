@@ -155,6 +155,7 @@ def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store
     assert "digits" in listing and "Promoted" in listing and "v2" in listing
     status = tiered(state, "rollout", "status", "digits").stdout
     assert "promote: stage 2/2 'wide' passed" in status
+    assert "last analysis: Successful" in status and "  latency_p95 on edge: Successful" in status
 
 
 def test_a_heavier_version_is_rolled_back(system, store, traffic, digits_models):

@@ -21,7 +21,13 @@ from tiered.controller.verbs import (
 )
 from tiered.errors import ConfigError, Conflict, InvalidArgument
 from tiered.rollout import engine
-from tiered.rollout.spec import load_tiered_model, to_plain
+from tiered.rollout.spec import (
+    AnalysisRun,
+    MetricResult,
+    RolloutStatus,
+    load_tiered_model,
+    to_plain,
+)
 
 SHA = "ab" * 32
 NOW = 2000.0
@@ -387,3 +393,17 @@ def test_verb_gives_up_after_retries(store, monkeypatch):
     with pytest.raises(Conflict, match="kept writing"):
         rollout_verb(store, "digits", "abort", now=clock)
     assert store.history("digits") == []
+
+
+def test_analysis_lines_name_each_metric_and_tier():
+    assert verbs.analysis_lines(None) == []
+    assert verbs.analysis_lines(RolloutStatus(stable_version=1)) == []
+    run = AnalysisRun(7, "Failed", (
+        MetricResult("latency_p95", "Successful", "no regression", tier="edge"),
+        MetricResult("energy_per_inference", "Failed", "canary uses more", tier="regional"),
+        MetricResult("agreement", "Inconclusive", "too few shadowed requests")))
+    assert verbs.analysis_lines(RolloutStatus(stable_version=1, last_analysis=run)) == [
+        "last analysis: Failed",
+        "  latency_p95 on edge: Successful: no regression",
+        "  energy_per_inference on regional: Failed: canary uses more",
+        "  agreement: Inconclusive: too few shadowed requests"]

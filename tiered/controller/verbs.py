@@ -109,6 +109,16 @@ def _find(store: StateStore, name: str) -> Record | None:
     return next((r for r in store.list() if r.name == name), None)
 
 
+def analysis_lines(status: RolloutStatus | None) -> list[str]:
+    """The last analysis of a rollout, a line per metric and tier: what the
+    stage is being judged on, with the numbers."""
+    run = status.last_analysis if status is not None else None
+    if run is None:
+        return []
+    return [f"last analysis: {run.verdict}",
+            *(f"  {m.label}: {m.outcome}: {m.reason}" for m in run.metrics)]
+
+
 def spec_of(record: Record) -> TieredModel:
     return load_tiered_model(record.spec, record.name)
 

@@ -362,12 +362,13 @@ def _rollout_status(store, name: str, watch: bool) -> int:
     import time
 
     from tiered.controller import verbs
+    from tiered.controller.local import decode_status
     from tiered.controller.progress import progress_line
 
     record = store.get(name)
     row = verbs.summary_row(record)
     print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
-    for line in verbs.analysis_lines(verbs.decode_status(record)):
+    for line in verbs.analysis_lines(decode_status(record)):
         print(line)
     history = store.history(name)
     for _, t, snap in history[-10:]:

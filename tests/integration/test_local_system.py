@@ -12,7 +12,8 @@ from YAML, traffic through the router with tritonclient, verbs through the
 - v3, the heavy network, is rolled back (`make demo` checks that it happens in
   the first stage; this test's stages are shorter).
 - An artifact whose bytes change after `tiered apply` pinned them is refused
-  at the build, and the status says so.
+  at the build, and the status says so; once the pinned bytes are back, the
+  build is tried again.
 - Every client request in the module is answered.
 """
 
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import yaml
 
@@ -33,7 +35,7 @@ from tiered.controller.local import StateLayout, decode_status
 from tiered.controller.store import StateStore
 from tiered.controller.up import ControllerSettings, LocalSystem, LocalUp, RouterPorts
 from tiered.demo import Traffic
-from tiered.rollout.engine import PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK
+from tiered.rollout.engine import ABORTED, PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -184,8 +186,11 @@ def test_an_artifact_changed_after_apply_is_refused_and_says_so(system, store, t
                                                                 digits_models):
     local, _, state = system
     before = decode_status(store.get("digits"))
+    model = onnx.load(digits_models / "digits-v2.onnx")
+    model.doc_string = "v2, as another artifact"  # other bytes, the same network
+    pinned = model.SerializeToString()
     artifact = state / "digits-tampered.onnx"
-    artifact.write_bytes((digits_models / "digits-v2.onnx").read_bytes() + b"\0")
+    artifact.write_bytes(pinned)
     document = spec("v2", digits_models)
     document["spec"]["artifact"]["uri"] = str(artifact)
     apply(state, document)  # pins the digest of these bytes: a new version
@@ -196,5 +201,10 @@ def test_an_artifact_changed_after_apply_is_refused_and_says_so(system, store, t
     time.sleep(2.0)  # several passes later: nothing built, nothing rolled out
     assert decode_status(store.get("digits")) == before
     assert not (StateLayout(state).repository("edge") / "digits" / "4").exists()
+    # The pinned bytes are back: the build is tried again and the rollout starts.
+    artifact.write_bytes(pinned)
+    wait_for(local, store, lambda s: s.canary_version == 4 and s.phase == PROGRESSING, 120)
+    assert "aborted by hand" in tiered(state, "rollout", "abort", "digits").stdout
     apply(state, spec("v2", digits_models))  # back to the stable artifact
-    wait_for(local, store, lambda s: "refused" not in store.get("digits").message, 30)
+    final = wait_for(local, store, lambda s: s.phase == ABORTED, 30)
+    assert final.stable_version == 2

@@ -138,6 +138,16 @@ def decode_status(record: Record) -> RolloutStatus | None:
     return load_dataclass(RolloutStatus, record.status, f"{record.name} status")
 
 
+def _file_stamp(uri: str) -> tuple[int, int] | None:
+    """Size and modification time of a local artifact file; None for a URI or
+    a missing file."""
+    try:
+        stat = Path(uri).stat()
+    except (OSError, ValueError):
+        return None
+    return stat.st_size, stat.st_mtime_ns
+
+
 def decode_artifacts(record: Record) -> tuple[desired.ArtifactVersion, ...]:
     return tuple(desired.ArtifactVersion(a["version"], a["uri"], a["sha256"])
                  for a in record.artifacts)
@@ -156,7 +166,8 @@ class LocalController:
         self.progress = progress or (lambda line: log.info("%s", line))
         self._channel = ChannelCache()  # loopback agents run --insecure
         self.judge = RolloutJudge(self._channel, seed)
-        self._rejected: dict[tuple[str, int, str], str] = {}  # (model, version, tier) -> why
+        # (model, version, tier) -> (the artifact file's stamp then, why refused)
+        self._refused: dict[tuple[str, int, str], tuple[tuple[int, int] | None, str]] = {}
         self._served: dict[tuple[str, str], tuple[int, ...]] = {}  # (tier, model) -> versions
         self._table: dict[str, Any] | None = None
         self._table_models: dict[str, set[int]] = {}  # versions each model had in the table
@@ -235,22 +246,25 @@ class LocalController:
     def _build(self, spec: TieredModel, artifacts: Sequence[desired.ArtifactVersion],
                versions: Sequence[int]) -> str:
         """Build what is missing; '' when every version is in every tier's
-        repository, else why not (a refused build is not tried again)."""
+        repository, else why not. A refused build is tried again only once its
+        artifact file has changed (a build's verdict on the same bytes stands)."""
         by_version = {a.version: a for a in artifacts}
         for version in versions:
             for tier in (t for t in TIERS if t in spec.tiers):
-                key = (spec.name, version, tier)
-                if key in self._rejected:
-                    return self._rejected[key]
+                key, artifact = (spec.name, version, tier), by_version[version]
+                stamp = _file_stamp(artifact.uri)
+                if key in self._refused and self._refused[key][0] == stamp:
+                    return self._refused[key][1]
                 repository = self.layout.repository(tier)
                 if (repository / spec.name / str(version)).is_dir():
                     continue
                 self.progress(f"{spec.name}: building version {version} for {tier}")
                 started = time.monotonic()
-                built, said = self._build_one(spec, tier, by_version[version], repository)
+                built, said = self._build_one(spec, tier, artifact, repository)
                 if not built:
-                    self._rejected[key] = f"version {version} refused on {tier}: {said}"
-                    return self._rejected[key]
+                    why = f"version {version} refused on {tier}: {said}"
+                    self._refused[key] = (stamp, why)
+                    return why
                 self.progress(f"{spec.name}: built version {version} for {tier} in "
                               f"{time.monotonic() - started:.1f} s: {said}")
         return ""

@@ -43,6 +43,9 @@ def snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason: str,
         "weights": dict(engine.canary_weights(spec, status)),
         "action": action, "reason": reason,
         "verdict": run.verdict if run is not None else None,
+        # what keeps the analysis from passing: metric labels, with their tier
+        "pending": [m.label for m in run.metrics if m.outcome != "Successful"]
+        if run is not None else [],
         **{key: None for key in ("stable_requests", "canary_requests", "p95_stable_ms",
                                  "p95_canary_ms", "jpi_stable", "jpi_canary", "agreement")},
         "agreement_compared": 0,

@@ -36,7 +36,9 @@ def progress_line(t: float, snap: Mapping[str, Any]) -> str:
                f"J/inf {_joules(snap['jpi_stable'])}/{_joules(snap['jpi_canary'])}  "
                f"agree {'-' if agreement is None else f'{agreement:.1%}'}"
                f" ({snap.get('agreement_compared', 0)})")
-    decision = snap["action"] if snap["action"] != "hold" else f"hold ({snap.get('verdict')})"
+    pending = ", ".join(snap.get("pending") or ())
+    decision = snap["action"] if snap["action"] != "hold" else \
+        f"hold ({snap.get('verdict')}{': ' + pending if pending else ''})"
     line = f"{head} | {numbers} | {decision}"
     if snap["action"] != "hold":
         line += f": {snap['reason']}"

@@ -1,0 +1,44 @@
+"""Rollout history snapshots and the progress lines made from them."""
+
+from __future__ import annotations
+
+from tiered.controller.judge import snapshot
+from tiered.controller.progress import progress_line
+from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, load_tiered_model
+
+SPEC = load_tiered_model({
+    "name": "digits", "artifact": {"uri": "digits.onnx", "sha256": "a" * 64},
+    "tiers": {"edge": {}, "regional": {}},
+    "rollout": {"stages": [{"name": "edge", "weights": {"edge": 20}},
+                           {"name": "wide", "weights": {"edge": 50, "regional": 50}}]}})
+NUMBERS = {"stable_requests": 400, "canary_requests": 120, "p95_stable_ms": 1.5,
+           "p95_canary_ms": 1.7, "jpi_stable": 0.2, "jpi_canary": 0.21, "agreement": 0.97,
+           "agreement_compared": 90}
+
+
+def live(run):
+    return RolloutStatus(stable_version=1, canary_version=2, stage_index=1,
+                         phase="Progressing", last_analysis=run)
+
+
+def test_a_hold_names_what_keeps_the_analysis_from_passing():
+    run = AnalysisRun(5, "Inconclusive", (
+        MetricResult("latency_p95", "Successful", "ok", tier="edge"),
+        MetricResult("latency_p95", "Inconclusive", "too few samples", tier="regional"),
+        MetricResult("agreement", "Inconclusive", "lower bound not yet >= 0.95")))
+    snap = snapshot(SPEC, live(run), "hold", "stage 2/2 'wide': analysis inconclusive", NUMBERS)
+    assert snap["pending"] == ["latency_p95 on regional", "agreement"]
+    line = progress_line(0.0, snap)
+    assert "stage 2/2 wide" in line and "[edg 50% reg 50%]" in line
+    assert line.endswith("| hold (Inconclusive: latency_p95 on regional, agreement)")
+
+
+def test_a_hold_with_a_passing_analysis_and_other_decisions_read_plainly():
+    passing = AnalysisRun(5, "Successful", (MetricResult("latency_p95", "Successful", "ok",
+                                                          tier="edge"),))
+    held = progress_line(0.0, snapshot(SPEC, live(passing), "hold", "too short", NUMBERS))
+    assert held.endswith("| hold (Successful)")
+    advanced = progress_line(0.0, snapshot(SPEC, live(passing), "advance", "stage 1 passed",
+                                           NUMBERS))
+    assert advanced.endswith("| advance: stage 1 passed")
+    assert snapshot(SPEC, live(None), "hold", "no measurements yet")["pending"] == []

@@ -246,7 +246,8 @@ def test_a_healthy_version_is_promoted_across_a_leader_change(kube, api, control
         s for s in api.objects("services") if s["metadata"]["name"].endswith("-v1")], 30)
 
 
-def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controllers):
+def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controllers,
+                                                             tmp_path):
     api.compact()  # the controller's next watch resumes too late: 410 Gone, re-list
     api.drop_watches()
     obj = tiered_model(kube)
@@ -266,6 +267,9 @@ def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controll
     status = tiered_model(kube)["status"]
     assert status["stage"] == "" and status["weights_summary"] == ""
     assert "rolling back to version 2" in status["message"]
+    shown = cli(api, tmp_path, "rollout", "status", "digits")  # the verdict, per metric and tier
+    assert "phase: RolledBack" in shown and "last analysis: Failed" in shown, shown
+    assert any(f"  {m} on edge: Failed" in shown for m in failed), shown
 
 
 def test_deleting_the_model_removes_its_routes(kube, api, controllers):
@@ -276,17 +280,22 @@ def test_deleting_the_model_removes_its_routes(kube, api, controllers):
     assert not api.objects("deployments") and not api.objects("services")  # owned: collected
 
 
-def test_the_cli_verbs_speak_to_the_cluster(kube, api, controllers, tmp_path):
+def cli(api, tmp_path, *args: str) -> str:
+    """`tiered ARGS --kubernetes` against the double; its output."""
     kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+    result = subprocess.run([sys.executable, "-m", "tiered", *args, "--kubernetes",
+                             "--namespace", NAMESPACE, "--kubeconfig", str(kubeconfig)],
+                            check=False, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_the_cli_verbs_speak_to_the_cluster(kube, api, controllers, tmp_path):
     document = tmp_path / "digits.yaml"
     document.write_text(yaml.safe_dump(model(1)))
 
     def tiered(*args: str) -> str:
-        result = subprocess.run([sys.executable, "-m", "tiered", *args, "--kubernetes",
-                                 "--namespace", NAMESPACE, "--kubeconfig", str(kubeconfig)],
-                                check=False, capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stdout + result.stderr
-        return result.stdout
+        return cli(api, tmp_path, *args)
 
     assert "tieredmodel/digits created" in tiered("apply", "-f", str(document))
     assert "tieredmodel/digits unchanged" in tiered("apply", "-f", str(document))

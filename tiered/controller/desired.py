@@ -47,6 +47,12 @@ def build_args(spec: TieredModel, tier: str, artifact: ArtifactVersion,
     return args
 
 
+def last_word(output: str) -> str | None:
+    """The last non-empty line `tiered build` wrote: its verdict, or why it refused."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
 @dataclass(frozen=True)
 class Transition:
     """A rollout status change caused by the spec, and why."""

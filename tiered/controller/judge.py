@@ -22,6 +22,7 @@ from tiered.controller.measure import StageAccumulator, VersionReading
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.rollout import engine
+from tiered.rollout.analysis import SUCCESSFUL
 from tiered.rollout.spec import RolloutStatus, TieredModel
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason: str,
         "action": action, "reason": reason,
         "verdict": run.verdict if run is not None else None,
         # what keeps the analysis from passing: metric labels, with their tier
-        "pending": [m.label for m in run.metrics if m.outcome != "Successful"]
+        "pending": [m.label for m in run.metrics if m.outcome != SUCCESSFUL]
         if run is not None else [],
         **{key: None for key in ("stable_requests", "canary_requests", "p95_stable_ms",
                                  "p95_canary_ms", "jpi_stable", "jpi_canary", "agreement")},

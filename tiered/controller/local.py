@@ -280,8 +280,7 @@ class LocalController:
                                   timeout=BUILD_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
             return False, f"tiered build: did not finish in {BUILD_TIMEOUT_S:g} s"
-        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-        said = lines[-1] if lines else f"tiered build: exit code {done.returncode}"
+        said = desired.last_word(done.stderr) or f"tiered build: exit code {done.returncode}"
         if done.returncode != 0:
             log.warning("%s: %s", " ".join(command), done.stderr.strip())
             return False, said

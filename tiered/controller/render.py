@@ -217,12 +217,6 @@ def desired_objects(spec: TieredModel, status: RolloutStatus | None,
     return objects
 
 
-def tier_agents(spec: TieredModel, version: int, namespace: str) -> dict[str, tuple[str, ...]]:
-    """Per tier, the address of `version`'s agents."""
-    return {tier: (agent_address(spec.name, tier, version, namespace),)
-            for tier in TIERS if tier in spec.tiers}
-
-
 def routing_configmap(models: Sequence[tuple[TieredModel, RolloutStatus]], version: int,
                       settings: ClusterSettings) -> dict[str, Any]:
     """The router's table for every model of the namespace, in its ConfigMap."""
@@ -257,9 +251,7 @@ def build_failure(pods: Iterable[Mapping[str, Any]]) -> str | None:
             for state in (container.get("state"), container.get("lastState")):
                 terminated = (state or {}).get("terminated") or {}
                 if terminated.get("exitCode"):
-                    lines = [line.strip() for line in
-                             (terminated.get("message") or "").splitlines() if line.strip()]
-                    return lines[-1] if lines else (
+                    return desired.last_word(terminated.get("message") or "") or (
                         f"the build exited with code {terminated['exitCode']} "
                         f"({terminated.get('reason') or 'Error'})")
     return None

@@ -28,10 +28,14 @@ demo: $(STAMP)
 test: $(STAMP) $(HELM)
 	$(PY) -m pytest
 
+# The benchmarks that run on a CPU machine, each writing bench/results/NAME.json.
+# bench/gpu.py and bench/energy.py need a GPU by default: run them on one
+# (`--smoke --device cpu` checks them anywhere; `make test` does, in tests/bench).
 bench: $(STAMP)
 	$(PY) bench/agent.py
 	$(PY) bench/telemetry.py
 	$(PY) bench/router.py
+	$(PY) bench/soak.py
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -3,10 +3,11 @@ and beside a gRPC server that does no work, all in one run.
 
 - the agent: a real `tiered agent --tier edge` process on loopback, driven by
   `tritonclient.grpc.aio` with N concurrent asyncio workers sending batch-1
-  requests for a fixed time after a warm-up; throughput, latency percentiles,
-  the batch the dynamic batcher actually formed (from the agent's own
-  statistics), errors. Two models, each served twice from the same ONNX file:
-  `<m>` with dynamic batching and `<m>_nobatch` without.
+  requests for a fixed time after a warm-up (bench/common.py's load
+  generator); throughput, latency percentiles, the batch the dynamic batcher
+  actually formed (from the agent's own statistics), errors. Two models, each
+  served twice from the same ONNX file: `<m>` with dynamic batching and
+  `<m>_nobatch` without.
 - the transport floor (`bench/floor_server.py`): the same requests to a server
   on the same grpcio stack that answers at once, so what gRPC in Python costs
   here is visible apart from what the agent adds.
@@ -20,50 +21,45 @@ minute, so only neighbours in time are compared.
 It prints tables and writes everything to JSON (default
 bench/results/agent.json). Targets are reported as PASS / FAIL / N/A (missing
 data is never a pass); the exit code does not depend on them (it is 1 only when
-the agent could not be measured at all). The client shares the machine with
-the agent: on a 2-core box its cost is part of every agent and floor number,
-and the baseline pays no such cost. Each window records who used the CPU
-(client, server, anything else) so a disturbed run says so.
+the agent could not be measured at all, or a `--smoke` run's rows are not
+well-formed). The client shares the machine with the agent: on a 2-core box its
+cost is part of every agent and floor number, and the baseline pays no such
+cost. Each window records who used the CPU (client, server, anything else) so a
+disturbed run says so.
 
-Run: `.venv/bin/python bench/agent.py` (about 10 minutes on 2 cores) or
-`--quick` (about 2 minutes). `--help` lists the knobs.
+Run: `.venv/bin/python bench/agent.py` (about 10 minutes on 2 cores),
+`--quick` (about 2 minutes) or `--smoke --out PATH` (seconds: does it still
+run?). `--help` lists the knobs.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib.metadata
-import importlib.util
-import json
+import dataclasses
 import math
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if importlib.util.find_spec("tiered") is None:  # run from a checkout without `pip install -e`
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
 
 import onnxruntime as ort
 import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as aioclient
 import yaml
-from tritonclient.utils import InferenceServerException
 
+from bench import common
 from tiered.models import zoo
-from tiered.processes import AgentError, AgentProcess, ServerProcess
+from tiered.processes import AgentError, ServerProcess
 from tiered.tables import cell
-from tiered.tables import render as render_table
 
 # --------------------------------------------------------------------------- settings
 
@@ -183,6 +179,13 @@ QUICK = RunSettings(
     baseline_duration_s=2.0,
     baseline_min_calls=4,
 )
+SMOKE = RunSettings(
+    concurrency=(1,),
+    duration_s=0.8,
+    warmup_s=0.2,
+    baseline_duration_s=0.3,
+    baseline_min_calls=2,
+)
 
 # Targets (not asserts): evaluated on the numbers, printed, written to JSON.
 TARGET_THROUGHPUT_VS_ORT = 0.90  # (a) resnet18 @c16 vs in-process batch 16
@@ -191,68 +194,6 @@ TARGET_BATCHING_SPEEDUP = 2.0  # (c) mlp @c16 batched vs unbatched
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-@dataclass(frozen=True)
-class LatencySummary:
-    count: int
-    mean_ms: float | None
-    p50_ms: float | None
-    p95_ms: float | None
-    p99_ms: float | None
-
-
-def summarize_latencies(latencies_s: Sequence[float]) -> LatencySummary:
-    """Percentiles (linear interpolation) of latencies given in seconds, in ms."""
-    if not latencies_s:
-        return LatencySummary(0, None, None, None, None)
-    ms = np.asarray(latencies_s, dtype=np.float64) * 1e3
-    p50, p95, p99 = np.percentile(ms, [50, 95, 99])
-    return LatencySummary(len(ms), float(ms.mean()), float(p50), float(p95), float(p99))
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """numerator / denominator, or None where either is missing or the denominator is 0."""
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
-
-
-def difference(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None else a - b
-
-
-def _count(value: Any) -> int:
-    # Protobuf JSON writes 64-bit integers as strings and leaves zeros out.
-    return int(value) if value not in (None, "") else 0
-
-
-def stats_totals(stats_json: Mapping[str, Any], model_name: str) -> dict[str, int]:
-    """Cumulative counters of one model, summed over its versions.
-
-    Reads Triton-shaped statistics (`get_inference_statistics(as_json=True)`).
-    """
-    totals = {"inference_count": 0, "execution_count": 0, "success_count": 0, "queue_ns": 0,
-              "compute_infer_ns": 0}
-    for entry in stats_json.get("model_stats", []):
-        if entry.get("name", model_name) != model_name:
-            continue
-        totals["inference_count"] += _count(entry.get("inference_count"))
-        totals["execution_count"] += _count(entry.get("execution_count"))
-        inference = entry.get("inference_stats", {})
-        totals["success_count"] += _count(inference.get("success", {}).get("count"))
-        totals["queue_ns"] += _count(inference.get("queue", {}).get("ns"))
-        totals["compute_infer_ns"] += _count(inference.get("compute_infer", {}).get("ns"))
-    return totals
-
-
-def stats_delta(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
-    return {key: after.get(key, 0) - before.get(key, 0) for key in after}
-
-
-def formed_batch(delta: Mapping[str, int]) -> float | None:
-    """Mean batch the agent executed: batch elements served / batches run."""
-    return ratio(delta.get("inference_count"), delta.get("execution_count") or None)
 
 
 def matching_batch(formed: float | None) -> int:
@@ -295,7 +236,7 @@ def compute_ratios(
             "inprocess_batch": batch,
             "agent_throughput": row.get("throughput"),
             "inprocess_throughput": base.get("throughput"),
-            "ratio": ratio(row.get("throughput"), base.get("throughput")),
+            "ratio": common.ratio(row.get("throughput"), base.get("throughput")),
         })
 
     p50_overhead = []
@@ -303,7 +244,7 @@ def compute_ratios(
         if row["concurrency"] != 1:
             continue
         base = baseline.get((row["model_name"], 1, 1), {})
-        overhead = difference(row.get("p50_ms"), base.get("p50_ms"))
+        overhead = common.difference(row.get("p50_ms"), base.get("p50_ms"))
         transport = floor.get((row["model_name"], 1), {}).get("p50_ms")
         p50_overhead.append({
             "model_name": row["model_name"],
@@ -312,7 +253,7 @@ def compute_ratios(
             "overhead_ms": overhead,
             "floor_p50_ms": transport,
             # What the agent adds beyond gRPC itself (the floor includes the client).
-            "overhead_beyond_floor_ms": difference(overhead, transport),
+            "overhead_beyond_floor_ms": common.difference(overhead, transport),
         })
 
     batching_speedup = []
@@ -326,10 +267,10 @@ def compute_ratios(
             "concurrency": row["concurrency"],
             "batched_throughput": row.get("throughput"),
             "unbatched_throughput": unbatched.get("throughput"),
-            "ratio": ratio(row.get("throughput"), unbatched.get("throughput")),
+            "ratio": common.ratio(row.get("throughput"), unbatched.get("throughput")),
             "floor_throughput": transport,
             # No batcher can beat a server that does no work: the best ratio possible.
-            "ceiling_ratio": ratio(transport, unbatched.get("throughput")),
+            "ceiling_ratio": common.ratio(transport, unbatched.get("throughput")),
         })
     return {
         "agent_vs_inprocess_throughput": vs_inprocess,
@@ -356,38 +297,17 @@ def over_floor(
             "concurrency": row["concurrency"],
             "agent_p50_ms": row.get("p50_ms"),
             "floor_p50_ms": base.get("p50_ms"),
-            "p50_above_floor_ms": difference(row.get("p50_ms"), base.get("p50_ms")),
+            "p50_above_floor_ms": common.difference(row.get("p50_ms"), base.get("p50_ms")),
             "agent_throughput": row.get("throughput"),
             "floor_throughput": base.get("throughput"),
-            "throughput_vs_floor": ratio(row.get("throughput"), base.get("throughput")),
+            "throughput_vs_floor": common.ratio(row.get("throughput"), base.get("throughput")),
         })
     return rows
 
 
-@dataclass(frozen=True)
-class TargetResult:
-    name: str
-    description: str
-    value: float | None
-    threshold: float
-    comparison: str  # ">=" or "<="
-    verdict: str  # PASS, FAIL or N/A
-
-
-def judge(name: str, description: str, value: float | None, comparison: str,
-          threshold: float) -> TargetResult:
-    if value is None or not math.isfinite(value):
-        verdict = "N/A"
-    elif comparison == ">=":
-        verdict = "PASS" if value >= threshold else "FAIL"
-    else:
-        verdict = "PASS" if value <= threshold else "FAIL"
-    return TargetResult(name, description, value, threshold, comparison, verdict)
-
-
 def evaluate_targets(
     agent_rows: Sequence[Mapping[str, Any]], baseline_rows: Sequence[Mapping[str, Any]]
-) -> list[TargetResult]:
+) -> list[common.Target]:
     agent = {(r["model_name"], r["concurrency"]): r for r in agent_rows}
     baseline = {(*_pair_key(r), r["batch"]): r for r in baseline_rows}
     r18_c16 = agent.get(("resnet18", 16), {})
@@ -395,25 +315,26 @@ def evaluate_targets(
     mlp_c16 = agent.get(("mlp", 16), {})
     mlp_nobatch_c16 = agent.get(("mlp_nobatch", 16), {})
     return [
-        judge(
+        common.judge(
             "a",
             "resnet18 agent throughput @c16 / in-process ORT @batch16",
-            ratio(r18_c16.get("throughput"),
+            common.ratio(r18_c16.get("throughput"),
                   baseline.get(("resnet18", 16, 16), {}).get("throughput")),
             ">=",
             TARGET_THROUGHPUT_VS_ORT,
         ),
-        judge(
+        common.judge(
             "b",
             "resnet18 agent P50 @c1 - in-process P50 @batch1 (ms)",
-            difference(r18_c1.get("p50_ms"), baseline.get(("resnet18", 1, 1), {}).get("p50_ms")),
+            common.difference(r18_c1.get("p50_ms"),
+                              baseline.get(("resnet18", 1, 1), {}).get("p50_ms")),
             "<=",
             TARGET_P50_OVERHEAD_MS,
         ),
-        judge(
+        common.judge(
             "c",
             "mlp agent throughput @c16: batched / unbatched",
-            ratio(mlp_c16.get("throughput"), mlp_nobatch_c16.get("throughput")),
+            common.ratio(mlp_c16.get("throughput"), mlp_nobatch_c16.get("throughput")),
             ">=",
             TARGET_BATCHING_SPEEDUP,
         ),
@@ -455,19 +376,19 @@ def noisy_windows(
 
 
 def render_report(result: Mapping[str, Any]) -> str:
-    baseline = render_table(
+    baseline = common.table(
         ["model", "batch", "after", "calls", "img/s", "p50 ms/call", "p95 ms/call", "ms/img",
          "other cpu"],
         [
             [r["model"], r["batch"], f"{r['pair'][0]}@c{r['pair'][1]}", r["calls"],
-             r["throughput"], r["p50_ms"], r["p95_ms"], ratio(r["p50_ms"], r["batch"]),
+             r["throughput"], r["p50_ms"], r["p95_ms"], common.ratio(r["p50_ms"], r["batch"]),
              r["cpu_cores"]["other"]]
             for r in result["baseline"]
         ],
     )
     vs = {(r["model_name"], r["concurrency"]): r
           for r in result["ratios"]["agent_vs_inprocess_throughput"]}
-    agent = render_table(
+    agent = common.table(
         ["model", "c", "requests", "req/s", "p50 ms", "p95 ms", "p99 ms", "batch", "errors",
          "queue ms", "compute ms", "cpu cli/agt/oth", "vs ORT", "@batch"],
         [
@@ -480,7 +401,7 @@ def render_report(result: Mapping[str, Any]) -> str:
             for r in result["agent"]
         ],
     )
-    speedup = render_table(
+    speedup = common.table(
         ["model", "c", "batched req/s", "unbatched req/s", "batched/unbatched",
          "floor req/s", "ceiling: floor/unbatched"],
         [
@@ -489,7 +410,7 @@ def render_report(result: Mapping[str, Any]) -> str:
             for r in result["ratios"]["batched_vs_unbatched_throughput"]
         ],
     )
-    overhead = render_table(
+    overhead = common.table(
         ["model", "agent p50 ms @c1", "in-process p50 ms @b1", "overhead ms", "floor p50 ms",
          "overhead beyond floor ms"],
         [
@@ -498,7 +419,7 @@ def render_report(result: Mapping[str, Any]) -> str:
             for r in result["ratios"]["p50_overhead_at_c1"]
         ],
     )
-    floor = render_table(
+    floor = common.table(
         ["model", "c", "agent p50 ms", "floor p50 ms", "above floor ms", "agent req/s",
          "floor req/s", "agent/floor"],
         [
@@ -508,14 +429,7 @@ def render_report(result: Mapping[str, Any]) -> str:
             for r in result["ratios"]["agent_over_floor"]
         ],
     )
-    targets = render_table(
-        ["target", "what", "value", "needs", "verdict"],
-        [
-            [t["name"], t["description"], t["value"], f"{t['comparison']} {t['threshold']}",
-             t["verdict"]]
-            for t in result["targets"]
-        ],
-    )
+    targets = common.targets_table(result["targets"])
     noisy = result.get("noisy_windows") or []
     noise = (
         f"\n\nNOISY: in {len(noisy)} window(s) other work on the machine used more than "
@@ -536,14 +450,6 @@ def render_report(result: Mapping[str, Any]) -> str:
     ]) + noise
 
 
-# --------------------------------------------------------------------------- I/O: progress
-
-_STARTED = time.monotonic()
-
-
-def progress(message: str) -> None:
-    print(f"[{time.monotonic() - _STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
-
 
 # --------------------------------------------------------------------------- I/O: CPU accounting
 
@@ -555,55 +461,27 @@ def noise_note(cpu: Mapping[str, float | None]) -> str:
     return f"  [NOISY: other work used {other:.2f} cores]"
 
 
-def _clock_ticks() -> float:
-    try:
-        return float(os.sysconf("SC_CLK_TCK"))
-    except (AttributeError, ValueError, OSError):
-        return 100.0
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Wall clock and CPU seconds so far: this process, the agent, all cores."""
 
+    wall: float
+    own: float
+    agent: float | None
+    system: float | None
 
-def _system_busy_s() -> float | None:
-    """CPU seconds all cores spent not idle since boot (Linux); None elsewhere."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-    except OSError:
-        return None
-    # cpu user nice system idle iowait irq softirq steal ...
-    values = [int(v) for v in fields[1:9]]
-    busy = sum(values) - values[3] - values[4]
-    return busy / _clock_ticks()
+    @classmethod
+    def take(cls, agent_pid: int | None = None) -> CpuSnapshot:
+        return cls(time.perf_counter(), time.process_time(), common.process_cpu_s(agent_pid),
+                   common.system_busy_s())
 
+    def shares_until(self, later: CpuSnapshot) -> dict[str, float | None]:
+        """Who used the cores between this snapshot and `later`."""
+        def delta(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else b - a
 
-def _process_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of one process (all its threads), Linux; None where unknown."""
-    if pid is None:
-        return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
-    return (int(rest[11]) + int(rest[12])) / _clock_ticks()
-
-
-class CpuMeter:
-    """Who used the cores between construction and `read()`."""
-
-    def __init__(self, agent_pid: int | None = None) -> None:
-        self.agent_pid = agent_pid
-        self._wall = time.perf_counter()
-        self._own = time.process_time()
-        self._agent = _process_cpu_s(agent_pid)
-        self._system = _system_busy_s()
-
-    def read(self) -> dict[str, float | None]:
-        agent_now, system_now = _process_cpu_s(self.agent_pid), _system_busy_s()
-        return cpu_shares(
-            time.perf_counter() - self._wall,
-            time.process_time() - self._own,
-            None if agent_now is None or self._agent is None else agent_now - self._agent,
-            None if system_now is None or self._system is None else system_now - self._system,
-        )
+        return cpu_shares(later.wall - self.wall, later.own - self.own,
+                          delta(self.agent, later.agent), delta(self.system, later.system))
 
 
 # --------------------------------------------------------------------------- I/O: repository
@@ -650,7 +528,7 @@ def run_baseline(
     for _ in range(3):
         session.run([spec.output_name], feeds)
     latencies: list[float] = []
-    meter = CpuMeter()
+    cpu = CpuSnapshot.take()
     started = time.perf_counter()
     deadline = started + settings.baseline_duration_s
     while time.perf_counter() < deadline or len(latencies) < settings.baseline_min_calls:
@@ -658,140 +536,59 @@ def run_baseline(
         (out,) = session.run([spec.output_name], feeds)
         latencies.append(time.perf_counter() - t0)
     elapsed = time.perf_counter() - started
-    cpu = meter.read()
+    shares = cpu.shares_until(CpuSnapshot.take())
     if out.shape != (batch, *spec.output_shape):
         raise RuntimeError(f"{spec.name}: in-process output shape {out.shape}")
-    summary = summarize_latencies(latencies)
     return {
         "model": spec.name,
         "batch": batch,
-        "calls": summary.count,
+        "calls": len(latencies),
         "duration_s": elapsed,
-        "throughput": batch * summary.count / elapsed,  # images (batch elements) per second
-        "p50_ms": summary.p50_ms,
-        "p95_ms": summary.p95_ms,
-        "p99_ms": summary.p99_ms,
-        "mean_ms": summary.mean_ms,
-        "cpu_cores": cpu,
+        "throughput": batch * len(latencies) / elapsed,  # images (batch elements) per second
+        **common.percentiles_ms(latencies),
+        "cpu_cores": shares,
     }
 
 
-# --------------------------------------------------------------------------- I/O: agent process
+# --------------------------------------------------------------------------- I/O: agent points
 
 
-# --------------------------------------------------------------------------- I/O: load generator
+def model_load(spec: ModelSpec, settings: RunSettings) -> common.Load:
+    """Batch-1 requests for `spec`, every answer's output shape checked."""
+    return common.Load.random(
+        spec.name, spec.input_name, (1, *spec.input_shape), pool=settings.input_pool, seed=1234,
+        outputs={spec.output_name: (1, *spec.output_shape)}, timeout_s=settings.request_timeout_s)
 
 
-@dataclass
-class _Window:
-    """The measured window; workers read it, the conductor moves it."""
+def run_agent_point(server: ServerProcess, spec: ModelSpec, model_name: str, concurrency: int,
+                    load: common.Load, settings: RunSettings) -> dict[str, Any]:
+    """One load level against `server`; its statistics and the CPU read at the window's edges."""
+    with grpcclient.InferenceServerClient(server.address) as stats:
+        def probe() -> tuple[dict[str, int], CpuSnapshot]:
+            totals = common.stats_totals(
+                stats.get_inference_statistics(model_name, as_json=True), model_name)
+            return totals, CpuSnapshot.take(server.pid)
 
-    measure_from: float = math.inf
-    stop_at: float = math.inf
-    latencies: list[float] = field(default_factory=list)
-    errors: int = 0
-    error_samples: list[str] = field(default_factory=list)
-
-
-Inputs = Sequence[list[grpcclient.InferInput]]
-Outputs = list[grpcclient.InferRequestedOutput]
-
-
-async def _worker(client: aioclient.InferenceServerClient, spec: ModelSpec, model_name: str,
-                  inputs: Inputs, outputs: Outputs, offset: int, window: _Window,
-                  timeout_s: float) -> None:
-    expected = (1, *spec.output_shape)
-    i = offset
-    while True:
-        start = time.perf_counter()
-        if start >= window.stop_at:
-            return
-        error: str | None = None
-        try:
-            result = await client.infer(model_name, inputs[i % len(inputs)], outputs=outputs,
-                                        client_timeout=timeout_s)
-            array = result.as_numpy(spec.output_name)
-            if array is None or array.shape != expected:
-                got = None if array is None else array.shape
-                error = f"output {spec.output_name!r} shape {got}, expected {expected}"
-        except InferenceServerException as exc:
-            error = f"{exc.status()}: {exc.message()}"
-        except Exception as exc:  # noqa: BLE001 - one odd reply must not end the whole run
-            error = f"{type(exc).__name__}: {exc}"
-        end = time.perf_counter()
-        i += 1
-        if window.measure_from <= end < window.stop_at:
-            if error is None:
-                window.latencies.append(end - start)
-            else:
-                window.errors += 1
-                if len(window.error_samples) < 5:
-                    window.error_samples.append(error)
-        if error is not None:
-            await asyncio.sleep(0.001)  # a failing server must not be hammered in a tight loop
-
-
-async def run_agent_point(client: aioclient.InferenceServerClient, spec: ModelSpec,
-                          model_name: str, concurrency: int, inputs: Inputs, outputs: Outputs,
-                          settings: RunSettings, agent_pid: int | None) -> dict[str, Any]:
-    window = _Window()
-    workers = [
-        asyncio.create_task(_worker(client, spec, model_name, inputs, outputs, n, window,
-                                    settings.request_timeout_s))
-        for n in range(concurrency)
-    ]
-    try:
-        await asyncio.sleep(settings.warmup_s)
-        before = stats_totals(await client.get_inference_statistics(model_name, as_json=True),
-                              model_name)
-        meter = CpuMeter(agent_pid)
-        window.measure_from = time.perf_counter()
-        await asyncio.sleep(settings.duration_s)
-        window.stop_at = time.perf_counter()
-        cpu = meter.read()
-        after = stats_totals(await client.get_inference_statistics(model_name, as_json=True),
-                             model_name)
-        await asyncio.gather(*workers)
-    finally:
-        for task in workers:
-            task.cancel()
-    elapsed = window.stop_at - window.measure_from
-    summary = summarize_latencies(window.latencies)
-    delta = stats_delta(before, after)
+        window = common.closed_loop([server.address], dataclasses.replace(load, model=model_name),
+                                    concurrency, settings.warmup_s, settings.duration_s,
+                                    probe=probe)
+    (before, cpu_before), (after, cpu_after) = window.before, window.after
+    delta = common.stats_delta(before, after)
     return {
         "model": spec.name,
         "model_name": model_name,
         "batching": not model_name.endswith(("_nobatch", "_floor")),
         "concurrency": concurrency,
-        "duration_s": elapsed,
-        "requests": summary.count,
-        "errors": window.errors,
-        "error_samples": window.error_samples,
-        "throughput": summary.count / elapsed,  # successful batch-1 requests per second
-        "p50_ms": summary.p50_ms,
-        "p95_ms": summary.p95_ms,
-        "p99_ms": summary.p99_ms,
-        "mean_ms": summary.mean_ms,
-        "formed_batch": formed_batch(delta),
+        **window.summary(),  # throughput: successful batch-1 requests per second
+        "formed_batch": common.formed_batch(delta),
         # The load generator shares the cores with the agent; "other" is anyone else.
-        "cpu_cores": cpu,
+        "cpu_cores": cpu_before.shares_until(cpu_after),
         "agent_stats_delta": delta,
-        "agent_queue_ms_per_request": ratio(delta.get("queue_ns", 0) / 1e6,
-                                            delta.get("success_count") or None),
-        "agent_compute_ms_per_request": ratio(delta.get("compute_infer_ns", 0) / 1e6,
-                                              delta.get("success_count") or None),
+        "agent_queue_ms_per_request": common.ratio(delta.get("queue_ns", 0) / 1e6,
+                                                   delta.get("success_count") or None),
+        "agent_compute_ms_per_request": common.ratio(delta.get("compute_infer_ns", 0) / 1e6,
+                                                     delta.get("success_count") or None),
     }
-
-
-def _build_inputs(spec: ModelSpec, count: int) -> list[list[grpcclient.InferInput]]:
-    rng = np.random.default_rng(1234)
-    pool = []
-    for _ in range(count):
-        array = rng.standard_normal((1, *spec.input_shape), dtype=np.float32)
-        infer_input = grpcclient.InferInput(spec.input_name, list(array.shape), "FP32")
-        infer_input.set_data_from_numpy(array)
-        pool.append([infer_input])
-    return pool
 
 
 def check_alive(server: ServerProcess) -> None:
@@ -799,7 +596,7 @@ def check_alive(server: ServerProcess) -> None:
         raise AgentError(f"{server.name} exited:\n{server.log_tail()}")
 
 
-async def run_sweep(
+def run_sweep(
     agent: ServerProcess,
     floor: ServerProcess,
     specs: Sequence[ModelSpec],
@@ -813,81 +610,38 @@ async def run_sweep(
     minute: a comparison is only fair between neighbours in time.
     """
     agent_rows, floor_rows, baseline_rows = [], [], []
-    agent_client = aioclient.InferenceServerClient(agent.address)
-    floor_client = aioclient.InferenceServerClient(floor.address)
-    try:
-        for spec in specs:
-            session = inprocess_session(onnx_paths[spec.name])
-            inputs = _build_inputs(spec, settings.input_pool)
-            outputs = [grpcclient.InferRequestedOutput(spec.output_name)]
-            for model_name in (spec.name, f"{spec.name}_nobatch"):
-                for concurrency in settings.concurrency:
-                    check_alive(agent)
-                    row = await run_agent_point(agent_client, spec, model_name, concurrency,
-                                                inputs, outputs, settings, agent.pid)
-                    agent_rows.append(row)
-                    progress(
-                        f"agent {model_name} c={concurrency}: {row['throughput']:.1f} req/s, "
-                        f"p50 {cell(row['p50_ms'], 3)} ms, p99 {cell(row['p99_ms'], 3)} ms, "
-                        f"batch {cell(row['formed_batch'])}, errors {row['errors']}"
-                        f"{noise_note(row['cpu_cores'])}"
-                    )
-                    pair = [model_name, concurrency]
-                    if concurrency in FLOOR_CONCURRENCY:
-                        check_alive(floor)
-                        base = await run_agent_point(floor_client, spec, f"{spec.name}_floor",
-                                                     concurrency, inputs, outputs, settings,
-                                                     floor.pid)
-                        floor_rows.append({**base, "pair": pair})
-                        progress(f"  floor c={concurrency}: {base['throughput']:.1f} req/s, "
-                                 f"p50 {cell(base['p50_ms'], 3)} ms")
-                    for batch in paired_batches(spec, row):
-                        base = run_baseline(spec, session, batch, settings)
-                        baseline_rows.append({**base, "pair": pair})
-                        progress(f"  in-process batch {batch}: {base['throughput']:.1f} img/s, "
-                                 f"p50 {base['p50_ms']:.3f} ms/call{noise_note(base['cpu_cores'])}")
-    finally:
-        await agent_client.close()
-        await floor_client.close()
+    for spec in specs:
+        session = inprocess_session(onnx_paths[spec.name])
+        load = model_load(spec, settings)
+        for model_name in (spec.name, f"{spec.name}_nobatch"):
+            for concurrency in settings.concurrency:
+                check_alive(agent)
+                row = run_agent_point(agent, spec, model_name, concurrency, load, settings)
+                agent_rows.append(row)
+                common.progress(
+                    f"agent {model_name} c={concurrency}: {row['throughput']:.1f} req/s, "
+                    f"p50 {cell(row['p50_ms'], 3)} ms, p99 {cell(row['p99_ms'], 3)} ms, "
+                    f"batch {cell(row['formed_batch'])}, errors {row['errors']}"
+                    f"{noise_note(row['cpu_cores'])}"
+                )
+                pair = [model_name, concurrency]
+                if concurrency in FLOOR_CONCURRENCY:
+                    check_alive(floor)
+                    base = run_agent_point(floor, spec, f"{spec.name}_floor", concurrency, load,
+                                           settings)
+                    floor_rows.append({**base, "pair": pair})
+                    common.progress(f"  floor c={concurrency}: {base['throughput']:.1f} req/s, "
+                                    f"p50 {cell(base['p50_ms'], 3)} ms")
+                for batch in paired_batches(spec, row):
+                    base = run_baseline(spec, session, batch, settings)
+                    baseline_rows.append({**base, "pair": pair})
+                    common.progress(
+                        f"  in-process batch {batch}: {base['throughput']:.1f} img/s, "
+                        f"p50 {base['p50_ms']:.3f} ms/call{noise_note(base['cpu_cores'])}")
     return agent_rows, floor_rows, baseline_rows
 
 
-# --------------------------------------------------------------------------- I/O: report
-
-
-def machine_info() -> dict[str, Any]:
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": usable,
-        "processor": _cpu_model(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "versions": {
-            dist: version(dist)
-            for dist in ("onnxruntime", "numpy", "grpcio", "onnx", "tritonclient", "protobuf")
-        },
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+# --------------------------------------------------------------------------- the run
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -908,13 +662,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="load seconds before each measured window (default 3, quick 1.5)")
     parser.add_argument("--concurrency", metavar="LIST",
                         help="comma-separated worker counts (default 1,4,16,64; quick 1,16)")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "agent.json",
-                        help="where to write the JSON results (default bench/results/agent.json)")
-    return parser.parse_args(argv)
+    common.add_arguments(parser, "agent")
+    return common.parse(parser, argv, "agent")
 
 
 def settings_from(args: argparse.Namespace) -> RunSettings:
-    settings = QUICK if args.quick else FULL
+    settings = SMOKE if args.smoke else QUICK if args.quick else FULL
     overrides: dict[str, Any] = {}
     if args.duration is not None:
         if args.duration <= 0:
@@ -939,7 +692,7 @@ def settings_from(args: argparse.Namespace) -> RunSettings:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     settings = settings_from(args)
-    machine = machine_info()  # before any load of ours, so its load average is the neighbours'
+    result = common.record("agent", args.smoke)  # before any load of ours
     specs = MODELS
     agent_rows: list[dict[str, Any]] = []
     floor_rows: list[dict[str, Any]] = []
@@ -949,38 +702,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="tiered-bench-") as tmp:
         repository = Path(tmp) / "models"
-        progress(f"building models into {repository}")
+        common.progress(f"building models into {repository}")
         onnx_paths = build_repository(repository, specs)
 
-        agent = AgentProcess("edge", repository)
-        floor = ServerProcess(
-            [sys.executable, str(REPO_ROOT / "bench" / "floor_server.py"),
-             *(f"--output={spec.output_name}:{spec.output_shape[0]}" for spec in specs)],
-            "floor-server",
-        )
-        progress(f"starting agent: {' '.join(agent.command)}")
+        agent = common.agent("edge", repository)
+        floor = common.floor_server({spec.output_name: spec.output_shape[0] for spec in specs})
+        common.progress(f"starting agent: {' '.join(agent.command)}")
         try:
             started = time.monotonic()
-            with agent, floor:
+            with common.serving([agent, floor], settings.startup_timeout_s):
                 agent_info["ready_after_s"] = time.monotonic() - started
-                progress(f"agent ready after {agent_info['ready_after_s']:.1f} s on "
-                         f"{agent.address}; floor server on {floor.address}")
-                agent_rows, floor_rows, baseline_rows = asyncio.run(
-                    run_sweep(agent, floor, specs, onnx_paths, settings))
+                common.progress(f"agent ready after {agent_info['ready_after_s']:.1f} s on "
+                                f"{agent.address}; floor server on {floor.address}")
+                agent_rows, floor_rows, baseline_rows = run_sweep(
+                    agent, floor, specs, onnx_paths, settings)
                 agent_info["exit_code"] = agent.stop()
                 agent_info["log_tail"] = agent.log_tail(20)
         except AgentError as exc:
             agent_error = str(exc)
-            progress(f"FAILED: {agent_error}")
+            common.progress(f"FAILED: {agent_error}")
         agent_info["command"] = agent.command
 
     ratios = compute_ratios(agent_rows, baseline_rows, floor_rows)
     ratios["agent_over_floor"] = over_floor(agent_rows, floor_rows)
-    targets = evaluate_targets(agent_rows, baseline_rows)
-    result = {
-        "benchmark": "agent",
-        "created_unix": time.time(),
-        "machine": machine,
+    result.update({
         "config": {
             "quick": args.quick,
             "settings": asdict(settings),
@@ -1002,14 +747,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "agent": agent_rows,
         "floor": floor_rows,
         "ratios": ratios,
-        "targets": [asdict(t) for t in targets],
+        "targets": evaluate_targets(agent_rows, baseline_rows),
         "noisy_windows": noisy_windows(agent_rows, baseline_rows),
-    }
+    })
     print(render_report(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    progress(f"wrote {args.out}")
-    return 1 if agent_error else 0
+    common.write(result, args.out)
+    if agent_error:
+        return 1
+    if args.smoke:
+        measured = ("throughput", "p50_ms", "p99_ms")
+        return common.smoke_exit({"agent": (agent_rows, measured),
+                                  "floor": (floor_rows, measured),
+                                  "baseline": (baseline_rows, measured)})
+    return 0
 
 
 if __name__ == "__main__":

@@ -36,38 +36,38 @@ are reported too. Run on a GPU machine (about 3 minutes):
 it: there the agent's energy is "model" (its CPU time x configured watts) and
 the direct reading is the same model computed here from the agent's
 /proc/PID/stat, so the check still exercises the slot alignment; its numbers
-mean nothing.
+mean nothing (the JSON says what it left out under `skipped_without_cuda`).
+`--smoke --out PATH` (with `--device cpu` where there is no GPU) is that check
+in seconds: one small batch size, a one-slot window; its exit status says only
+whether the rows came out well-formed.
+
+The clients, the servers and the record come from bench/common.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import bisect
-import importlib.util
-import json
 import math
-import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if importlib.util.find_spec("tiered") is None:  # a checkout without `pip install -e`
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
 
+from bench import common
+from bench.common import split_workers  # noqa: F401 - its unit test reads it here
 from tiered.tables import cell
-from tiered.tables import render as render_table
 
 MODEL = "resnet18"
 INPUT, OUTPUT = "input", "logits"
@@ -89,6 +89,16 @@ class Settings:
     sample_ms: float = 10.0  # how often the direct counter is read during the window
     tolerance: float = 0.10
     request_timeout_s: float = 60.0
+    idle_s: float = 2.0  # the idle draw is read over this before any work
+
+
+SMOKE = dict(image_size=32, batches=(4,), in_flight_images=8, client_processes=2,
+             warmup_s=0.5, duration_s=1, inprocess_s=0.3, idle_s=0.3)
+# What a run on a CPU leaves out, said in its JSON.
+WITHOUT_CUDA = [
+    "NVML: on --device cpu the agent's energy and the direct reading are both the "
+    "CPU-time model ('model'), so the check exercises the slot alignment, not a meter",
+]
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -146,6 +156,15 @@ def merge_slot_counts(counts: Sequence[Mapping[int, int]]) -> dict[int, int]:
     return merged
 
 
+def slot_counts(completed_at: Sequence[float], images: int) -> dict[int, int]:
+    """Images answered per slot of the monotonic clock."""
+    counts: dict[int, int] = {}
+    for t in completed_at:
+        slot = math.floor(t / SLOT_S)
+        counts[slot] = counts.get(slot, 0) + images
+    return counts
+
+
 def images_in_span(slot_counts: Mapping[int, int], start: float, end: float) -> int:
     """Images answered in the slots that lie within [start, end)."""
     return sum(n for slot, n in slot_counts.items() if start <= slot and slot + SLOT_S <= end)
@@ -155,46 +174,20 @@ def requests_in_flight(batch: int, in_flight_images: int) -> int:
     return max(2, math.ceil(in_flight_images / batch))
 
 
-def split_workers(concurrency: int, processes: int) -> list[int]:
-    """Workers per client process: as even as possible, no empty process."""
-    processes = max(1, min(processes, concurrency))
-    base, extra = divmod(concurrency, processes)
-    return [base + (1 if i < extra else 0) for i in range(processes)]
-
-
 def modeled_cpu_joules(cpu_s: float, wall_s: float, watts_per_busy_core: float,
                        idle_watts: float) -> float:
     """tiered.telemetry.energy.ModeledCpuMeter's formula, for the CPU dry run."""
     return cpu_s * watts_per_busy_core + wall_s * idle_watts
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
-
-
 def agreement(agent: float | None, direct: float | None, tolerance: float) -> dict[str, Any]:
     """agent / direct, and whether it lies within 1 +- tolerance."""
-    value = ratio(agent, direct)
-    verdict = "N/A" if value is None else "PASS" if abs(value - 1) <= tolerance else "FAIL"
-    return {"agent_over_direct": value, "tolerance": tolerance, "verdict": verdict}
+    target = common.judge("agreement", "agent J/inference / direct J/inference",
+                          common.ratio(agent, direct), "within", tolerance)
+    return {"agent_over_direct": target.value, "tolerance": tolerance, "verdict": target.verdict}
 
 
 # --------------------------------------------------------------------------- I/O: meters
-
-_STARTED = time.monotonic()
-
-
-def progress(message: str) -> None:
-    print(f"[{time.monotonic() - _STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
-
-
-def sleep_until(t: float) -> None:
-    time.sleep(max(0.0, t - time.monotonic()))
-
-
-def process_cpu_s(pid: int) -> float:
-    rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class DirectMeter:
@@ -204,56 +197,24 @@ class DirectMeter:
 
     def __init__(self, device: str, pid: int | None = None) -> None:
         self.pid = pid or os.getpid()
+        self._nvml: common.NvmlEnergy | None = None
         if device == "cuda":
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)  # fails early if absent
+            self._nvml = common.NvmlEnergy()
             self.source = "nvml"
         else:
             from tiered.telemetry.energy import CpuPowerModel
 
-            self._nvml = None
             self._model = CpuPowerModel()
             self.source = "model"
 
     def read(self) -> float:
         if self._nvml is not None:
-            return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1e3
-        return modeled_cpu_joules(process_cpu_s(self.pid), time.monotonic(),
-                                  self._model.watts_per_busy_core, self._model.idle_watts)
-
-
-class Sampler:
-    """Reads a meter every `period_s` on a thread: (monotonic time, joules)."""
-
-    def __init__(self, meter: DirectMeter, period_s: float) -> None:
-        self.meter = meter
-        self.period_s = period_s
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        next_at = time.monotonic()
-        while not self._stop.is_set():
-            value = self.meter.read()
-            self.samples.append((time.monotonic(), value))
-            next_at += self.period_s
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
-
-    def start(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def stop(self) -> list[tuple[float, float]]:
-        """Stop reading (again: a no-op) and return the samples."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        return self.samples
+            return self._nvml.read()
+        cpu_s = common.process_cpu_s(self.pid)
+        if cpu_s is None:
+            raise RuntimeError(f"no CPU time for pid {self.pid}: has it exited?")
+        return modeled_cpu_joules(cpu_s, time.monotonic(), self._model.watts_per_busy_core,
+                                  self._model.idle_watts)
 
 
 # --------------------------------------------------------------------------- served
@@ -282,50 +243,6 @@ def write_config(root: Path, batch: int, settings: Settings) -> None:
     })
 
 
-def client_process(address: str, batch: int, workers: int, image_size: int,
-                   timeout_s: float, seed: int, control: Any, results: Any) -> None:
-    """`workers` asyncio workers sending batch-`batch` requests until the stop
-    time they are sent; counts answered images per slot of the monotonic clock."""
-    import tritonclient.grpc as grpcclient
-    import tritonclient.grpc.aio as aioclient
-
-    images = np.random.default_rng(seed).standard_normal(
-        (batch, 3, image_size, image_size), dtype=np.float32)
-
-    async def main() -> dict[str, Any]:
-        client = aioclient.InferenceServerClient(address)
-        item = grpcclient.InferInput(INPUT, list(images.shape), "FP32")
-        item.set_data_from_numpy(images)
-        outputs = [grpcclient.InferRequestedOutput(OUTPUT)]
-        await client.infer(MODEL, [item], outputs=outputs, client_timeout=timeout_s)
-        results.put(("ready", seed))
-        stop_at = await asyncio.get_running_loop().run_in_executor(None, control.get)
-        per_slot: dict[int, int] = {}
-        errors: list[str] = []
-
-        async def worker() -> None:
-            while time.monotonic() < stop_at:
-                try:
-                    answer = await client.infer(MODEL, [item], outputs=outputs,
-                                                client_timeout=timeout_s)
-                    answer.as_numpy(OUTPUT)
-                except Exception as error:  # counted; the load goes on
-                    errors.append(str(error)[:200])
-                    await asyncio.sleep(0.01)
-                    continue
-                slot = math.floor(time.monotonic() / SLOT_S)
-                per_slot[slot] = per_slot.get(slot, 0) + batch
-
-        await asyncio.gather(*(worker() for _ in range(workers)))
-        await client.close()
-        return {"per_slot": per_slot, "errors": len(errors), "error_samples": errors[:3]}
-
-    try:
-        results.put(("done", asyncio.run(main())))
-    except Exception as error:  # report instead of hanging the parent
-        results.put(("failed", repr(error)))
-
-
 def stats(address: str, cursor: float) -> Any:
     import grpc
 
@@ -341,77 +258,50 @@ def execution_counts(address: str) -> tuple[int, int]:
     """(inferences, executions) so far, from the v2 statistics: the formed batch."""
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(address)
-    try:
-        entries = client.get_inference_statistics(MODEL, as_json=True).get("model_stats", [])
-    finally:
-        client.close()
-    return (sum(int(e.get("inference_count", 0)) for e in entries),
-            sum(int(e.get("execution_count", 0)) for e in entries))
+    with grpcclient.InferenceServerClient(address) as client:
+        totals = common.stats_totals(client.get_inference_statistics(MODEL, as_json=True), MODEL)
+    return totals["inference_count"], totals["execution_count"]
 
 
 def served_point(repo: Path, batch: int, settings: Settings) -> dict[str, Any]:
-    from tiered.processes import AgentProcess
-
     write_config(repo, batch, settings)
-    progress(f"served B={batch}: starting the agent")
-    agent = AgentProcess(TIER, repo).start(timeout_s=300)
-    context = mp.get_context("spawn")
-    plan = split_workers(requests_in_flight(batch, settings.in_flight_images),
-                         settings.client_processes)
-    controls = [context.Queue() for _ in plan]
-    results = context.Queue()
-    clients = [
-        context.Process(target=client_process, daemon=True, args=(
-            agent.address, batch, workers, settings.image_size, settings.request_timeout_s,
-            seed, controls[seed], results))
-        for seed, workers in enumerate(plan)
-    ]
-    sampler = Sampler(DirectMeter(settings.device, agent.pid), settings.sample_ms / 1e3)
-    try:
-        for c in clients:
-            c.start()
-        for _ in clients:
-            kind, value = results.get(timeout=300)
-            if kind != "ready":
-                raise RuntimeError(f"a client process failed to start: {value}")
-        sampler.start()
-        start, end = window_bounds(time.monotonic(), settings.warmup_s, settings.duration_s)
-        for control in controls:
-            control.put(end + 2 * SLOT_S)  # load through the slot the last Stats read lands in
-        progress(f"served B={batch}: {sum(plan)} requests in flight from {len(plan)} "
-                 f"processes; window [{start:.0f}, {end:.0f}) on the monotonic clock")
-        sleep_until(start - 0.5)
-        counts_before = execution_counts(agent.address)
-        sleep_until(start + 0.25 * SLOT_S)
-        cursor = stats(agent.address, 0.0).end  # the slot that just began: S
-        sleep_until(end + 0.5 * SLOT_S)  # the agent has marked E; the slot after is open
-        answer = stats(agent.address, cursor)
-        counts_after = execution_counts(agent.address)
-        outcomes = []
-        for _ in clients:
-            kind, value = results.get(timeout=settings.request_timeout_s + 60)
-            if kind != "done":
-                raise RuntimeError(f"a client process failed: {value}")
-            outcomes.append(value)
-        for c in clients:
-            c.join(timeout=30)
-        samples = sampler.stop()
-    finally:
-        sampler.stop()
-        for c in clients:
-            if c.is_alive():
-                c.kill()
+    common.progress(f"served B={batch}: starting the agent")
+    size = settings.image_size
+    load = common.Load.random(MODEL, INPUT, (batch, 3, size, size), outputs={OUTPUT: None},
+                              timeout_s=settings.request_timeout_s)
+    in_flight = requests_in_flight(batch, settings.in_flight_images)
+    with common.serving([common.agent(TIER, repo)]) as (agent,), \
+            common.Clients([agent.address], load, in_flight, settings.client_processes) as clients:
+        meter = DirectMeter(settings.device, agent.pid)
+        sampler = common.Sampler(meter.read, settings.sample_ms / 1e3).start()
+        try:
+            start, end = window_bounds(time.monotonic(), settings.warmup_s, settings.duration_s)
+            # Every answer counts from now on (the slots of the agent's span are picked
+            # out after); load through the slot the last Stats read lands in.
+            stop = end + 2 * SLOT_S
+            clients.go(common.Schedule(time.monotonic(), stop, stop))
+            common.progress(f"served B={batch}: {in_flight} requests in flight from "
+                            f"{len(clients.plan)} processes; window [{start:.0f}, {end:.0f}) "
+                            "on the monotonic clock")
+            common.sleep_until(start - 0.5)
+            counts_before = execution_counts(agent.address)
+            common.sleep_until(start + 0.25 * SLOT_S)
+            cursor = stats(agent.address, 0.0).end  # the slot that just began: S
+            common.sleep_until(end + 0.5 * SLOT_S)  # the agent has marked E; the next is open
+            answer = stats(agent.address, cursor)
+            counts_after = execution_counts(agent.address)
+            outcomes = clients.tallies()
+        finally:
+            samples = sampler.stop()
         log_tail = agent.log_tail(6)
-        agent.stop()
     return summarize_served(Observed(
-        batch=batch, plan=plan, planned=(start, end), cursor=cursor, answer=answer,
-        source=sampler.meter.source, samples=samples, outcomes=outcomes,
+        batch=batch, plan=clients.plan, planned=(start, end), cursor=cursor, answer=answer,
+        source=meter.source, samples=samples, outcomes=outcomes,
         counts_before=counts_before, counts_after=counts_after, log_tail=log_tail,
     ), settings.tolerance)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Observed:
     """What one served point saw, before any arithmetic."""
 
@@ -422,7 +312,7 @@ class Observed:
     answer: Any  # the StatsResponse read after E with that cursor
     source: str  # of the direct counter
     samples: list[tuple[float, float]]  # the direct counter: (monotonic s, joules)
-    outcomes: list[dict[str, Any]]  # from the client processes
+    outcomes: list[common.Tally]  # one per client process, the whole load
     counts_before: tuple[int, int]  # (inferences, executions) from the v2 statistics
     counts_after: tuple[int, int]
     log_tail: str
@@ -437,8 +327,9 @@ def summarize_served(seen: Observed, tolerance: float) -> dict[str, Any]:
     agent_jpi = (version.joules_per_inference
                  if version.has_energy and version.inferences else None)
     direct_j = value_at(samples, answer.end) - value_at(samples, answer.start)
-    client_images = images_in_span(merge_slot_counts([o["per_slot"] for o in outcomes]),
-                                   answer.start, answer.end)
+    client_images = images_in_span(
+        merge_slot_counts([slot_counts(o.completed_at, batch) for o in outcomes]),
+        answer.start, answer.end)
     inferences = version.inferences
     direct_jpi = direct_j / inferences if inferences else None
     executions = seen.counts_after[1] - seen.counts_before[1]
@@ -471,13 +362,14 @@ def summarize_served(seen: Observed, tolerance: float) -> dict[str, Any]:
         "clients": {
             "images": client_images,
             "j_per_image_direct": direct_j / client_images if client_images else None,
-            "errors": sum(o["errors"] for o in outcomes),
-            "error_samples": [e for o in outcomes for e in o["error_samples"]][:3],
+            "errors": sum(o.errors for o in outcomes),
+            "error_samples": [e for o in outcomes for e in o.error_samples][:3],
         },
         "img_per_s": inferences / span_s if span_s else None,
         "watts": direct_j / span_s if span_s else None,
         "engine_busy_fraction": version.busy_s / span_s if span_s else None,
-        "formed_batch": ratio(seen.counts_after[0] - seen.counts_before[0], executions or None),
+        "formed_batch": common.ratio(seen.counts_after[0] - seen.counts_before[0],
+                                     executions or None),
         "agreement": agreement(agent_jpi, direct_jpi, tolerance),
         "agent_log_tail": seen.log_tail,
     }
@@ -511,7 +403,7 @@ def timed_run(run: Callable[[], Any], batch: int, threads: int, seconds: float,
         next_at = t0 + (0 if interval is None else index * interval / threads)
         while True:
             if interval is not None:
-                sleep_until(next_at)
+                common.sleep_until(next_at)
                 next_at = max(next_at + interval, time.monotonic() - interval)  # no bursts
             if time.monotonic() >= deadline:
                 return
@@ -539,7 +431,7 @@ def inprocess_points(onnx_path: Path, settings: Settings,
     from tiered.engines.torch_engine import TorchEngine
 
     engine_settings = torch_settings(settings)
-    progress("in-process: loading the torch engine (graphs captured at load)")
+    common.progress("in-process: loading the torch engine (graphs captured at load)")
     engine = TorchEngine(onnx_path, engine_settings)
     meter = DirectMeter(settings.device)
     threads = engine_settings.streams if engine.device == "cuda" else 1
@@ -555,8 +447,8 @@ def inprocess_points(onnx_path: Path, settings: Settings,
             if settings.paced and served_rates.get(batch):
                 modes.append(served_rates[batch])
             for rate in modes:
-                progress(f"in-process B={batch}: " + ("flat out" if rate is None
-                                                     else f"paced to {rate:.0f} img/s"))
+                common.progress(f"in-process B={batch}: " + (
+                    "flat out" if rate is None else f"paced to {rate:.0f} img/s"))
                 rows.append(timed_run(lambda: engine.run(feeds), batch, threads,
                                       settings.inprocess_s, meter, rate))
     finally:
@@ -567,78 +459,49 @@ def inprocess_points(onnx_path: Path, settings: Settings,
 # --------------------------------------------------------------------------- the run
 
 
-def environment(settings: Settings) -> dict[str, Any]:
-    import grpc
-    import torch
-
-    env: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "grpcio": grpc.__version__, "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-    }
-    if settings.device == "cuda":
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        name = pynvml.nvmlDeviceGetName(handle)
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        env.update(
-            gpu=name.decode() if isinstance(name, bytes) else name,
-            driver=driver.decode() if isinstance(driver, bytes) else driver,
-            cuda=torch.version.cuda,
-            power_limit_w=pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3,
-        )
-    return env
-
-
-def run(settings: Settings, out_path: Path) -> dict[str, Any]:
-    result: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "settings": asdict(settings),
-        "environment": environment(settings),
-    }
-    progress(f"environment: {result['environment']}")
+def run(settings: Settings, smoke: bool) -> dict[str, Any]:
+    result = common.record("energy", smoke, with_gpu=settings.device == "cuda")
+    if settings.device != "cuda":
+        result["skipped_without_cuda"] = WITHOUT_CUDA
+    result["settings"] = asdict(settings)
+    common.progress(f"machine: {result['machine']}")
     meter = DirectMeter(settings.device)
     t0, j0 = time.monotonic(), meter.read()
-    time.sleep(2.0)
+    time.sleep(settings.idle_s)
     result["idle_watts"] = (meter.read() - j0) / (time.monotonic() - t0)
     with tempfile.TemporaryDirectory(prefix="tiered-energy-bench-") as tmp:
         repo = Path(tmp) / "repository"
         onnx_path = write_model(repo, settings)
         served = [served_point(repo, batch, settings) for batch in settings.batches]
         for row in served:
-            progress(f"served B={row['batch']}: {cell(row['img_per_s'])} img/s, agent "
-                     f"{cell(row['agent']['j_per_inference'])} J/inf, direct "
-                     f"{cell(row['direct']['j_per_inference'])} J/inf: "
-                     f"{row['agreement']['verdict']}")
+            common.progress(
+                f"served B={row['batch']}: {cell(row['img_per_s'])} img/s, agent "
+                f"{cell(row['agent']['j_per_inference'])} J/inf, direct "
+                f"{cell(row['direct']['j_per_inference'])} J/inf: "
+                f"{row['agreement']['verdict']}")
         result["served"] = served
         result["inprocess"] = inprocess_points(
             onnx_path, settings, {r["batch"]: r["img_per_s"] for r in served})
-    verdicts = [r["agreement"]["verdict"] for r in served]
-    result["target"] = {
-        "what": "agent J/inference over direct NVML J/inference, same slots, each batch size",
-        "needs": f"within 1 +- {settings.tolerance}",
-        "verdict": "PASS" if verdicts and all(v == "PASS" for v in verdicts)
-        else "N/A" if all(v == "N/A" for v in verdicts) else "FAIL",
-    }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    result["targets"] = [
+        common.judge(f"B={r['batch']}", "agent J/inference / direct J/inference, same slots",
+                     r["agreement"]["agent_over_direct"], "within", settings.tolerance)
+        for r in served]
     return result
 
 
 def report(result: Mapping[str, Any]) -> str:
-    env = result["environment"]
-    served = render_table(
+    machine = result["machine"]
+    served = common.table(
         ["B", "span s", "inferences", "img/s", "batch", "busy", "W", "agent J", "direct J",
-         "agent J/inf", "direct J/inf", "agent/direct", "direct J/client img", "check"],
+         "agent J/inf", "direct J/inf", "agent/direct", "direct J/client img"],
         [[r["batch"], r["window"]["span_s"], r["agent"]["inferences"], r["img_per_s"],
           r["formed_batch"], r["engine_busy_fraction"], r["watts"], r["agent"]["joules"],
           r["direct"]["joules"], r["agent"]["j_per_inference"], r["direct"]["j_per_inference"],
-          r["agreement"]["agent_over_direct"], r["clients"]["j_per_image_direct"],
-          r["agreement"]["verdict"]] for r in result["served"]],
+          r["agreement"]["agent_over_direct"], r["clients"]["j_per_image_direct"]]
+         for r in result["served"]],
+        [r["agreement"]["verdict"] for r in result["served"]],
     )
-    inprocess = render_table(
+    inprocess = common.table(
         ["B", "mode", "threads", "img/s", "W", "J/image"],
         [[r["batch"], r["mode"], r["threads"], r["img_per_s"], r["watts"], r["j_per_image"]]
          for r in result["inprocess"]],
@@ -648,21 +511,22 @@ def report(result: Mapping[str, Any]) -> str:
         f" s by {cell(r['direct']['counter']['median_step_j'])} J, span aligned "
         f"{r['window']['aligned']}, client errors {r['clients']['errors']}"
         for r in result["served"])
-    t = result["target"]
     return "\n\n".join([
-        "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items())
-        + f"; idle {cell(result['idle_watts'])} W",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items())
+        + f"; idle {cell(result['idle_watts'])} W"
+        + "".join(f"\nSkipped: {s}" for s in result.get("skipped_without_cuda", [])),
         "Served (agent = its Stats over whole slots [S, E); direct = the counter read here "
         f"({result['served'][0]['direct']['source'] if result['served'] else '-'}), "
         "interpolated at S and E, over the agent's inferences;\nbatch = formed engine batch; "
         "busy = engine busy s / span (summed over lanes); W = direct J / span)\n" + served,
         "Direct counter: " + counters,
         "In-process torch engine, host arrays, NVML read around the run\n" + inprocess,
-        f"Target: {t['what']}: {t['needs']}: {t['verdict']}",
+        "Targets (agent J/inference over direct J/inference, same slots)\n"
+        + common.targets_table(result["targets"]),
     ])
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
+def parse_args(argv: Sequence[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="What it measures and how: see the module docstring (bench/energy.py).",
@@ -670,42 +534,52 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, Path]:
     defaults = Settings()
     parser.add_argument("--device", default=defaults.device, choices=["cuda", "cpu"],
                         help="cpu: a dry run of the harness (modeled energy, no NVML)")
-    parser.add_argument("--image-size", type=int, default=defaults.image_size)
-    parser.add_argument("--batches", default=",".join(map(str, defaults.batches)),
-                        help="request (and engine) batch sizes, comma-separated")
-    parser.add_argument("--in-flight-images", type=int, default=defaults.in_flight_images,
-                        help="images kept in flight by the clients (requests = this / B)")
-    parser.add_argument("--client-processes", type=int, default=defaults.client_processes)
-    parser.add_argument("--warmup", type=float, default=defaults.warmup_s,
-                        help="seconds of load before the window")
-    parser.add_argument("--duration", type=int, default=defaults.duration_s,
-                        help="window length in whole one-second slots")
-    parser.add_argument("--inprocess", type=float, default=defaults.inprocess_s,
-                        help="seconds per in-process point")
+    parser.add_argument("--image-size", type=int, help=f"default {defaults.image_size}")
+    parser.add_argument("--batches", help="request (and engine) batch sizes, comma-separated "
+                        f"(default {','.join(map(str, defaults.batches))})")
+    parser.add_argument("--in-flight-images", type=int,
+                        help="images kept in flight by the clients (requests = this / B; "
+                             f"default {defaults.in_flight_images})")
+    parser.add_argument("--client-processes", type=int,
+                        help=f"default {defaults.client_processes}")
+    parser.add_argument("--warmup", type=float, help="seconds of load before the window "
+                        f"(default {defaults.warmup_s})")
+    parser.add_argument("--duration", type=int, help="window length in whole one-second "
+                        f"slots (default {defaults.duration_s})")
+    parser.add_argument("--inprocess", type=float,
+                        help=f"seconds per in-process point (default {defaults.inprocess_s})")
     parser.add_argument("--no-paced", action="store_true",
                         help="skip the in-process run paced to the served throughput")
     parser.add_argument("--sample-ms", type=float, default=defaults.sample_ms,
                         help="how often the direct counter is read during the window")
     parser.add_argument("--tolerance", type=float, default=defaults.tolerance)
-    parser.add_argument("--out", type=Path,
-                        default=REPO_ROOT / "bench" / "results" / "energy.json")
-    args = parser.parse_args(argv)
-    settings = Settings(
-        device=args.device, image_size=args.image_size,
-        batches=tuple(int(b) for b in args.batches.split(",")),
-        in_flight_images=args.in_flight_images, client_processes=args.client_processes,
-        warmup_s=args.warmup, duration_s=args.duration, inprocess_s=args.inprocess,
-        paced=not args.no_paced, sample_ms=args.sample_ms, tolerance=args.tolerance,
-    )
-    return settings, args.out
+    common.add_arguments(parser, "energy")
+    args = common.parse(parser, argv, "energy")
+    given = {
+        "image_size": args.image_size,
+        "batches": args.batches and tuple(int(b) for b in args.batches.split(",")),
+        "in_flight_images": args.in_flight_images, "client_processes": args.client_processes,
+        "warmup_s": args.warmup, "duration_s": args.duration, "inprocess_s": args.inprocess,
+    }
+    settings = replace(defaults, **SMOKE) if args.smoke else defaults
+    settings = replace(settings, device=args.device, paced=not args.no_paced,
+                       sample_ms=args.sample_ms, tolerance=args.tolerance,
+                       **{k: v for k, v in given.items() if v is not None})
+    return settings, args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings, out = parse_args(argv)
-    result = run(settings, out)
+    settings, args = parse_args(argv)
+    result = run(settings, args.smoke)
     print(report(result))
-    print(f"\nwrote {out}")
-    return 0 if result["target"]["verdict"] != "FAIL" else 1
+    common.write(result, args.out)
+    if args.smoke:
+        return common.smoke_exit({
+            "served": (result["served"], ("img_per_s", "agent.inferences", "agent.joules",
+                                          "direct.joules", "clients.images")),
+            "inprocess": (result["inprocess"], ("img_per_s", "joules")),
+        })
+    return 1 if common.overall(result["targets"]) == "FAIL" else 0
 
 
 if __name__ == "__main__":

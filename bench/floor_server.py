@@ -19,9 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc
-
-from tiered.agent.server import grpc_options
+from bench import common
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 
@@ -59,22 +57,13 @@ class FloorServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
-async def serve(outputs: dict[str, int]) -> None:
-    server = grpc.aio.server(options=grpc_options(256 << 20))
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(FloorServicer(outputs), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(f"floor server listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", action="append", required=True, metavar="NAME:WIDTH",
                         help="an output the server answers with: name and row width")
     args = parser.parse_args()
     outputs = {name: int(width) for name, width in (o.split(":") for o in args.output)}
-    asyncio.run(serve(outputs))
+    asyncio.run(common.serve_v2(FloorServicer(outputs), "floor server"))
 
 
 if __name__ == "__main__":

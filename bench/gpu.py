@@ -5,9 +5,10 @@
   graphs per batch bucket, pinned staging, two streams), dynamic batching up to
   `max_batch_size`; batch-1 FP32 requests from `tritonclient.grpc.aio` workers
   spread over several client processes (one Python client process cannot
-  saturate the agent), at each concurrency level, for a fixed window after a
-  warm-up. Throughput, latency percentiles, the batch the agent formed, and
-  the agent's own ModelStatistics per request (queue, merge, engine, split).
+  saturate the agent; bench/common.py's load generator), at each concurrency
+  level, for a fixed window after a warm-up. Throughput, latency percentiles,
+  the batch the agent formed, and the agent's own ModelStatistics per request
+  (queue, merge, engine, split).
 - in-process, the same model and precision, at fixed batch sizes:
   (a) data already on the GPU: eager, and a replayed CUDA graph;
   (b) numpy inputs/outputs in host memory, which is what a server receives:
@@ -30,18 +31,15 @@ throughput at the highest concurrency >= 50% of it.
 Run on a GPU machine: `python bench/gpu.py` (about 4 minutes; `--quick` about 2).
 It writes bench/results/gpu.json and prints tables. `--device cpu` runs the
 same harness on a CPU (tiny sizes with `--image-size 32`) to check it; its
-numbers mean nothing.
+numbers mean nothing. `--smoke --out PATH` (with `--device cpu` where there is
+no GPU) is that check in seconds: tiny sizes and windows, each diagnostic at
+one load level; what needs CUDA (graphs, pinned copies, NVML) is skipped on a
+CPU and listed under `skipped_without_cuda` in the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib.util
-import json
-import multiprocessing as mp
-import os
-import platform
 import sys
 import tempfile
 import threading
@@ -54,11 +52,13 @@ from typing import Any
 import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-if importlib.util.find_spec("tiered") is None:  # a checkout without `pip install -e`
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
 
+import tritonclient.grpc as grpcclient
+
+from bench import common
+from tiered.processes import ServerProcess
 from tiered.tables import cell
-from tiered.tables import render as render_table
 
 MODEL = "resnet18"
 INPUT, OUTPUT = "input", "logits"
@@ -83,53 +83,22 @@ class RunSettings:
     request_timeout_s: float = 60.0
     diagnostics: bool = True  # transport floor, GIL switch interval, scale-out
     scale_out_agents: int = 4
+    diagnostics_at_every_level: bool = True  # False: each at the top concurrency only
 
 
 QUICK = dict(warmup_s=2.0, duration_s=5.0, inprocess_s=0.8)
+SMOKE = dict(image_size=32, max_batch_size=4, buckets=(1, 2, 4), concurrency=(2,),
+             client_processes=2, warmup_s=0.3, duration_s=0.7, inprocess_batches=(1,),
+             inprocess_s=0.2, scale_out_agents=2, diagnostics_at_every_level=False)
+# What a run on a CPU leaves out, said in its JSON.
+WITHOUT_CUDA = [
+    "in-process device graph: CUDA graphs need CUDA",
+    "breakdown: pinned staging, host-to-device, graph compute and device-to-host copies",
+    "energy: no NVML counter is read for --device cpu (J/img and W are empty)",
+]
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def percentiles_ms(latencies_s: Sequence[float]) -> dict[str, float | None]:
-    if not latencies_s:
-        return {"p50_ms": None, "p95_ms": None, "p99_ms": None, "mean_ms": None}
-    ms = np.asarray(latencies_s, dtype=np.float64) * 1e3
-    p50, p95, p99 = np.percentile(ms, [50, 95, 99])
-    return {"p50_ms": float(p50), "p95_ms": float(p95), "p99_ms": float(p99),
-            "mean_ms": float(ms.mean())}
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
-
-
-def split_workers(concurrency: int, processes: int) -> list[int]:
-    """Workers per client process: as even as possible, no empty process."""
-    processes = max(1, min(processes, concurrency))
-    base, extra = divmod(concurrency, processes)
-    return [base + (1 if i < extra else 0) for i in range(processes)]
-
-
-def _count(value: Any) -> int:
-    return int(value) if value not in (None, "") else 0  # protobuf JSON: int64 as strings
-
-
-def stats_totals(stats_json: Mapping[str, Any]) -> dict[str, int]:
-    """Cumulative counters of the model from `get_inference_statistics(as_json=True)`."""
-    totals: dict[str, int] = {"inference_count": 0, "execution_count": 0}
-    for key in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
-        totals[f"{key}_count"] = 0
-        totals[f"{key}_ns"] = 0
-    for entry in stats_json.get("model_stats", []):
-        totals["inference_count"] += _count(entry.get("inference_count"))
-        totals["execution_count"] += _count(entry.get("execution_count"))
-        inference = entry.get("inference_stats", {})
-        for key in ("success", "fail", "queue", "compute_input", "compute_infer",
-                    "compute_output"):
-            totals[f"{key}_count"] += _count(inference.get(key, {}).get("count"))
-            totals[f"{key}_ns"] += _count(inference.get(key, {}).get("ns"))
-    return totals
 
 
 def per_request_ms(delta: Mapping[str, int]) -> dict[str, float | None]:
@@ -150,72 +119,46 @@ def per_request_ms(delta: Mapping[str, int]) -> dict[str, float | None]:
 
 # --------------------------------------------------------------------------- I/O: meters
 
-_STARTED = time.monotonic()
-
-
-def progress(message: str) -> None:
-    print(f"[{time.monotonic() - _STARTED:6.1f}s] {message}", file=sys.stderr, flush=True)
-
 
 class EnergyMeter:
-    """NVML's total energy counter (mJ since driver load); None where absent."""
+    """NVML's total energy counter for the windows; None (and a note why) where absent."""
 
-    def __init__(self) -> None:
-        self._handle = None
+    def __init__(self, device: str) -> None:
+        self._nvml: common.NvmlEnergy | None = None
         self.note = ""
+        if device != "cuda":
+            self.note = "not read (--device cpu)"
+            return
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
-            self._nvml = pynvml
+            self._nvml = common.NvmlEnergy()
         except Exception as error:  # no driver, no library, or no counter
-            self._handle = None
             self.note = f"no NVML energy counter: {error}"
 
     def read_j(self) -> float | None:
-        if self._handle is None:
-            return None
-        return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1e3
+        return None if self._nvml is None else self._nvml.read()
 
 
-def _clock_ticks() -> float:
-    return float(os.sysconf("SC_CLK_TCK"))
+@dataclass(frozen=True)
+class Reading:
+    """The clock, GPU energy and some processes' CPU time at one instant;
+    two readings make a window."""
 
+    t: float
+    joules: float | None
+    cpu_s: tuple[float | None, ...]
 
-def process_cpu_s(pid: int) -> float | None:
-    try:
-        rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(rest[11]) + int(rest[12])) / _clock_ticks()
+    @classmethod
+    def take(cls, energy: EnergyMeter, pids: Sequence[int] = ()) -> Reading:
+        return cls(time.monotonic(), energy.read_j(),
+                   tuple(common.process_cpu_s(pid) for pid in pids))
 
-
-@dataclass
-class Window:
-    """Time, energy and CPU between `start` and `stop`."""
-
-    energy: EnergyMeter
-    pid: int | None = None
-    seconds: float = 0.0
-    joules: float | None = None
-    cpu_s: float | None = None
-
-    def start(self) -> Window:
-        self._t = time.perf_counter()
-        self._j = self.energy.read_j()
-        self._cpu = process_cpu_s(self.pid) if self.pid else None
-        return self
-
-    def stop(self) -> Window:
-        self.seconds = time.perf_counter() - self._t
-        j = self.energy.read_j()
-        self.joules = None if j is None or self._j is None else j - self._j
-        if self.pid and self._cpu is not None:
-            now = process_cpu_s(self.pid)
-            self.cpu_s = None if now is None else now - self._cpu
-        return self
+    def until(self, later: Reading) -> tuple[float, float | None, float | None]:
+        """Seconds, joules and CPU seconds (the processes together) up to `later`."""
+        cpu = [None if a is None or b is None else b - a
+               for a, b in zip(self.cpu_s, later.cpu_s)]
+        joules = None if self.joules is None or later.joules is None \
+            else later.joules - self.joules
+        return later.t - self.t, joules, None if None in cpu else sum(cpu)
 
 
 # --------------------------------------------------------------------------- in-process
@@ -239,7 +182,7 @@ def timed_loop(
             fn()
             own.append(time.perf_counter() - t0)
 
-    window = Window(energy).start()
+    start = Reading.take(energy)
     deadline[0] = time.perf_counter() + seconds
     if threads == 1:
         worker(0)
@@ -249,16 +192,16 @@ def timed_loop(
             t.start()
         for t in pool:
             t.join()
-    window.stop()
+    elapsed, joules, _ = start.until(Reading.take(energy))
     calls = sum(len(own) for own in latencies)
     images = calls * images_per_call
     return {
         "calls": calls,
-        "seconds": window.seconds,
-        "img_per_s": images / window.seconds,
-        **percentiles_ms([x for own in latencies for x in own]),
-        "j_per_img": None if window.joules is None else window.joules / images,
-        "watts": None if window.joules is None else window.joules / window.seconds,
+        "seconds": elapsed,
+        "img_per_s": images / elapsed,
+        **common.percentiles_ms([x for own in latencies for x in own]),
+        "j_per_img": common.ratio(joules, images),
+        "watts": common.ratio(joules, elapsed),
     }
 
 
@@ -289,7 +232,7 @@ class InProcess:
             device=settings.device, precision=settings.precision,
             cuda_graph_batch_sizes=settings.buckets, streams=1,
         )
-        progress("in-process: loading engines (graphs captured at load)")
+        common.progress("in-process: loading engines (graphs captured at load)")
         self.engine_1 = TorchEngine(onnx_path, engine_settings)
         self.engine_2 = TorchEngine(onnx_path, replace(engine_settings, streams=2))
         self.rng = np.random.default_rng(0)
@@ -444,279 +387,107 @@ def write_repository(root: Path, settings: RunSettings) -> Path:
     return onnx_path
 
 
-def client_process(
-    address: str, workers: int, image_size: int, timeout_s: float, seed: int,
-    control: Any, results: Any,
-) -> None:
-    """One load-generating process: `workers` asyncio workers, batch-1 requests."""
-    import tritonclient.grpc as grpcclient
-    import tritonclient.grpc.aio as aioclient
-
-    rng = np.random.default_rng(seed)
-    image = rng.standard_normal((1, 3, image_size, image_size), dtype=np.float32)
-
-    async def main() -> dict[str, Any]:
-        client = aioclient.InferenceServerClient(address)
-        item = grpcclient.InferInput(INPUT, list(image.shape), "FP32")
-        item.set_data_from_numpy(image)
-        outputs = [grpcclient.InferRequestedOutput(OUTPUT)]
-        results.put(("ready", seed))
-        window_start, window_end = await asyncio.get_running_loop().run_in_executor(
-            None, control.get
-        )
-        latencies: list[float] = []
-        errors: list[str] = []
-        completed = 0
-
-        async def worker() -> None:
-            nonlocal completed
-            while True:
-                t0 = time.time()
-                if t0 >= window_end:
-                    return
-                try:
-                    answer = await client.infer(MODEL, [item], outputs=outputs,
-                                                client_timeout=timeout_s)
-                    answer.as_numpy(OUTPUT)
-                except Exception as error:  # counted, the load goes on
-                    if t0 >= window_start and len(errors) < 20:
-                        errors.append(str(error)[:200])
-                    continue
-                t1 = time.time()
-                if t0 >= window_start and t1 <= window_end:
-                    latencies.append(t1 - t0)
-                    completed += 1
-
-        cpu = {}
-
-        async def cpu_marks() -> None:
-            await asyncio.sleep(max(0.0, window_start - time.time()))
-            cpu["start"] = time.process_time()
-            await asyncio.sleep(max(0.0, window_end - time.time()))
-            cpu["end"] = time.process_time()
-
-        await asyncio.gather(cpu_marks(), *(worker() for _ in range(workers)))
-        await client.close()
-        return {"completed": completed, "latencies": latencies, "errors": errors,
-                "cpu_s": cpu.get("end", 0.0) - cpu.get("start", 0.0)}
-
-    try:
-        results.put(("done", asyncio.run(main())))
-    except Exception as error:  # report instead of hanging the parent
-        results.put(("failed", repr(error)))
-
-
-def served_point(
-    setup: str,
-    servers: Sequence[Any],
-    concurrency: int,
-    settings: RunSettings,
-    energy: EnergyMeter,
-) -> dict[str, Any]:
-    """One load level against `servers` (client processes spread over them)."""
-    import tritonclient.grpc as grpcclient
-
-    context = mp.get_context("spawn")
-    processes_wanted = max(settings.client_processes, 2 * len(servers))
-    plan = split_workers(concurrency, processes_wanted)
-    controls = [context.Queue() for _ in plan]
-    results = context.Queue()
-    processes = [
-        context.Process(
-            target=client_process,
-            args=(servers[seed % len(servers)].address, workers, settings.image_size,
-                  settings.request_timeout_s, seed, controls[seed], results),
-            daemon=True,
-        )
-        for seed, workers in enumerate(plan)
-    ]
-    for p in processes:
-        p.start()
-    for _ in processes:
-        kind, value = results.get(timeout=120)
-        if kind != "ready":
-            raise RuntimeError(f"a client process failed to start: {value}")
-    window_start = time.time() + settings.warmup_s
-    window_end = window_start + settings.duration_s
-    for control in controls:
-        control.put((window_start, window_end))
+def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
+                 settings: RunSettings, energy: EnergyMeter) -> dict[str, Any]:
+    """One load level against `servers`, client processes spread over them."""
     stats_clients = [grpcclient.InferenceServerClient(s.address) for s in servers]
 
-    def totals() -> dict[str, int]:
-        summed: dict[str, int] = {}
-        for client in stats_clients:
-            for key, value in stats_totals(
-                client.get_inference_statistics(MODEL, as_json=True)
-            ).items():
-                summed[key] = summed.get(key, 0) + value
-        return summed
+    def probe() -> tuple[Reading, dict[str, int]]:
+        totals = [common.stats_totals(c.get_inference_statistics(MODEL, as_json=True), MODEL)
+                  for c in stats_clients]
+        return (Reading.take(energy, [s.pid for s in servers]),
+                {key: sum(t[key] for t in totals) for key in totals[0]})
 
-    time.sleep(max(0.0, window_start - time.time()))
-    before = totals()
-    windows = [Window(energy if i == 0 else _NO_ENERGY, s.pid).start()
-               for i, s in enumerate(servers)]
-    time.sleep(max(0.0, window_end - time.time()))
-    for window in windows:
-        window.stop()
-    after = totals()
-    for client in stats_clients:
-        client.close()
-    outcomes = []
-    for _ in processes:
-        kind, value = results.get(timeout=settings.request_timeout_s + 60)
-        if kind != "done":
-            raise RuntimeError(f"a client process failed: {value}")
-        outcomes.append(value)
-    for p in processes:
-        p.join(timeout=30)
-    delta = {k: after[k] - before[k] for k in after}
-    completed = sum(o["completed"] for o in outcomes)
-    latencies = [x for o in outcomes for x in o["latencies"]]
-    errors = [e for o in outcomes for e in o["errors"]]
-    joules = windows[0].joules
-    server_cpu = [w.cpu_s for w in windows]
+    size = settings.image_size
+    load = common.Load.random(MODEL, INPUT, (1, 3, size, size), outputs={OUTPUT: None},
+                              timeout_s=settings.request_timeout_s)
+    try:
+        window = common.closed_loop(
+            [s.address for s in servers], load, concurrency, settings.warmup_s,
+            settings.duration_s, processes=max(settings.client_processes, 2 * len(servers)),
+            probe=probe)
+    finally:
+        for client in stats_clients:
+            client.close()
+    (start, before), (end, after) = window.before, window.after
+    seconds, joules, server_cpu_s = start.until(end)
+    delta = common.stats_delta(before, after)
+    summary = window.summary()
     return {
         "setup": setup,
         "servers": len(servers),
         "concurrency": concurrency,
-        "client_processes": len(plan),
-        "workers_per_process": plan,
-        "requests": completed,
-        "img_per_s": completed / settings.duration_s,
-        **percentiles_ms(latencies),
-        "errors": len(errors),
-        "error_samples": errors[:5],
-        "formed_batch": ratio(delta["inference_count"], delta["execution_count"] or None),
+        "client_processes": len(window.workers),
+        "workers_per_process": list(window.workers),
+        **summary,  # throughput: batch-1 requests, so images, per second
+        "formed_batch": common.formed_batch(delta),
         "agent_ms_per_request": per_request_ms(delta),
         "agent_stats_delta": delta,
         # Energy per image served: the whole GPU over the window, over completed requests.
-        "j_per_img": None if joules is None or not completed else joules / completed,
-        "watts": None if joules is None else joules / windows[0].seconds,
-        "server_cpu_cores": None if None in server_cpu
-        else sum(server_cpu) / windows[0].seconds,
-        "client_cpu_cores": sum(o["cpu_s"] for o in outcomes) / settings.duration_s,
+        "j_per_img": common.ratio(joules, summary["requests"] or None),
+        "watts": common.ratio(joules, seconds),
+        "server_cpu_cores": common.ratio(server_cpu_s, seconds),
+        "client_cpu_cores": window.tally.cpu_s / window.schedule.seconds,
     }
-
-
-class _NoEnergy(EnergyMeter):
-    def __init__(self) -> None:
-        self._handle = None
-        self.note = "not read"
-
-
-_NO_ENERGY = _NoEnergy()
-
-
-def agent_command(repo: Path, switch_interval_s: float | None) -> list[str]:
-    """`tiered agent --tier datacenter`, optionally with another GIL switch interval
-    (a diagnostic: the agent's code is unchanged, only the interpreter setting)."""
-    args = ["agent", "--tier", "datacenter", "--model-repository", str(repo),
-            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
-    if switch_interval_s is None:
-        return [sys.executable, "-m", "tiered", *args]
-    code = (
-        "import sys; sys.setswitchinterval(float(sys.argv[1])); "
-        "from tiered.cli import main; raise SystemExit(main(sys.argv[2:]))"
-    )
-    return [sys.executable, "-c", code, str(switch_interval_s), *args]
-
-
-def start_servers(commands: Sequence[Sequence[str]], name: str) -> list[Any]:
-    from tiered.processes import ServerProcess
-
-    servers = []
-    try:
-        for index, command in enumerate(commands):
-            servers.append(ServerProcess(command, f"{name}-{index}").start(timeout_s=300))
-    except Exception:
-        stop_servers(servers)
-        raise
-    return servers
-
-
-def stop_servers(servers: Sequence[Any]) -> list[str]:
-    tails = []
-    for server in servers:
-        tails.append(server.log_tail(8))
-        server.stop()
-    return tails
 
 
 # --------------------------------------------------------------------------- the run
 
 
-def environment(settings: RunSettings, energy: EnergyMeter) -> dict[str, Any]:
-    import torch
-
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "energy": energy.note or "NVML total energy counter",
-    }
-    try:
-        import grpc
-
-        env["grpcio"] = grpc.__version__
-    except ImportError:
-        pass
-    if settings.device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-        env["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
-        env["cuda"] = torch.version.cuda
-    return env
-
-
-def run(settings: RunSettings, out_path: Path) -> dict[str, Any]:
-    energy = EnergyMeter()
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "settings": asdict(settings),
-                              "environment": environment(settings, energy)}
-    progress(f"environment: {result['environment']}")
+def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
+    energy = EnergyMeter(settings.device)
+    result = common.record("gpu", smoke, with_gpu=settings.device == "cuda")
+    if settings.device != "cuda":
+        result["skipped_without_cuda"] = WITHOUT_CUDA
+    result.update(settings=asdict(settings), energy=energy.note or "NVML total energy counter")
+    common.progress(f"machine: {result['machine']}")
     with tempfile.TemporaryDirectory(prefix="tiered-gpu-bench-") as tmp:
         repo = Path(tmp) / "repository"
         onnx_path = write_repository(repo, settings)
-        idle = Window(energy).start()
+        idle = Reading.take(energy)
         time.sleep(1.0)
-        idle.stop()
-        result["idle_watts"] = None if idle.joules is None else idle.joules / idle.seconds
+        idle_s, idle_j, _ = idle.until(Reading.take(energy))
+        result["idle_watts"] = common.ratio(idle_j, idle_s)
 
         inprocess = InProcess(onnx_path, settings, energy)
         rows: list[dict[str, Any]] = []
         for batch in settings.inprocess_batches:
-            progress(f"in-process batch {batch}")
+            common.progress(f"in-process batch {batch}")
             rows += inprocess.device_modes(batch)
             rows += inprocess.host_modes(batch)
         result["breakdown"] = [inprocess.breakdown(b) for b in (1, settings.max_batch_size)]
         inprocess.close()  # the agent gets the GPU to itself
 
-        served = []
+        served: list[dict[str, Any]] = []
         top = max(settings.concurrency)
 
-        def measure(setup: str, commands: Sequence[Sequence[str]], levels: Sequence[int],
-                    name: str = "agent") -> None:
-            progress(f"starting: {setup}")
-            servers = start_servers(commands, name)
-            try:
-                for concurrency in levels:
-                    row = served_point(setup, servers, concurrency, settings, energy)
-                    progress(
-                        f"  {setup} c={concurrency}: {row['img_per_s']:.0f} img/s, p50 "
-                        f"{cell(row['p50_ms'])} ms, batch {cell(row['formed_batch'])}, server "
-                        f"cpu {cell(row['server_cpu_cores'])}, errors {row['errors']}"
-                    )
-                    served.append(row)
-            finally:
-                result.setdefault("server_log_tails", {})[setup] = stop_servers(servers)
+        def measure(setup: str, servers: Sequence[ServerProcess], levels: Sequence[int]) -> None:
+            if not settings.diagnostics_at_every_level and setup != "1 agent":
+                levels = (top,)
+            common.progress(f"starting: {setup}")
+            with common.serving(servers) as started:
+                try:
+                    for concurrency in levels:
+                        row = served_point(setup, started, concurrency, settings, energy)
+                        common.progress(
+                            f"  {setup} c={concurrency}: {row['throughput']:.0f} img/s, p50 "
+                            f"{cell(row['p50_ms'])} ms, batch {cell(row['formed_batch'])}, "
+                            f"server cpu {cell(row['server_cpu_cores'])}, "
+                            f"errors {row['errors']}")
+                        served.append(row)
+                finally:
+                    result.setdefault("server_log_tails", {})[setup] = [
+                        s.log_tail(8) for s in started]
 
-        measure("1 agent", [agent_command(repo, None)], settings.concurrency)
+        def agent(switch_interval_s: float | None = None) -> ServerProcess:
+            return common.agent("datacenter", repo, switch_interval_s=switch_interval_s)
+
+        measure("1 agent", [agent()], settings.concurrency)
         if settings.diagnostics:
-            floor = [sys.executable, str(REPO_ROOT / "bench" / "floor_server.py"),
-                     "--output", f"{OUTPUT}:1000"]
-            measure("transport floor (no work)", [floor], (1, top), name="floor")
-            measure("1 agent, GIL switch 0.5 ms", [agent_command(repo, 0.0005)], (top,))
+            measure("transport floor (no work)", [common.floor_server({OUTPUT: 1000})], (1, top))
+            measure("1 agent, GIL switch 0.5 ms", [agent(0.0005)], (top,))
             agents = settings.scale_out_agents
-            measure(f"{agents} agents, one GPU", [agent_command(repo, None)] * agents,
+            measure(f"{agents} agents, one GPU", [agent() for _ in range(agents)],
                     (top, 2 * top))
         result["served"] = served
 
@@ -727,14 +498,12 @@ def run(settings: RunSettings, out_path: Path) -> dict[str, Any]:
         if formed:
             inprocess = InProcess(onnx_path, settings, energy)
             for batch in formed:
-                progress(f"in-process batch {batch} (formed by the agent)")
+                common.progress(f"in-process batch {batch} (formed by the agent)")
                 rows += inprocess.host_modes(batch, naive=False)
             inprocess.close()
         result["inprocess"] = rows
     result["comparison"] = compare(served, rows)
-    result["target"] = target(result["comparison"], settings)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    result["targets"] = targets(result["comparison"], settings)
     return result
 
 
@@ -754,10 +523,10 @@ def compare(served: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any
             "concurrency": row["concurrency"],
             "formed_batch": row["formed_batch"],
             "reference_batch": batch,
-            "served_img_per_s": row["img_per_s"],
+            "served_img_per_s": row["throughput"],
             "host_engine_x1_img_per_s": x1,
             "host_engine_x2_img_per_s": x2,
-            "served_vs_best_host": ratio(row["img_per_s"], best),
+            "served_vs_best_host": common.ratio(row["throughput"], best),
         })
     return out
 
@@ -774,22 +543,34 @@ def target(comparison: Sequence[Mapping[str, Any]], settings: RunSettings) -> di
             "verdict": verdict}
 
 
+def targets(comparison: Sequence[Mapping[str, Any]],
+            settings: RunSettings) -> list[common.Target]:
+    top = max(settings.concurrency)
+    row = next(
+        (r for r in comparison if r["setup"] == "1 agent" and r["concurrency"] == top), {}
+    )
+    return [common.judge(
+        "served vs host",
+        f"1 agent: served img/s @c{top} / best in-process host-memory img/s at the formed batch",
+        row.get("served_vs_best_host"), ">=", TARGET_SERVED_VS_HOST)]
+
+
 def report(result: Mapping[str, Any]) -> str:
-    inprocess = render_table(
+    inprocess = common.table(
         ["batch", "mode", "img/s", "p50 ms", "p99 ms", "J/img", "W"],
         [[r["batch"], r["mode"], r["img_per_s"], r["p50_ms"], r["p99_ms"], r["j_per_img"],
           r["watts"]] for r in result["inprocess"]],
     )
-    served = render_table(
+    served = common.table(
         ["setup", "c", "procs", "img/s", "p50 ms", "p99 ms", "batch", "err", "queue", "merge",
          "engine", "split", "server cpu", "client cpu", "J/img", "W"],
-        [[r["setup"], r["concurrency"], r["client_processes"], r["img_per_s"], r["p50_ms"],
+        [[r["setup"], r["concurrency"], r["client_processes"], r["throughput"], r["p50_ms"],
           r["p99_ms"], r["formed_batch"], r["errors"], r["agent_ms_per_request"]["queue"],
           r["agent_ms_per_request"]["merge"], r["agent_ms_per_request"]["engine"],
           r["agent_ms_per_request"]["split"], r["server_cpu_cores"], r["client_cpu_cores"],
           r["j_per_img"], r["watts"]] for r in result["served"]],
     )
-    comparison = render_table(
+    comparison = common.table(
         ["setup", "c", "formed batch", "ref batch", "served img/s", "host x1 img/s",
          "host x2 img/s", "served/best"],
         [[r["setup"], r["concurrency"], r["formed_batch"], r["reference_batch"],
@@ -798,57 +579,73 @@ def report(result: Mapping[str, Any]) -> str:
     )
     keys = ["request_bytes", "decode_one_request_ms", "merge_ms", "stage_to_pinned_ms",
             "h2d_pinned_ms", "h2d_pageable_ms", "compute_graph_ms", "d2h_ms", "engine_run_ms"]
-    breakdown = render_table(["batch", *keys],
-                      [[b["batch"], *(b.get(k) for k in keys)] for b in result["breakdown"]])
-    t = result["target"]
+    breakdown = common.table(["batch", *keys],
+                             [[b["batch"], *(b.get(k) for k in keys)] for b in result["breakdown"]])
     return "\n\n".join([
-        f"Environment: {result['environment']}  idle W: {cell(result.get('idle_watts'))}",
+        f"Machine: {result['machine']}\nEnergy: {result['energy']}; idle W: "
+        f"{cell(result.get('idle_watts'))}"
+        + "".join(f"\nSkipped: {s}" for s in result.get("skipped_without_cuda", [])),
         "In-process (same model and precision)\n" + inprocess,
         "Served (batch-1 FP32 requests; queue/merge/engine/split = the agent's per-request "
         "means in ms;\ncpu in cores; J/img = whole-GPU energy over the window / images)\n"
         + served,
         "Served vs in-process host-memory reference at the formed batch\n" + comparison,
         "One batch's host path, each step alone (ms per batch)\n" + breakdown,
-        f"Target: {t['what']} = {cell(t['value'])} (needs {t['needs']}): {t['verdict']}",
+        "Targets\n" + common.targets_table(result["targets"]),
     ])
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[RunSettings, Path]:
+def parse_args(argv: Sequence[str] | None) -> tuple[RunSettings, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = RunSettings()
     parser.add_argument("--quick", action="store_true", help="shorter windows")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--precision", default="fp16", choices=["fp32", "fp16", "bf16"])
-    parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
-    parser.add_argument("--client-processes", type=int, default=8)
-    parser.add_argument("--max-queue-delay-us", type=int, default=500)
-    parser.add_argument("--batches", default="1,16,64", help="in-process batch sizes")
+    parser.add_argument("--device", default=defaults.device, choices=["cuda", "cpu"])
+    parser.add_argument("--precision", choices=["fp32", "fp16", "bf16"],
+                        help="default fp16 on cuda, fp32 on cpu (where fp16 crawls)")
+    parser.add_argument("--image-size", type=int, help=f"default {defaults.image_size}")
+    parser.add_argument("--concurrency", help="comma-separated levels (default "
+                        f"{','.join(map(str, defaults.concurrency))})")
+    parser.add_argument("--client-processes", type=int,
+                        help=f"default {defaults.client_processes}")
+    parser.add_argument("--max-queue-delay-us", type=int,
+                        help=f"default {defaults.max_queue_delay_us}")
+    parser.add_argument("--batches", help="in-process batch sizes (default "
+                        f"{','.join(map(str, defaults.inprocess_batches))})")
     parser.add_argument("--no-diagnostics", action="store_true",
                         help="skip the transport floor, GIL and scale-out runs")
-    parser.add_argument("--scale-out-agents", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results" / "gpu.json")
-    args = parser.parse_args(argv)
-    settings = RunSettings(
-        device=args.device,
-        precision=args.precision,
-        image_size=args.image_size,
-        concurrency=tuple(int(c) for c in args.concurrency.split(",")),
-        client_processes=args.client_processes,
-        max_queue_delay_us=args.max_queue_delay_us,
-        inprocess_batches=tuple(int(b) for b in args.batches.split(",")),
-        diagnostics=not args.no_diagnostics,
-        scale_out_agents=args.scale_out_agents,
-    )
+    parser.add_argument("--scale-out-agents", type=int,
+                        help=f"default {defaults.scale_out_agents}")
+    common.add_arguments(parser, "gpu")
+    args = common.parse(parser, argv, "gpu")
+    given = {
+        "image_size": args.image_size,
+        "concurrency": args.concurrency and tuple(int(c) for c in args.concurrency.split(",")),
+        "client_processes": args.client_processes,
+        "max_queue_delay_us": args.max_queue_delay_us,
+        "inprocess_batches": args.batches and tuple(int(b) for b in args.batches.split(",")),
+        "scale_out_agents": args.scale_out_agents,
+    }
+    settings = replace(defaults, **SMOKE) if args.smoke else defaults
+    precision = args.precision or ("fp16" if args.device == "cuda" else "fp32")
+    settings = replace(settings, device=args.device, precision=precision,
+                       diagnostics=not args.no_diagnostics,
+                       **{k: v for k, v in given.items() if v is not None})
     if args.quick:
         settings = replace(settings, **QUICK)
-    return settings, args.out
+    return settings, args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings, out = parse_args(argv)
-    result = run(settings, out)
+    settings, args = parse_args(argv)
+    result = run(settings, args.smoke)
     print(report(result))
-    print(f"\nwrote {out}")
+    common.write(result, args.out)
+    if args.smoke:
+        return common.smoke_exit({
+            "served": (result["served"], ("throughput", "p50_ms", "p99_ms")),
+            "inprocess": (result["inprocess"], ("img_per_s", "p50_ms")),
+            "comparison": (result["comparison"], ("served_img_per_s", "served_vs_best_host")),
+        })
     return 0
 
 

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc
 
+from bench import common
 from tiered.agent.server import grpc_options
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
@@ -42,13 +43,8 @@ class Passthrough(pb_grpc.GRPCInferenceServiceServicer):
 
 async def serve(upstream: str) -> None:
     channel = grpc.aio.insecure_channel(upstream, options=grpc_options(MAX_MESSAGE_BYTES))
-    server = grpc.aio.server(options=grpc_options(MAX_MESSAGE_BYTES))
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        Passthrough(pb_grpc.GRPCInferenceServiceStub(channel)), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(f"passthrough listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
+    await common.serve_v2(Passthrough(pb_grpc.GRPCInferenceServiceStub(channel)), "passthrough",
+                          MAX_MESSAGE_BYTES)
 
 
 def main() -> None:

@@ -88,14 +88,26 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
+    """Exit 0 built, 1 rejected by the gate, 2 refused, 3 failed; on every path
+    the last stderr line is the verdict as JSON (tiered.protocol.verdict), which
+    the controller reads, and --termination-log gets the same line."""
     import datetime
     import json
     import tempfile
+    import traceback
 
     from tiered.agent.config import check_model_name
     from tiered.engines import build
     from tiered.errors import TieredError
     from tiered.profiles import load_profile
+    from tiered.protocol import verdict as verdicts
+
+    def verdict(code: int, reason: str, installed: Path | None = None) -> verdicts.BuildVerdict:
+        return verdicts.BuildVerdict(
+            built=code == verdicts.BUILT, model=args.model, version=args.version,
+            tier=args.tier, reason=reason, exit_code=code,
+            installed=None if installed is None else str(installed),
+        )
 
     flags = {
         "backend": args.backend, "precision": args.precision,
@@ -118,18 +130,36 @@ def _build(args: argparse.Namespace) -> int:
                 evaluation=data(args.eval, "eval.npz"), force=args.force,
                 allow_accuracy_drop=args.allow_accuracy_drop,
             )
-            outcome = build.build(request, profile, settings,
-                                  now=datetime.datetime.now(datetime.timezone.utc))
+            outcome = build.build(
+                request, profile, settings, now=datetime.datetime.now(datetime.timezone.utc),
+                verdict=lambda decision, target: verdict(
+                    verdicts.BUILT, decision.reason, target).to_dict(),
+            )
     except TieredError as error:
-        print(f"tiered build: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(outcome.report, indent=2))  # the numbers, whatever the verdict
-    if outcome.installed is None:
-        print(f"tiered build: rejected, nothing written. {outcome.decision.reason} "
-              "(--allow-accuracy-drop writes it anyway)", file=sys.stderr)
-        return 1
-    print(f"tiered build: wrote {outcome.installed}. {outcome.decision.reason}", file=sys.stderr)
-    return 0
+        said, told = f"tiered build: {error}", verdict(verdicts.REFUSED, str(error))
+    except Exception as error:  # a bug still owes the controller a verdict
+        traceback.print_exc()
+        why = f"{type(error).__name__}: {error}"
+        said, told = f"tiered build: failed: {why}", verdict(verdicts.FAILED, why)
+    else:
+        if outcome.installed is None:
+            said = (f"tiered build: rejected, nothing written. {outcome.decision.reason} "
+                    "(--allow-accuracy-drop writes it anyway)")
+            told = verdict(verdicts.REJECTED, outcome.decision.reason)
+        else:
+            said = f"tiered build: wrote {outcome.installed}. {outcome.decision.reason}"
+            told = verdict(verdicts.BUILT, outcome.decision.reason, outcome.installed)
+        # The numbers, whatever the gate decided; the verdict as build.json holds it.
+        print(json.dumps({**outcome.report, "verdict": told.to_dict()}, indent=2))
+    line = told.to_json()
+    if args.termination_log is not None:
+        try:
+            args.termination_log.write_text(line + "\n")
+        except OSError as error:
+            print(f"tiered build: cannot write --termination-log: {error}", file=sys.stderr)
+    print(said, file=sys.stderr)
+    print(line, file=sys.stderr, flush=True)
+    return told.exit_code
 
 
 # Kept in step with tiered.models.digits.VARIANTS (a test compares them): the
@@ -236,9 +266,9 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
 
     from prometheus_client import start_http_server
 
-    from tiered.controller.kube import ControllerOptions, KubeController
-    from tiered.controller.kube_verbs import api_client
-    from tiered.controller.render import ClusterSettings
+    from tiered.controller.kube.controller import ControllerOptions, KubeController
+    from tiered.controller.kube.render import ClusterSettings
+    from tiered.controller.kube.verbs import api_client
 
     try:
         addresses = json.loads(args.agent_addresses.read_text()) if args.agent_addresses else {}
@@ -246,7 +276,7 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
         settings = ClusterSettings(
             namespace=args.namespace, agent_image=args.agent_image,
             agent_gpu_image=args.agent_gpu_image, routing_configmap=args.routing_configmap,
-            router_metrics=args.router_metrics, tls_secret=args.agent_tls_secret)
+            router=args.router, tls_secret=args.agent_tls_secret)
         options = ControllerOptions(
             identity=args.identity or socket.gethostname(), leader_elect=args.leader_elect,
             lease_name=args.lease_name, lease_duration_s=args.lease_duration,
@@ -265,7 +295,7 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
 
 
 def _cluster(args: argparse.Namespace):
-    from tiered.controller.kube_verbs import ClusterVerbs, api_client
+    from tiered.controller.kube.verbs import ClusterVerbs, api_client
 
     return ClusterVerbs(api_client(args.kubeconfig, args.context), args.namespace)
 
@@ -340,11 +370,12 @@ def _rollout(args: argparse.Namespace) -> int:
     if args.kubernetes:
         cluster = _cluster(args)
         if args.verb == "status":
-            from tiered.controller.render import decode_status
+            from tiered.controller.reconciler import decode_status
 
             row = cluster.rows(args.name)[0]
             print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
-            for line in verbs.analysis_lines(decode_status(cluster.get(args.name)).rollout):
+            status = decode_status(args.name, cluster.get(args.name).get("status"))
+            for line in verbs.analysis_lines(status.rollout):
                 print(line)
             return 0
         decision = cluster.rollout_verb(args.name, args.verb, full=args.full)
@@ -362,13 +393,13 @@ def _rollout_status(store, name: str, watch: bool) -> int:
     import time
 
     from tiered.controller import verbs
-    from tiered.controller.local import decode_status
     from tiered.controller.progress import progress_line
+    from tiered.controller.reconciler import decode_status
 
     record = store.get(name)
     row = verbs.summary_row(record)
     print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
-    for line in verbs.analysis_lines(decode_status(record)):
+    for line in verbs.analysis_lines(decode_status(name, record.status).rollout):
         print(line)
     history = store.history(name)
     for _, t, snap in history[-10:]:
@@ -567,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="replace an existing version")
     build.add_argument("--profile", type=Path, metavar="FILE",
                        help="tier profile YAML (default: agents/<tier>.yaml)")
+    build.add_argument("--termination-log", type=Path, metavar="PATH",
+                       help="also write the verdict (one JSON line) to PATH; on Kubernetes the "
+                       "container's terminationMessagePath, /dev/termination-log (default: none)")
     build.set_defaults(handler=_build)
 
     models = commands.add_parser(
@@ -636,8 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_tls_flags(controller, server=False)
     controller.add_argument("--routing-configmap", default="tiered-routing", metavar="NAME",
                             help="Kubernetes: the router's ConfigMap (default tiered-routing)")
-    controller.add_argument("--router-metrics", metavar="URL",
-                            help="Kubernetes: the router's /metrics, for shadow agreement")
+    controller.add_argument("--router", metavar="HOST:PORT",
+                            help="Kubernetes: the router's gRPC address, where the "
+                            "canary's shadow agreement is read")
     controller.add_argument("--agent-image", default="tiered-agent:latest",
                             help="Kubernetes: agent image for CPU tiers")
     controller.add_argument("--agent-gpu-image", default="tiered-agent-cuda:latest",

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered.controller.local import StateLayout, decode_status
+from tiered.controller.local import StateLayout
+from tiered.controller.reconciler import decode_status
 from tiered.controller.progress import progress_line
 from tiered.controller.report import write_report
 from tiered.controller.store import StateStore
@@ -125,7 +126,7 @@ def _wait_until_served(address: str, image: np.ndarray, say: Callable[[str], Non
 
 
 def _status(store: StateStore) -> RolloutStatus | None:
-    return decode_status(store.get(MODEL))
+    return decode_status(MODEL, store.get(MODEL).status).rollout
 
 
 def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None], bool],
@@ -142,7 +143,8 @@ def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None
         if done(_status(store)):
             return last_id
         time.sleep(0.5)
-    raise TimeoutError(f"no outcome within {timeout_s:.0f} s: {store.get(MODEL).message}")
+    message = decode_status(MODEL, store.get(MODEL).status).message
+    raise TimeoutError(f"no outcome within {timeout_s:.0f} s: {message}")
 
 
 def run(out: Path = Path("build/demo"), models: Path = Path("build/models")) -> int:

@@ -359,7 +359,7 @@ def test_controller_arguments_name_objects_the_chart_renders(any_render):
     assert c["args"] == [
         "controller", "--kubernetes", "--namespace", "$(POD_NAMESPACE)",
         "--routing-configmap", f"{fullname()}-routing",
-        "--router-metrics", f"http://{fullname()}-router.{helm.NAMESPACE}.svc:8003/metrics",
+        "--router", f"{fullname()}-router.{helm.NAMESPACE}.svc:8001",
         "--agent-image", image("tiered-agent"),
         "--agent-gpu-image", image("tiered-agent-cuda"),
         "--leader-elect", "--metrics-port", "8080", *security_args(c, server=False),
@@ -370,8 +370,8 @@ def test_controller_arguments_name_objects_the_chart_renders(any_render):
     routing = one(any_render, "ConfigMap", args["--routing-configmap"])
     assert routing["data"] == {"routing.yaml": "version: 0\nmodels: {}\n"}
     assert routing["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    # The router metrics it scrapes are served by a Service the chart renders.
-    host, port = args["--router-metrics"].removeprefix("http://").split("/")[0].split(":")
+    # The router whose shadow agreement it reads is behind a Service the chart renders.
+    host, port = args["--router"].split(":")
     service_name, namespace, svc = host.split(".")
     assert (namespace, svc) == (helm.NAMESPACE, "svc")
     service = one(any_render, "Service", service_name)

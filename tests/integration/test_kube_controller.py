@@ -34,7 +34,8 @@ pytest.importorskip("kubernetes")
 from kubernetes import client  # noqa: E402
 
 from tests.kubeapi import FakeKubeAPI  # noqa: E402
-from tiered.controller import render  # noqa: E402
+from tiered.controller.kube import render  # noqa: E402
+from tiered.protocol.verdict import BuildVerdict  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
 
@@ -351,8 +352,10 @@ def test_a_build_refused_for_its_sha256_says_so_in_status(kube, api, controllers
     wait("workloads of v4", lambda: len(workloads(api, 4)) == len(TIERS))
     edge = next(d for d in workloads(api, 4) if d["metadata"]["labels"][render.LABEL_TIER]
                 == "edge")
-    refused = (f"tiered build: artifact: /tmp/digits-3.onnx has sha256 {'e' * 64}, not the "
+    refused = (f"artifact: /tmp/digits-3.onnx has sha256 {'e' * 64}, not the "
                f"expected {SHAS[3]}; refusing to build it")
+    verdict = BuildVerdict(built=False, model="digits", version=4, tier="edge",
+                           reason=refused, installed=None, exit_code=2).to_json()
     core = client.CoreV1Api(kube)
     name = "digits-edge-v4-7f9c4"
     core.create_namespaced_pod(NAMESPACE, {
@@ -365,7 +368,7 @@ def test_a_build_refused_for_its_sha256_says_so_in_status(kube, api, controllers
             "image": "tiered-agent:latest", "imageID": "",
             "state": {"waiting": {"reason": "CrashLoopBackOff"}},
             "lastState": {"terminated": {"exitCode": 2, "reason": "Error",
-                                         "message": f"fetching the artifact\n{refused}\n"}}}]}})
+                                         "message": f"fetching the artifact\n{verdict}\n"}}}]}})
     message = wait("the refusal in status", lambda: "refused" in (
         tiered_model(kube).get("status") or {}).get("message", "") and
         tiered_model(kube)["status"]["message"])

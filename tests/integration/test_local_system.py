@@ -31,7 +31,8 @@ import onnx
 import pytest
 import yaml
 
-from tiered.controller.local import StateLayout, decode_status
+from tiered.controller.local import StateLayout
+from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.controller.up import ControllerSettings, LocalSystem, LocalUp, RouterPorts
 from tiered.demo import Traffic
@@ -117,16 +118,20 @@ def apply(state: Path, document: dict) -> None:
     assert "tieredmodel/digits" in tiered(state, "apply", "-f", str(path)).stdout
 
 
+def status_of(store: StateStore):
+    return decode_status("digits", store.get("digits").status)
+
+
 def wait_for(local: LocalUp, store: StateStore, done, timeout_s: float):
+    """The rollout once `done(rollout)`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         local.restart_dead()
-        status = decode_status(store.get("digits"))
-        if done(status):
-            return status
+        rollout = status_of(store).rollout
+        if done(rollout):
+            return rollout
         time.sleep(0.25)
-    raise AssertionError(f"timed out; status {decode_status(store.get('digits'))}, "
-                         f"message {store.get('digits').message!r}")
+    raise AssertionError(f"timed out; status {status_of(store)}")
 
 
 def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store, traffic,
@@ -138,7 +143,7 @@ def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store
     assert "paused by hand" in tiered(state, "rollout", "pause", "digits").stdout
     paused = wait_for(local, store, lambda s: s.phase == PAUSED, 10)
     time.sleep(2.0)  # the controller holds a paused rollout
-    assert decode_status(store.get("digits")).stage_index == paused.stage_index
+    assert status_of(store).rollout.stage_index == paused.stage_index
     assert "resumed by hand" in tiered(state, "rollout", "resume", "digits").stdout
 
     reached = wait_for(local, store, lambda s: s.stage_index == 1 or s.phase == PROMOTED, 90)
@@ -185,7 +190,7 @@ def test_a_heavier_version_is_rolled_back(system, store, traffic, digits_models)
 def test_an_artifact_changed_after_apply_is_refused_and_says_so(system, store, traffic,
                                                                 digits_models):
     local, _, state = system
-    before = decode_status(store.get("digits"))
+    before = status_of(store).rollout
     model = onnx.load(digits_models / "digits-v2.onnx")
     model.doc_string = "v2, as another artifact"  # other bytes, the same network
     pinned = model.SerializeToString()
@@ -195,11 +200,13 @@ def test_an_artifact_changed_after_apply_is_refused_and_says_so(system, store, t
     document["spec"]["artifact"]["uri"] = str(artifact)
     apply(state, document)  # pins the digest of these bytes: a new version
     artifact.write_bytes(artifact.read_bytes() + b"tampered")
-    wait_for(local, store, lambda s: "refusing to build it" in store.get("digits").message, 60)
-    message = store.get("digits").message
-    assert message.startswith("version 4 refused on edge: tiered build: artifact:"), message
+    wait_for(local, store, lambda s: "refusing to build it" in status_of(store).message, 60)
+    status = status_of(store)
+    assert status.message.startswith("version 4 refused: edge: artifact:"), status.message
+    degraded = next(c for c in status.conditions if c.type == "Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "BuildRefused")
     time.sleep(2.0)  # several passes later: nothing built, nothing rolled out
-    assert decode_status(store.get("digits")) == before
+    assert status_of(store).rollout == before
     assert not (StateLayout(state).repository("edge") / "digits" / "4").exists()
     # The pinned bytes are back: the build is tried again and the rollout starts.
     artifact.write_bytes(pinned)

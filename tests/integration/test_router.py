@@ -33,6 +33,8 @@ from tiered.processes import AgentProcess
 from tiered.processes import RouterProcess as RouterCommand
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 
 pytest.importorskip("torch")
 TIERS = ("edge", "regional", "datacenter")
@@ -280,30 +282,55 @@ def test_canary_split_is_sticky_and_near_its_weight(router, agents, table_path):
     assert again == versions[:300]  # a key keeps its version
 
 
+def agreement(router, model: str = "digits", version: str = "2") -> tpb.AgreementResponse:
+    with grpc.insecure_channel(router.address) as channel:
+        return tpb_grpc.TelemetryStub(channel).Agreement(
+            tpb.AgreementRequest(model_name=model, model_version=version), timeout=10)
+
+
+def compared(response: tpb.AgreementResponse) -> dict[str, tuple[int, int]]:
+    return {t.tier: (t.agreed, t.disagreed) for t in response.tiers}
+
+
 def test_shadowing_counts_agreement_without_touching_answers(router, client, agents,
                                                              table_path):
     edge = {"edge": {"agents": [agents["edge"].address], "stable": 1, "canary": 2,
                      "shadow_fraction": 1.0}}
     use_table(router, table_path, table(agents, 0, tiers=edge))
-    # What a controller reads to judge the canary: labelled with the version compared
-    # (the exposition lists labels alphabetically).
-    def shadow(result: str) -> float:
-        return metric(router, f'tiered_router_shadow_total{{model="digits",result="{result}",'
-                              f'tier="edge",version="2"}}')
-
-    before = {r: shadow(r) for r in ("agree", "disagree")}
-    shadowed = metric(router, "tiered_router_shadow_total")
+    before = compared(agreement(router)).get("edge", (0, 0))
     for i in range(20):
         result = client.infer("digits", inputs_of(images(seed=i)))
         assert result.get_response().model_version == "1"
+    # What a controller reads to judge the canary: typed counts over gRPC.
     deadline = time.monotonic() + 10
-    while metric(router, "tiered_router_shadow_total") - shadowed < 20:
-        assert time.monotonic() < deadline
+    while sum(compared(agreement(router)).get("edge", (0, 0))) - sum(before) < 20:
+        assert time.monotonic() < deadline, router.log_tail()
         time.sleep(0.1)
-    counted = {r: shadow(r) - before[r] for r in before}
-    assert sum(counted.values()) == 20, counted  # every comparison is agree or disagree
+    after = agreement(router)
+    assert set(compared(after)) == {"edge"}
+    agreed, disagreed = (a - b for a, b in zip(compared(after)["edge"], before, strict=True))
+    assert agreed + disagreed == 20, (agreed, disagreed)  # every shadow compared once
     # v1 and v2 both read digits well: they agree on most real images.
-    assert counted["agree"] >= 15, counted
+    assert agreed >= 15, (agreed, disagreed)
+    # Dashboards see the same counts (the exposition lists labels alphabetically).
+    for result, count in zip(("agree", "disagree"), compared(after)["edge"], strict=True):
+        assert metric(router, f'tiered_router_shadow_total{{model="digits",result="{result}",'
+                              f'tier="edge",version="2"}}') == count
+    # A version or model never shadowed is no error: it has no tiers.
+    assert not agreement(router, version="7").tiers
+    assert not agreement(router, model="nothing").tiers
+    # A restarted router (same --seed) reads as another instance, counting from zero.
+    assert after.instance == agreement(router).instance
+    with RouterProcess(table_path) as restarted:
+        fresh = agreement(restarted)
+    assert fresh.instance and fresh.instance != after.instance and not fresh.tiers
+
+
+def test_the_router_keeps_no_stats_of_its_own(router):
+    with grpc.insecure_channel(router.address) as channel, \
+            pytest.raises(grpc.RpcError) as caught:
+        tpb_grpc.TelemetryStub(channel).Stats(tpb.StatsRequest(), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_saturated_agents_answer_resource_exhausted_at_once(router, agents, table_path):

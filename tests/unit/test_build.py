@@ -19,21 +19,18 @@ from onnx import TensorProto
 from tiered import cli
 from tiered.engines import TensorSpec
 from tiered.engines import build as tier_build
-from tiered.engines.build import (
+from tiered.engines.build import BuildRequest, choose_settings, version_facts
+from tiered.engines.build.gate import (
     Agreement,
-    BuildRequest,
     LatencySummary,
-    choose_settings,
     compare_outputs,
-    install_version,
     judge,
-    load_samples,
-    random_samples,
-    sha256_file,
     summarize_latency,
-    version_facts,
 )
+from tiered.engines.build.install import install_version
+from tiered.engines.build.samples import load_samples, random_samples
 from tiered.errors import ConfigError, EngineError
+from tiered.files import sha256_file
 from tiered.models import zoo
 from tiered.profiles import load_profile
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import yaml
 
 from tiered.controller.desired import (
     ArtifactVersion,
@@ -18,9 +19,9 @@ from tiered.controller.desired import (
     version_of,
     wanted_versions,
 )
+from tiered.protocol.routing import dump_table, parse_table
 from tiered.rollout import engine
 from tiered.rollout.spec import Artifact, RolloutStatus, load_tiered_model
-from tiered.router.table import parse_table
 
 SHA_A, SHA_B, SHA_C = "aa" * 32, "bb" * 32, "cc" * 32
 NOW = 1000.0
@@ -189,16 +190,19 @@ def test_live_and_served_versions(current, is_live, served):
 
 
 def table(models, agents=ALL_AGENTS, version=7):
-    document = routing_table(version, models, same_agents(agents))
+    """The table as written (fields at their defaults left out) and as the
+    router reads it back, which must be the table made."""
+    made = routing_table(version, models, same_agents(agents))
+    document = yaml.safe_load(dump_table(made))
     parsed = parse_table(document)  # must always load
-    assert parsed.version == version
+    assert parsed == made and parsed.version == version
     return document, parsed
 
 
 def test_table_while_live_has_stage_weights_as_fractions():
     document, parsed = table([(SPEC, status(stage_index=1))])
     route = document["models"]["digits"]
-    assert route["policy"] == "slo-energy" and route["slo_ms"] == 50.0
+    assert parsed.models["digits"].policy == "slo-energy" and route["slo_ms"] == 50.0
     assert set(route["tiers"]) == {"edge", "regional"}  # datacenter not in spec
     assert route["tiers"]["edge"] == {"agents": [EDGE], "stable": 1, "canary": 2,
                                       "canary_weight": 0.5, "shadow_fraction": 0.1}
@@ -207,10 +211,10 @@ def test_table_while_live_has_stage_weights_as_fractions():
 
 
 def test_table_stage_zero_gives_unlisted_tier_zero_weight():
-    document, _ = table([(SPEC, status())])
+    document, parsed = table([(SPEC, status())])
     tiers = document["models"]["digits"]["tiers"]
     assert tiers["edge"]["canary_weight"] == 0.1
-    assert tiers["regional"]["canary_weight"] == 0.0
+    assert parsed.models["digits"].tiers["regional"].canary_weight == 0.0
     assert tiers["regional"]["canary"] == 2  # still routed: shadow traffic may go there
 
 
@@ -233,9 +237,8 @@ def test_table_without_live_rollout_has_only_stable(current):
 
 
 def test_table_shadow_zero_when_agreement_not_judged():
-    document, _ = table([(model(agreement=False), status())])
-    assert all(r["shadow_fraction"] == 0.0
-               for r in document["models"]["digits"]["tiers"].values())
+    _, parsed = table([(model(agreement=False), status())])
+    assert all(r.shadow_fraction == 0.0 for r in parsed.models["digits"].tiers.values())
 
 
 def test_table_shadow_uses_spec_fraction():
@@ -293,9 +296,8 @@ def test_table_cascade_tiers_filtered_to_routed_tiers():
 
 def test_table_cascade_with_every_tier_routed():
     spec = model(tiers=("edge", "regional", "datacenter"), routing=CASCADE)
-    document, _ = table([(spec, status())])
-    assert document["models"]["digits"]["cascade"]["tiers"] == [
-        "edge", "regional", "datacenter"]
+    _, parsed = table([(spec, status())])
+    assert parsed.models["digits"].cascade.tiers == ("edge", "regional", "datacenter")
 
 
 def test_table_cascade_with_none_of_its_tiers_up_routes_by_slo_energy():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiered.controller.judge import snapshot
+from tiered.controller.plan import make_snapshot
 from tiered.controller.progress import progress_line
 from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, load_tiered_model
 
@@ -26,7 +26,7 @@ def test_a_hold_names_what_keeps_the_analysis_from_passing():
         MetricResult("latency_p95", "Successful", "ok", tier="edge"),
         MetricResult("latency_p95", "Inconclusive", "too few samples", tier="regional"),
         MetricResult("agreement", "Inconclusive", "lower bound not yet >= 0.95")))
-    snap = snapshot(SPEC, live(run), "hold", "stage 2/2 'wide': analysis inconclusive", NUMBERS)
+    snap = make_snapshot(SPEC, live(run), "hold", "stage 2/2 'wide': analysis inconclusive", NUMBERS)
     assert snap["pending"] == ["latency_p95 on regional", "agreement"]
     line = progress_line(0.0, snap)
     assert "stage 2/2 wide" in line and "[edg 50% reg 50%]" in line
@@ -36,9 +36,9 @@ def test_a_hold_names_what_keeps_the_analysis_from_passing():
 def test_a_hold_with_a_passing_analysis_and_other_decisions_read_plainly():
     passing = AnalysisRun(5, "Successful", (MetricResult("latency_p95", "Successful", "ok",
                                                           tier="edge"),))
-    held = progress_line(0.0, snapshot(SPEC, live(passing), "hold", "too short", NUMBERS))
+    held = progress_line(0.0, make_snapshot(SPEC, live(passing), "hold", "too short", NUMBERS))
     assert held.endswith("| hold (Successful)")
-    advanced = progress_line(0.0, snapshot(SPEC, live(passing), "advance", "stage 1 passed",
+    advanced = progress_line(0.0, make_snapshot(SPEC, live(passing), "advance", "stage 1 passed",
                                            NUMBERS))
     assert advanced.endswith("| advance: stage 1 passed")
-    assert snapshot(SPEC, live(None), "hold", "no measurements yet")["pending"] == []
+    assert make_snapshot(SPEC, live(None), "hold", "no measurements yet")["pending"] == []

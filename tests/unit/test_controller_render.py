@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from tiered.controller import render
 from tiered.controller.desired import ArtifactVersion
+from tiered.controller.kube import render
+from tiered.protocol.verdict import BuildVerdict
 from tiered.rollout.spec import load_tiered_model
 
 SHA = "a" * 64
-REFUSED = ("tiered build: artifact: /models/in/digits.onnx has sha256 " + "b" * 64 +
+REFUSED = ("artifact: /models/in/digits.onnx has sha256 " + "b" * 64 +
            ", not the expected " + SHA + "; refusing to build it")
+VERDICT = BuildVerdict(built=False, model="digits", version=3, tier="edge", reason=REFUSED,
+                       installed=None, exit_code=2).to_json()
 
 
 def spec():
@@ -28,6 +31,8 @@ def test_the_build_reports_its_failure_through_its_logs():
     (build,) = workload()["spec"]["template"]["spec"]["initContainers"]
     assert build["name"] == render.BUILD_CONTAINER
     assert build["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert build["terminationMessagePath"] == render.TERMINATION_LOG
+    assert build["command"][-2:] == ["--termination-log", render.TERMINATION_LOG]
 
 
 def test_the_pod_selector_selects_the_workload_pods():
@@ -55,14 +60,17 @@ def terminated(code, message=None, reason="Error"):
     ([{"status": {}}], None),                                           # pending, no statuses
     ([pod(build_status({"running": {}}))], None),                       # still building
     ([pod(build_status(terminated(0, "", "Completed")))], None),        # built
-    ([pod(build_status(terminated(2, f"fetching\n{REFUSED}\n")))], REFUSED),  # last line
+    ([pod(build_status(terminated(2, VERDICT)))], REFUSED),            # the verdict file
+    ([pod(build_status(terminated(2, f"fetching\n{VERDICT}\n")))], REFUSED),  # logs' last
     ([pod(build_status({"waiting": {"reason": "CrashLoopBackOff"}},     # restarting: last state
-                       terminated(2, REFUSED)))], REFUSED),
+                       terminated(2, VERDICT)))], REFUSED),
     ([pod(build_status(terminated(137, reason="OOMKilled")))],          # no message
-     "the build exited with code 137 (OOMKilled)"),
+     "the build exited with code 137 (OOMKilled) and no verdict"),
+    ([pod(build_status(terminated(1, "Traceback ...\nMemoryError")))],  # no verdict in it
+     "the build exited with code 1 (Error) and no verdict"),
     ([pod(build_status(terminated(1, "other"), name="sidecar"))], None),  # not the build
     ([pod(build_status({"running": {}})),
-      pod(build_status(terminated(2, REFUSED)))], REFUSED),             # any pod of the set
+      pod(build_status(terminated(2, VERDICT)))], REFUSED),             # any pod of the set
 ])
 def test_build_failure(pods, failure):
     assert render.build_failure(pods) == failure

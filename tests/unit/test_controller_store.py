@@ -13,8 +13,8 @@ from tiered.controller.store import StateStore
 from tiered.errors import ConfigError, Conflict, NotFound
 
 SPEC = {"name": "digits", "artifact": {"uri": "/m/digits.onnx", "sha256": "ab" * 32}}
-STATUS = {"stable_version": 1, "phase": "Promoted"}
-ARTIFACTS = ({"version": 1, "uri": "/m/digits.onnx", "sha256": "ab" * 32},)
+STATUS = {"rollout": {"stable_version": 1, "phase": "Promoted"}, "message": "serving",
+          "artifacts": [{"version": 1, "uri": "/m/digits.onnx", "sha256": "ab" * 32}]}
 
 
 @pytest.fixture
@@ -28,8 +28,6 @@ def test_apply_creates_generation_one(store):
     assert (record.name, record.generation, record.revision) == ("digits", 1, 1)
     assert record.spec == SPEC
     assert record.status is None
-    assert record.artifacts == ()
-    assert record.message == ""
     assert (store.path.parent / "state.db").is_file()  # parent folder created
 
 
@@ -52,35 +50,27 @@ def test_changed_spec_bumps_generation_and_revision(store, changes):
 
 def test_spec_change_keeps_status(store):
     record = store.apply("digits", SPEC)
-    store.write_status("digits", record.revision, status=STATUS, artifacts=ARTIFACTS,
-                       message="ok")
+    store.write_status("digits", record.revision, status=STATUS)
     record = store.apply("digits", {**SPEC, "x": 1})
     assert record.status == STATUS
-    assert record.artifacts == ARTIFACTS
     assert (record.generation, record.revision) == (2, 3)
 
 
 def test_write_status_at_current_revision(store):
     record = store.apply("digits", SPEC)
-    written = store.write_status("digits", record.revision, status=STATUS,
-                                 artifacts=ARTIFACTS, message="serving")
+    written = store.write_status("digits", record.revision, status=STATUS)
     assert written.status == STATUS
-    assert written.artifacts == ARTIFACTS
-    assert written.message == "serving"
     assert written.revision == record.revision + 1
     assert written.generation == 1  # status writes never bump the generation
-    cleared = store.write_status("digits", written.revision, status=None, artifacts=(),
-                                 message="")
+    cleared = store.write_status("digits", written.revision, status=None)
     assert cleared.status is None and cleared.revision == record.revision + 2
 
 
 def test_write_status_with_stale_revision_conflicts_and_loses_nothing(store):
     record = store.apply("digits", SPEC)
-    current = store.write_status("digits", record.revision, status=STATUS,
-                                 artifacts=ARTIFACTS, message="first")
+    current = store.write_status("digits", record.revision, status=STATUS)
     with pytest.raises(Conflict, match=rf"changed since revision {record.revision}"):
-        store.write_status("digits", record.revision, status={"stable_version": 9},
-                           artifacts=(), message="stale")
+        store.write_status("digits", record.revision, status={"message": "stale"})
     after = store.get("digits")
     assert after == current
 
@@ -89,8 +79,7 @@ def test_stale_revision_after_spec_change_conflicts(store):
     record = store.apply("digits", SPEC)
     store.apply("digits", {**SPEC, "x": 1})
     with pytest.raises(Conflict):
-        store.write_status("digits", record.revision, status=STATUS, artifacts=(),
-                           message="")
+        store.write_status("digits", record.revision, status=STATUS)
     assert store.get("digits").status is None
 
 
@@ -106,7 +95,7 @@ def test_get_unknown_names_the_applied_ones(store):
 def test_write_status_and_delete_unknown_raise_not_found(store):
     store.apply("digits", SPEC)
     with pytest.raises(NotFound, match="'nope'"):
-        store.write_status("nope", 1, status=STATUS, artifacts=(), message="")
+        store.write_status("nope", 1, status=STATUS)
     with pytest.raises(NotFound, match="'nope'"):
         store.delete("nope")
     assert [r.name for r in store.list()] == ["digits"]
@@ -185,16 +174,14 @@ def test_two_stores_on_one_file_see_each_other(tmp_path):
     with StateStore(path) as one, StateStore(path) as two:
         created = one.apply("digits", SPEC)
         assert two.get("digits") == created
-        written = two.write_status("digits", created.revision, status=STATUS,
-                                   artifacts=ARTIFACTS, message="from two")
+        written = two.write_status("digits", created.revision, status=STATUS)
         assert one.get("digits") == written
         with pytest.raises(Conflict):  # one's copy is stale now
-            one.write_status("digits", created.revision, status=None, artifacts=(),
-                             message="from one")
+            one.write_status("digits", created.revision, status=None)
         two.record("digits", {"n": 1})
         assert [s for _, _, s in one.history("digits")] == [{"n": 1}]
     with StateStore(path) as reopened:  # and it all survives a restart
-        assert reopened.get("digits").message == "from two"
+        assert reopened.get("digits").status == STATUS
 
 
 def test_corrupt_file_gives_config_error_naming_it(tmp_path):

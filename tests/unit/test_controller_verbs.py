@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tiered.controller import verbs
-from tiered.controller.local import decode_status
+from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import (
     apply_file,
@@ -25,6 +25,7 @@ from tiered.rollout.spec import (
     AnalysisRun,
     MetricResult,
     RolloutStatus,
+    TieredModelStatus,
     load_tiered_model,
     to_plain,
 )
@@ -225,11 +226,11 @@ def test_read_documents_missing_file(base):
 
 
 def applied(store, name="digits", status=None, message=""):
+    """A stored model whose status has this rollout and message."""
     record = store.apply(name, flat(name))
     if status is not None or message:
-        record = store.write_status(name, record.revision,
-                                    status=None if status is None else to_plain(status),
-                                    artifacts=(), message=message)
+        written = TieredModelStatus(rollout=status, message=message)
+        record = store.write_status(name, record.revision, status=to_plain(written))
     return record
 
 
@@ -285,15 +286,16 @@ def after(store, record, decision, action):
     """The stored status is the decision's; one snapshot was recorded."""
     now = store.get("digits")
     assert now.revision == record.revision + 1
-    assert decode_status(now) == decision.status
-    assert now.message == decision.reason
-    assert now.artifacts == record.artifacts
+    status = decode_status("digits", now.status)
+    assert status.rollout == decision.status
+    assert status.message == decision.reason
+    assert status.artifacts == decode_status("digits", record.status).artifacts
     history = store.history("digits")
     assert len(history) == 1
     snap = history[0][2]
     assert (snap["action"], snap["phase"], snap["reason"]) == (
         action, decision.status.phase, decision.reason)
-    return decode_status(now)
+    return status.rollout
 
 
 @pytest.mark.parametrize(("verb", "paused", "full", "action", "phase", "stage", "stable"), [
@@ -317,14 +319,14 @@ def test_rollout_verb(store, verb, paused, full, action, phase, stage, stable):
 def test_resume_restarts_stage_clock(store):
     live(store, paused=True)
     rollout_verb(store, "digits", "resume", now=clock)
-    assert decode_status(store.get("digits")).stage_started_at == clock()
+    assert decode_status("digits", store.get("digits").status).rollout.stage_started_at == clock()
 
 
 def test_promote_full_says_so(store):
     live(store)
     decision = rollout_verb(store, "digits", "promote", full=True, now=clock)
     assert decision.reason == "promoted version 2 by hand (full)"
-    assert decode_status(store.get("digits")).canary_version is None
+    assert decode_status("digits", store.get("digits").status).rollout.canary_version is None
 
 
 def test_promote_twice_reaches_promoted(store):
@@ -370,14 +372,14 @@ def test_verb_retries_after_a_conflicting_write(store, monkeypatch):
         calls.append(revision)
         if len(calls) == 1:  # the controller writes between our read and our write
             current = store.get(name)
-            real(name, current.revision, status=current.status, artifacts=current.artifacts,
-                 message="controller pass")
+            real(name, current.revision, status={**current.status,
+                                                 "message": "controller pass"})
         return real(name, revision, **kwargs)
 
     monkeypatch.setattr(store, "write_status", controller_wrote_first)
     decision = rollout_verb(store, "digits", "pause", now=clock)
     assert calls == [2, 3]  # re-read after the conflict
-    assert decode_status(store.get("digits")).phase == "Paused"
+    assert decode_status("digits", store.get("digits").status).rollout.phase == "Paused"
     assert decision.status.phase == "Paused"
     assert len(store.history("digits")) == 1
 

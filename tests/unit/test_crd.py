@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -25,9 +26,14 @@ def test_the_crd_has_a_status_subresource_and_printer_columns():
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     for column in crd.PRINTER_COLUMNS:  # every column names a field the schema has
         node = {"properties": {"status": {"properties": status}}}
-        for part in column[2].strip(".").split("."):
-            node = node["properties"][part]
+        for part in re.split(r"\.(?![^\[]*\])", column[2].strip(".")):  # not in [...]
+            name, _, selector = part.partition("[")
+            node = node["properties"][name]
+            if selector:  # a list filtered by one of its fields: the items' schema
+                assert selector.startswith("?(@.") and node["type"] == "array", column
+                node = node["items"]
         assert node["type"] == column[1], column
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
 
 
 def test_the_file_is_yaml_of_one_crd():

@@ -7,8 +7,9 @@ import pytest
 from tiered.errors import InvalidArgument
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import telemetry_pb2 as tpb
-from tiered.router.observations import Observer, histogram_quantile, telemetry_of
-from tiered.router.server import read_hints
+from tiered.protocol.telemetry_messages import histogram_quantile
+from tiered.router.hints import deadline, read_hints
+from tiered.router.observations import Observer, telemetry_of
 
 
 class Clock:
@@ -88,3 +89,13 @@ def test_hints_from_parameters_win_over_metadata():
 def test_a_bad_slo_hint_is_invalid_argument(slo):
     with pytest.raises(InvalidArgument, match="tiered-slo-ms"):
         read_hints("m", {}, [("tiered-slo-ms", slo)])
+
+
+def test_the_deadline_is_the_earliest_of_table_grpc_and_timeout_parameter():
+    request = pb.ModelInferRequest(model_name="m")
+    assert deadline(request.parameters, None, 30.0, now=100.0) == 130.0
+    assert deadline(request.parameters, 2.0, 30.0, now=100.0) == 102.0
+    request.parameters["timeout"].int64_param = 500_000  # Triton's: microseconds
+    assert deadline(request.parameters, 2.0, 30.0, now=100.0) == 100.5
+    request.parameters["timeout"].string_param = "soon"  # not a timeout: ignored
+    assert deadline(request.parameters, None, 30.0, now=100.0) == 130.0

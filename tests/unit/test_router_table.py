@@ -1,13 +1,24 @@
-"""The routing table document: strict loading, errors that name the field."""
+"""The routing table document: strict loading, errors that name the field, and
+writing it back (what the controller writes is what the router reads)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import yaml
 
 from tiered.errors import ConfigError
-from tiered.router.table import load_table, parse_table
+from tiered.protocol.routing import (
+    CascadeSettings,
+    ModelRoute,
+    RoutingTable,
+    TierRoute,
+    dump_table,
+    load_table,
+    parse_table,
+    table_document,
+)
 
 
 def table(**model) -> dict:
@@ -106,3 +117,44 @@ def test_canary_agents_serve_the_canary_version_only():
 def test_bad_canary_agents_are_refused(fields, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_table(tier(**fields))
+
+
+def full_table() -> RoutingTable:
+    """Every optional part set: canary, its own agents, shadowing, a cascade."""
+    return RoutingTable(version=9, timeout_s=5.0, models={
+        "digits": ModelRoute(
+            policy="cascade", slo_ms=20.0, failover_attempts=2, max_in_flight=8,
+            cascade=CascadeSettings(tiers=("edge", "datacenter"), threshold=0.8,
+                                    output="logits"),
+            tiers={
+                "edge": TierRoute(agents=("10.0.0.1:8001", "10.0.0.2:8001"), stable=1,
+                                  canary=2, canary_weight=0.05, shadow_fraction=0.1,
+                                  canary_agents=("10.0.0.9:8001",)),
+                "datacenter": TierRoute(agents=("10.0.0.3:8001",), stable=1),
+            }),
+        "plain": ModelRoute(tiers={"regional": TierRoute(agents=("10.0.0.4:8001",))}),
+    })
+
+
+def test_a_written_table_reads_back_equal():
+    table = full_table()
+    assert parse_table(table_document(table)) == table
+    assert parse_table(yaml.safe_load(dump_table(table))) == table
+
+
+def test_the_written_document_leaves_defaults_out():
+    document = table_document(full_table())
+    assert document["models"]["plain"] == {"tiers": {"regional": {"agents": ["10.0.0.4:8001"]}}}
+    assert document["models"]["digits"]["tiers"]["datacenter"] == {
+        "agents": ["10.0.0.3:8001"], "stable": 1}
+    assert document["version"] == 9 and document["timeout_s"] == 5.0
+
+
+def test_a_table_built_in_code_takes_lists_and_checks_itself():
+    route = TierRoute(agents=["10.0.0.1:8001"], canary=2, canary_agents=["10.0.0.9:8001"])
+    assert route.agents == ("10.0.0.1:8001",) and route.canary_agents == ("10.0.0.9:8001",)
+    assert CascadeSettings(tiers=["edge"]).tiers == ("edge",)
+    with pytest.raises(ConfigError, match="agents: expected a list, got str"):
+        TierRoute(agents="10.0.0.1:8001")
+    with pytest.raises(ConfigError, match="canary_weight: is above 0 but no canary"):
+        TierRoute(agents=("10.0.0.1:8001",), canary_weight=0.5)

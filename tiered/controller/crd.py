@@ -20,6 +20,8 @@ CRD_FILE = f"{CRD_NAME}.yaml"
 HEADER = "# Made by `tiered crds` from tiered/rollout/spec.py; do not edit.\n"
 
 PRINTER_COLUMNS = (
+    ("Ready", "string", '.status.conditions[?(@.type=="Ready")].status',
+     "whether a version serves"),
     ("Phase", "string", ".status.rollout.phase", "where the rollout stands"),
     ("Stage", "string", ".status.stage", "the live stage"),
     ("Stable", "integer", ".status.rollout.stable_version", "version serving the rest"),

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tiered.profiles import TIERS
+from tiered.protocol import routing
 from tiered.rollout import engine
 from tiered.rollout.spec import Artifact, ArtifactVersion, RolloutStatus, TieredModel
 
@@ -45,12 +45,6 @@ def build_args(spec: TieredModel, tier: str, artifact: ArtifactVersion,
         if value:
             args += [flag, value]
     return args
-
-
-def last_word(output: str) -> str | None:
-    """The last non-empty line `tiered build` wrote: its verdict, or why it refused."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    return lines[-1] if lines else None
 
 
 @dataclass(frozen=True)
@@ -136,39 +130,50 @@ def wanted_versions(status: RolloutStatus | None, target: int) -> tuple[int, ...
 
 
 def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatus]],
-                  agents_of: AgentsOf) -> dict[str, Any]:
-    """The routing table document (see tiered.router.table) for these models,
-    with each tier's canary weight from the rollout's current stage. Where the
-    canary runs on other agents than stable (Kubernetes: a Deployment per
-    version), the tier lists them as `canary_agents`."""
-    table: dict[str, Any] = {}
+                  agents_of: AgentsOf) -> routing.RoutingTable:
+    """The router's table for these models (`tiered.protocol.routing`, the
+    schema the router reads with), each tier's canary weight from the
+    rollout's current stage. Where the canary runs on other agents than
+    stable (Kubernetes: a Deployment per version), the tier lists them as
+    `canary_agents`."""
+    table: dict[str, routing.ModelRoute] = {}
     for spec, status in models:
         weights = engine.canary_weights(spec, status)
         shadow = (spec.rollout.shadow_fraction
                   if live(status) and spec.rollout.analysis.agreement is not None else 0.0)
-        tiers: dict[str, Any] = {}
+        tiers: dict[str, routing.TierRoute] = {}
         for tier in TIERS:
-            stable_agents = list(agents_of(spec, tier, status.stable_version))
+            stable_agents = tuple(agents_of(spec, tier, status.stable_version))
             if tier not in spec.tiers or not stable_agents:
                 continue
-            route: dict[str, Any] = {"agents": stable_agents, "stable": status.stable_version}
-            if live(status):
-                route.update(canary=status.canary_version,
-                             canary_weight=round(weights[tier] / 100.0, 6),
-                             shadow_fraction=shadow)
-                canary_agents = list(agents_of(spec, tier, status.canary_version))
-                if canary_agents != stable_agents:
-                    route["canary_agents"] = canary_agents
-            tiers[tier] = route
+            if not live(status):
+                tiers[tier] = routing.TierRoute(stable_agents, status.stable_version)
+                continue
+            canary_agents = tuple(agents_of(spec, tier, status.canary_version))
+            tiers[tier] = routing.TierRoute(
+                stable_agents, status.stable_version, canary=status.canary_version,
+                canary_weight=round(weights[tier] / 100.0, 6), shadow_fraction=shadow,
+                canary_agents=canary_agents if canary_agents != stable_agents else ())
         if not tiers:
             continue
         cascade = spec.routing.cascade
-        cascade_tiers = [t for t in cascade.tiers if t in tiers]
+        cascade_tiers = tuple(t for t in cascade.tiers if t in tiers)
         # A cascade with none of its tiers up routes like slo-energy until one is.
-        policy = spec.routing.policy if cascade_tiers else "slo-energy"
-        route = {"policy": policy, "slo_ms": spec.routing.slo_ms, "tiers": tiers}
-        if cascade_tiers:
-            route["cascade"] = {"tiers": cascade_tiers, "threshold": cascade.threshold,
-                                "output": cascade.output}
-        table[spec.name] = route
-    return {"version": version, "models": table}
+        table[spec.name] = routing.ModelRoute(
+            tiers, policy=spec.routing.policy if cascade_tiers else "slo-energy",
+            slo_ms=spec.routing.slo_ms,
+            cascade=routing.CascadeSettings(cascade_tiers, cascade.threshold, cascade.output)
+            if cascade_tiers else routing.CascadeSettings())
+    return routing.RoutingTable(version, table)
+
+
+def next_table(previous: routing.RoutingTable | None,
+               models: Sequence[tuple[TieredModel, RolloutStatus]],
+               agents_of: AgentsOf) -> routing.RoutingTable | None:
+    """The table to write after `previous`, numbered one on; None when its
+    routes are the same (no write, no new version)."""
+    version = previous.version if previous is not None else 0
+    table = routing_table(version + 1, models, agents_of)
+    if previous is not None and table.models == previous.models:
+        return None
+    return table

@@ -1,22 +1,20 @@
-"""The local backend: the controller loop over processes on this machine.
+"""The local backend: the Reconciler's adapter for processes on this machine.
 
 `tiered up` starts one agent per tier, the router and this controller as
 child processes (see `tiered.controller.up`) and writes their addresses into
-the state directory. The controller reconciles every applied TieredModel, level-based:
-each pass reads spec and status from the store, and
+the state directory. Every pass reconciles each applied TieredModel with the
+one Reconciler both backends share (`tiered.controller.reconciler`); this
+module only observes and applies:
 
-1. numbers the spec's artifact (a new digest is a new version);
-2. builds each served version for each tier into that tier's model
-   repository with `tiered build` in a process of its own, as the Kubernetes
-   init container does (the artifact is checked against its sha256 first);
-3. follows the spec (first version serves at once, a new one starts a
-   rollout, going back aborts it) and, while a rollout is live, judges it
-   with the rollout engine from the agents' Telemetry.Stats and the router's
-   shadow counters;
-4. writes the status back (refused when a CLI verb wrote in between: the next
-   pass re-reads), the routing table with the stage's weights, and the
-   versions each agent serves; versions leave the agents only after the
-   router has had time to read a table without them.
+- a wanted version is built for each tier into that tier's model repository
+  with `tiered build` in a process of its own, as the Kubernetes init
+  container does (the artifact is checked against its sha256 first); it is
+  Ready once built, Refused with the build's verdict;
+- the versions the plan keeps are loaded into each tier's agent (the
+  repository's config.yaml names them, so a restarted controller knows what
+  is loaded); a retired version is dropped from it;
+- status and history live in the SQLite store, the routing table in a file
+  the router re-reads.
 
 All progress lives in the store, so a restarted controller resumes the stage
 where it was; only the stage's samples start afresh (the stage clock does not).
@@ -24,7 +22,6 @@ where it was; only the stage's samples start afresh (the stage clock does not).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -35,29 +32,28 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import yaml
 
-from tiered.controller import desired
-from tiered.controller.judge import RolloutJudge, snapshot
-from tiered.controller.store import Record, StateStore
-from tiered.errors import Conflict, TieredError
+from tiered.controller import desired, plan
+from tiered.controller.judge import RolloutJudge
+from tiered.controller.reconciler import Reconciler, Stored, routed
+from tiered.controller.store import StateStore
+from tiered.errors import ConfigError, Conflict, NotFound, TieredError
 from tiered.files import write_atomically
 from tiered.profiles import TIERS
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol import routing
 from tiered.protocol.security import ChannelCache
-from tiered.rollout import engine
-from tiered.rollout.spec import RolloutStatus, TieredModel, load_tiered_model, to_plain
-from tiered.settings import load_dataclass
+from tiered.protocol.verdict import read_verdict
+from tiered.rollout.spec import ArtifactVersion, RolloutStatus, TieredModel, to_plain
 
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 120.0
 BUILD_TIMEOUT_S = 600.0  # one tier build of one version
-TABLE_GRACE_S = 3.0  # the router re-reads its table every second; leave it three
 
 
 @dataclass(frozen=True)
@@ -113,8 +109,7 @@ class RunningSystem:
     """What `tiered up` started: agent addresses per tier, the router's."""
 
     agents: Mapping[str, tuple[str, ...]]
-    router: str
-    router_metrics: str | None = None  # http://host:port/metrics
+    router: str  # its gRPC address: routes, and the canary's shadow agreement
 
     @staticmethod
     def read(path: Path) -> RunningSystem | None:
@@ -123,19 +118,12 @@ class RunningSystem:
         except FileNotFoundError:
             return None
         return RunningSystem({t: tuple(a) for t, a in data["agents"].items()},
-                             data["router"], data.get("router_metrics"))
+                             data["router"])
 
     def write(self, path: Path) -> None:
         write_atomically(path, json.dumps({"agents": {t: list(a) for t, a in
                                                       self.agents.items()},
-                                           "router": self.router,
-                                           "router_metrics": self.router_metrics}, indent=2))
-
-
-def decode_status(record: Record) -> RolloutStatus | None:
-    if record.status is None:
-        return None
-    return load_dataclass(RolloutStatus, record.status, f"{record.name} status")
+                                           "router": self.router}, indent=2))
 
 
 def _file_stamp(uri: str) -> tuple[int, int] | None:
@@ -148,169 +136,113 @@ def _file_stamp(uri: str) -> tuple[int, int] | None:
     return stat.st_size, stat.st_mtime_ns
 
 
-def decode_artifacts(record: Record) -> tuple[desired.ArtifactVersion, ...]:
-    return tuple(desired.ArtifactVersion(a["version"], a["uri"], a["sha256"])
-                 for a in record.artifacts)
+class LocalBackend:
+    """Observes and applies for the Reconciler: builds, agents, store, table file."""
 
-
-class LocalController:
-    """Reconciles every model in the store against the running local system."""
-
-    def __init__(self, state_dir: Path, *, interval_s: float = 2.0,
-                 clock: Callable[[], float] = time.time, seed: int = 0,
-                 progress: Callable[[str], None] | None = None) -> None:
-        self.layout = StateLayout(Path(state_dir))
-        self.store = StateStore(self.layout.store)
-        self.interval_s = interval_s
-        self.clock = clock
-        self.progress = progress or (lambda line: log.info("%s", line))
-        self._channel = ChannelCache()  # loopback agents run --insecure
-        self.judge = RolloutJudge(self._channel, seed)
+    def __init__(self, layout: StateLayout, store: StateStore,
+                 channel: Callable[[str], grpc.Channel],
+                 progress: Callable[[str], None]) -> None:
+        self.layout = layout
+        self.store = store
+        self.channel = channel
+        self.progress = progress
+        self.system = RunningSystem({}, "")  # read afresh every pass
         # (model, version, tier) -> (the artifact file's stamp then, why refused)
         self._refused: dict[tuple[str, int, str], tuple[tuple[int, int] | None, str]] = {}
-        self._served: dict[tuple[str, str], tuple[int, ...]] = {}  # (tier, model) -> versions
-        self._table: dict[str, Any] | None = None
-        self._table_models: dict[str, set[int]] = {}  # versions each model had in the table
-        self._table_written_at = 0.0
 
-    def close(self) -> None:
-        self._channel.close()
-        self.store.close()
+    def read(self, name: str) -> Stored | None:
+        try:
+            record = self.store.get(name)
+        except NotFound:
+            return None
+        return Stored(name, record.spec, record.status, record.generation, record.revision)
 
-    # -- the loop ---------------------------------------------------------------
+    def finalize(self, stored: Stored) -> None:
+        """Nothing to do: `tiered delete` removes the record, the table follows."""
 
-    def run(self, stop: threading.Event) -> None:
-        self.progress(f"controller: state in {self.layout.root}, every {self.interval_s:g} s")
-        while not stop.is_set():
-            try:
-                self.reconcile_all()
-            except TieredError as error:
-                self.progress(f"controller: {error}")
-            except grpc.RpcError as error:
-                self.progress(f"controller: an agent did not answer: {error.code().name} "
-                              f"{error.details()}")
-            stop.wait(self.interval_s)
-
-    def reconcile_all(self) -> None:
-        system = RunningSystem.read(self.layout.system)
-        if system is None:
-            raise TieredError(f"no running system in {self.layout.system}: start `tiered up`")
-        models: list[tuple[TieredModel, RolloutStatus]] = []
-        for record in self.store.list():
-            try:
-                result = self.reconcile(record, system)
-            except Conflict as error:
-                self.progress(f"{record.name}: {error}")  # a verb wrote first: next pass
-                continue
-            except TieredError as error:
-                self._note(record, f"error: {error}")
-                continue
-            if result is not None:
-                models.append(result)
-        for spec, status in models:  # new versions load before the table names them
-            self._serve(spec, status, system)
-        self._write_table(models, system)
-
-    def reconcile(self, record: Record, system: RunningSystem
-                  ) -> tuple[TieredModel, RolloutStatus] | None:
-        spec = load_tiered_model(record.spec, record.name)
-        status = decode_status(record)
-        target, artifacts = desired.version_of(spec.artifact, decode_artifacts(record))
-        wanted = desired.wanted_versions(status, target)
-        missing = self._build(spec, artifacts, wanted)
-        if missing:
-            self._write(record, status, artifacts, missing)
-            return (spec, status) if status is not None else None
-        now = self.clock()
-        transition = desired.follow_spec(spec, status, target, now)
-        if transition is not None:
-            status = transition.status
-            self.store.record(spec.name, snapshot(spec, status, transition.action,
-                                                  transition.reason), now)
-            self.progress(f"{spec.name}: {transition.reason}")
-        if desired.live(status):
-            decision, numbers = self.judge.judge(spec, status, system.agents,
-                                                 system.router_metrics, now)
-            status = decision.status
-            self.store.record(spec.name, snapshot(spec, status, decision.action,
-                                                  decision.reason, numbers), now)
-            if decision.action != engine.HOLD:
-                self.progress(f"{spec.name}: {decision.action}: {decision.reason}")
-        else:
-            self.judge.forget(spec.name)
-        self._write(record, status, artifacts, status.message)
-        return spec, status
-
-    # -- acting -----------------------------------------------------------------
-
-    def _build(self, spec: TieredModel, artifacts: Sequence[desired.ArtifactVersion],
-               versions: Sequence[int]) -> str:
-        """Build what is missing; '' when every version is in every tier's
-        repository, else why not. A refused build is tried again only once its
+    def prepare(self, spec: TieredModel, wanted: plan.Versions
+                ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
+        """Build what is missing: a version is Ready on a tier once it is in the
+        tier's repository. A refused build is tried again only once its
         artifact file has changed (a build's verdict on the same bytes stands)."""
-        by_version = {a.version: a for a in artifacts}
-        for version in versions:
-            for tier in (t for t in TIERS if t in spec.tiers):
-                key, artifact = (spec.name, version, tier), by_version[version]
-                stamp = _file_stamp(artifact.uri)
-                if key in self._refused and self._refused[key][0] == stamp:
-                    return self._refused[key][1]
-                repository = self.layout.repository(tier)
-                if (repository / spec.name / str(version)).is_dir():
-                    continue
-                self.progress(f"{spec.name}: building version {version} for {tier}")
-                started = time.monotonic()
-                built, said = self._build_one(spec, tier, artifact, repository)
-                if not built:
-                    why = f"version {version} refused on {tier}: {said}"
-                    self._refused[key] = (stamp, why)
-                    return why
-                self.progress(f"{spec.name}: built version {version} for {tier} in "
-                              f"{time.monotonic() - started:.1f} s: {said}")
-        return ""
+        by_version = {a.version: a for a in wanted.artifacts}
+        states: dict[tuple[str, int], plan.VersionState] = {}
+        for version in wanted.wanted:
+            for tier in self._tiers(spec):
+                states[(tier, version)] = self._built(spec, tier, by_version[version])
+        present = frozenset(v for tier in self._tiers(spec)
+                            for v in self._loaded(spec.name, tier))
+        return states, present
 
-    def _build_one(self, spec: TieredModel, tier: str, artifact: desired.ArtifactVersion,
+    def _built(self, spec: TieredModel, tier: str, artifact: ArtifactVersion
+               ) -> plan.VersionState:
+        key = (spec.name, artifact.version, tier)
+        stamp = _file_stamp(artifact.uri)
+        if key in self._refused and self._refused[key][0] == stamp:
+            return plan.VersionState(plan.REFUSED, self._refused[key][1])
+        repository = self.layout.repository(tier)
+        if (repository / spec.name / str(artifact.version)).is_dir():
+            return plan.VersionState(plan.READY)
+        self.progress(f"{spec.name}: building version {artifact.version} for {tier}")
+        started = time.monotonic()
+        built, said = self._build_one(spec, tier, artifact, repository)
+        if not built:
+            self._refused[key] = (stamp, said)
+            return plan.VersionState(plan.REFUSED, said)
+        self.progress(f"{spec.name}: built version {artifact.version} for {tier} in "
+                      f"{time.monotonic() - started:.1f} s: {said}")
+        return plan.VersionState(plan.READY)
+
+    def _build_one(self, spec: TieredModel, tier: str, artifact: ArtifactVersion,
                    repository: Path) -> tuple[bool, str]:
         """`tiered build` in a process of its own, as on Kubernetes: whether it
-        wrote the version, and its last word (the verdict, or why not)."""
+        wrote the version, and its verdict's reason (the gate's, or why not)."""
         command = [sys.executable, "-m", "tiered",
                    *desired.build_args(spec, tier, artifact, str(repository)), "--force"]
         try:
             done = subprocess.run(command, capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
-            return False, f"tiered build: did not finish in {BUILD_TIMEOUT_S:g} s"
-        said = desired.last_word(done.stderr) or f"tiered build: exit code {done.returncode}"
-        if done.returncode != 0:
+            return False, f"tiered build did not finish in {BUILD_TIMEOUT_S:g} s"
+        verdict = read_verdict(done.stderr)
+        if verdict is None or not verdict.built:
             log.warning("%s: %s", " ".join(command), done.stderr.strip())
-            return False, said
-        # "tiered build: wrote DIR. VERDICT": the verdict is what progress shows
-        return True, said.removeprefix("tiered build: wrote ").partition(". ")[2] or said
+        if verdict is None:
+            return False, f"tiered build exited with code {done.returncode} and no verdict"
+        return verdict.built, verdict.reason
 
-    def _serve(self, spec: TieredModel, status: RolloutStatus, system: RunningSystem) -> None:
-        """Make each tier's agents serve the wanted versions (plus, for a grace
-        period, those the router's table had until just now)."""
-        wanted = set(desired.served_versions(status))
-        if time.monotonic() - self._table_written_at < TABLE_GRACE_S:
-            wanted |= self._table_models.get(spec.name, set())
-        if self._table is not None:  # what the table names now, until a new one replaces it
-            route = (self._table.get("models") or {}).get(spec.name)
-            wanted |= _table_versions(route)
-        for tier in (t for t in TIERS if t in spec.tiers):
+    def agents(self, spec: TieredModel, rollout: RolloutStatus) -> Mapping[str, Sequence[str]]:
+        return {tier: self.system.agents.get(tier, ()) for tier in self._tiers(spec)}
+
+    def agreement_source(self) -> str | None:
+        return self.system.router
+
+    def apply(self, spec: TieredModel, made: plan.Plan) -> None:
+        """Each tier's agents serve the versions kept that are built there."""
+        for tier in self._tiers(spec):
             repository = self.layout.repository(tier)
-            versions = tuple(sorted(v for v in wanted
-                                    if (repository / spec.name / str(v)).is_dir()))
-            if not versions or self._served.get((tier, spec.name)) == versions:
+            versions = tuple(v for v in made.keep
+                             if (repository / spec.name / str(v)).is_dir())
+            if not versions or self._loaded(spec.name, tier) == versions:
                 continue
             self._write_config(spec, tier, repository, versions)
-            for agent in system.agents.get(tier, ()):
-                stub = pb_grpc.GRPCInferenceServiceStub(self._channel(agent))
+            for agent in self.system.agents.get(tier, ()):
+                stub = pb_grpc.GRPCInferenceServiceStub(self.channel(agent))
                 stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=spec.name),
                                          timeout=LOAD_TIMEOUT_S, metadata=self._admin())
-            self._served[(tier, spec.name)] = versions
             self.progress(f"{spec.name}: {tier} serves version"
                           f"{'s' if len(versions) > 1 else ''} "
                           f"{', '.join(map(str, versions))}")
+
+    def _loaded(self, model: str, tier: str) -> tuple[int, ...]:
+        """The versions the tier's repository config names (what its agent loads)."""
+        try:
+            config = yaml.safe_load((self.layout.repository(tier) / model /
+                                     "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return ()
+        specific = (config.get("version_policy") or {}).get("specific") or ()
+        return tuple(sorted(int(v) for v in specific))
 
     def _write_config(self, spec: TieredModel, tier: str, repository: Path,
                       versions: tuple[int, ...]) -> None:
@@ -323,50 +255,77 @@ class LocalController:
                                       "max_queue_delay_us": batching.max_queue_delay_us}
         write_atomically(path, yaml.safe_dump(config, sort_keys=False))
 
-    def _write_table(self, models: Sequence[tuple[TieredModel, RolloutStatus]],
-                     system: RunningSystem) -> None:
-        if self._table is None and self.layout.routing_table.is_file():
-            self._table = yaml.safe_load(self.layout.routing_table.read_text()) or {}
-        previous = self._table or {"version": 0, "models": {}}
-        table = desired.routing_table(previous.get("version", 0), models,
-                                      desired.same_agents(system.agents))
-        if table["models"] == previous.get("models"):
-            return
-        table["version"] = previous.get("version", 0) + 1
-        write_atomically(self.layout.routing_table, yaml.safe_dump(table, sort_keys=False))
-        self._table = table
-        self._table_written_at = time.monotonic()
-        for name, route in (previous.get("models") or {}).items():
-            self._table_models[name] = _table_versions(route)
+    def write_status(self, stored: Stored, status) -> None:
+        self.store.write_status(stored.name, stored.revision, status=to_plain(status))
 
-    def _write(self, record: Record, status: RolloutStatus | None,
-               artifacts: Sequence[desired.ArtifactVersion], message: str) -> None:
-        plain = None if status is None else to_plain(status)
-        plain_artifacts = tuple(dataclasses.asdict(a) for a in artifacts)
-        if (plain, plain_artifacts, message) == (record.status, record.artifacts,
-                                                 record.message):
-            return
-        self.store.write_status(record.name, record.revision, status=plain,
-                                artifacts=plain_artifacts, message=message)
+    def record(self, spec: TieredModel, made: plan.Plan, now: float) -> None:
+        if made.snapshot is not None:
+            self.store.record(spec.name, made.snapshot, now)
 
-    def _note(self, record: Record, message: str) -> None:
-        if message != record.message:
-            self.progress(f"{record.name}: {message}")
-            try:
-                self.store.write_status(record.name, record.revision, status=record.status,
-                                        artifacts=record.artifacts, message=message)
-            except Conflict:
-                pass
+    def write_routing(self) -> None:
+        models = routed(Stored(r.name, r.spec, r.status, r.generation)
+                        for r in self.store.list())
+        path = self.layout.routing_table
+        try:
+            previous = routing.load_table(path) if path.is_file() else None
+        except ConfigError:
+            previous = None  # a table we cannot read is replaced
+        table = desired.next_table(previous, models, desired.same_agents(self.system.agents))
+        if table is not None:
+            write_atomically(path, routing.dump_table(table))
 
     def _admin(self) -> tuple[tuple[str, str], ...]:
         token = self.layout.admin_token.read_text().strip()
         return (("authorization", f"Bearer {token}"),)
 
+    @staticmethod
+    def _tiers(spec: TieredModel) -> list[str]:
+        return [tier for tier in TIERS if tier in spec.tiers]
 
 
-def _table_versions(route: Mapping[str, Any] | None) -> set[int]:
-    """The versions one model's routing-table entry sends traffic to."""
-    if not route:
-        return set()
-    return {v for tier in route["tiers"].values()
-            for v in (tier.get("stable"), tier.get("canary")) if v}
+class LocalController:
+    """Reconciles every model in the store against the running local system."""
+
+    def __init__(self, state_dir: Path, *, interval_s: float = 2.0,
+                 clock: Callable[[], float] = time.time, seed: int = 0,
+                 retire_grace_s: float = plan.RETIRE_GRACE_S,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.layout = StateLayout(Path(state_dir))
+        self.store = StateStore(self.layout.store)
+        self.interval_s = interval_s
+        self.progress = progress or (lambda line: log.info("%s", line))
+        self._channel = ChannelCache()  # loopback agents run --insecure
+        self.backend = LocalBackend(self.layout, self.store, self._channel, self.progress)
+        self.reconciler = Reconciler(self.backend, RolloutJudge(self._channel, seed),
+                                     clock=clock, progress=self.progress,
+                                     retire_grace_s=retire_grace_s)
+
+    def close(self) -> None:
+        self._channel.close()
+        self.store.close()
+
+    def run(self, stop: threading.Event) -> None:
+        self.progress(f"controller: state in {self.layout.root}, every {self.interval_s:g} s")
+        while not stop.is_set():
+            try:
+                self.reconcile_all()
+            except TieredError as error:
+                self.progress(f"controller: {error}")
+            stop.wait(self.interval_s)
+
+    def reconcile_all(self) -> None:
+        system = RunningSystem.read(self.layout.system)
+        if system is None:
+            raise TieredError(f"no running system in {self.layout.system}: start `tiered up`")
+        self.backend.system = system
+        for record in self.store.list():
+            try:
+                self.reconciler.reconcile(record.name)
+            except Conflict as error:
+                self.progress(f"{record.name}: {error}")  # a verb wrote first: next pass
+            except TieredError as error:
+                self.progress(f"{record.name}: error: {error}")
+            except grpc.RpcError as error:
+                self.progress(f"{record.name}: an agent did not answer: "
+                              f"{error.code().name} {error.details()}")
+        self.backend.write_routing()  # also when no model is left

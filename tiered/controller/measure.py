@@ -107,8 +107,15 @@ class StageAccumulator:
             series.latencies_ms[slot] = value
 
     def set_shadow(self, counts: Mapping[tuple[str, str], float]) -> None:
-        """The router's cumulative (tier, result) counts for this canary version."""
-        self._shadow = dict(counts)
+        """The router's cumulative (tier, result) counts for this canary version
+        (an unreadable router, no counts, keeps the last)."""
+        if counts:
+            self._shadow = dict(counts)
+
+    def restart_shadow(self) -> None:
+        """The router restarted: its counts start again from zero, and what it
+        counted before is lost to this stage."""
+        self._shadow_baseline, self._shadow = {}, {}
 
     def measurements(self, stable_version: int, tiers: Iterable[str],
                      window: int | None = None) -> Measurements:

@@ -1,8 +1,8 @@
 """The local backend's state store: one SQLite file, written in transactions.
 
 Holds what Kubernetes would hold for the cluster backend: each TieredModel's
-spec (with a generation that bumps only when the spec changes), its status
-and the artifact versions seen, under a revision that bumps on every write so
+spec (with a generation that bumps only when the spec changes) and its status
+(the same `TieredModelStatus` as on Kubernetes), under a revision that bumps on every write so
 that a stale write is refused (`Conflict`) instead of lost, as a
 resourceVersion does. A bounded history of rollout snapshots feeds
 `tiered rollout status` and the report. Everything a restarted controller
@@ -31,8 +31,6 @@ CREATE TABLE IF NOT EXISTS models (
     spec        TEXT NOT NULL,
     generation  INTEGER NOT NULL,
     status      TEXT,
-    artifacts   TEXT NOT NULL DEFAULT '[]',
-    message     TEXT NOT NULL DEFAULT '',
     revision    INTEGER NOT NULL,
     updated_at  REAL NOT NULL
 );
@@ -54,8 +52,6 @@ class Record:
     spec: Mapping[str, Any]
     generation: int
     status: Mapping[str, Any] | None
-    artifacts: tuple[Mapping[str, Any], ...]
-    message: str
     revision: int
     updated_at: float
 
@@ -124,15 +120,15 @@ class StateStore:
     def list(self) -> list[Record]:
         return [_record(row) for row in self._query("SELECT * FROM models ORDER BY name")]
 
-    def write_status(self, name: str, revision: int, *, status: Mapping[str, Any] | None,
-                     artifacts: tuple[Mapping[str, Any], ...], message: str) -> Record:
-        """Replace status, artifacts and message if the record is still at `revision`."""
+    def write_status(self, name: str, revision: int, *, status: Mapping[str, Any] | None
+                     ) -> Record:
+        """Replace the status if the record is still at `revision`."""
         with self._transaction() as db:
             updated = db.execute(
-                "UPDATE models SET status = ?, artifacts = ?, message = ?, "
-                "revision = revision + 1, updated_at = ? WHERE name = ? AND revision = ?",
+                "UPDATE models SET status = ?, revision = revision + 1, updated_at = ? "
+                "WHERE name = ? AND revision = ?",
                 (None if status is None else json.dumps(status, sort_keys=True),
-                 json.dumps(list(artifacts)), message, time.time(), name, revision))
+                 time.time(), name, revision))
             if updated.rowcount != 1:
                 exists = db.execute("SELECT 1 FROM models WHERE name = ?", (name,)).fetchone()
                 if exists is None:
@@ -180,6 +176,5 @@ def _record(row: Mapping[str, Any]) -> Record:
     return Record(
         name=row["name"], spec=json.loads(row["spec"]), generation=row["generation"],
         status=None if row["status"] is None else json.loads(row["status"]),
-        artifacts=tuple(json.loads(row["artifacts"])), message=row["message"],
         revision=row["revision"], updated_at=row["updated_at"],
     )

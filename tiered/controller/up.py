@@ -149,7 +149,7 @@ class LocalUp:
     def running(self) -> RunningSystem:
         assert self.router is not None
         return RunningSystem({tier: (agent.address,) for tier, agent in self.agents.items()},
-                             self.router.address, self.router.metrics_url)
+                             self.router.address)
 
     def _start_controller(self) -> None:
         log_path = self.layout.logs / "controller.log"

@@ -9,6 +9,7 @@ does not match the file is refused at once.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,13 +19,19 @@ from urllib.parse import urlparse
 import yaml
 
 from tiered.controller import desired
-from tiered.controller.judge import snapshot
-from tiered.controller.local import decode_status
+from tiered.controller.plan import make_snapshot
+from tiered.controller.reconciler import decode_status
 from tiered.controller.store import Record, StateStore
 from tiered.errors import ConfigError, Conflict
 from tiered.files import sha256_file
 from tiered.rollout import engine
-from tiered.rollout.spec import RolloutStatus, TieredModel, load_tiered_model, to_plain
+from tiered.rollout.spec import (
+    RolloutStatus,
+    TieredModel,
+    TieredModelStatus,
+    load_tiered_model,
+    to_plain,
+)
 
 CONFLICT_RETRIES = 5
 MAX_PATH = 4096  # longest artifact path accepted
@@ -125,7 +132,8 @@ def spec_of(record: Record) -> TieredModel:
 
 def summary_row(record: Record) -> dict[str, str]:
     """One line of `tiered get`: name, phase, stage, versions, canary weights."""
-    return row_of(record.name, spec_of(record), decode_status(record), record.message)
+    status = decode_status(record.name, record.status)
+    return row_of(record.name, spec_of(record), status.rollout, status.message)
 
 
 def row_of(name: str, spec: TieredModel, status: RolloutStatus | None,
@@ -146,11 +154,10 @@ def row_of(name: str, spec: TieredModel, status: RolloutStatus | None,
 
 
 def describe(record: Record) -> dict[str, Any]:
-    """Everything `tiered get NAME -o yaml` shows: spec, status, artifact versions."""
+    """Everything `tiered get NAME -o yaml` shows: spec and status."""
     return {"name": record.name, "generation": record.generation,
             "revision": record.revision, "spec": dict(record.spec),
-            "status": record.status, "artifacts": list(record.artifacts),
-            "message": record.message}
+            "status": record.status}
 
 
 def manual_decision(name: str, spec: TieredModel, status: RolloutStatus | None, verb: str,
@@ -165,6 +172,12 @@ def manual_decision(name: str, spec: TieredModel, status: RolloutStatus | None, 
     return VERBS[verb](spec, status, now, **extra)
 
 
+def with_decision(status: TieredModelStatus, decision: engine.Decision) -> TieredModelStatus:
+    """The status after a manual verb: the controller's next pass recomputes
+    the rest (weights, conditions) and the history records the step."""
+    return dataclasses.replace(status, rollout=decision.status, message=decision.reason)
+
+
 def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
                  now: Callable[[], float] = time.time) -> engine.Decision:
     """Apply a manual verb to the stored status (retrying when the controller
@@ -172,14 +185,15 @@ def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
     for _ in range(CONFLICT_RETRIES):
         record = store.get(name)
         spec = spec_of(record)
-        decision = manual_decision(name, spec, decode_status(record), verb, full=full,
-                                   now=now())
+        status = decode_status(name, record.status)
+        decision = manual_decision(name, spec, status.rollout, verb, full=full, now=now())
         try:
-            store.write_status(name, record.revision, status=to_plain(decision.status),
-                               artifacts=record.artifacts, message=decision.reason)
+            store.write_status(name, record.revision,
+                               status=to_plain(with_decision(status, decision)))
         except Conflict:
             continue
-        store.record(name, snapshot(spec, decision.status, decision.action, decision.reason))
+        store.record(name, make_snapshot(spec, decision.status, decision.action,
+                                         decision.reason))
         return decision
     raise Conflict(f"{name}: the controller kept writing; try again")
 

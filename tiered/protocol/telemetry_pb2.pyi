@@ -92,3 +92,29 @@ class StatsResponse(_message.Message):
     versions: _containers.RepeatedCompositeFieldContainer[VersionStats]
     devices: _containers.RepeatedCompositeFieldContainer[Energy]
     def __init__(self, tier: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., window_s: _Optional[float] = ..., versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[Energy, _Mapping]]] = ...) -> None: ...
+
+class AgreementRequest(_message.Message):
+    __slots__ = ("model_name", "model_version")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    model_version: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
+
+class TierAgreement(_message.Message):
+    __slots__ = ("tier", "agreed", "disagreed")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    AGREED_FIELD_NUMBER: _ClassVar[int]
+    DISAGREED_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    agreed: int
+    disagreed: int
+    def __init__(self, tier: _Optional[str] = ..., agreed: _Optional[int] = ..., disagreed: _Optional[int] = ...) -> None: ...
+
+class AgreementResponse(_message.Message):
+    __slots__ = ("instance", "tiers")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    tiers: _containers.RepeatedCompositeFieldContainer[TierAgreement]
+    def __init__(self, instance: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierAgreement, _Mapping]]] = ...) -> None: ...

@@ -40,12 +40,23 @@ class TelemetryStub:
                 request_serializer=telemetry__pb2.StatsRequest.SerializeToString,
                 response_deserializer=telemetry__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Agreement = channel.unary_unary(
+                '/tiered.v1.Telemetry/Agreement',
+                request_serializer=telemetry__pb2.AgreementRequest.SerializeToString,
+                response_deserializer=telemetry__pb2.AgreementResponse.FromString,
+                _registered_method=True)
 
 
 class TelemetryServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Agreement(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -58,6 +69,11 @@ def add_TelemetryServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=telemetry__pb2.StatsRequest.FromString,
                     response_serializer=telemetry__pb2.StatsResponse.SerializeToString,
+            ),
+            'Agreement': grpc.unary_unary_rpc_method_handler(
+                    servicer.Agreement,
+                    request_deserializer=telemetry__pb2.AgreementRequest.FromString,
+                    response_serializer=telemetry__pb2.AgreementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +103,33 @@ class Telemetry:
             '/tiered.v1.Telemetry/Stats',
             telemetry__pb2.StatsRequest.SerializeToString,
             telemetry__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Agreement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiered.v1.Telemetry/Agreement',
+            telemetry__pb2.AgreementRequest.SerializeToString,
+            telemetry__pb2.AgreementResponse.FromString,
             options,
             channel_credentials,
             insecure,

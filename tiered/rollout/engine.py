@@ -43,21 +43,12 @@ POLL_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True)
-class TierSplit:
-    """Percent of one tier's traffic per version; the two add up to 100."""
-
-    stable: float
-    canary: float
-
-
-@dataclass(frozen=True)
 class Decision:
     """What to do now, why, and the status to write back."""
 
     action: str  # advance | hold | rollback | promote | pause | resume | abort
     reason: str
     status: RolloutStatus
-    weights: Mapping[str, TierSplit]  # per tier the model runs on, after this decision
     analysis: AnalysisRun | None = None  # the analysis this decision used, with its numbers
     requeue_after_s: float | None = None  # None: nothing changes until a person acts
 
@@ -82,18 +73,11 @@ def canary_weights(spec: TieredModel, status: RolloutStatus) -> Mapping[str, flo
     return MappingProxyType({tier: float(stage.weights.get(tier, 0.0)) for tier in tiers})
 
 
-def traffic_split(spec: TieredModel, status: RolloutStatus) -> Mapping[str, TierSplit]:
-    """Stable and canary percent per tier; stable gets what the canary does not."""
-    return MappingProxyType({tier: TierSplit(100.0 - weight, weight)
-                             for tier, weight in canary_weights(spec, status).items()})
-
-
 def _decision(spec: TieredModel, action: str, reason: str, status: RolloutStatus,
               analysis: AnalysisRun | None = None,
               requeue_after_s: float | None = None) -> Decision:
     status = dataclasses.replace(status, message=reason)
-    return Decision(action, reason, status, traffic_split(spec, status), analysis,
-                    requeue_after_s)
+    return Decision(action, reason, status, analysis, requeue_after_s)
 
 
 # --- the automatic decision -------------------------------------------------

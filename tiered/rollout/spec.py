@@ -452,9 +452,55 @@ class ArtifactVersion:
     sha256: str = spec_field(doc="its digest", pattern=r"[0-9a-f]{64}")
 
 
+CONDITION_STATUSES = ("True", "False", "Unknown")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One aspect of the resource's state, in Kubernetes' `metav1.Condition`
+    shape (hence the camelCase names), so `kubectl wait --for=condition=Ready`
+    and kstatus read it."""
+
+    type: str = spec_field(doc="Ready, Progressing or Degraded", min_length=1)
+    status: str = spec_field(doc="True, False or Unknown", enum=CONDITION_STATUSES)
+    reason: str = spec_field(doc="why, in one CamelCase word", pattern=r"[A-Za-z][A-Za-z0-9]*")
+    lastTransitionTime: str = spec_field(doc="when status last changed (RFC 3339)",
+                                         min_length=1)
+    message: str = spec_field("", doc="why, in words")
+    observedGeneration: int = spec_field(0, doc="the spec generation it was set for",
+                                         minimum=0)
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One step of the rollout (a start, advance, promotion, rollback, pause,
+    abort), with the numbers it was taken on."""
+
+    t: float = spec_field(doc="when (seconds since the epoch)")
+    action: str = spec_field(doc="start, advance, promote, rollback, pause, resume, abort")
+    reason: str = spec_field(doc="the decision in words, with its numbers")
+    phase: str = spec_field(doc="the rollout's phase after it", enum=PHASES)
+    stable_version: int = spec_field(doc="stable version after it", minimum=0)
+    canary_version: int | None = spec_field(None, doc="canary version after it")
+    stage: str = spec_field("", doc="the stage it left or entered, as 'N/M name'")
+    numbers: Mapping[str, float] = spec_field(
+        default_factory=dict, doc="the stage's headline numbers: requests, p95s, "
+        "J/inference, agreement")
+
+
+@dataclass(frozen=True)
+class Retirement:
+    """A version no longer wanted, kept until `after` so that every router has
+    read a routing table without it."""
+
+    version: int = spec_field(doc="the version", minimum=1)
+    after: float = spec_field(doc="when it may go (seconds since the epoch)")
+
+
 @dataclass(frozen=True)
 class TieredModelStatus:
-    """The resource's status: the rollout's progress plus what the controller keeps."""
+    """The resource's status, the same on both backends: the rollout's progress
+    plus what the controller keeps so that a restarted one resumes."""
 
     rollout: RolloutStatus | None = spec_field(None, doc="the rollout; null before the "
                                                "first version serves")
@@ -468,6 +514,11 @@ class TieredModelStatus:
     observed_generation: int = spec_field(0, doc="the spec generation this status is for",
                                           minimum=0)
     message: str = spec_field("", doc="the latest event or error, in words")
+    conditions: tuple[Condition, ...] = spec_field((), doc="Ready, Progressing, Degraded")
+    history: tuple[HistoryEntry, ...] = spec_field(
+        (), doc="the rollout's latest steps, oldest first (bounded)")
+    retiring: tuple[Retirement, ...] = spec_field(
+        (), doc="versions on their way out, and when they go")
 
 
 # --- OpenAPI schema ---------------------------------------------------------

@@ -1,7 +1,10 @@
 """The router: a v2 server in front of the tier agents.
 
-`table` (the routing table document), `policies` (pure routing choices),
-`observations` (what the router measures of each agent) and `server` (the
-gRPC adapter). The router talks to agents over gRPC only and never imports
-agent or controller code.
+`policies` (pure routing choices), `hints` (what a request asks for),
+`observations` (what the router measures of each agent), `forward` (the calls
+to agents: failover, cascade, shadows), `counters` (Prometheus and the shadow
+agreement tally), `statistics` (Triton-shaped statistics), `dataplane` (one
+request, end to end), `servicer` (the gRPC services) and `server` (the
+process). The routing table's schema is `tiered.protocol.routing`. The router
+talks to agents over gRPC only and never imports agent or controller code.
 """

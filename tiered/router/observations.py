@@ -22,7 +22,7 @@ import grpc
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
-from tiered.router.policies import AgentObservation
+from tiered.router import policies
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,6 @@ EWMA_ALPHA = 0.2  # weight of the newest forwarded call's latency
 STALE_AFTER_S = 10.0
 POLL_INTERVAL_S = 1.0
 POLL_TIMEOUT_S = 1.0
-
-
-histogram_quantile = telemetry_messages.histogram_quantile
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ def telemetry_of(response: tpb.StatsResponse, at: float) -> tuple[dict[str, Agen
         inferences = sum(n for _, n in energy)
         figures[model] = AgentTelemetry(
             at=at,
-            p95_s=histogram_quantile(latency, 0.95),
+            p95_s=telemetry_messages.histogram_quantile(latency, 0.95),
             mean_s=sum(v.latency.sum_s for v in answered) / count,
             service_s=(sum(v.compute.sum_s for v in answered) / compute_count
                        if compute_count else None),
@@ -139,7 +136,7 @@ class Observer:
         for agent in [a for a, n in self.in_flight.items() if a not in kept and n == 0]:
             del self.in_flight[agent]
 
-    def observe(self, agent: str, model: str) -> AgentObservation:
+    def observe(self, agent: str, model: str) -> policies.AgentObservation:
         now = self.clock()
         ewma = self._ewma.get((agent, model))
         ewma_s = ewma[0] if ewma and now - ewma[1] <= self.stale_after_s else None
@@ -149,7 +146,7 @@ class Observer:
         rtt = 0.0
         if figures is not None and ewma_s is not None and figures.mean_s is not None:
             rtt = max(0.0, ewma_s - figures.mean_s)
-        return AgentObservation(
+        return policies.AgentObservation(
             p95_s=figures.p95_s if figures else None,
             service_s=figures.service_s if figures else None,
             queue_depth=self._queues.get((agent, model), 0),
@@ -159,7 +156,8 @@ class Observer:
             in_flight=self.in_flight.get(agent, 0),
         )
 
-    def snapshot(self, agents: Iterable[str], model: str) -> dict[str, AgentObservation]:
+    def snapshot(self, agents: Iterable[str], model: str
+                 ) -> dict[str, policies.AgentObservation]:
         return {agent: self.observe(agent, model) for agent in agents}
 
 

@@ -1,9 +1,9 @@
 """Routing policies: pure functions of (table, request, observations, rng).
 
 Each policy is one method, `choose(candidates, request, observations, rng)
--> Ranking`: the candidates in the order the router should try them, with a
-reason. The canary split (`pick_version`), the shadow decision and the
-cascade's confidence test (`should_escalate`) live here too. Nothing here
+-> Ranking`: the candidates in the order the router should try them. The
+canary split (`pick_version`), the shadow decision and the cascade's
+confidence test (`should_escalate`) live here too. Nothing here
 does I/O, reads a clock or owns randomness: the router passes in what it
 observed and an `random.Random`. Never import gRPC or agent code here.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiered.errors import InvalidArgument, NotFound
-from tiered.router.table import TIERS, ModelRoute, TierRoute
+from tiered.protocol import routing
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,9 @@ _UNKNOWN = AgentObservation()
 
 @dataclass(frozen=True)
 class Ranking:
-    """A policy's decision: candidates in the order to try, and why."""
+    """A policy's decision: candidates in the order to try."""
 
     candidates: tuple[Candidate, ...]
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class VersionChoice:
     canary: bool
 
 
-def pick_version(route: TierRoute, key: str | None, rng: random.Random) -> VersionChoice:
+def pick_version(route: routing.TierRoute, key: str | None, rng: random.Random) -> VersionChoice:
     """Stable or canary. A key always lands on the same side for a given weight,
     and raising the weight only moves keys from stable to canary."""
     if route.canary is None or route.canary_weight <= 0:
@@ -99,7 +98,7 @@ def key_point(key: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def should_shadow(route: TierRoute, choice: VersionChoice, rng: random.Random) -> bool:
+def should_shadow(route: routing.TierRoute, choice: VersionChoice, rng: random.Random) -> bool:
     """Whether a stable request is also sent to the canary, to compare answers."""
     return (not choice.canary and route.canary is not None and route.shadow_fraction > 0
             and rng.random() < route.shadow_fraction)
@@ -133,19 +132,16 @@ def _by_tier(candidates: Sequence[Candidate]) -> dict[str, list[Candidate]]:
 class Pinned:
     """Only the agents of the hinted tier."""
 
-    name = "pinned"
-
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
                observations: Observations, rng: random.Random) -> Ranking:
-        if request.tier not in TIERS:
+        if request.tier not in routing.TIERS:
             raise InvalidArgument(f"tiered-tier: unknown tier {request.tier!r}; expected one of "
-                                  f"{', '.join(TIERS)}")
+                                  f"{', '.join(routing.TIERS)}")
         pinned = [c for c in candidates if c.tier == request.tier]
         if not pinned:
             raise NotFound(f"tiered-tier: model {request.model!r} has no agents on tier "
                            f"{request.tier!r}")
-        return Ranking(tuple(order_agents(pinned, observations, rng)),
-                       f"pinned to {request.tier}")
+        return Ranking(tuple(order_agents(pinned, observations, rng)))
 
 
 @dataclass(frozen=True)
@@ -174,8 +170,6 @@ class SloEnergy:
     """Among tiers predicted to meet the SLO, the lowest joules per inference
     (then the least load); when none meets it, the fastest first."""
 
-    name = "slo-energy"
-
     def __init__(self, default_slo_ms: float) -> None:
         self.default_slo_ms = default_slo_ms
 
@@ -188,27 +182,15 @@ class SloEnergy:
                          key=lambda e: (e.joules_per_inference, e.load))
         missing = sorted((e for e in estimates if e.predicted_p95_s > slo_s),
                          key=lambda e: e.predicted_p95_s)
-        order = meeting + missing
         ranked: list[Candidate] = []
-        for estimate in order:
+        for estimate in meeting + missing:
             ranked.extend(order_agents(tiers[estimate.tier], observations, rng))
-        if meeting:
-            best = meeting[0]
-            reason = (f"{best.tier}: predicted p95 {best.predicted_p95_s * 1000:.2f} ms meets "
-                      f"{slo_s * 1000:g} ms at {best.joules_per_inference:.4g} J/inference")
-        elif order:
-            reason = (f"no tier meets {slo_s * 1000:g} ms; fastest first: {order[0].tier} "
-                      f"({order[0].predicted_p95_s * 1000:.2f} ms)")
-        else:
-            reason = "no candidates"
-        return Ranking(tuple(ranked), reason)
+        return Ranking(tuple(ranked))
 
 
 class Cascade:
     """Cheapest tier first, in the configured order; the router escalates
     along this order while `should_escalate` says the answer is unsure."""
-
-    name = "cascade"
 
     def __init__(self, tiers: Sequence[str]) -> None:
         self.tiers = tuple(tiers)
@@ -219,7 +201,7 @@ class Cascade:
         ranked: list[Candidate] = []
         for tier in self.tiers:
             ranked.extend(order_agents(tiers.get(tier, ()), observations, rng))
-        return Ranking(tuple(ranked), f"cascade {' > '.join(self.tiers)}")
+        return Ranking(tuple(ranked))
 
 
 def confidence(outputs: Mapping[str, np.ndarray], output_name: str = "") -> float:
@@ -267,13 +249,13 @@ def top1(outputs: Mapping[str, np.ndarray], output_name: str = "") -> tuple[int,
     return tuple(int(i) for i in array.reshape(array.shape[0], -1).argmax(axis=1))
 
 
-def candidates_of(route: ModelRoute, versions: Mapping[str, int]) -> list[Candidate]:
+def candidates_of(route: routing.ModelRoute, versions: Mapping[str, int]) -> list[Candidate]:
     """Every agent of the model, each with its tier's chosen version."""
     return [Candidate(tier, agent, versions[tier]) for tier in route.ordered_tiers()
             for agent in route.tiers[tier].agents_for(versions[tier])]
 
 
-def policy_for(route: ModelRoute, request: RouteRequest) -> Pinned | SloEnergy | Cascade:
+def policy_for(route: routing.ModelRoute, request: RouteRequest) -> Pinned | SloEnergy | Cascade:
     """The pin wins whenever the hint is present; else the model's policy."""
     if request.tier is not None:
         return Pinned()

@@ -9,20 +9,21 @@ retrying when the controller wrote in between.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tiered.controller.crd import PLURAL
-from tiered.controller.render import decode_status, status_body
+from tiered.controller.kube.render import status_body
+from tiered.controller.reconciler import decode_status
 from tiered.controller.verbs import (
     CONFLICT_RETRIES,
     manual_decision,
     pin_artifact,
     read_documents,
     row_of,
+    with_decision,
 )
 from tiered.errors import ConfigError, Conflict, NotFound
 from tiered.rollout import engine
@@ -109,7 +110,7 @@ class ClusterVerbs:
         items = ([self._call("get", name)] if name else self._call("list")["items"])
         rows = []
         for item in items:
-            status = decode_status(item)
+            status = decode_status(item["metadata"]["name"], item.get("status"))
             spec = load_tiered_model(item, item["metadata"]["name"])
             rows.append(row_of(spec.name, spec, status.rollout, status.message))
         return rows
@@ -121,13 +122,12 @@ class ClusterVerbs:
                      now: Callable[[], float] = time.time) -> engine.Decision:
         for _ in range(CONFLICT_RETRIES):
             obj = self._call("get", name)
-            status = decode_status(obj)
+            status = decode_status(name, obj.get("status"))
             decision = manual_decision(name, load_tiered_model(obj, name), status.rollout, verb,
                                        full=full, now=now())
-            written = dataclasses.replace(status, rollout=decision.status,
-                                          message=decision.reason)
             try:
-                self._call("replace_status", name, status_body(obj, written))
+                self._call("replace_status", name,
+                           status_body(obj, with_decision(status, decision)))
             except Conflict:
                 continue
             return decision

@@ -19,22 +19,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from tiered.controller import desired
 from tiered.profiles import TIERS
-from tiered.rollout import engine
+from tiered.protocol import routing
+from tiered.protocol.verdict import read_verdict
 from tiered.rollout.spec import (
     API_GROUP,
     API_VERSION,
     KIND,
     ArtifactVersion,
-    RolloutStatus,
     TieredModel,
     TieredModelStatus,
     to_plain,
 )
-from tiered.settings import load_dataclass
 
 AGENT_PORT = 8001
 AGENT_METRICS_PORT = 8002
@@ -51,6 +48,7 @@ MANAGER = "tiered-controller"
 SPEC_HASH = f"{API_GROUP}/spec-hash"
 FINALIZER = f"{API_GROUP}/routing"
 BUILD_CONTAINER = "build"  # the init container that verifies and builds the artifact
+TERMINATION_LOG = "/dev/termination-log"
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,7 @@ class ClusterSettings:
     agent_image: str = "tiered-agent:latest"
     agent_gpu_image: str = "tiered-agent-cuda:latest"
     routing_configmap: str = "tiered-routing"
-    router_metrics: str | None = None  # http://router:8003/metrics, for shadow agreement
+    router: str | None = None  # the router's gRPC address, where shadow agreement is read
     image_pull_policy: str = "IfNotPresent"
     # A kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt) the agents serve with,
     # requiring client certificates from the same CA; None: plaintext (--insecure).
@@ -147,11 +145,13 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
         "initContainers": [{
             "name": BUILD_CONTAINER, "image": image,
             "imagePullPolicy": settings.image_pull_policy,
-            "command": ["tiered", *desired.build_args(spec, tier, artifact, MODELS_DIR)],
+            "command": ["tiered", *desired.build_args(spec, tier, artifact, MODELS_DIR),
+                        "--termination-log", TERMINATION_LOG],
             "volumeMounts": mounts,
             "securityContext": SECURITY_CONTEXT, "resources": resources,
-            # A failed build's last log lines become its termination message,
-            # which the controller copies into the TieredModel's status.
+            # The build writes its JSON verdict where the kubelet reads the
+            # termination message (its last log lines when it could not).
+            "terminationMessagePath": TERMINATION_LOG,
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }],
         "containers": [{
@@ -204,8 +204,8 @@ def agent_service(spec: TieredModel, tier: str, version: int, owner: Owner,
     })
 
 
-def desired_objects(spec: TieredModel, status: RolloutStatus | None,
-                    artifacts: Sequence[ArtifactVersion], versions: Sequence[int],
+def desired_objects(spec: TieredModel, artifacts: Sequence[ArtifactVersion],
+                    versions: Sequence[int],
                     owner: Owner, settings: ClusterSettings) -> list[dict[str, Any]]:
     """Workloads and Services for `versions` on each of the model's tiers."""
     by_version = {a.version: a for a in artifacts}
@@ -217,33 +217,27 @@ def desired_objects(spec: TieredModel, status: RolloutStatus | None,
     return objects
 
 
-def routing_configmap(models: Sequence[tuple[TieredModel, RolloutStatus]], version: int,
-                      settings: ClusterSettings) -> dict[str, Any]:
+def agents_of(settings: ClusterSettings) -> desired.AgentsOf:
+    """Each (tier, version) behind its own headless Service."""
+    return lambda spec, tier, version: (agent_address(spec.name, tier, version,
+                                                      settings.namespace),)
+
+
+def routing_configmap(table: routing.RoutingTable, settings: ClusterSettings
+                      ) -> dict[str, Any]:
     """The router's table for every model of the namespace, in its ConfigMap."""
-    table = desired.routing_table(
-        version, models,
-        lambda spec, tier, v: (agent_address(spec.name, tier, v, settings.namespace),))
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": settings.routing_configmap, "namespace": settings.namespace,
                      "labels": {LABEL_MANAGED: MANAGER}},
-        "data": {ROUTING_KEY: yaml.safe_dump(table, sort_keys=False)},
+        "data": {ROUTING_KEY: routing.dump_table(table)},
     }
-
-
-def status_fields(spec: TieredModel, status: RolloutStatus | None) -> Mapping[str, Any]:
-    """The status's summary fields for printer columns: stage and weights."""
-    if status is None:
-        return {"stage": "", "weights": {}, "weights_summary": ""}
-    weights = dict(engine.canary_weights(spec, status))
-    return {"stage": desired.stage_label(spec, status) if desired.live(status) else "",
-            "weights": weights, "weights_summary": desired.weights_summary(weights)}
 
 
 def build_failure(pods: Iterable[Mapping[str, Any]]) -> str | None:
     """Why the build init container failed on one of these pods (as the kubelet
-    reports them): the last line of its termination message; None while no
-    build has failed."""
+    reports them): its verdict's reason, read from the termination message;
+    None while no build has failed."""
     for pod in pods:
         for container in (pod.get("status") or {}).get("initContainerStatuses") or []:
             if container.get("name") != BUILD_CONTAINER:
@@ -251,16 +245,11 @@ def build_failure(pods: Iterable[Mapping[str, Any]]) -> str | None:
             for state in (container.get("state"), container.get("lastState")):
                 terminated = (state or {}).get("terminated") or {}
                 if terminated.get("exitCode"):
-                    return desired.last_word(terminated.get("message") or "") or (
+                    verdict = read_verdict(terminated.get("message") or "")
+                    return verdict.reason if verdict is not None else (
                         f"the build exited with code {terminated['exitCode']} "
-                        f"({terminated.get('reason') or 'Error'})")
+                        f"({terminated.get('reason') or 'Error'}) and no verdict")
     return None
-
-
-def decode_status(obj: Mapping[str, Any]) -> TieredModelStatus:
-    """A TieredModel resource's status; ConfigError naming the field when malformed."""
-    return load_dataclass(TieredModelStatus, obj.get("status") or {},
-                          f"{obj['metadata']['name']}.status")
 
 
 def status_body(obj: Mapping[str, Any], status: TieredModelStatus) -> dict[str, Any]:

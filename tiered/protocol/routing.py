@@ -1,10 +1,13 @@
 """The routing table: which agents serve which model on which tier, and how.
 
-A versioned document (YAML or JSON, which is YAML) that the controller writes
-and the router reads, reloading it when the file changes. Loading is strict:
-every error names the field, so a bad table is rejected whole and the last
-good one keeps serving. This module is pure data: it does no I/O beyond
-reading the one file it is given, and never talks to agents.
+The one schema of the document the controller writes (`table_document`,
+`dump_table`) and the router reads (`parse_table`, `load_table`), reloading
+it when the file changes. Loading is strict: every error names the field, so
+a bad table is rejected whole and the last good one keeps serving. The
+dataclasses check themselves on construction, so a table the controller
+builds is valid before it is written. Pure data: no I/O beyond reading the
+one file it is given; never talks to agents and imports nothing of ours above
+`protocol` (tier names excepted, for now).
 
     version: 7
     models:
@@ -27,10 +30,13 @@ reading the one file it is given, and never talks to agents.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tiered.errors import ConfigError
 from tiered.profiles import TIERS  # cheapest first
@@ -55,6 +61,7 @@ class TierRoute:
     canary_agents: tuple[str, ...] = ()  # empty: the canary runs on `agents` too
 
     def __post_init__(self) -> None:
+        _freeze(self, "agents", "canary_agents")
         if not self.agents:
             raise ConfigError("agents: needs at least one agent address")
         for name in ("agents", "canary_agents"):
@@ -96,6 +103,7 @@ class CascadeSettings:
     output: str = ""  # the output to judge: logits, probabilities or one confidence per row
 
     def __post_init__(self) -> None:
+        _freeze(self, "tiers")
         if not self.tiers:
             raise ConfigError("tiers: needs at least one tier")
         for index, tier in enumerate(self.tiers):
@@ -160,9 +168,50 @@ class RoutingTable:
                          for a in (*t.agents, *t.canary_agents))
 
 
+def _freeze(value: Any, *names: str) -> None:
+    # Lists become tuples, so a table built in code equals the same table
+    # read back; a bare string is refused rather than split into characters.
+    for name in names:
+        items = getattr(value, name)
+        if isinstance(items, str) or not isinstance(items, Sequence):
+            raise ConfigError(f"{name}: expected a list, got {type(items).__name__}")
+        object.__setattr__(value, name, tuple(items))
+
+
 def parse_table(data: Any, where: str = "routing table") -> RoutingTable:
+    """The table a document (parsed YAML or JSON) describes; errors name the field."""
     return load_dataclass(RoutingTable, data, where)
 
 
 def load_table(path: Path) -> RoutingTable:
     return parse_table(read_yaml(Path(path)), str(path))
+
+
+def table_document(table: RoutingTable) -> dict[str, Any]:
+    """The plain-data document `parse_table` reads back as `table`; fields at
+    their defaults are left out, so a written table shows what was chosen."""
+    return _document(table)
+
+
+def dump_table(table: RoutingTable) -> str:
+    """`table` as the YAML text of a routing table file."""
+    return yaml.safe_dump(table_document(table), sort_keys=False)
+
+
+def _document(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        out = {}
+        for item in dataclasses.fields(value):
+            current = getattr(value, item.name)
+            if item.default is not dataclasses.MISSING and current == item.default:
+                continue
+            if item.default_factory is not dataclasses.MISSING \
+                    and current == item.default_factory():
+                continue
+            out[item.name] = _document(current)
+        return out
+    if isinstance(value, Mapping):
+        return {key: _document(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return [_document(item) for item in value]
+    return value

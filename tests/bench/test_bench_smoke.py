@@ -1,0 +1,163 @@
+"""Every benchmark's `--smoke` mode, run as a user runs it, so none can rot.
+
+Each bench runs in a subprocess from the repository root (`python bench/NAME.py
+--smoke --out ...`): it starts its real agents, routers and stand-in servers on
+loopback, drives them for a second or two per row, prints its tables and
+writes its JSON. The tests read that JSON back and check that the rows a bench
+promises are all there with real numbers in them, and that the printed tables
+have their headers. The GPU benches run on the CPU (`--device cpu`); what they
+cannot do there is listed in their JSON, and checked to be.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VERDICTS = {"PASS", "FAIL", "N/A"}
+
+
+def run_smoke(name: str, tmp_path: Path, *args: str) -> tuple[dict[str, Any], str]:
+    out = tmp_path / f"{name}.json"
+    completed = subprocess.run(
+        [sys.executable, f"bench/{name}.py", "--smoke", "--out", str(out), *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert completed.returncode == 0, (
+        f"bench/{name}.py --smoke exited {completed.returncode}:\n"
+        f"{completed.stdout[-2000:]}\n{completed.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == name
+    assert result["smoke"] is True
+    assert result["machine"]["cpu_count"] >= 1 and result["machine"]["versions"]["numpy"]
+    return result, completed.stdout
+
+
+def assert_header(stdout: str, *columns: str) -> None:
+    """A printed table starts with these column names, underlined."""
+    lines = stdout.splitlines()
+    for header, rule in zip(lines, lines[1:]):
+        if header.split()[:len(columns)] == list(columns) and set(rule) <= {"-", " "} and rule:
+            return
+    raise AssertionError(f"no table with header {columns} in:\n{stdout}")
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) and value > 0
+
+
+def assert_window(row: dict[str, Any], throughput: str = "throughput") -> None:
+    """A measured load window: answered requests, no errors, ordered percentiles."""
+    assert positive(row[throughput]), row
+    assert row["errors"] == 0, row
+    assert positive(row["p50_ms"]) and row["p50_ms"] <= row["p99_ms"], row
+
+
+def assert_targets(targets: list[dict[str, Any]], names: set[str]) -> None:
+    assert {t["name"] for t in targets} == names
+    assert all(t["verdict"] in VERDICTS for t in targets)
+
+
+def test_agent_bench_measures_every_model_beside_floor_and_baseline(tmp_path):
+    result, stdout = run_smoke("agent", tmp_path)
+    names = {"resnet18", "resnet18_nobatch", "mlp", "mlp_nobatch"}
+    assert {(r["model_name"], r["concurrency"]) for r in result["agent"]} == \
+        {(name, 1) for name in names}
+    assert {tuple(r["pair"]) for r in result["floor"]} == {(name, 1) for name in names}
+    assert {tuple(r["pair"]) for r in result["baseline"]} == {(name, 1) for name in names}
+    for row in result["agent"] + result["floor"]:
+        assert_window(row)
+        assert row["requests"] >= 1
+    for row in result["agent"]:
+        assert row["formed_batch"] >= 1  # read from the agent's own statistics
+        assert positive(row["agent_compute_ms_per_request"])
+    assert all(positive(r["throughput"]) and positive(r["p50_ms"]) for r in result["baseline"])
+    assert result["agent_error"] is None
+    assert_targets(result["targets"], {"a", "b", "c"})
+    assert_header(stdout, "model", "c", "requests", "req/s")
+    assert_header(stdout, "target", "what", "value", "needs", "verdict")
+
+
+def test_router_bench_measures_direct_routed_and_passthrough(tmp_path):
+    result, stdout = run_smoke("router", tmp_path)
+    assert [(r["model"], r["concurrency"]) for r in result["rows"]] == [("mlp", 1), ("sized", 1)]
+    for row in result["rows"]:
+        for arm in ("direct", "router", "passthrough"):
+            assert_window(row[arm])
+        assert positive(row["throughput_ratio"])
+    assert_targets(result["targets"], {"mlp added P50 at c=1",
+                                       "mlp throughput at c=16 vs direct"})
+    assert_header(stdout, "model", "c", "direct", "req/s")
+
+
+def test_telemetry_bench_alternates_agents_with_and_without_telemetry(tmp_path):
+    result, stdout = run_smoke("telemetry", tmp_path)
+    assert sorted((r["model"], r["telemetry"]) for r in result["rows"]) == [
+        ("mlp", "off"), ("mlp", "on"), ("resnet18", "off"), ("resnet18", "on")]
+    for row in result["rows"]:
+        assert_window(row)
+    assert [s["model"] for s in result["summary"]] == ["mlp", "resnet18"]
+    assert all(positive(s["median_on"]) and positive(s["median_off"])
+               for s in result["summary"])
+    assert_targets(result["targets"], {"mlp", "resnet18"})
+    assert_header(stdout, "model", "on", "req/s", "off", "req/s", "cost", "%", "needs",
+                  "verdict")
+
+
+def test_soak_bench_loses_no_request_and_samples_both_processes(tmp_path):
+    result, stdout = run_smoke("soak", tmp_path)
+    requests = result["requests"]
+    assert requests["sent"] > 0 and requests["lost"] == 0 and requests["hung"] == 0
+    assert requests["answered"] + sum(requests["failed"].values()) == requests["sent"]
+    assert positive(result["latency"]["p50_ms"]) and positive(result["capacity_rps"])
+    assert [r["process"] for r in result["growth"]] == ["agent", "router"]
+    assert len(result["samples"]) >= 3
+    assert all(positive(s["agent_rss_mib"]) and positive(s["router_fds"])
+               for s in result["samples"])
+    assert result["alive_at_end"] == {"agent": True, "router": True}
+    assert "not_judged" in result
+    assert_header(stdout, "process", "RSS", "first", "MiB")
+    assert_header(stdout, "sent", "answered", "failed", "hung", "lost")
+
+
+def test_gpu_bench_runs_its_served_setups_and_diagnostics_on_a_cpu(tmp_path):
+    result, stdout = run_smoke("gpu", tmp_path, "--device", "cpu")
+    setups = {r["setup"] for r in result["served"]}
+    # The GIL variant starts the agent through its own launcher: it must still serve.
+    assert setups == {"1 agent", "transport floor (no work)", "1 agent, GIL switch 0.5 ms",
+                      "2 agents, one GPU"}
+    for row in result["served"]:
+        assert_window(row)
+        assert row["client_processes"] == 2 and sum(row["workers_per_process"]) == 2
+        assert positive(row["client_cpu_cores"])
+        if row["setup"] != "transport floor (no work)":
+            assert row["formed_batch"] >= 1
+    modes = {r["mode"] for r in result["inprocess"]}
+    assert "host engine.run x1 (pinned, graph)" in modes and "device eager" in modes
+    assert "device graph" not in modes  # needs CUDA: skipped, and said so
+    assert result["skipped_without_cuda"]
+    assert all(positive(r["img_per_s"]) for r in result["inprocess"])
+    assert {c["setup"] for c in result["comparison"]} == setups - {"transport floor (no work)"}
+    assert_targets(result["targets"], {"served vs host"})
+    assert_header(stdout, "setup", "c", "procs", "img/s")
+
+
+def test_energy_bench_aligns_agent_and_direct_energy_on_a_cpu(tmp_path):
+    result, stdout = run_smoke("energy", tmp_path, "--device", "cpu")
+    (row,) = result["served"]
+    assert row["batch"] == 4 and row["formed_batch"] == 4
+    assert row["agent"]["energy_source"] == "model" and row["direct"]["source"] == "model"
+    assert positive(row["agent"]["j_per_inference"]) and positive(row["direct"]["joules"])
+    assert row["agreement"]["verdict"] in {"PASS", "FAIL"}  # both figures exist
+    assert positive(row["clients"]["images"]) and row["clients"]["errors"] == 0
+    assert [r["mode"] for r in result["inprocess"]] == ["flat out", "paced to served"]
+    assert all(positive(r["img_per_s"]) and positive(r["joules"]) for r in result["inprocess"])
+    assert result["skipped_without_cuda"]
+    assert_targets(result["targets"], {"B=4"})
+    assert_header(stdout, "B", "span", "s", "inferences")

@@ -1,0 +1,45 @@
+"""The router's shadow agreement tally: what the Agreement RPC and /metrics
+both read, so they cannot disagree."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from tiered.router.counters import RouterMetrics, ShadowAgreement, TierAgreement
+
+
+def test_agreement_is_counted_per_canary_version_and_tier():
+    tally = ShadowAgreement()
+    for tier, result in [("regional", "agree"), ("edge", "agree"), ("edge", "disagree"),
+                         ("edge", "agree"), ("edge", "error"), ("edge", "incomparable")]:
+        tally.record("m", "2", tier, result)
+    tally.record("m", "3", "edge", "disagree")
+    assert tally.tiers("m", "2") == [TierAgreement("edge", 2, 1),
+                                     TierAgreement("regional", 1, 0)]
+    assert tally.tiers("m", "3") == [TierAgreement("edge", 0, 1)]
+    assert tally.tiers("m", "9") == [] and tally.tiers("other", "2") == []
+
+
+def test_each_router_instance_has_its_own_id():
+    assert ShadowAgreement().instance != ShadowAgreement().instance
+    assert ShadowAgreement("fixed").instance == "fixed"
+
+
+def test_the_prometheus_counter_reads_the_same_tally():
+    tally = ShadowAgreement()
+    metrics = RouterMetrics(tally)
+    tally.record("m", "2", "edge", "agree")
+    tally.record("m", "2", "edge", "agree")
+    tally.record("m", "2", "edge", "error")
+    text = generate_latest(metrics.registry).decode()
+    assert 'tiered_router_shadow_total{model="m",result="agree",tier="edge",version="2"} 2.0' \
+        in text
+    assert 'result="error"' in text and 'result="disagree"' not in text
+
+
+def test_the_tally_keeps_the_newest_versions():
+    tally = ShadowAgreement(max_versions=2)
+    for version in ("1", "2", "3"):
+        tally.record("m", version, "edge", "agree")
+    assert tally.tiers("m", "1") == []
+    assert tally.tiers("m", "3") == [TierAgreement("edge", 1, 0)]

@@ -1,0 +1,242 @@
+"""The Kubernetes backend: the Reconciler's adapter for TieredModel resources.
+
+It only observes and applies what the one Reconciler plans
+(`tiered.controller.reconciler`):
+
+- a finalizer, so the routing table forgets a deleted model before it goes;
+- per tier and wanted version, a Deployment (or DaemonSet) whose init
+  container builds the version (`tiered build`, which checks the sha256
+  first) and a headless Service, owned by the TieredModel (garbage-collected
+  with it) and replaced only when their desired form changes; a version is
+  Ready once its workload has an available pod, Refused when a pod's build
+  container failed (its JSON verdict is read from the termination message);
+- the objects of a version the plan retires are deleted;
+- the status through the status subresource, at the resourceVersion read
+  (a 409 is a `Conflict`: re-read and reconcile again);
+- the routing table, one ConfigMap for the namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tiered.controller import desired, plan
+from tiered.controller.crd import PLURAL
+from tiered.controller.kube import render
+from tiered.controller.reconciler import Stored, routed
+from tiered.errors import ConfigError, Conflict
+from tiered.protocol import routing
+from tiered.rollout.spec import API_GROUP, API_VERSION, RolloutStatus, TieredModel
+
+log = logging.getLogger(__name__)
+
+WORKLOAD_KINDS = ("Deployment", "DaemonSet", "Service")
+
+
+class KubeBackend:
+    """Observes and applies for the Reconciler in one namespace."""
+
+    def __init__(self, settings: render.ClusterSettings, api_client,
+                 agent_addresses: Mapping[str, str],
+                 progress: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.namespace = settings.namespace
+        self.agent_addresses = agent_addresses  # tests: service name -> address
+        self.progress = progress
+        self.custom = client.CustomObjectsApi(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self._uids: dict[str, str] = {}  # owner references name the model's uid
+
+    # -- the model --------------------------------------------------------------
+
+    def read(self, name: str) -> Stored | None:
+        try:
+            obj = self._custom("get", name)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        metadata = obj["metadata"]
+        if not metadata.get("deletionTimestamp") and render.FINALIZER not in (
+                metadata.get("finalizers") or []):
+            metadata["finalizers"] = [*(metadata.get("finalizers") or []), render.FINALIZER]
+            obj = self._replace_model(obj)
+        self._uids[name] = metadata["uid"]
+        return _stored(obj)
+
+    def finalize(self, stored: Stored) -> None:
+        self.write_routing(without=stored.name)
+        obj = dict(stored.document)
+        obj["metadata"] = dict(obj["metadata"], finalizers=[
+            f for f in obj["metadata"].get("finalizers") or [] if f != render.FINALIZER])
+        self._replace_model(obj)
+        self.progress(f"{stored.name}: deleted; its routes are gone")
+
+    def write_status(self, stored: Stored, status) -> None:
+        try:
+            self._custom("replace_status", stored.name, render.status_body(stored.document,
+                                                                           status))
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(f"{stored.name}: written by someone else since it was "
+                               "read") from None
+            raise
+
+    def record(self, spec: TieredModel, made: plan.Plan, now: float) -> None:
+        """The status keeps the history; nothing else to keep here."""
+
+    # -- agents -----------------------------------------------------------------
+
+    def prepare(self, spec: TieredModel, wanted: plan.Versions
+                ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
+        owner = render.Owner(spec.name, self._uids[spec.name])
+        for obj in render.desired_objects(spec, wanted.artifacts, wanted.wanted, owner,
+                                          self.settings):
+            self._apply(obj)
+        states = {(tier, version): self._state(spec, tier, version)
+                  for tier in spec.tiers for version in wanted.wanted}
+        return states, frozenset(self._owned(spec))
+
+    def agents(self, spec: TieredModel, rollout: RolloutStatus) -> Mapping[str, Sequence[str]]:
+        return {tier: tuple(self._address(spec, tier, v)
+                            for v in desired.served_versions(rollout))
+                for tier in spec.tiers}
+
+    def agreement_source(self) -> str | None:
+        return self.settings.router
+
+    def apply(self, spec: TieredModel, made: plan.Plan) -> None:
+        """Delete the objects of the versions the plan retires."""
+        for version, objects in self._owned(spec).items():
+            if version not in made.retire:
+                continue
+            for kind, name in objects:
+                self._call(kind, "delete", name, self.namespace)
+                self.progress(f"deleted {kind} {name} (version {version} no longer served)")
+
+    def write_routing(self, without: str | None = None) -> None:
+        """The namespace's routing table, from every model's stored status."""
+        items = self._custom("list")["items"]
+        models = routed(_stored(item) for item in items
+                        if item["metadata"]["name"] != without)
+        name = self.settings.routing_configmap
+        try:
+            existing = self.core.read_namespaced_config_map(name, self.namespace)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            existing = None
+        try:
+            current = (existing.data or {}).get(render.ROUTING_KEY) if existing else None
+            previous = routing.parse_table(yaml.safe_load(current)) if current else None
+        except (ConfigError, yaml.YAMLError):
+            previous = None  # a table we cannot read is replaced
+        table = desired.next_table(previous, models, render.agents_of(self.settings))
+        if table is None:
+            return  # unchanged: no write, no new version
+        wanted = render.routing_configmap(table, self.settings)
+        if existing is None:
+            self.core.create_namespaced_config_map(self.namespace, wanted)
+        else:
+            wanted["metadata"]["resourceVersion"] = existing.metadata.resource_version
+            self.core.replace_namespaced_config_map(name, self.namespace, wanted)
+
+    # -- reading and writing ----------------------------------------------------
+
+    def _custom(self, verb: str, *args: Any) -> Any:
+        method = ("replace_namespaced_custom_object_status" if verb == "replace_status"
+                  else f"{verb}_namespaced_custom_object")
+        return getattr(self.custom, method)(API_GROUP, API_VERSION, self.namespace, PLURAL,
+                                            *args)
+
+    def _replace_model(self, obj: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._custom("replace", obj["metadata"]["name"], obj)
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(f"{obj['metadata']['name']} changed while reconciling") from None
+            raise
+
+    def _call(self, kind: str, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """`verb` (read, create, replace, delete, list) on an owned kind."""
+        api, suffix = {"Service": (self.core, "service"),
+                       "Deployment": (self.apps, "deployment"),
+                       "DaemonSet": (self.apps, "daemon_set")}[kind]
+        return getattr(api, f"{verb}_namespaced_{suffix}")(*args, **kwargs)
+
+    def _apply(self, obj: dict[str, Any]) -> None:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        try:
+            existing = self._call(kind, "read", name, self.namespace)
+        except ApiException as error:
+            if error.status != 404:
+                raise
+            self._call(kind, "create", self.namespace, obj)
+            self.progress(f"created {kind} {name}")
+            return
+        if (existing.metadata.annotations or {}).get(render.SPEC_HASH) == \
+                obj["metadata"]["annotations"][render.SPEC_HASH]:
+            return
+        body = dict(obj, metadata={**obj["metadata"],
+                                   "resourceVersion": existing.metadata.resource_version})
+        self._call(kind, "replace", name, self.namespace, body)
+        self.progress(f"updated {kind} {name}")
+
+    def _owned(self, spec: TieredModel) -> dict[int, list[tuple[str, str]]]:
+        """The model's workloads and Services, by version: (kind, name) each."""
+        selector = f"{render.LABEL_MODEL}={render.dns_label(spec.name)}"
+        owned: dict[int, list[tuple[str, str]]] = {}
+        for kind in WORKLOAD_KINDS:
+            for obj in self._call(kind, "list", self.namespace, label_selector=selector).items:
+                version = int((obj.metadata.labels or {}).get(render.LABEL_VERSION, "0"))
+                owned.setdefault(version, []).append((kind, obj.metadata.name))
+        return owned
+
+    def _state(self, spec: TieredModel, tier: str, version: int) -> plan.VersionState:
+        if self._available(spec, tier, version):
+            return plan.VersionState(plan.READY)
+        why = self._build_failure(spec, tier, version)
+        return plan.VersionState(plan.REFUSED, why) if why else plan.VersionState(plan.PENDING)
+
+    def _available(self, spec: TieredModel, tier: str, version: int) -> bool:
+        per_node = spec.tiers[tier].per_node
+        try:
+            workload = self._call("DaemonSet" if per_node else "Deployment", "read",
+                                  render.workload_name(spec.name, tier, version),
+                                  self.namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        status = workload.status
+        if status is None:
+            return False
+        ready = status.number_available if per_node else status.available_replicas
+        return bool(ready and ready >= 1)
+
+    def _build_failure(self, spec: TieredModel, tier: str, version: int) -> str | None:
+        """Why the build failed on a pod of this tier and version, if it did (a
+        sha256 mismatch, an engine that refused the model)."""
+        response = self.core.list_namespaced_pod(
+            self.namespace, label_selector=render.pod_selector(spec.name, tier, version),
+            _preload_content=False)  # plain JSON: the kubelet's status as it is
+        return render.build_failure(json.loads(response.data).get("items") or [])
+
+    def _address(self, spec: TieredModel, tier: str, version: int) -> str:
+        service = render.workload_name(spec.name, tier, version)
+        return self.agent_addresses.get(
+            service, render.agent_address(spec.name, tier, version, self.namespace))
+
+
+def _stored(obj: Mapping[str, Any]) -> Stored:
+    metadata = obj["metadata"]
+    return Stored(metadata["name"], obj, obj.get("status"), metadata.get("generation", 0),
+                  metadata.get("resourceVersion"), bool(metadata.get("deletionTimestamp")))

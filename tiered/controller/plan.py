@@ -1,0 +1,326 @@
+"""The reconcile core, pure: (spec, stored status, what was observed, now) -> Plan.
+
+Both backends run this one function and only observe and apply, as
+controller-runtime keeps one Reconciler and swaps its clients. From the
+spec's artifact and the stored status it decides
+
+- which version the spec names (a new digest is a new version) and which
+  versions must have agents (`keep`): those served, the spec's version while
+  it is still to be rolled out, and versions on their way out until their
+  grace has passed;
+- whether the spec's version is ready to start (its agents up on every
+  tier), is still coming, or was refused by its build;
+- how the spec moves the rollout (start, abort) and, while it is live, what
+  the rollout engine decides from the stage's measurements;
+- which versions leave now (`retire`): those no longer wanted whose grace,
+  kept in the status so that a restarted controller keeps counting, has
+  passed;
+- the status to write: the rollout, the artifact versions, the summary
+  fields, the `Ready`/`Progressing`/`Degraded` conditions and a bounded
+  history of the rollout's steps with their numbers.
+
+Pure: no clock (`now` is passed in), no I/O. The backends' observations
+arrive as `Observation`; the telemetry behind the measurements is read by
+`tiered.controller.judge` before the plan is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from tiered.controller import desired
+from tiered.errors import ConfigError
+from tiered.profiles import TIERS
+from tiered.rollout import engine
+from tiered.rollout.analysis import SUCCESSFUL, Measurements
+from tiered.rollout.spec import (
+    ArtifactVersion,
+    Condition,
+    HistoryEntry,
+    Retirement,
+    RolloutStatus,
+    TieredModel,
+    TieredModelStatus,
+)
+
+READY, PENDING, REFUSED = "Ready", "Pending", "Refused"
+HISTORY_LIMIT = 50  # steps kept in the status; the oldest go first
+RETIRE_GRACE_S = 120.0  # Kubernetes refreshes a mounted ConfigMap within about a minute
+WAIT_S = 5.0  # how soon a version still coming up is looked at again
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """One version's agents on one tier, as the backend sees them."""
+
+    state: str  # Ready | Pending | Refused
+    why: str = ""  # for Refused: the build's verdict
+
+
+@dataclass(frozen=True)
+class Versions:
+    """The spec's version and the versions whose agents must exist for it."""
+
+    target: int
+    artifacts: tuple[ArtifactVersion, ...]
+    wanted: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StageReading:
+    """What the judge read for one stage of a live rollout."""
+
+    canary_version: int
+    stage_index: int
+    measurements: Measurements | None
+    numbers: Mapping[str, Any] = field(default_factory=dict)  # headline numbers
+    unreadable: tuple[str, ...] = ()  # agents whose telemetry could not be read
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a backend saw before planning."""
+
+    generation: int
+    states: Mapping[tuple[str, int], VersionState]  # (tier, version) of the wanted versions
+    present: frozenset[int] = frozenset()  # versions with agents in place now
+    reading: StageReading | None = None  # the live stage's, when it was judged
+
+
+@dataclass(frozen=True)
+class Event:
+    """A step worth telling: a progress line, a Kubernetes Event."""
+
+    reason: str  # CamelCase
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to make so, for one model."""
+
+    status: TieredModelStatus
+    keep: tuple[int, ...]  # versions whose agents must exist
+    retire: tuple[int, ...]  # versions whose agents go now
+    events: tuple[Event, ...] = ()
+    snapshot: Mapping[str, Any] | None = None  # this pass's rollout snapshot, if judged or moved
+    requeue_after_s: float | None = None
+
+
+def versions(spec: TieredModel, status: TieredModelStatus) -> Versions:
+    """The spec's version (numbering a new digest) and the versions it wants."""
+    if spec.artifact.sha256 is None:
+        raise ConfigError("artifact.sha256: required (`tiered apply` pins it when the "
+                          "artifact is a local file)")
+    target, artifacts = desired.version_of(spec.artifact, status.artifacts)
+    return Versions(target, artifacts, desired.wanted_versions(status.rollout, target))
+
+
+def refusals(spec: TieredModel, wanted: Versions,
+             states: Mapping[tuple[str, int], VersionState]) -> dict[str, str]:
+    """Tier -> why the spec's version was refused there, for tiers where it was."""
+    return {tier: states[(tier, wanted.target)].why for tier in _tiers(spec)
+            if states.get((tier, wanted.target), VersionState(PENDING)).state == REFUSED}
+
+
+def waiting(spec: TieredModel, rollout: RolloutStatus | None, wanted: Versions,
+            states: Mapping[tuple[str, int], VersionState]) -> str | None:
+    """Why the spec's version cannot start yet, or None when nothing waits:
+    a version still to be rolled out starts once its agents are up on every tier."""
+    if wanted.target not in wanted.wanted or wanted.target in desired.served_versions(rollout):
+        return None
+    refused = refusals(spec, wanted, states)
+    if refused:
+        return f"version {wanted.target} refused: " + "; ".join(
+            f"{tier}: {why}" for tier, why in refused.items())
+    coming = [tier for tier in _tiers(spec)
+              if states.get((tier, wanted.target), VersionState(PENDING)).state != READY]
+    if coming:
+        return (f"version {wanted.target}: waiting for its agents on {', '.join(coming)} "
+                "(building and starting)")
+    return None
+
+
+def judging(spec: TieredModel, status: TieredModelStatus, wanted: Versions,
+            states: Mapping[tuple[str, int], VersionState]) -> bool:
+    """Whether this pass judges the stored rollout (so its telemetry is read)."""
+    return desired.live(status.rollout) and waiting(spec, status.rollout, wanted,
+                                                    states) is None
+
+
+def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, now: float,
+         retire_grace_s: float = RETIRE_GRACE_S) -> Plan:
+    """The one reconcile step both backends take; see the module docstring."""
+    wanted = versions(spec, status)
+    rollout = status.rollout
+    events: list[Event] = []
+    steps: list[HistoryEntry] = []
+    snapshot: dict[str, Any] | None = None
+    requeue: float | None = None
+    blocked = waiting(spec, rollout, wanted, observed.states)
+    if blocked is not None:
+        message, requeue = blocked, WAIT_S
+    else:
+        transition = desired.follow_spec(spec, rollout, wanted.target, now)
+        if transition is not None:
+            rollout = transition.status
+            events.append(Event(_REASONS[transition.action], transition.reason))
+            steps.append(_step(spec, rollout, transition.action, transition.reason, now))
+            snapshot = make_snapshot(spec, rollout, transition.action, transition.reason)
+            if desired.live(rollout):  # judged from the next pass on
+                requeue = spec.rollout.analysis.interval_s
+        elif desired.live(rollout):
+            decision, numbers = _judge(spec, rollout, observed.reading, now)
+            rollout = decision.status
+            snapshot = make_snapshot(spec, rollout, decision.action, decision.reason, numbers)
+            if decision.action != engine.HOLD:
+                events.append(Event(_REASONS[decision.action],
+                                    f"{decision.action}: {decision.reason}",
+                                    warning=decision.action in (engine.ROLLBACK, engine.PAUSE)))
+                steps.append(_step(spec, rollout, decision.action, decision.reason, now,
+                                   numbers))
+            requeue = decision.requeue_after_s
+            if requeue is None or requeue > spec.rollout.analysis.interval_s:
+                requeue = spec.rollout.analysis.interval_s
+        message = rollout.message if rollout is not None else status.message
+
+    still = desired.wanted_versions(rollout, wanted.target)
+    retiring, due = _retirements(status.retiring, still, observed.present, now,
+                                 retire_grace_s)
+    waits = [r.after - now for r in retiring if r.after > now]
+    requeue = min([v for v in (requeue, *waits) if v is not None], default=None)
+    refused = refusals(spec, wanted, observed.states)
+    unreadable = observed.reading.unreadable if observed.reading is not None else ()
+    written = TieredModelStatus(
+        rollout=rollout, artifacts=wanted.artifacts, **status_fields(spec, rollout),
+        observed_generation=observed.generation, message=message,
+        conditions=conditions(status.conditions, rollout, blocked, refused, unreadable,
+                              observed.generation, now),
+        history=(*status.history, *steps)[-HISTORY_LIMIT:], retiring=retiring)
+    keep = tuple(sorted({*still, *(r.version for r in retiring if r.version not in due)}))
+    return Plan(written, keep, due, tuple(events), snapshot, requeue)
+
+
+def _tiers(spec: TieredModel) -> list[str]:
+    return [tier for tier in TIERS if tier in spec.tiers]
+
+
+def _judge(spec: TieredModel, rollout: RolloutStatus, reading: StageReading | None,
+           now: float) -> tuple[engine.Decision, Mapping[str, Any]]:
+    """The engine's decision on the live stage from what was read for it.
+    Partial data is never judged: an unreadable agent holds the stage (its
+    max_duration still applies)."""
+    if reading is None or (reading.canary_version, reading.stage_index) != (
+            rollout.canary_version, rollout.stage_index):
+        return engine.decide(spec, rollout, None, now), {}
+    if reading.unreadable:
+        decision = engine.decide(spec, rollout, None, now)
+        why = f"telemetry unreadable from {', '.join(reading.unreadable)}: {decision.reason}"
+        return dataclasses.replace(decision, reason=why, status=dataclasses.replace(
+            decision.status, message=why)), reading.numbers
+    return engine.decide(spec, rollout, reading.measurements, now), reading.numbers
+
+
+def _retirements(previous: Sequence[Retirement], wanted: Sequence[int],
+                 present: frozenset[int], now: float, grace_s: float
+                 ) -> tuple[tuple[Retirement, ...], tuple[int, ...]]:
+    """Versions on their way out (each marked once, when it stopped being
+    wanted) and those whose grace has passed."""
+    marked = {r.version: r for r in previous if r.version in present and r.version not in wanted}
+    for version in sorted(present - set(wanted)):
+        marked.setdefault(version, Retirement(version, now + grace_s))
+    retiring = tuple(marked[v] for v in sorted(marked))
+    return retiring, tuple(r.version for r in retiring if now >= r.after)
+
+
+_REASONS = {"start": "RolloutStarted", "promote": "Promoted", "abort": "Aborted",
+            engine.ADVANCE: "StageAdvanced", engine.ROLLBACK: "RolledBack",
+            engine.PAUSE: "Paused", engine.RESUME: "Resumed", engine.HOLD: "Holding"}
+
+
+def status_fields(spec: TieredModel, rollout: RolloutStatus | None) -> Mapping[str, Any]:
+    """The status's summary fields for printer columns: stage and weights."""
+    if rollout is None:
+        return {"stage": "", "weights": {}, "weights_summary": ""}
+    weights = dict(engine.canary_weights(spec, rollout))
+    return {"stage": desired.stage_label(spec, rollout) if desired.live(rollout) else "",
+            "weights": weights, "weights_summary": desired.weights_summary(weights)}
+
+
+def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
+               blocked: str | None, refused: Mapping[str, str], unreadable: Sequence[str],
+               generation: int, now: float) -> tuple[Condition, ...]:
+    """Ready, Progressing and Degraded, each keeping its lastTransitionTime
+    while its status stays the same."""
+    if rollout is None:
+        ready = ("False", "NoVersionServing", blocked or "no version serves yet")
+    else:
+        ready = ("True", "Serving", f"version {rollout.stable_version} serves on every tier")
+    if refused:
+        progressing = ("False", "BuildRefused", blocked or "")
+    elif blocked is not None:
+        progressing = ("True", "WaitingForAgents", blocked)
+    elif rollout is not None and rollout.phase == engine.PROGRESSING and desired.live(rollout):
+        progressing = ("True", "RollingOut", rollout.message)
+    elif rollout is not None and rollout.phase == engine.PAUSED:
+        progressing = ("False", "Paused", rollout.message)
+    else:
+        progressing = ("False", rollout.phase if rollout is not None else "NoVersionServing",
+                       rollout.message if rollout is not None else "")
+    if refused:
+        degraded = ("True", "BuildRefused", blocked or "")
+    elif unreadable:
+        degraded = ("True", "TelemetryUnreadable",
+                    f"telemetry unreadable from {', '.join(unreadable)}")
+    elif rollout is not None and rollout.phase == engine.ROLLED_BACK:
+        degraded = ("True", "RolledBack", rollout.message)
+    else:
+        degraded = ("False", "AsExpected", "")
+    before = {c.type: c for c in previous}
+    stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    result = []
+    for kind, (state, reason, message) in (("Ready", ready), ("Progressing", progressing),
+                                           ("Degraded", degraded)):
+        old = before.get(kind)
+        since = old.lastTransitionTime if old is not None and old.status == state else stamp
+        result.append(Condition(type=kind, status=state, reason=reason, message=message,
+                                observedGeneration=generation, lastTransitionTime=since))
+    return tuple(result)
+
+
+def _step(spec: TieredModel, rollout: RolloutStatus, action: str, reason: str, now: float,
+          numbers: Mapping[str, Any] | None = None) -> HistoryEntry:
+    return HistoryEntry(
+        t=now, action=action, reason=reason, phase=rollout.phase,
+        stable_version=rollout.stable_version, canary_version=rollout.canary_version,
+        stage=desired.stage_label(spec, rollout) if rollout.canary_version else "",
+        numbers={k: float(v) for k, v in (numbers or {}).items() if v is not None})
+
+
+def make_snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason: str,
+                  numbers: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One line of the local rollout history (progress lines, the report):
+    where the rollout stands and the numbers it used."""
+    index = min(status.stage_index, len(spec.rollout.stages) - 1)
+    run = status.last_analysis
+    return {
+        "model": spec.name, "stable_version": status.stable_version,
+        "canary_version": status.canary_version, "phase": status.phase,
+        "stage_index": index, "stage_name": spec.rollout.stages[index].name,
+        "stages": len(spec.rollout.stages),
+        "weights": dict(engine.canary_weights(spec, status)),
+        "action": action, "reason": reason,
+        "verdict": run.verdict if run is not None else None,
+        # what keeps the analysis from passing: metric labels, with their tier
+        "pending": [m.label for m in run.metrics if m.outcome != SUCCESSFUL]
+        if run is not None else [],
+        **{key: None for key in ("stable_requests", "canary_requests", "p95_stable_ms",
+                                 "p95_canary_ms", "jpi_stable", "jpi_canary", "agreement")},
+        "agreement_compared": 0,
+        **(numbers or {}),
+    }

@@ -1,0 +1,47 @@
+"""Tier builds: make a tier's version of one FP32 ONNX artifact, measure it
+against that artifact, judge it, and place it into a model repository.
+
+    tiered build ARTIFACT.onnx --tier edge --repository DIR --model NAME --version V
+
+edge: INT8 static QDQ on ONNX Runtime's CPU provider; regional: FP16 weights
+and compute with FP32 inputs/outputs; datacenter: the FP32 artifact, which the
+torch engine converts at load. The tier profile's `build:` mapping chooses the
+defaults (`BuildSettings`), command-line flags override them.
+
+The package, one job a module:
+    spec      what to build and how (BuildRequest, BuildSettings, choose_settings)
+    fetch     the artifact as a local file holding exactly the pinned bytes
+    samples   calibration and eval data (an npz, or random inputs)
+    gate      output comparison, the accuracy gate, latency summaries (pure)
+    report    build.json: composed, written, read, and its key figures
+    install   the repository layout and the all-or-nothing move into it
+    pipeline  `build`, the adapter that runs engines and moves files
+
+This `__init__` is only the public surface (the names its callers use); the
+orchestration has a module of its own so that the surface is read in one
+screen and the modules import one another, never this file's names.
+
+Nothing here may import tiered.agent or tiered.protocol (engines sit below
+them): the repository's on-disk layout is written as a file format, and the
+caller's verdict reaches build.json through `build(verdict=...)`.
+"""
+
+from __future__ import annotations
+
+from tiered.engines.build.fetch import fetch_artifact
+from tiered.engines.build.gate import GateDecision
+from tiered.engines.build.pipeline import BuildOutcome, build
+from tiered.engines.build.report import read_report, version_facts
+from tiered.engines.build.spec import BuildRequest, BuildSettings, choose_settings
+
+__all__ = [
+    "BuildOutcome",
+    "BuildRequest",
+    "BuildSettings",
+    "GateDecision",
+    "build",
+    "choose_settings",
+    "fetch_artifact",
+    "read_report",
+    "version_facts",
+]

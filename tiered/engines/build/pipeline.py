@@ -1,0 +1,212 @@
+"""One tier build from start to end: refuse early what cannot be built, lower
+the artifact to the tier's precision, run both on the same data, judge, time,
+report, and install only what the gate accepts.
+
+This is the adapter around the pure parts (`gate`, `samples`, `spec`): it runs
+engines and moves files. A build happens in a temporary directory and moves
+into the repository only when the gate accepts it, so a failed or interrupted
+build never leaves a half-written version behind (at most, if killed while
+copying, a hidden staging directory that the agent ignores). It must never
+pass a rejected build into the repository.
+"""
+
+from __future__ import annotations
+
+import datetime
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiered.engines import BACKENDS, Engine, TensorSpec, open_engine, quantize
+from tiered.engines.build import gate, install, report, samples, spec
+from tiered.errors import ConfigError, EngineError
+from tiered.profiles import TierProfile
+from tiered.settings import read_yaml
+
+EVAL_BATCH = 64  # rows per engine run while comparing outputs
+CALIBRATION_BATCH = 16  # rows per calibration run of the quantizer
+LATENCY_WARMUP_RUNS = 2
+
+
+@dataclass(frozen=True)
+class BuildOutcome:
+    report: dict[str, Any]  # also DIR/<model>/<version>/build.json when installed
+    decision: gate.GateDecision
+    installed: Path | None  # the version directory, when written
+
+
+# What the caller records under an installed version's report key "verdict",
+# given the gate's decision and the version directory it goes to. The caller
+# owns the verdict's schema (tiered.protocol.verdict, which engines may not
+# import); it is asked here so that build.json holds it from the first moment
+# an agent can see the version.
+VerdictOf = Callable[[gate.GateDecision, Path], Mapping[str, Any]]
+
+
+def build(
+    request: spec.BuildRequest,
+    profile: TierProfile,
+    settings: spec.BuildSettings,
+    *,
+    now: datetime.datetime,
+    clock: Callable[[], float] = time.perf_counter,
+    verdict: VerdictOf | None = None,
+) -> BuildOutcome:
+    """Build for `profile`'s tier, measure, judge; install only when the gate accepts."""
+    _preflight(request, profile, settings)
+    engine_settings = _engine_settings(profile, settings)
+    with tempfile.TemporaryDirectory(prefix="tiered-build-") as work_name:
+        work = Path(work_name)
+        artifact = work / "version" / install.MODEL_FILE
+        artifact.parent.mkdir()
+        # The FP32 reference runs on the tier's ONNX Runtime settings, so its
+        # latency is what serving the unlowered artifact here would cost.
+        reference = open_engine("onnxruntime", request.source, dict(profile.onnxruntime),
+                                f"{profile.tier} profile onnxruntime")
+        built: Engine | None = None
+        try:
+            step = samples.batch_step(reference.inputs)
+            rng = np.random.default_rng(settings.seed)
+            evaluation = samples.load_or_draw(request.evaluation, reference.inputs,
+                                              settings.eval_samples, settings.random_samples,
+                                              rng, "eval")
+            calibration, calibrator = _lower(request, settings, reference.inputs, step, rng,
+                                             artifact, work)
+            built = open_engine(settings.backend, artifact, engine_settings,
+                                f"{profile.tier} profile {settings.backend} + build.engine")
+            _check_same_interface(reference, built)
+            output = reference.outputs[0].name
+            agreement = gate.compare_outputs(output,
+                                             _run_all(reference, evaluation, step, output),
+                                             _run_all(built, evaluation, step, output),
+                                             evaluation.labels)
+            decision = gate.judge(
+                agreement,
+                min_agreement=settings.min_agreement,
+                min_samples=settings.min_eval_samples,
+                max_accuracy_drop=settings.max_accuracy_drop,
+                allow_accuracy_drop=request.allow_accuracy_drop,
+            )
+            sizes = [b for b in settings.latency_batch_sizes if step is None or b == step] or [1]
+            latency = _measure_latency(reference, built, evaluation, sizes,
+                                       settings.latency_runs, clock)
+            record = report.compose(request, profile.tier, settings, engine_settings, artifact,
+                                    built, evaluation, calibration, calibrator, agreement,
+                                    decision, latency, now)
+        finally:
+            reference.close()
+            if built is not None:
+                built.close()
+        installed = None
+        if decision.accepted:
+            if verdict is not None:
+                target = request.repository / request.model / str(request.version)
+                record["verdict"] = dict(verdict(decision, target))
+            report.write_report(artifact.parent, record)
+            config = install.new_config(settings, engine_settings, profile, step)
+            installed = install.install_version(artifact.parent, request.repository,
+                                                request.model, request.version, config,
+                                                force=request.force)
+    return BuildOutcome(record, decision, installed)
+
+
+def _lower(
+    request: spec.BuildRequest, settings: spec.BuildSettings, inputs: Sequence[TensorSpec],
+    step: int | None, rng: np.random.Generator, artifact: Path, work: Path,
+) -> tuple[samples.Samples | None, dict[str, Any]]:
+    """Write the tier's artifact; return the calibration data and calibrator facts (INT8)."""
+    if settings.precision == "int8":
+        calibration = samples.load_or_draw(request.calibration, inputs,
+                                           settings.calibration_samples,
+                                           settings.random_samples, rng, "calibration")
+        calibrator = quantize.quantize_int8(
+            request.source, artifact, list(calibration.batches(step or CALIBRATION_BATCH)),
+            method=settings.calibration_method, per_channel=settings.per_channel, work_dir=work,
+        )
+        return calibration, calibrator
+    if settings.precision == "fp16" and settings.backend == "onnxruntime":
+        quantize.convert_fp16(request.source, artifact)
+    else:  # torch converts at load; ONNX Runtime fp32 is the artifact itself
+        quantize.keep_fp32(request.source, artifact)
+    return None, {}
+
+
+def _preflight(request: spec.BuildRequest, profile: TierProfile,
+               settings: spec.BuildSettings) -> None:
+    """Everything that can refuse a build before minutes are spent on it."""
+    if not request.source.is_file():
+        raise ConfigError(f"artifact: {request.source} is not a file")
+    install.check_layout_names(request.model, request.version)
+    if request.repository.exists() and not request.repository.is_dir():
+        raise ConfigError(f"repository: {request.repository} is not a directory")
+    if settings.backend not in BACKENDS:
+        raise ConfigError(
+            f"backend: {settings.backend!r} has no engine in this installation of tiered "
+            f"(engines: {', '.join(BACKENDS)}); build for it once its engine is registered"
+        )
+    model_dir = request.repository / request.model
+    if (model_dir / str(request.version)).exists() and not request.force:
+        raise ConfigError(
+            f"version: {model_dir / str(request.version)} already exists; pass --force to "
+            "replace it"
+        )
+    config_path = model_dir / install.CONFIG_FILE
+    if config_path.is_file():
+        config = read_yaml(config_path)
+        served = config.get("backend", profile.engine)
+        if served != settings.backend:
+            raise ConfigError(
+                f"backend: {config_path} serves this model on {served!r}, the build makes a "
+                f"{settings.backend!r} version; build with --backend {served} or give the "
+                "model another name"
+            )
+
+
+def _engine_settings(profile: TierProfile, settings: spec.BuildSettings) -> dict[str, Any]:
+    """The settings the version is measured (and, in a new config, served) with."""
+    merged = {**profile.backends.get(settings.backend, {}), **settings.engine}
+    if settings.backend == "torch":
+        merged["precision"] = settings.precision  # torch converts at load
+    return merged
+
+
+def _check_same_interface(reference: Engine, built: Engine) -> None:
+    def interface(engine: Engine) -> list[tuple[str, str]]:
+        return [(s.name, str(s.dtype)) for s in (*engine.inputs, *engine.outputs)]
+
+    if interface(reference) != interface(built):
+        raise EngineError(
+            f"the build changed the model's inputs/outputs: {interface(reference)} became "
+            f"{interface(built)}; clients would have to change"
+        )
+
+
+def _run_all(engine: Engine, data: samples.Samples, step: int | None,
+             output: str) -> np.ndarray:
+    parts = [engine.run(feeds, [output])[output] for feeds in data.batches(step or EVAL_BATCH)]
+    return np.concatenate(parts, axis=0)
+
+
+def _measure_latency(
+    reference: Engine, built: Engine, data: samples.Samples, batch_sizes: Sequence[int],
+    runs: int, clock: Callable[[], float],
+) -> dict[str, list[gate.LatencySummary]]:
+    """Runs of the two engines alternate, so both see the same machine noise."""
+    results: dict[str, list[gate.LatencySummary]] = {"build": [], "fp32_reference": []}
+    for batch_size in batch_sizes:
+        feeds = data.rows(np.arange(batch_size) % data.count)
+        timings: dict[str, list[float]] = {"build": [], "fp32_reference": []}
+        for index in range(LATENCY_WARMUP_RUNS + runs):
+            for name, engine in (("fp32_reference", reference), ("build", built)):
+                start = clock()
+                engine.run(feeds)
+                if index >= LATENCY_WARMUP_RUNS:
+                    timings[name].append(clock() - start)
+        for name, seconds in timings.items():
+            results[name].append(gate.summarize_latency(batch_size, seconds))
+    return results

@@ -1,0 +1,145 @@
+"""A build's report (DIR/<model>/<version>/build.json): what was built from
+what, how it compares with the FP32 artifact, the gate's verdict with its
+numbers, timings, engine and library versions; and the key figures of a
+report as the agent shows them.
+
+Composing a report is pure apart from hashing the two files it names; it
+never judges (that is the gate's job) and never writes into a repository.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tiered.engines import Engine
+from tiered.engines.build import gate, install, samples, spec
+from tiered.errors import ConfigError
+from tiered.files import sha256_file
+
+REPORT_FILE = "build.json"
+
+
+def compose(
+    request: spec.BuildRequest, tier: str, settings: spec.BuildSettings,
+    engine_settings: Mapping[str, Any], artifact: Path, built: Engine,
+    evaluation: samples.Samples, calibration: samples.Samples | None,
+    calibrator: Mapping[str, Any], agreement: gate.Agreement, decision: gate.GateDecision,
+    latency: Mapping[str, Sequence[gate.LatencySummary]], now: datetime.datetime,
+) -> dict[str, Any]:
+    """The report of one build, whatever the gate decided."""
+    source_bytes = request.source.stat().st_size
+    artifact_bytes = artifact.stat().st_size
+    notes = []
+    if evaluation.origin == "random":
+        notes.append("eval on random inputs: top-1 agreement and errors only, no accuracy; "
+                     "pass --eval with real data for a meaningful gate")
+    if calibration is not None and calibration.origin == "random":
+        notes.append("INT8 ranges calibrated on random inputs; pass --calibration with real data")
+    if settings.precision == "fp16" and built.device == "cpu":
+        notes.append("FP16 measured on CPU: ONNX Runtime runs FP16 nodes it lacks CPU kernels "
+                     "for through inserted casts, so this latency says nothing of GPU FP16")
+    return {
+        "model": request.model,
+        "version": request.version,
+        "tier": tier,
+        "backend": settings.backend,
+        "precision": settings.precision,
+        "source": {"path": str(request.source), "sha256": sha256_file(request.source),
+                   "size_bytes": source_bytes},
+        "artifact": {"file": install.MODEL_FILE, "sha256": sha256_file(artifact),
+                     "size_bytes": artifact_bytes,
+                     "size_vs_source": round(artifact_bytes / source_bytes, 4)},
+        "calibration": None if calibration is None else {
+            **calibrator, "samples": calibration.count, "data": calibration.origin,
+            "per_channel": settings.per_channel,
+            "format": "QDQ", "activations": "int8", "weights": "int8",
+        },
+        "eval": {"data": evaluation.origin, "samples": evaluation.count,
+                 "labels": evaluation.labels is not None},
+        "accuracy": {**_finite(asdict(agreement)),
+                     "accuracy_drop": _finite(agreement.accuracy_drop)},
+        "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
+                 "reason": decision.reason, "min_agreement": settings.min_agreement,
+                 "min_eval_samples": settings.min_eval_samples,
+                 "max_accuracy_drop": settings.max_accuracy_drop,
+                 "allow_accuracy_drop": request.allow_accuracy_drop},
+        "latency": {name: [_finite(asdict(s)) for s in rows] for name, rows in latency.items()},
+        "engine": {**built.describe(), "device": built.device,
+                   "settings": _finite(dict(engine_settings))},
+        "versions": _versions(),
+        "created": now.isoformat(),
+        "notes": notes,
+    }
+
+
+def _versions() -> dict[str, str | None]:
+    found = {}
+    for name, dists in (("onnxruntime", ("onnxruntime", "onnxruntime-gpu")),
+                        ("onnx", ("onnx",)), ("numpy", ("numpy",)), ("torch", ("torch",)),
+                        ("tiered", ("tiered",))):
+        found[name] = None
+        for dist in dists:
+            try:
+                found[name] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: they become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def version_facts(report: Mapping[str, Any]) -> dict[str, str]:
+    """A build report's key figures, as the agent shows them in ModelConfig parameters."""
+    accuracy = report.get("accuracy") or {}
+    facts = {
+        "build_tier": report.get("tier"),
+        "build_precision": report.get("precision"),
+        "build_top1_agreement": _fact(accuracy.get("top1_agreement")),
+        "build_max_abs_error": _fact(accuracy.get("max_abs_error")),
+        "build_accuracy": _fact(accuracy.get("build_accuracy")),
+        "build_eval_data": (report.get("eval") or {}).get("data"),
+        "build_gate": (report.get("gate") or {}).get("verdict"),
+        "build_source_sha256": (report.get("source") or {}).get("sha256"),
+        "build_created": report.get("created"),
+    }
+    return {key: str(value) for key, value in facts.items() if value is not None}
+
+
+def _fact(value: Any) -> str | None:
+    return None if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def read_report(version_dir: Path) -> dict[str, Any] | None:
+    """A version's build.json, or None where it has none."""
+    path = version_dir / REPORT_FILE
+    if not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: unreadable build report: {error}") from error
+    if not isinstance(report, dict):
+        raise ConfigError(f"{path}: a build report is a JSON object")
+    return report
+
+
+def write_report(version_dir: Path, report: Mapping[str, Any]) -> None:
+    """build.json into a version directory that is still being staged."""
+    (version_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")

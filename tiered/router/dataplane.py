@@ -1,0 +1,122 @@
+"""The router's data plane: for each request, hints, a policy's ranking, the
+calls to agents, and the counts.
+
+It owns the routing table in use and what the router knows and counts
+(observer, channel pool, statistics, metrics, shadow agreement). The choice
+itself is `policies`' (pure); the calls are `forward`'s. The clock and the
+rng are injected. Never imports agent or controller code.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from tiered import errors
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import routing, security
+from tiered.router import counters, forward, hints, observations, policies, statistics
+
+
+class Router:
+    """The table in use, what the router knows of its agents, and the routing."""
+
+    def __init__(self, table: routing.RoutingTable, *, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 transport: security.TransportSecurity = security.PLAINTEXT) -> None:
+        self.table = table
+        self.rng = rng or random.Random()
+        self.clock = clock
+        self.observer = observations.Observer(clock)
+        self.pool = forward.ChannelPool(transport)
+        self.agreement = counters.ShadowAgreement()
+        self.metrics = counters.RouterMetrics(self.agreement)
+        self.metrics.table_version.set(table.version)
+        self.statistics = statistics.RouterStatistics()
+        self.forwarder = forward.Forwarder(self.pool, self.observer, self.metrics, clock)
+        self.shadows = forward.Shadows(self.pool, self.agreement, self.rng)
+        # Candidates per (model, version of each tier): built once per table.
+        self._candidates: dict[tuple[str, tuple[int, ...]], list[policies.Candidate]] = {}
+
+    async def use_table(self, table: routing.RoutingTable) -> None:
+        self.table = table  # one assignment: a request sees the old table or the new one
+        self._candidates = {}
+        self.metrics.table_version.set(table.version)
+        self.statistics.keep_only(table.models)
+        agents = table.agents()
+        self.observer.forget(agents)
+        await self.pool.keep_only(agents)
+
+    def route_of(self, model: str) -> routing.ModelRoute:
+        route = self.table.models.get(model)
+        if route is None:
+            raise errors.NotFound(f"model_name: {model!r} is not in the routing table")
+        return route
+
+    async def infer(self, request: pb.ModelInferRequest,
+                    metadata: Sequence[tuple[str, str]] | None, time_remaining: float | None
+                    ) -> pb.ModelInferResponse:
+        """Route, forward, count; a model outside the table is NOT_FOUND and
+        counted nowhere, any other failure counts in the model's statistics."""
+        started = self.clock()
+        model = request.model_name
+        table = self.table  # the whole request sees one table
+        route = self.route_of(model)
+        try:
+            deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
+                                      started)
+            response, chosen, choice = await self._route(request, route, metadata, deadline)
+        except Exception:
+            now = self.clock()
+            self.statistics.failed(model, now - started, now)
+            raise
+        now = self.clock()
+        self.statistics.succeeded(model, response.model_version, now - started, now)
+        self.metrics.answered(model, chosen.tier, response.model_version)
+        if policies.should_shadow(route.tiers[chosen.tier], choice, self.rng):
+            self.shadows.send(request, response, chosen, route, table.timeout_s)
+        return response
+
+    async def _route(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
+                     metadata: Sequence[tuple[str, str]] | None, deadline: float
+                     ) -> tuple[pb.ModelInferResponse, policies.Candidate,
+                                policies.VersionChoice]:
+        model = request.model_name
+        wanted = hints.read_hints(model, request.parameters, metadata)
+        choices = {tier: policies.pick_version(tier_route, wanted.key, self.rng)
+                   for tier, tier_route in route.tiers.items()}
+        candidates = self.candidates(model, route, choices)
+        policy = policies.policy_for(route, wanted)
+        seen = self.observer.snapshot((c.agent for c in candidates), model)
+        ranking = policy.choose(candidates, wanted, seen, self.rng)
+        if isinstance(policy, policies.Cascade):
+            response, chosen = await self.forwarder.cascade(
+                request, ranking.candidates, route, deadline)
+        else:
+            response, chosen = await self.forwarder.forward(
+                request, ranking.candidates, route, deadline)
+        return response, chosen, choices[chosen.tier]
+
+    def candidates(self, model: str, route: routing.ModelRoute,
+                   choices: Mapping[str, policies.VersionChoice]) -> list[policies.Candidate]:
+        key = (model, tuple(c.version for c in choices.values()))
+        candidates = self._candidates.get(key)
+        if candidates is None:  # at most 2^tiers per model: stable or canary on each
+            candidates = self._candidates[key] = policies.candidates_of(
+                route, {tier: choice.version for tier, choice in choices.items()})
+        return candidates
+
+    async def metadata_call(self, model: str, method: str, message):
+        return await self.forwarder.first_answer(self.route_of(model), method, message)
+
+    async def model_ready(self, model: str) -> bool:
+        route = self.table.models.get(model)
+        return route is not None and await self.forwarder.model_ready(model, route)
+
+    async def any_agent_ready(self) -> bool:
+        return await self.forwarder.any_agent_ready(self.table.agents())
+
+    async def close(self) -> None:
+        self.shadows.cancel()
+        await self.pool.close()

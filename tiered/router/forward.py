@@ -1,0 +1,260 @@
+"""The router's calls to its agents: pooled channels, failover, the cascade's
+escalation, shadow calls and the metadata and readiness probes.
+
+Errors from agents come back as domain errors (`upstream_error`), so that
+`translate_errors` maps them once. Which agents to try, and in what order,
+is decided before these calls (`policies`); this module only follows the
+order it is given. It talks to agents over gRPC only and never imports agent
+or controller code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+
+from tiered import errors
+from tiered.protocol import codec, routing, security
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+from tiered.protocol.status import error_from_status
+from tiered.router import counters, observations, policies
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 << 20
+MAX_SHADOW_IN_FLIGHT = 64  # shadow calls beyond this are skipped, never queued
+READY_PROBE_S = 1.0  # RepositoryIndex: how long a model's agents get to answer ModelReady
+METADATA_TIMEOUT_S = 5.0
+SERVER_READY_TIMEOUT_S = 1.0
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.DEADLINE_EXCEEDED})
+
+Answer = tuple[pb.ModelInferResponse, policies.Candidate]
+
+
+def upstream_error(agent: str, error: grpc.aio.AioRpcError) -> errors.TieredError:
+    return error_from_status(error.code(), f"{error.details()} (agent {agent})")
+
+
+class ChannelPool:
+    """One channel per agent address, reused by every call to it."""
+
+    def __init__(self, transport: security.TransportSecurity = security.PLAINTEXT) -> None:
+        self.transport = transport  # agents are checked against its CA; mTLS with its cert
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.GRPCInferenceServiceStub] = {}
+
+    def channel(self, agent: str) -> grpc.aio.Channel:
+        channel = self._channels.get(agent)
+        if channel is None:
+            channel = security.channel(agent, self.transport, aio=True, options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # A name that resolves to many agents (a headless Service) is
+                # balanced call by call rather than pinned to its first address.
+                ("grpc.lb_policy_name", "round_robin"),
+            ])
+            self._channels[agent] = channel
+        return channel
+
+    def stub(self, agent: str) -> pb_grpc.GRPCInferenceServiceStub:
+        stub = self._stubs.get(agent)
+        if stub is None:
+            stub = self._stubs[agent] = pb_grpc.GRPCInferenceServiceStub(self.channel(agent))
+        return stub
+
+    async def keep_only(self, agents: frozenset[str]) -> None:
+        for agent in [a for a in self._channels if a not in agents]:
+            self._stubs.pop(agent, None)
+            await self._channels.pop(agent).close(grace=5)
+
+    async def close(self) -> None:
+        await self.keep_only(frozenset())
+
+
+def outputs_of(response: pb.ModelInferResponse, only: str = "") -> dict:
+    """The response's outputs as arrays (just `only` when named)."""
+    arrays = {}
+    for index, tensor in enumerate(response.outputs):
+        if only and tensor.name != only:
+            continue
+        arrays[tensor.name] = codec.from_raw(
+            response.raw_output_contents[index], tensor.datatype, tuple(tensor.shape),
+            field=f"outputs[{index}]")
+    return arrays
+
+
+class Forwarder:
+    """Inference and metadata calls, in the order given, within a deadline."""
+
+    def __init__(self, pool: ChannelPool, observer: observations.Observer,
+                 metrics: counters.RouterMetrics, clock: Callable[[], float]) -> None:
+        self.pool = pool
+        self.observer = observer  # in-flight limits and the latency of each call
+        self.metrics = metrics
+        self.clock = clock
+
+    async def forward(self, request: pb.ModelInferRequest,
+                      candidates: Sequence[policies.Candidate], route: routing.ModelRoute,
+                      deadline: float) -> Answer:
+        """The first candidate that answers, failing over on retryable codes."""
+        attempts, saturated, last = 0, 0, None
+        for candidate in candidates:
+            if attempts >= route.failover_attempts:
+                break
+            now = self.clock()
+            remaining = deadline - now
+            if remaining <= 0:
+                raise errors.DeadlineExceeded(
+                    f"the request's deadline passed after {attempts} attempt(s)")
+            if not self.observer.try_acquire(candidate.agent, route.max_in_flight):
+                saturated += 1
+                continue
+            attempts += 1
+            request.model_version = str(candidate.version) if candidate.version else ""
+            try:
+                response = await self.pool.stub(candidate.agent).ModelInfer(
+                    request, timeout=remaining)
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in RETRYABLE:
+                    raise upstream_error(candidate.agent, error) from None
+                self.metrics.failovers.labels(request.model_name, candidate.tier,
+                                              error.code().name).inc()
+                last = (candidate.agent, error)
+                continue
+            finally:
+                self.observer.release(candidate.agent)
+            self.observer.record_latency(candidate.agent, request.model_name,
+                                         self.clock() - now)
+            return response, candidate
+        if last is None:
+            if saturated:
+                self.metrics.rejected.labels(request.model_name).inc()
+                raise errors.ResourceExhausted(
+                    f"model {request.model_name!r}: every agent is at its in-flight limit "
+                    f"({route.max_in_flight}); retry later")
+            raise errors.Unavailable(f"model {request.model_name!r}: no agent to send to")
+        raise upstream_error(*last)
+
+    async def cascade(self, request: pb.ModelInferRequest,
+                      candidates: Sequence[policies.Candidate], route: routing.ModelRoute,
+                      deadline: float) -> Answer:
+        """Tier by tier in the cascade's order, while the answer is unsure."""
+        settings = route.cascade
+        by_tier: dict[str, list[policies.Candidate]] = {}
+        for candidate in candidates:
+            by_tier.setdefault(candidate.tier, []).append(candidate)
+        tiers = [t for t in settings.tiers if t in by_tier]
+        answer: Answer | None = None
+        for index, tier in enumerate(tiers):
+            try:
+                answer = await self.forward(request, by_tier[tier], route, deadline)
+            except (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded):
+                if answer is not None:
+                    return answer  # an unsure answer beats none
+                if index + 1 < len(tiers) and deadline > self.clock():
+                    continue  # the tier is down: the next one answers
+                raise
+            if index + 1 == len(tiers) or deadline <= self.clock():
+                return answer
+            if not policies.should_escalate(outputs_of(answer[0], settings.output),
+                                            settings.threshold, settings.output):
+                return answer
+            self.metrics.escalations.labels(request.model_name, tier).inc()
+        assert answer is not None
+        return answer
+
+    async def first_answer(self, route: routing.ModelRoute, method: str, message):
+        """ModelReady/Metadata/Config from the first agent of the model that answers."""
+        last: tuple[str, grpc.aio.AioRpcError] | None = None
+        for tier in route.ordered_tiers():
+            for agent in route.tiers[tier].agents:
+                try:
+                    return await getattr(self.pool.stub(agent), method)(
+                        message, timeout=METADATA_TIMEOUT_S)
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in RETRYABLE:
+                        raise upstream_error(agent, error) from None
+                    last = (agent, error)
+        assert last is not None
+        raise upstream_error(*last)
+
+    async def model_ready(self, model: str, route: routing.ModelRoute) -> bool:
+        """Whether an agent of the model answers ModelReady true within READY_PROBE_S
+        (agents asked in tier order; the probe's whole budget is bounded)."""
+        deadline = self.clock() + READY_PROBE_S
+        for tier in route.ordered_tiers():
+            for agent in route.tiers[tier].agents:
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    return False
+                try:
+                    answer = await self.pool.stub(agent).ModelReady(
+                        pb.ModelReadyRequest(name=model), timeout=remaining)
+                except grpc.aio.AioRpcError:
+                    continue
+                if answer.ready:
+                    return True
+        return False
+
+    async def any_agent_ready(self, agents: Iterable[str]) -> bool:
+        for agent in sorted(agents):
+            try:
+                answer = await self.pool.stub(agent).ServerReady(
+                    pb.ServerReadyRequest(), timeout=SERVER_READY_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                continue
+            if answer.ready:
+                return True
+        return False
+
+
+class Shadows:
+    """Copies of stable requests sent to the canary, their answers compared with
+    the client's and tallied; a shadow never touches the answer."""
+
+    def __init__(self, pool: ChannelPool, agreement: counters.ShadowAgreement,
+                 rng: random.Random) -> None:
+        self.pool = pool
+        self.agreement = agreement
+        self.rng = rng
+        self._tasks: set[asyncio.Task] = set()
+
+    def send(self, request: pb.ModelInferRequest, response: pb.ModelInferResponse,
+             chosen: policies.Candidate, route: routing.ModelRoute, timeout_s: float) -> None:
+        canary = route.tiers[chosen.tier].canary
+        if canary is None or len(self._tasks) >= MAX_SHADOW_IN_FLIGHT:
+            return
+        copy = pb.ModelInferRequest()
+        copy.CopyFrom(request)
+        copy.model_version = str(canary)
+        agents = route.tiers[chosen.tier].agents_for(canary)
+        agent = chosen.agent if chosen.agent in agents else self.rng.choice(agents)
+        task = asyncio.create_task(self._compare(copy, response, chosen.tier, agent,
+                                                 route.cascade.output, timeout_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _compare(self, request: pb.ModelInferRequest, stable: pb.ModelInferResponse,
+                       tier: str, agent: str, output: str, timeout_s: float) -> None:
+        try:
+            shadow = await self.pool.stub(agent).ModelInfer(request, timeout=timeout_s)
+            expected = policies.top1(outputs_of(stable, output), output)
+            seen = policies.top1(outputs_of(shadow, output), output)
+            if expected is None or seen is None:
+                result = counters.INCOMPARABLE  # no class scores: never an agreement
+            else:
+                result = counters.AGREE if expected == seen else counters.DISAGREE
+        except Exception as error:  # noqa: BLE001 -- a shadow never touches the answer
+            log.debug("shadow call failed: %s", error)
+            result = counters.ERROR
+        self.agreement.record(request.model_name, request.model_version, tier, result)
+
+    def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()

@@ -1,0 +1,57 @@
+"""What a request tells the router about itself: routing hints and deadline.
+
+Hints travel as request `parameters` or gRPC metadata (`tiered-tier`,
+`tiered-slo-ms`, `tiered-key`), so plain v2 clients need none of them. Pure:
+values in, a `RouteRequest` or a deadline out; the clock's reading is passed
+in. Never forwards, chooses or counts anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from tiered import errors
+from tiered.protocol import codec
+from tiered.router import policies
+
+HINTS = ("tiered-tier", "tiered-slo-ms", "tiered-key")
+
+
+def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, str]] | None
+               ) -> policies.RouteRequest:
+    """Hints from request parameters, else gRPC metadata."""
+    found: dict[str, object] = {}
+    for key, value in metadata or ():
+        if key in HINTS:
+            found[key] = value
+    if parameters:
+        for key in HINTS:
+            if key in parameters:
+                found[key] = codec.parameter_value(parameters[key])
+    slo = found.get("tiered-slo-ms")
+    if slo is not None:
+        try:
+            slo = float(slo)
+        except (TypeError, ValueError):
+            raise errors.InvalidArgument(f"tiered-slo-ms: expected milliseconds, got {slo!r}"
+                                         ) from None
+        if not slo > 0 or math.isinf(slo):
+            raise errors.InvalidArgument(f"tiered-slo-ms: expected > 0, got {slo!r}")
+    tier, key = found.get("tiered-tier"), found.get("tiered-key")
+    return policies.RouteRequest(model=model, tier=None if tier in (None, "") else str(tier),
+                                 slo_ms=slo, key=None if key in (None, "") else str(key))
+
+
+def deadline(parameters: Mapping, time_remaining: float | None, default_s: float,
+             now: float) -> float:
+    """The earliest of: the table's default, the gRPC deadline and Triton's
+    `timeout` parameter (microseconds; anything else there is ignored)."""
+    budget = default_s
+    if time_remaining is not None:
+        budget = min(budget, time_remaining)
+    if parameters and "timeout" in parameters:
+        timeout = codec.parameter_value(parameters["timeout"])
+        if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
+            budget = min(budget, timeout / 1e6)
+    return now + budget

@@ -114,6 +114,7 @@ def _build(args: argparse.Namespace) -> int:
         "calibration_method": args.calibration_method,
         "calibration_samples": args.calibration_samples,
         "min_agreement": args.min_agreement, "max_batch_size": args.max_batch_size,
+        "max_queue_delay_us": args.max_queue_delay_us,
     }
     try:
         check_model_name(args.model)
@@ -249,6 +250,7 @@ def _controller(args: argparse.Namespace) -> int:
         return _kube_controller(args, stop)
     try:
         controller = LocalController(args.state, interval_s=args.interval,
+                                     retire_grace_s=args.retire_grace,
                                      progress=lambda line: print(line, flush=True))
     except TieredError as error:
         print(f"tiered controller: {error}", file=sys.stderr)
@@ -593,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="top-1 agreement with FP32 the gate asks for (profile default 0.99)")
     build.add_argument("--max-batch-size", type=int, metavar="N",
                        help="max_batch_size of a config.yaml the build creates")
+    build.add_argument("--max-queue-delay-us", type=int, metavar="US",
+                       help="dynamic_batching.max_queue_delay_us of a config.yaml the build "
+                       "creates (default: the tier profile's)")
     build.add_argument("--allow-accuracy-drop", action="store_true",
                        help="write the version even when the accuracy gate rejects it")
     build.add_argument("--force", action="store_true", help="replace an existing version")
@@ -685,8 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="Kubernetes: seconds a Lease holds without renewal "
                             "(default 15)")
     controller.add_argument("--retire-grace", type=float, default=120.0, metavar="S",
-                            help="Kubernetes: seconds a version's agents outlive the last "
-                            "routing table that named them (default 120; routers read a "
+                            help="seconds a version's agents outlive the last routing table "
+                            "that named them (default 120; on Kubernetes routers read a "
                             "mounted ConfigMap within about a minute)")
     controller.add_argument("--identity", help="Kubernetes: this candidate's name in the "
                             "Lease (default: the host name, the pod's name in a cluster)")

@@ -326,13 +326,15 @@ def test_build_args_pin_the_digest_and_carry_the_tier_settings():
         "name": "digits",
         "artifact": {"uri": "/m/digits.onnx", "sha256": SHA_A, "eval": "/m/eval.npz"},
         "tiers": {"edge": {}, "datacenter": {"precision": "fp32",
-                                             "batching": {"max_batch_size": 4}}},
+                                             "batching": {"max_batch_size": 4,
+                                                          "max_queue_delay_us": 250}}},
         "rollout": {"stages": STAGES[:1]}})
     args = build_args(spec, "datacenter", ArtifactVersion(3, "/m/digits.onnx", SHA_B), "/repo")
     assert args[:2] == ["build", "/m/digits.onnx"]
     flags = dict(zip(args[2::2], args[3::2]))
     assert flags == {"--sha256": SHA_B, "--tier": "datacenter", "--repository": "/repo",
                      "--model": "digits", "--version": "3", "--max-batch-size": "4",
-                     "--precision": "fp32", "--eval": "/m/eval.npz"}
+                     "--max-queue-delay-us": "250", "--precision": "fp32",
+                     "--eval": "/m/eval.npz"}
     edge = build_args(spec, "edge", ArtifactVersion(3, "/m/digits.onnx", SHA_B), "/repo")
     assert "--precision" not in edge and "--backend" not in edge  # the profile's own

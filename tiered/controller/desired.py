@@ -38,7 +38,8 @@ def build_args(spec: TieredModel, tier: str, artifact: ArtifactVersion,
     args = ["build", artifact.uri, "--sha256", artifact.sha256, "--tier", tier,
             "--repository", repository, "--model", spec.name,
             "--version", str(artifact.version),
-            "--max-batch-size", str(tier_spec.batching.max_batch_size)]
+            "--max-batch-size", str(tier_spec.batching.max_batch_size),
+            "--max-queue-delay-us", str(tier_spec.batching.max_queue_delay_us)]
     for flag, value in (("--backend", tier_spec.engine), ("--precision", tier_spec.precision),
                         ("--calibration", spec.artifact.calibration),
                         ("--eval", spec.artifact.eval)):

@@ -223,9 +223,8 @@ class LocalBackend:
             repository = self.layout.repository(tier)
             versions = tuple(v for v in made.keep
                              if (repository / spec.name / str(v)).is_dir())
-            if not versions or self._loaded(spec.name, tier) == versions:
+            if not versions or not self._write_config(spec, tier, repository, versions):
                 continue
-            self._write_config(spec, tier, repository, versions)
             for agent in self.system.agents.get(tier, ()):
                 stub = pb_grpc.GRPCInferenceServiceStub(self.channel(agent))
                 stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=spec.name),
@@ -245,15 +244,21 @@ class LocalBackend:
         return tuple(sorted(int(v) for v in specific))
 
     def _write_config(self, spec: TieredModel, tier: str, repository: Path,
-                      versions: tuple[int, ...]) -> None:
+                      versions: tuple[int, ...]) -> bool:
+        """The model's config.yaml with these versions and the spec's batching
+        (one config serves every version here, where Kubernetes builds one per
+        version); whether it changed."""
         path = repository / spec.name / "config.yaml"
-        config = dict(yaml.safe_load(path.read_text()) or {})
+        before = dict(yaml.safe_load(path.read_text()) or {})
         batching = spec.tiers[tier].batching
-        config["version_policy"] = {"specific": list(versions)}
-        config["max_batch_size"] = batching.max_batch_size
-        config["dynamic_batching"] = {**(config.get("dynamic_batching") or {}),
-                                      "max_queue_delay_us": batching.max_queue_delay_us}
+        config = {**before, "version_policy": {"specific": list(versions)},
+                  "max_batch_size": batching.max_batch_size,
+                  "dynamic_batching": {**(before.get("dynamic_batching") or {}),
+                                       "max_queue_delay_us": batching.max_queue_delay_us}}
+        if config == before:
+            return False
         write_atomically(path, yaml.safe_dump(config, sort_keys=False))
+        return True
 
     def write_status(self, stored: Stored, status) -> None:
         self.store.write_status(stored.name, stored.revision, status=to_plain(status))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered.controller.local import RunningSystem, StateLayout
+from tiered.controller.plan import RETIRE_GRACE_S
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file
 from tiered.errors import ConfigError
@@ -53,10 +54,13 @@ class RouterPorts:
 @dataclass(frozen=True)
 class ControllerSettings:
     interval_s: float = 2.0
+    retire_grace_s: float = RETIRE_GRACE_S  # a retired version's agents outlive its routes
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.interval_s <= 3600:
             raise ConfigError(f"interval_s: expected 0.1..3600 s, got {self.interval_s}")
+        if not 0 <= self.retire_grace_s <= 86400:
+            raise ConfigError(f"retire_grace_s: expected 0..86400 s, got {self.retire_grace_s}")
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ class LocalUp:
         with log_path.open("ab") as out:
             self.controller = subprocess.Popen(
                 [sys.executable, "-m", "tiered", "controller", "--state", str(self.layout.root),
-                 "--interval", str(self.system.controller.interval_s)],
+                 "--interval", str(self.system.controller.interval_s),
+                 "--retire-grace", str(self.system.controller.retire_grace_s)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self.progress(f"controller: pid {self.controller.pid} (log {log_path})")
 

@@ -42,7 +42,9 @@ def new_config(settings: spec.BuildSettings, engine_settings: Mapping[str, Any],
     config: dict[str, Any] = {"backend": settings.backend}
     if step is None and settings.max_batch_size > 0:
         config["max_batch_size"] = settings.max_batch_size
-        config["dynamic_batching"] = {}  # the tier profile's batching defaults
+        # The tier profile's batching defaults, but for what the build was given.
+        config["dynamic_batching"] = ({} if settings.max_queue_delay_us is None else
+                                      {"max_queue_delay_us": settings.max_queue_delay_us})
     else:
         config["max_batch_size"] = 0
     # Serve with what was measured where it differs from the tier's defaults.

@@ -42,6 +42,7 @@ class BuildSettings:
     latency_batch_sizes: tuple[int, ...] = (1, 32)
     latency_runs: int = 20  # timed runs per batch size, after two warm-up runs
     max_batch_size: int = 32  # written into a config.yaml the build creates
+    max_queue_delay_us: int | None = None  # likewise; None: the tier profile's
     engine: Mapping[str, Any] = field(default_factory=dict)  # over the profile's backend settings
     seed: int = 0  # for random data
 
@@ -70,6 +71,8 @@ class BuildSettings:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_batch_size < 0:
             raise ConfigError(f"max_batch_size: must be >= 0, got {self.max_batch_size}")
+        if self.max_queue_delay_us is not None and self.max_queue_delay_us < 0:
+            raise ConfigError(f"max_queue_delay_us: must be >= 0, got {self.max_queue_delay_us}")
         if not self.latency_batch_sizes or any(b < 1 for b in self.latency_batch_sizes):
             raise ConfigError("latency_batch_sizes: give one or more sizes >= 1")
 

@@ -290,8 +290,7 @@ def test_a_stream_straight_to_a_dying_agent_ends_with_an_error(repository):
 def fill(store: StateStore, models: int = 8) -> dict:
     for index in range(models):
         record = store.apply(f"m{index}", {"artifact": {"uri": f"m{index}.onnx"}, "n": index})
-        store.write_status(f"m{index}", record.revision, status={"phase": "Healthy"},
-                           artifacts=({"version": 1},), message="ok")
+        store.write_status(f"m{index}", record.revision, status={"message": "ok"})
         store.record(f"m{index}", {"stage": index})
     return {r.name: (r.spec, r.status, r.revision) for r in store.list()}
 
@@ -302,7 +301,7 @@ def operations(store: StateStore) -> dict:
         "get": lambda: store.get("m1"),
         "list": lambda: store.list(),
         "write_status": lambda: store.write_status("m1", store.get("m1").revision,
-                                                   status={}, artifacts=(), message=""),
+                                                   status={}),
         "record": lambda: store.record("m1", {"stage": 99}),
         "history": lambda: store.history("m1"),
         "delete": lambda: store.delete("m2"),
@@ -386,7 +385,7 @@ NAMESPACE_SCRIPT = textwrap.dedent("""
         attempt("apply", lambda: store.apply("big", big))
         attempt("record", lambda: store.record("m0", big))
         attempt("write_status", lambda: store.write_status(
-            "m0", store.get("m0").revision, status=big, artifacts=(), message=""))
+            "m0", store.get("m0").revision, status=big))
         attempt("delete", lambda: store.delete("m1"))
         attempt("get", lambda: store.get("m1"))
         attempt("list", lambda: store.list())

@@ -505,6 +505,7 @@ class FakeKubeAPI:
         self._watching = 0
         self._stopping = False
         self._failures: list[tuple[str, re.Pattern, int]] = []
+        self._cut_off: set[str] = set()  # lease holders whose writes fail
         self._connections: set[socket.socket] = set()
         self._schema = load_crd_schema(crd) if crd else None
         self.bookmark_interval = bookmark_interval
@@ -572,6 +573,17 @@ class FakeKubeAPI:
         with self._lock:
             self._failures.append((method.upper(), re.compile(path_regex), code))
 
+    def cut_off(self, holder: str) -> None:
+        """Until `reconnect(holder)`, every Lease write naming `holder` as its
+        holderIdentity fails with 503: a candidate that can no longer reach
+        the API server to renew (its reads still answer)."""
+        with self._lock:
+            self._cut_off.add(holder)
+
+    def reconnect(self, holder: str) -> None:
+        with self._lock:
+            self._cut_off.discard(holder)
+
     def compact(self) -> None:
         """Forget the watch history, as an etcd compaction does."""
         with self._cond:
@@ -609,6 +621,7 @@ class FakeKubeAPI:
                                          h.headers.get("Content-Type", "")))
         try:
             self._inject(method, url.path)
+            self._refuse_cut_off(method, url.path, raw)
             if url.path == "/version":
                 return self._send(h, 200, {"major": "1", "minor": "30",
                                            "gitVersion": "v1.30.0-fake"})
@@ -638,6 +651,17 @@ class FakeKubeAPI:
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
         h.wfile.write(data)
+
+    def _refuse_cut_off(self, method: str, path: str, raw: bytes) -> None:
+        if method not in ("POST", "PUT", "PATCH") or "/leases" not in path or not raw:
+            return
+        try:
+            holder = (json.loads(raw).get("spec") or {}).get("holderIdentity")
+        except ValueError:
+            return
+        with self._lock:
+            if holder in self._cut_off:
+                raise ApiError(503, f"{holder} cannot reach the API server", "ServiceUnavailable")
 
     def _inject(self, method: str, path: str) -> None:
         with self._lock:

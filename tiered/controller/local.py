@@ -1,7 +1,7 @@
 """The local backend: the Reconciler's adapter for processes on this machine.
 
 `tiered up` starts one agent per tier, the router and this controller as
-child processes (see `tiered.controller.up`) and writes their addresses into
+child processes (see `tiered.local.supervisor`) and writes their addresses into
 the state directory. Every pass reconciles each applied TieredModel with the
 one Reconciler both backends share (`tiered.controller.reconciler`); this
 module only observes and applies:
@@ -36,13 +36,13 @@ from pathlib import Path
 import grpc
 import yaml
 
+from tiered import names
 from tiered.controller import desired, plan
 from tiered.controller.judge import RolloutJudge
 from tiered.controller.reconciler import Reconciler, Stored, routed
 from tiered.controller.store import StateStore
 from tiered.errors import ConfigError, Conflict, NotFound, TieredError
 from tiered.files import write_atomically
-from tiered.profiles import TIERS
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import routing
@@ -158,7 +158,8 @@ class LocalBackend:
         return Stored(name, record.spec, record.status, record.generation, record.revision)
 
     def finalize(self, stored: Stored) -> None:
-        """Nothing to do: `tiered delete` removes the record, the table follows."""
+        """Nothing to do: a record removed from the store has no deletion
+        marker to clear, and the next table leaves its routes out."""
 
     def prepare(self, spec: TieredModel, wanted: plan.Versions
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
@@ -285,7 +286,7 @@ class LocalBackend:
 
     @staticmethod
     def _tiers(spec: TieredModel) -> list[str]:
-        return [tier for tier in TIERS if tier in spec.tiers]
+        return [tier for tier in names.TIERS if tier in spec.tiers]
 
 
 class LocalController:

@@ -91,7 +91,15 @@ class KubeBackend:
             raise
 
     def record(self, spec: TieredModel, made: plan.Plan, now: float) -> None:
-        """The status keeps the history; nothing else to keep here."""
+        """Each step of the plan as a Kubernetes Event on the TieredModel (the
+        status keeps the history); an Event that cannot be written is only logged."""
+        for event in made.events:
+            try:
+                self.core.create_namespaced_event(self.namespace, render.event(
+                    spec.name, self._uids.get(spec.name, ""), event, now, self.namespace))
+            except ApiException as error:
+                log.warning("%s: event not written: %s %s", spec.name, error.status,
+                            error.reason)
 
     # -- agents -----------------------------------------------------------------
 

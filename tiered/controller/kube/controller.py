@@ -67,8 +67,9 @@ class KubeController:
                                      retire_grace_s=options.retire_grace_s)
         self.elector = LeaseElector(client.CoordinationV1Api(api_client), settings.namespace,
                                     options.lease_name, options.identity,
-                                    options.lease_duration_s, clock)
+                                    options.lease_duration_s, clock=clock)
         self.queue = WorkQueue()
+        self.leading = threading.Event()  # set while this controller's term lasts
 
     # -- running ----------------------------------------------------------------
 
@@ -78,22 +79,28 @@ class KubeController:
             if self.options.leader_elect and not self._acquire(stop):
                 continue
             self.progress(f"leading: reconciling TieredModels in {self.settings.namespace}")
-            leading = threading.Event()
-            leading.set()
-            threads = [threading.Thread(target=self._watch, args=(stop, leading), daemon=True),
-                       threading.Thread(target=self._work, args=(stop, leading), daemon=True)]
+            self.leading.set()
+            threads = [threading.Thread(target=self._watch, args=(stop,), daemon=True),
+                       threading.Thread(target=self._work, args=(stop,), daemon=True)]
             for thread in threads:
                 thread.start()
-            while not stop.is_set() and leading.is_set():
-                stop.wait(self.elector.duration_s / 3)
+            while not stop.is_set() and self.leading.is_set():
+                stop.wait(self.elector.retry_period_s)
                 if self.options.leader_elect and not self._renew():
                     self.progress("lost the lease: no longer leading")
-                    leading.clear()
-            leading.clear()
+                    self.leading.clear()
+            self.leading.clear()
             for thread in threads:  # a watch blocked on a quiet stream ends with the process
                 thread.join(2.0)
         if self.options.leader_elect:
             self.elector.release()
+
+    def is_leading(self) -> bool:
+        """In a term, and (with leader election) renewed within the renew
+        deadline: checked before every reconcile, so a leader whose renewals
+        hang stops on time even before its renew loop notices."""
+        return self.leading.is_set() and (not self.options.leader_elect
+                                          or self.elector.leading())
 
     def _acquire(self, stop: threading.Event) -> bool:
         try:
@@ -101,19 +108,21 @@ class KubeController:
                 return True
         except Exception as error:  # noqa: BLE001 -- the API may be away: keep campaigning
             log.warning("lease: %s", error)
-        stop.wait(self.elector.duration_s / 3)
+        stop.wait(self.elector.retry_period_s)
         return False
 
     def _renew(self) -> bool:
+        """Whether the term goes on: a renewal refused because another holds
+        the Lease ends it; a failed one ends it once the renew deadline passes."""
         try:
             return self.elector.try_acquire_or_renew()
         except Exception as error:  # noqa: BLE001 -- one failed renewal is not yet a loss
             log.warning("lease renewal: %s", error)
-            return True
+            return self.elector.leading()
 
-    def _watch(self, stop: threading.Event, leading: threading.Event) -> None:
+    def _watch(self, stop: threading.Event) -> None:
         version = None
-        while not stop.is_set() and leading.is_set():
+        while not stop.is_set() and self.is_leading():
             try:
                 if version is None:  # (re)list: every name once, and where to watch from
                     listing = self.custom.list_namespaced_custom_object(
@@ -126,7 +135,7 @@ class KubeController:
                     self.settings.namespace, PLURAL, resource_version=version,
                     timeout_seconds=WATCH_TIMEOUT_S)
                 for event in stream:
-                    if stop.is_set() or not leading.is_set():
+                    if stop.is_set() or not self.is_leading():
                         return
                     obj = event["object"]
                     if event["type"] == "ERROR":
@@ -146,15 +155,15 @@ class KubeController:
                 log.warning("watch: %s; retrying", error)
                 stop.wait(1.0)
 
-    def _work(self, stop: threading.Event, leading: threading.Event) -> None:
+    def _work(self, stop: threading.Event) -> None:
         next_resync = time.monotonic() + self.options.resync_s
-        while not stop.is_set() and leading.is_set():
+        while not stop.is_set() and self.is_leading():
             if time.monotonic() >= next_resync:
                 next_resync = time.monotonic() + self.options.resync_s
                 for name in self._names():
                     self.queue.add(name)
             name = self.queue.get(stop, poll_s=0.5)
-            if name is None or not leading.is_set():
+            if name is None or not self.is_leading():
                 continue
             try:
                 after = self.reconciler.reconcile(name)

@@ -1,10 +1,25 @@
-"""Leader election on a coordination.k8s.io/v1 Lease: one controller reconciles."""
+"""Leader election on a coordination.k8s.io/v1 Lease: one controller reconciles.
+
+With client-go's semantics, so that two controllers never lead at once:
+
+- a leader that has not renewed within `renew_deadline_s` of its last
+  successful renewal stops leading, whatever the reason (a write refused, the
+  API server unreachable): it stops before the Lease can expire for anyone
+  else, since `renew_deadline_s` < `duration_s`;
+- a candidate times the holder's expiry from when *it* last saw the Lease
+  record change, on its own monotonic clock, never from the renewTime the
+  holder wrote (the two machines' clocks need not agree).
+
+Pure timing decisions (`LeaseClock`) are separate from the API calls
+(`LeaseElector`), so the rules are tested without a server.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from kubernetes.client.exceptions import ApiException
@@ -12,16 +27,60 @@ from kubernetes.client.exceptions import ApiException
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class LeaseClock:
+    """What one candidate has seen of the Lease, on its own clock."""
+
+    duration_s: float
+    renew_deadline_s: float
+    record: tuple | None = None  # (holder, renewTime, transitions) last seen
+    seen_at: float = float("-inf")  # when that record was first seen
+    renewed_at: float = float("-inf")  # when this candidate last renewed, as the holder
+
+    def observe(self, record: tuple, now: float) -> None:
+        if record != self.record:
+            self.record, self.seen_at = record, now
+
+    def expired(self, now: float) -> bool:
+        """The holder's term is over: the record has not changed for a whole duration."""
+        return now >= self.seen_at + self.duration_s
+
+    def renewed(self, now: float) -> None:
+        self.renewed_at = now
+
+    def still_leading(self, now: float) -> bool:
+        """A leader is one only within renew_deadline_s of its last renewal."""
+        return now < self.renewed_at + self.renew_deadline_s
+
+
 class LeaseElector:
-    """Leader election on a coordination.k8s.io/v1 Lease, as client-go does it:
-    hold the lease by renewing it; take it over once it has expired."""
+    """Hold the Lease by renewing it; take it over once it has expired."""
 
     def __init__(self, api, namespace: str, name: str, identity: str,
-                 duration_s: int = 15, clock: Callable[[], float] = time.time) -> None:
+                 duration_s: int = 15, renew_deadline_s: float | None = None,
+                 clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.api, self.namespace, self.name = api, namespace, name
         self.identity, self.duration_s, self.clock = identity, duration_s, clock
+        self.monotonic = monotonic
+        # client-go's defaults are 15 s and 10 s: two thirds of the duration.
+        deadline = renew_deadline_s if renew_deadline_s is not None else duration_s * 2 / 3
+        if not 0 < deadline < duration_s:
+            raise ValueError(f"renew deadline {deadline:g} s must be within the lease "
+                             f"duration {duration_s} s")
+        self.lease_clock = LeaseClock(duration_s, deadline)
+
+    @property
+    def retry_period_s(self) -> float:
+        """How often to try: several tries fit in one renew deadline."""
+        return self.lease_clock.renew_deadline_s / 5
+
+    def leading(self) -> bool:
+        return self.lease_clock.still_leading(self.monotonic())
 
     def try_acquire_or_renew(self) -> bool:
+        """Whether this candidate holds the Lease now. An API error is raised;
+        the caller decides, by `leading()`, whether it still leads."""
         now = _micro_time(self.clock())
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace)
@@ -38,12 +97,13 @@ class LeaseElector:
                 if create_error.status == 409:
                     return False  # another candidate created it first
                 raise
+            self.lease_clock.renewed(self.monotonic())
             return True
         spec = lease.spec
         holder = spec.holder_identity
-        renewed = spec.renew_time.timestamp() if spec.renew_time else 0.0
-        expired = renewed + (spec.lease_duration_seconds or self.duration_s) < self.clock()
-        if holder != self.identity and not expired:
+        seen = self.monotonic()
+        self.lease_clock.observe((holder, spec.renew_time, spec.lease_transitions), seen)
+        if holder and holder != self.identity and not self.lease_clock.expired(seen):
             return False
         transitions = (spec.lease_transitions or 0) + (holder != self.identity)
         body = {"metadata": {"name": self.name, "namespace": self.namespace,
@@ -60,6 +120,7 @@ class LeaseElector:
             if error.status == 409:
                 return False  # someone renewed or took it in between
             raise
+        self.lease_clock.renewed(seen)
         return True
 
     def release(self) -> None:

@@ -17,10 +17,11 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
-from tiered.controller import desired
-from tiered.profiles import TIERS
+from tiered import names
+from tiered.controller import desired, plan
 from tiered.protocol import routing
 from tiered.protocol.verdict import read_verdict
 from tiered.rollout.spec import (
@@ -38,7 +39,7 @@ AGENT_METRICS_PORT = 8002
 MODELS_DIR = "/models"
 TLS_DIR = "/etc/tiered/tls"
 ROUTING_KEY = "routing.yaml"
-GPU_TIERS = ("regional", "datacenter")
+GPU_TIERS = (names.Tier.REGIONAL, names.Tier.DATACENTER)
 
 LABEL_MODEL = f"{API_GROUP}/model"
 LABEL_TIER = f"{API_GROUP}/tier"
@@ -210,7 +211,7 @@ def desired_objects(spec: TieredModel, artifacts: Sequence[ArtifactVersion],
     """Workloads and Services for `versions` on each of the model's tiers."""
     by_version = {a.version: a for a in artifacts}
     objects = []
-    for tier in (t for t in TIERS if t in spec.tiers):
+    for tier in (t for t in names.TIERS if t in spec.tiers):
         for version in sorted(versions):
             objects.append(agent_workload(spec, tier, by_version[version], owner, settings))
             objects.append(agent_service(spec, tier, version, owner, settings))
@@ -250,6 +251,23 @@ def build_failure(pods: Iterable[Mapping[str, Any]]) -> str | None:
                         f"the build exited with code {terminated['exitCode']} "
                         f"({terminated.get('reason') or 'Error'}) and no verdict")
     return None
+
+
+def event(model: str, uid: str, step: plan.Event, now: float, namespace: str
+          ) -> dict[str, Any]:
+    """A core/v1 Event about the TieredModel, as `kubectl describe` and
+    `kubectl get events` show them."""
+    stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{model}.", "namespace": namespace},
+        "involvedObject": {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+                           "name": model, "namespace": namespace, "uid": uid},
+        "reason": step.reason, "message": step.message[:1024],
+        "type": "Warning" if step.warning else "Normal",
+        "source": {"component": MANAGER}, "reportingComponent": MANAGER,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+    }
 
 
 def status_body(obj: Mapping[str, Any], status: TieredModelStatus) -> dict[str, Any]:

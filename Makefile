@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/telemetry.py
 	$(PY) bench/router.py
 	$(PY) bench/soak.py
+	$(PY) bench/judge.py
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

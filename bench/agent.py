@@ -57,8 +57,8 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from bench import common
+from tiered.local.processes import AgentError, ServerProcess
 from tiered.models import zoo
-from tiered.processes import AgentError, ServerProcess
 from tiered.tables import cell
 
 # --------------------------------------------------------------------------- settings

@@ -44,7 +44,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from tiered.processes import AgentProcess, ServerProcess
+from tiered.local.processes import AgentProcess, ServerProcess
 from tiered.tables import render
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

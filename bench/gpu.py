@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
 import tritonclient.grpc as grpcclient
 
 from bench import common
-from tiered.processes import ServerProcess
+from tiered.local.processes import ServerProcess
 from tiered.tables import cell
 
 MODEL = "resnet18"

@@ -44,8 +44,8 @@ from onnx import TensorProto, helper
 
 from bench import common
 from tiered.agent.repository import model_file, write_config
+from tiered.local.processes import RouterProcess
 from tiered.models import zoo
-from tiered.processes import RouterProcess
 
 MODELS = {
     "mlp": ("input", (1, 16)),

@@ -41,8 +41,8 @@ sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
 
 from bench import common
 from tiered.agent.repository import model_file, write_config
+from tiered.local.processes import RouterProcess
 from tiered.models import zoo
-from tiered.processes import RouterProcess
 
 RSS_GROWTH_LIMIT = 0.20  # fraction
 FD_GROWTH_LIMIT = 10  # descriptors

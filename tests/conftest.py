@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from tiered.agent.repository import model_file, write_config
+from tiered.local.processes import AgentProcess
 from tiered.models import zoo
-from tiered.processes import AgentProcess
 
 # Every datatype the identity model carries through the wire and back.
 IDENTITY_DATATYPES = tuple(zoo.V2_TO_ONNX)
@@ -47,7 +47,7 @@ def agent(shared_repository) -> AgentProcess:
 @pytest.fixture(scope="session")
 def digits_models(tmp_path_factory) -> Path:
     """The trained digits variants (v1, v2, heavy) and their data files, once per session."""
-    from tiered.controller.up import prepare_sample_models
+    from tiered.local.supervisor import prepare_sample_models
 
     out = tmp_path_factory.mktemp("digits-models")
     prepare_sample_models(out, lambda line: None)

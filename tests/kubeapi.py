@@ -135,6 +135,7 @@ KINDS = {(k.group, k.version, k.plural): k for k in (
     Kind("", "v1", "configmaps", "ConfigMap"),
     Kind("", "v1", "events", "Event"),
     Kind("coordination.k8s.io", "v1", "leases", "Lease"),
+    Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice"),  # written by tests
 )}
 
 

@@ -13,6 +13,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ from tiered.errors import ConfigError
 T = TypeVar("T")
 
 
-def read_yaml(path: Path) -> Mapping[str, Any]:
+def read_yaml(path: Path | Traversable) -> Mapping[str, Any]:
     """A YAML file's top-level mapping; errors name the file and line."""
     try:
         text = path.read_text()

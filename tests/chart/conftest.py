@@ -8,16 +8,10 @@ import pytest
 
 from tests.chart import helm
 
-# Every agent pool on, the edge one per node, TLS with client auth: the chart's
-# widest render.
+# TLS with client auth and a pull secret: the chart's widest render.
 FULL_VALUES: dict[str, Any] = {
     "tls": {"enabled": True, "secretName": "tiered-tls", "clientAuth": True},
     "imagePullSecrets": [{"name": "registry"}],
-    "agentPools": {
-        "edge": {"enabled": True, "perNode": True},
-        "regional": {"enabled": True, "replicas": 2},
-        "datacenter": {"enabled": True, "modelRepository": {"existingClaim": "models"}},
-    },
 }
 
 

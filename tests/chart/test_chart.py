@@ -166,8 +166,7 @@ def test_values_schema_describes_every_value():
 def test_values_schema_closes_the_charts_own_objects():
     # Unknown keys (typos) in our own sections are errors, not silently ignored.
     schema = _schema()
-    for path in [(), ("images",), ("tls",), ("controller",), ("router",), ("agentPools",),
-                 ("agentPools", "edge"), ("agentPools", "edge", "modelRepository")]:
+    for path in [(), ("images",), ("tls",), ("controller",), ("router",)]:
         node = _schema_for(path, schema)
         assert node is not None and node.get("additionalProperties") is False, path
 
@@ -175,13 +174,12 @@ def test_values_schema_closes_the_charts_own_objects():
 @pytest.mark.parametrize("setting", [
     "router.replicas=-1",
     "router.replica=2",
-    "agentPools.edge.enabled=maybe",
-    "agentPools.gpu.enabled=true",
+    "tls.clientAuth=maybe",
     "images.agent.pullPolicy=Sometimes",
     "controller.resources.requests.cpu=lots",
     "tls.enabled=true",                      # without tls.secretName
     "router.service.type=LoadBalancer",
-    "agentPools.edge.tolerations[0].operator=Maybe",
+    "router.tolerations[0].operator=Maybe",
 ])
 def test_invalid_values_are_rejected_by_the_schema(setting, tmp_path, helm_binary):
     result = helm.run_helm([*helm.template_args(), "--set", setting], None, tmp_path)
@@ -281,6 +279,7 @@ LEAST_PRIVILEGE = {
     ("", "configmaps"): {"get", "list", "watch", "create", "update", "patch", "delete"},
     ("", "events"): {"create", "patch"},
     ("", "pods"): {"list"},  # a failed build's termination message, for status
+    ("discovery.k8s.io", "endpointslices"): {"list"},  # every agent and router pod
     ("coordination.k8s.io", "leases"): {"get", "create", "update"},
 }
 
@@ -455,45 +454,12 @@ def test_probes_hit_ports_the_container_serves(any_render):
                     assert handler["port"] in served, f"{c['name']} {probe}"
 
 
-# ---- agent pools -------------------------------------------------------------------
+# ---- agents ------------------------------------------------------------------------
 
-def test_no_agent_pools_by_default(default_render):
-    names = {w["metadata"]["name"] for w in workloads(default_render)}
+def test_the_chart_runs_no_agents_of_its_own(any_render):
+    # Agents are the controller's to create, per TieredModel, tier and version.
+    names = {w["metadata"]["name"] for w in workloads(any_render)}
     assert names == {f"{fullname()}-controller", f"{fullname()}-router"}
-
-
-@pytest.mark.parametrize("tier,kind,agent_image", [
-    ("edge", "DaemonSet", "tiered-agent"),
-    ("regional", "Deployment", "tiered-agent-cuda"),
-    ("datacenter", "Deployment", "tiered-agent-cuda"),
-])
-def test_agent_pool_serves_its_tier(full_render, tier, kind, agent_image):
-    pool = one(full_render, kind, f"{fullname()}-agent-{tier}")
-    c = container(pool, "agent")
-    assert c["image"] == image(agent_image)
-    assert c["args"] == ["agent", "--tier", tier, "--model-repository", "/models",
-                         "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8002",
-                         *security_args(c, server=True)]
-    assert pod_spec(pool)["nodeSelector"] == {"tiered.dev/tier": tier}
-    assert mounts(c)["/models"]["name"] == "models"
-    service = one(full_render, "Service", f"{fullname()}-agent-{tier}")
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 8001,
-                                                                        "metrics": 8002}
-    if tier != "edge":
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
-        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
-            pod_spec(pool)["tolerations"]
-
-
-def test_agent_pool_replicas_and_model_repository_follow_values(full_render):
-    regional = one(full_render, "Deployment", f"{fullname()}-agent-regional")
-    assert regional["spec"]["replicas"] == 2
-    assert volumes(regional)["models"] == {"name": "models", "emptyDir": {"sizeLimit": "20Gi"}}
-    datacenter = one(full_render, "Deployment", f"{fullname()}-agent-datacenter")
-    assert volumes(datacenter)["models"] == {"name": "models",
-                                             "persistentVolumeClaim": {"claimName": "models"}}
-    edge = one(full_render, "DaemonSet", f"{fullname()}-agent-edge")
-    assert "replicas" not in edge["spec"]
 
 
 # ---- NOTES.txt ---------------------------------------------------------------------
@@ -514,8 +480,7 @@ def test_notes_say_how_to_apply_watch_and_reach_the_router(tmp_path, helm_binary
     for expected in ("kubectl apply", "kubectl get tieredmodels", "tiered get --kubernetes",
                      f"{fullname()}-router.{helm.NAMESPACE}.svc:8001",
                      f"kubectl port-forward -n {helm.NAMESPACE} svc/{fullname()}-router",
-                     "every gRPC hop uses Secret", "/etc/tiered/tls",
-                     f"daemonset/{fullname()}-agent-edge"):
+                     "every gRPC hop uses Secret", "/etc/tiered/tls"):
         assert expected in notes, f"{expected!r} missing from NOTES:\n{notes}"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,8 @@ import yaml
 from tritonclient.utils import InferenceServerException
 
 from tiered.agent.repository import model_file, write_config
+from tiered.local.processes import AgentError, AgentProcess
 from tiered.models import zoo
-from tiered.processes import AgentError, AgentProcess
-from tiered.profiles import PROFILE_DIR
 
 FEATURES = 16
 
@@ -173,7 +173,7 @@ def test_malformed_config_stops_start_up_with_a_message_naming_the_field(tmp_pat
 
 def test_oversize_message_is_refused_and_the_agent_keeps_serving(tmp_path):
     root = mlp_repository(tmp_path)
-    profile = yaml.safe_load((PROFILE_DIR / "edge.yaml").read_text())
+    profile = yaml.safe_load(resources.files("tiered.profiles").joinpath("edge.yaml").read_text())
     profile["limits"]["max_message_bytes"] = 1 << 20
     (tmp_path / "edge.yaml").write_text(yaml.safe_dump(profile))
     with AgentProcess("edge", root, extra_args=["--profile", str(tmp_path / "edge.yaml")]) \

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import build_repository
-from tiered.processes import AgentProcess
+from tiered.local.processes import AgentProcess
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 

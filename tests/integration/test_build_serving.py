@@ -17,8 +17,8 @@ import tritonclient.grpc as grpcclient
 from tests.unit.test_build import trained_digits
 from tiered import cli
 from tiered.agent.repository import ModelRepository, model_file, write_config
+from tiered.local.processes import AgentProcess
 from tiered.models import zoo
-from tiered.processes import AgentProcess
 from tiered.profiles import load_profile
 
 

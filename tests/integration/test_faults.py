@@ -44,8 +44,8 @@ from tritonclient.utils import InferenceServerException
 from tiered.agent.repository import model_file, write_config
 from tiered.controller.store import StateStore
 from tiered.errors import ConfigError
+from tiered.local.processes import AgentProcess, RouterProcess
 from tiered.models import zoo
-from tiered.processes import AgentProcess, RouterProcess
 
 WINDOW = 4  # streamed requests in flight at once
 STREAM_DEADLINE_S = 60.0

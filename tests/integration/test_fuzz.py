@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import IDENTITY_DATATYPES
-from tiered.processes import ServerProcess
+from tiered.local.processes import ServerProcess
 from tiered.protocol import codec
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc

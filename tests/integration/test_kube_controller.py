@@ -35,9 +35,9 @@ from kubernetes import client  # noqa: E402
 
 from tests.kubeapi import FakeKubeAPI  # noqa: E402
 from tiered.controller.kube import render  # noqa: E402
-from tiered.protocol.verdict import BuildVerdict  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
+from tiered.protocol.verdict import BuildVerdict  # noqa: E402
 
 NAMESPACE = "models"
 GROUP, VERSION, PLURAL = "tiered.dev", "v1alpha1", "tieredmodels"
@@ -261,7 +261,7 @@ def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controll
     assert final["phase"] == "RolledBack" and final["stage_index"] == 0
     assert final["stable_version"] == 2
     failed = {m["metric"] for m in final["last_analysis"]["metrics"] if m["outcome"] == "Failed"}
-    assert failed & {"latency_p95", "energy_per_inference"}
+    assert failed & {"latency_p95", "latency_shift", "energy_per_inference"}
     wait("the table without a canary",
          lambda: "canary" not in routing_table(kube)["models"]["digits"]["tiers"]["edge"])
     wait("v3 retired", lambda: not workloads(api, 3), 30)
@@ -271,6 +271,14 @@ def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controll
     shown = cli(api, tmp_path, "rollout", "status", "digits")  # the verdict, per metric and tier
     assert "phase: RolledBack" in shown and "last analysis: Failed" in shown, shown
     assert any(f"  {m} on edge: Failed" in shown for m in failed), shown
+    # The rollout's steps are kept in the status, with the numbers they were taken on.
+    assert "v2->v3 start: rolling out version 3" in shown, shown
+    assert "v2->v3 rollback:" in shown and "p95_canary_ms=" in shown, shown
+    events = [e for e in api.objects("events") if e["involvedObject"]["name"] == "digits"]
+    reasons = {(e["reason"], e["type"]) for e in events}  # what `kubectl describe` lists
+    assert {("RolloutStarted", "Normal"), ("Promoted", "Normal"),
+            ("RolledBack", "Warning")} <= reasons, reasons
+    assert all(e["involvedObject"]["kind"] == "TieredModel" for e in events)
 
 
 def test_deleting_the_model_removes_its_routes(kube, api, controllers):

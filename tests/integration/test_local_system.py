@@ -31,12 +31,12 @@ import onnx
 import pytest
 import yaml
 
+from tiered import names
 from tiered.controller.local import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
-from tiered.controller.up import ControllerSettings, LocalSystem, LocalUp, RouterPorts
-from tiered.demo import Traffic
-from tiered.rollout.engine import ABORTED, PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK
+from tiered.demo.rollouts import Traffic
+from tiered.local.supervisor import ControllerSettings, LocalSystem, LocalUp, RouterPorts
 
 pytest.importorskip("tritonclient.grpc")
 
@@ -94,7 +94,7 @@ def traffic(system, store, digits_models):
     apply(state, spec("v1", digits_models))
     wait_for(local, store, lambda s: s is not None and s.stable_version == 1, 120)
     images = np.load(digits_models / "digits-eval.npz")["input"]
-    from tiered.demo import _wait_until_served
+    from tiered.demo.rollouts import _wait_until_served
 
     _wait_until_served(running.router, images[:1], lambda line: None)
     load = Traffic(running.router, images, rate_per_s=60.0)
@@ -138,21 +138,21 @@ def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store
                                                                      digits_models):
     local, _, state = system
     apply(state, spec("v2", digits_models))
-    wait_for(local, store, lambda s: s.canary_version == 2 and s.phase == PROGRESSING, 120)
+    wait_for(local, store, lambda s: s.canary_version == 2 and s.phase == names.Phase.PROGRESSING, 120)
 
     assert "paused by hand" in tiered(state, "rollout", "pause", "digits").stdout
-    paused = wait_for(local, store, lambda s: s.phase == PAUSED, 10)
+    paused = wait_for(local, store, lambda s: s.phase == names.Phase.PAUSED, 10)
     time.sleep(2.0)  # the controller holds a paused rollout
     assert status_of(store).rollout.stage_index == paused.stage_index
     assert "resumed by hand" in tiered(state, "rollout", "resume", "digits").stdout
 
-    reached = wait_for(local, store, lambda s: s.stage_index == 1 or s.phase == PROMOTED, 90)
-    if reached.phase == PROGRESSING:  # kill it mid-stage; the supervisor starts another
+    reached = wait_for(local, store, lambda s: s.stage_index == 1 or s.phase == names.Phase.PROMOTED, 90)
+    if reached.phase == names.Phase.PROGRESSING:  # kill it mid-stage; the supervisor starts another
         os.kill(local.controller.pid, signal.SIGKILL)
         local.controller.wait()
         resumed = wait_for(local, store, lambda s: local.controller.poll() is None, 30)
-        assert resumed.stage_index == 1 or resumed.phase == PROMOTED
-    promoted = wait_for(local, store, lambda s: s.phase == PROMOTED, 120)
+        assert resumed.stage_index == 1 or resumed.phase == names.Phase.PROMOTED
+    promoted = wait_for(local, store, lambda s: s.phase == names.Phase.PROMOTED, 120)
     assert promoted.stable_version == 2 and promoted.canary_version is None
     stages = [snap["stage_index"] for _, _, snap in store.history("digits")
               if snap.get("canary_version") == 2]
@@ -172,10 +172,10 @@ def test_a_heavier_version_is_rolled_back(system, store, traffic, digits_models)
     local, _, state = system
     apply(state, spec("heavy", digits_models))
     final = wait_for(local, store, lambda s: s.canary_version == 3
-                     and s.phase in (PROMOTED, ROLLED_BACK), 150)
-    assert final.phase == ROLLED_BACK and final.stable_version == 2
+                     and s.phase in (names.Phase.PROMOTED, names.Phase.ROLLED_BACK), 150)
+    assert final.phase == names.Phase.ROLLED_BACK and final.stable_version == 2
     failed = {m.metric for m in final.last_analysis.metrics if m.outcome == "Failed"}
-    assert failed & {"latency_p95", "energy_per_inference"}, final.last_analysis.summary()
+    assert failed & {"latency_p95", "latency_shift", "energy_per_inference"}, final.last_analysis.summary()
 
     def canary_routed() -> bool:  # the table follows the status within a pass
         table = yaml.safe_load(StateLayout(state).routing_table.read_text())
@@ -210,8 +210,8 @@ def test_an_artifact_changed_after_apply_is_refused_and_says_so(system, store, t
     assert not (StateLayout(state).repository("edge") / "digits" / "4").exists()
     # The pinned bytes are back: the build is tried again and the rollout starts.
     artifact.write_bytes(pinned)
-    wait_for(local, store, lambda s: s.canary_version == 4 and s.phase == PROGRESSING, 120)
+    wait_for(local, store, lambda s: s.canary_version == 4 and s.phase == names.Phase.PROGRESSING, 120)
     assert "aborted by hand" in tiered(state, "rollout", "abort", "digits").stdout
     apply(state, spec("v2", digits_models))  # back to the stable artifact
-    final = wait_for(local, store, lambda s: s.phase == ABORTED, 30)
+    final = wait_for(local, store, lambda s: s.phase == names.Phase.ABORTED, 30)
     assert final.stable_version == 2

@@ -28,8 +28,8 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from tiered.agent.repository import model_file, write_config
+from tiered.local.processes import AgentProcess, RouterProcess
 from tiered.models import zoo
-from tiered.processes import AgentProcess, RouterProcess
 
 QUEUE = 2  # the model's max_queue_size
 DEADLINE_S = 5.0  # every client call's deadline

@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tiered.processes import AgentProcess, RouterProcess
+from tiered.local.processes import AgentProcess, RouterProcess
 
 if shutil.which("openssl") is None:
     pytest.skip("needs the openssl command to make certificates", allow_module_level=True)

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import yaml
 
+from tiered import names
 from tiered.controller.desired import (
     ArtifactVersion,
     build_args,
@@ -20,7 +21,6 @@ from tiered.controller.desired import (
     wanted_versions,
 )
 from tiered.protocol.routing import dump_table, parse_table
-from tiered.rollout import engine
 from tiered.rollout.spec import Artifact, RolloutStatus, load_tiered_model
 
 SHA_A, SHA_B, SHA_C = "aa" * 32, "bb" * 32, "cc" * 32
@@ -55,7 +55,7 @@ SPEC = model()
 
 def status(**changes):
     base = RolloutStatus(stable_version=1, canary_version=2, stage_index=0,
-                         phase=engine.PROGRESSING, stage_started_at=NOW)
+                         phase=names.Phase.PROGRESSING, stage_started_at=NOW)
     return dataclasses.replace(base, **changes)
 
 
@@ -106,17 +106,17 @@ def test_first_version_serves_at_once():
     assert t is not None and t.action == "promote"
     assert t.status.stable_version == 1
     assert t.status.canary_version is None
-    assert t.status.phase == engine.PROMOTED
+    assert t.status.phase == names.Phase.PROMOTED
     assert t.status.stage_started_at == NOW
     assert "first version 1" in t.reason
 
 
 def test_new_version_starts_at_stage_zero_with_reason():
-    t = follow_spec(SPEC, status(canary_version=None, phase=engine.PROMOTED), 2, NOW + 5)
+    t = follow_spec(SPEC, status(canary_version=None, phase=names.Phase.PROMOTED), 2, NOW + 5)
     assert t is not None and t.action == "start"
     assert (t.status.stable_version, t.status.canary_version) == (1, 2)
     assert t.status.stage_index == 0
-    assert t.status.phase == engine.PROGRESSING
+    assert t.status.phase == names.Phase.PROGRESSING
     assert t.status.stage_started_at == NOW + 5
     assert t.reason == "rolling out version 2 over 1: stage 1/2 'edge-10'"
     assert t.status.message == t.reason
@@ -124,29 +124,29 @@ def test_new_version_starts_at_stage_zero_with_reason():
 
 @pytest.mark.parametrize("current", [
     status(),                                          # same canary, progressing
-    status(phase=engine.PAUSED, paused=True),          # same canary, paused
-    status(phase=engine.ROLLED_BACK),                  # re-applying the rolled-back one
-    status(phase=engine.ABORTED),                      # re-applying the aborted one
-    status(stable_version=2, canary_version=None, phase=engine.PROMOTED),  # promoted
+    status(phase=names.Phase.PAUSED, paused=True),          # same canary, paused
+    status(phase=names.Phase.ROLLED_BACK),                  # re-applying the rolled-back one
+    status(phase=names.Phase.ABORTED),                      # re-applying the aborted one
+    status(stable_version=2, canary_version=None, phase=names.Phase.PROMOTED),  # promoted
 ])
 def test_nothing_to_do(current):
     assert follow_spec(SPEC, current, 2, NOW) is None
 
 
 @pytest.mark.parametrize("current", [
-    status(canary_version=None, phase=engine.PROMOTED),
-    status(phase=engine.ROLLED_BACK),
-    status(phase=engine.ABORTED),
+    status(canary_version=None, phase=names.Phase.PROMOTED),
+    status(phase=names.Phase.ROLLED_BACK),
+    status(phase=names.Phase.ABORTED),
 ])
 def test_back_to_stable_when_not_live_is_nothing(current):
     assert follow_spec(SPEC, current, 1, NOW) is None
 
 
-@pytest.mark.parametrize("phase", [engine.PROGRESSING, engine.PAUSED])
+@pytest.mark.parametrize("phase", [names.Phase.PROGRESSING, names.Phase.PAUSED])
 def test_back_to_stable_while_live_aborts(phase):
-    t = follow_spec(SPEC, status(phase=phase, paused=phase == engine.PAUSED), 1, NOW)
+    t = follow_spec(SPEC, status(phase=phase, paused=phase == names.Phase.PAUSED), 1, NOW)
     assert t is not None and t.action == "abort"
-    assert t.status.phase == engine.ABORTED
+    assert t.status.phase == names.Phase.ABORTED
     assert t.status.stable_version == 1
     assert not live(t.status)
     assert t.reason == ("spec is back at stable version 1: canary version 2 aborted, all "
@@ -163,7 +163,7 @@ def test_new_version_while_canary_live_replaces_it():
 
 
 def test_new_version_after_rollback_does_not_say_replaces():
-    t = follow_spec(SPEC, status(phase=engine.ROLLED_BACK), 3, NOW)
+    t = follow_spec(SPEC, status(phase=names.Phase.ROLLED_BACK), 3, NOW)
     assert t is not None and t.action == "start"
     assert t.status.canary_version == 3
     assert "replaces" not in t.reason
@@ -175,10 +175,10 @@ def test_new_version_after_rollback_does_not_say_replaces():
 @pytest.mark.parametrize(("current", "is_live", "served"), [
     (None, False, ()),
     (status(), True, (1, 2)),
-    (status(phase=engine.PAUSED, paused=True), True, (1, 2)),
-    (status(phase=engine.ROLLED_BACK), False, (1,)),
-    (status(phase=engine.ABORTED), False, (1,)),
-    (status(stable_version=2, canary_version=None, phase=engine.PROMOTED), False, (2,)),
+    (status(phase=names.Phase.PAUSED, paused=True), True, (1, 2)),
+    (status(phase=names.Phase.ROLLED_BACK), False, (1,)),
+    (status(phase=names.Phase.ABORTED), False, (1,)),
+    (status(stable_version=2, canary_version=None, phase=names.Phase.PROMOTED), False, (2,)),
     (status(canary_version=None), False, (1,)),  # progressing with no canary: not live
 ])
 def test_live_and_served_versions(current, is_live, served):
@@ -219,14 +219,14 @@ def test_table_stage_zero_gives_unlisted_tier_zero_weight():
 
 
 def test_table_paused_keeps_canary():
-    document, _ = table([(SPEC, status(phase=engine.PAUSED, paused=True))])
+    document, _ = table([(SPEC, status(phase=names.Phase.PAUSED, paused=True))])
     assert document["models"]["digits"]["tiers"]["edge"]["canary_weight"] == 0.1
 
 
 @pytest.mark.parametrize("current", [
-    status(phase=engine.ROLLED_BACK),
-    status(phase=engine.ABORTED),
-    status(stable_version=2, canary_version=None, phase=engine.PROMOTED),
+    status(phase=names.Phase.ROLLED_BACK),
+    status(phase=names.Phase.ABORTED),
+    status(stable_version=2, canary_version=None, phase=names.Phase.PROMOTED),
 ])
 def test_table_without_live_rollout_has_only_stable(current):
     document, parsed = table([(SPEC, current)])
@@ -273,7 +273,7 @@ def test_table_multiple_models_keep_their_own_status():
     other = model(name="other")
     document, _ = table([(SPEC, status()),
                          (other, status(stable_version=5, canary_version=None,
-                                        phase=engine.PROMOTED))])
+                                        phase=names.Phase.PROMOTED))])
     assert document["models"]["digits"]["tiers"]["edge"]["canary"] == 2
     assert document["models"]["other"]["tiers"]["edge"] == {"agents": [EDGE], "stable": 5}
 
@@ -310,12 +310,12 @@ def test_table_cascade_with_none_of_its_tiers_up_routes_by_slo_energy():
 
 @pytest.mark.parametrize(("current", "target", "wanted"), [
     (None, 1, (1,)),                                                    # first version
-    (RolloutStatus(stable_version=1, phase=engine.PROMOTED), 1, (1,)),  # serving it
-    (RolloutStatus(stable_version=1, phase=engine.PROMOTED), 2, (1, 2)),  # to roll out
-    (RolloutStatus(stable_version=1, canary_version=2, phase=engine.PROGRESSING), 2, (1, 2)),
-    (RolloutStatus(stable_version=1, canary_version=2, phase=engine.ROLLED_BACK), 2, (1,)),
-    (RolloutStatus(stable_version=1, canary_version=2, phase=engine.ABORTED), 2, (1,)),
-    (RolloutStatus(stable_version=1, canary_version=2, phase=engine.PROGRESSING), 3, (1, 2, 3)),
+    (RolloutStatus(stable_version=1, phase=names.Phase.PROMOTED), 1, (1,)),  # serving it
+    (RolloutStatus(stable_version=1, phase=names.Phase.PROMOTED), 2, (1, 2)),  # to roll out
+    (RolloutStatus(stable_version=1, canary_version=2, phase=names.Phase.PROGRESSING), 2, (1, 2)),
+    (RolloutStatus(stable_version=1, canary_version=2, phase=names.Phase.ROLLED_BACK), 2, (1,)),
+    (RolloutStatus(stable_version=1, canary_version=2, phase=names.Phase.ABORTED), 2, (1,)),
+    (RolloutStatus(stable_version=1, canary_version=2, phase=names.Phase.PROGRESSING), 3, (1, 2, 3)),
 ])
 def test_wanted_versions(current, target, wanted):
     assert wanted_versions(current, target) == wanted

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tiered.cli.progress import progress_line
 from tiered.controller.plan import make_snapshot
-from tiered.controller.progress import progress_line
 from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, load_tiered_model
 
 SPEC = load_tiered_model({

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the digits models need the torch extra")
 pytest.importorskip("sklearn", reason="the digits data set ships in scikit-learn")
 
-from tiered import cli  # noqa: E402
+from tiered.cli import models as model_commands  # noqa: E402
 from tiered.models import digits  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -211,7 +211,7 @@ def test_unknown_variant_is_rejected_by_name(split) -> None:
 
 
 def test_cli_variant_choices_are_the_trainers_variants() -> None:
-    assert cli.DIGITS_VARIANTS == tuple(digits.VARIANTS)
+    assert model_commands.DIGITS_VARIANTS == tuple(digits.VARIANTS)
 
 
 def test_cli_writes_the_digits_files_and_the_same_model_as_the_library(

@@ -12,8 +12,14 @@ from tiered.telemetry.histogram import (
     Histogram,
     Reservoir,
     bucket_of,
-    histogram_of,
 )
+
+
+def histogram_of(values) -> Histogram:
+    histogram = Histogram()
+    for value in values:
+        histogram.record(value)
+    return histogram
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -4,12 +4,14 @@ errors name the field, and the request checks a config implies."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tiered import names
 from tiered.agent.batching import BatchPolicy
 from tiered.agent.config import (
     DynamicBatching,
@@ -23,7 +25,7 @@ from tiered.agent.config import (
 from tiered.agent.model import batch_policy, check_inputs, check_outputs
 from tiered.engines.base import TensorSpec
 from tiered.errors import ConfigError, InvalidArgument
-from tiered.profiles import PROFILE_DIR, TIERS, ServerLimits, TierProfile, load_profile
+from tiered.profiles import ServerLimits, TierProfile, load_profile
 from tiered.settings import load_dataclass, read_yaml
 
 WHERE = "repo/m/config.yaml"
@@ -57,8 +59,7 @@ def test_empty_dynamic_batching_takes_every_key_from_the_profile(edge: TierProfi
         max_queue_delay_us=edge.dynamic_batching["max_queue_delay_us"],
         max_queue_size=edge.dynamic_batching["max_queue_size"],
     )
-    assert config.dynamic_batching.max_queue_delay_us == 200  # agents/edge.yaml
-    assert config.queue_size == edge.dynamic_batching["max_queue_size"]
+    assert config.dynamic_batching.max_queue_delay_us == 200  # the built-in edge.yaml
 
 
 def test_dynamic_batching_keys_given_by_the_model_win(edge: TierProfile) -> None:
@@ -90,7 +91,7 @@ def test_model_keys_override_profile_scalars(edge: TierProfile) -> None:
         "m", {"instance_count": 3, "max_queue_size": 7, "name": "m"}, edge, WHERE
     )
 
-    assert (config.instance_count, config.max_queue_size, config.queue_size) == (3, 7, 7)
+    assert (config.instance_count, config.max_queue_size) == (3, 7)
 
 
 def test_parsing_does_not_change_the_callers_mapping_or_the_profile(edge: TierProfile) -> None:
@@ -474,7 +475,7 @@ def test_batch_policy_without_dynamic_batching_runs_requests_alone() -> None:
 # --- profiles and YAML --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", names.TIERS)
 def test_every_shipped_tier_profile_loads(tier: str) -> None:
     profile = load_profile(tier)
 
@@ -495,7 +496,7 @@ def _write(tmp_path: Path, text: str, name: str = "profile.yaml") -> Path:
     return path
 
 
-EDGE_TEXT = (PROFILE_DIR / "edge.yaml").read_text()
+EDGE_TEXT = resources.files("tiered.profiles").joinpath("edge.yaml").read_text()
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from tiered.controller import report
+from tiered.demo import report
 
 STAGES = (("edge-5", {"edge": 5, "regional": 0, "datacenter": 0}),
           ("region-50", {"edge": 50, "regional": 50, "datacenter": 0}),

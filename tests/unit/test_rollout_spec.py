@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tiered import names
 from tiered.errors import ConfigError
 from tiered.rollout import spec as s
 
@@ -170,7 +171,7 @@ def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
     assert items["properties"]["weights"]["properties"]["edge"] == {
         "type": "number", "minimum": 0.0, "maximum": 100.0}
     assert items["properties"]["min_requests"] == {
-        "type": "integer", "minimum": 1, "default": 200,
+        "type": "integer", "minimum": 1, "default": 1000,
         "description": "canary requests needed before the stage can pass"}
     edge = spec["properties"]["tiers"]["properties"]["edge"]
     assert edge["properties"]["engine"]["enum"] == ["onnxruntime", "torch", "tensorrt"]
@@ -185,8 +186,8 @@ def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
     status = root["properties"]["status"]["properties"]
     assert status["artifacts"]["items"]["properties"]["version"]["minimum"] == 1
     status = status["rollout"]["properties"]
-    assert status["phase"]["enum"] == list(s.PHASES)
-    assert status["last_analysis"]["properties"]["verdict"]["enum"] == list(s.OUTCOMES)
+    assert status["phase"]["enum"] == list(names.Phase)
+    assert status["last_analysis"]["properties"]["verdict"]["enum"] == list(names.Outcome)
     # Structural: every node has a type (or preserves unknown fields).
     for path, node in _walk(root):
         assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tiered.errors import ConfigError, PermissionDenied, Unauthenticated
-from tiered.protocol.security import Authorizer, TransportSecurity, read_tokens, tls_args
+from tiered.protocol.security import Authorizer, TransportSecurity, read_tokens
 
 
 class Context:
@@ -40,16 +40,6 @@ def test_transport_settings_refuse_what_cannot_work(pem, fields, message):
     fields = {k: (pem / v if isinstance(v, str) else v) for k, v in fields.items()}
     with pytest.raises(ConfigError, match=message):
         TransportSecurity(**fields)
-
-
-def test_tls_args_give_a_child_the_same_settings(pem):
-    security = TransportSecurity(cert=pem / "cert.pem", key=pem / "key.pem", ca=pem / "ca.pem",
-                                 client_auth=True)
-    assert tls_args(security) == ["--tls-cert", str(pem / "cert.pem"), "--tls-key",
-                                  str(pem / "key.pem"), "--tls-ca", str(pem / "ca.pem"),
-                                  "--tls-client-auth"]
-    assert tls_args(security, server=False)[-1] == str(pem / "ca.pem")
-    assert tls_args(TransportSecurity(insecure=True)) == ["--insecure"]
 
 
 @pytest.mark.parametrize(("context", "error"), [

@@ -3,15 +3,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiered import top
+from tiered.cli import top
 from tiered.protocol import telemetry_messages
-from tiered.telemetry.histogram import GROWTH, LOWEST_S, histogram_of
+from tiered.telemetry.histogram import GROWTH, LOWEST_S, Histogram
 
 
 @pytest.mark.parametrize("q", [0.5, 0.95, 0.99])
 def test_quantile_from_the_wire_matches_the_histogram(q):
     values = np.random.default_rng(3).lognormal(np.log(0.01), 1.0, 5000)
-    histogram = histogram_of(values)
+    histogram = Histogram()
+    for value in values:
+        histogram.record(value)
     message = telemetry_messages.histogram_message(histogram, LOWEST_S, GROWTH)
     assert top.quantile(message, q) == pytest.approx(histogram.quantile(q))
     assert top.quantile(message, q) == pytest.approx(np.quantile(values, q), rel=0.01)

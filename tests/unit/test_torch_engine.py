@@ -31,8 +31,8 @@ from tiered.engines.torch_engine import (  # noqa: E402
     resolve_device,
 )
 from tiered.errors import ConfigError  # noqa: E402
+from tiered.local.processes import AgentProcess  # noqa: E402
 from tiered.models import zoo  # noqa: E402
-from tiered.processes import AgentProcess  # noqa: E402
 from tiered.settings import load_dataclass  # noqa: E402
 
 CUDA = torch.cuda.is_available()

@@ -125,10 +125,6 @@ class ModelConfig:
             if len(names) != len(set(names)):
                 raise ConfigError(f"{kind}: tensor names must be unique, got {names}")
 
-    @property
-    def queue_size(self) -> int:
-        return self.dynamic_batching.max_queue_size if self.dynamic_batching else self.max_queue_size
-
     def batch_shape(self, tensor: TensorConfig) -> tuple[int, ...]:
         """The full shape a request carries: -1 leads when the model batches."""
         return (-1, *tensor.dims) if self.max_batch_size > 0 else tensor.dims

@@ -11,8 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+import grpc
 
 from tiered.agent.repository import ModelRepository
 from tiered.protocol import telemetry_messages
@@ -50,6 +53,7 @@ class TelemetryHub:
     def __init__(self, repository: ModelRepository, meters_by_device: Mapping,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.repository = repository
+        self.instance = uuid.uuid4().hex  # tells readers a restarted agent from this one
         self.ledger = EnergyLedger(meters_by_device)
         self.clock = clock
         self._task: asyncio.Task | None = None
@@ -109,6 +113,7 @@ class TelemetryServicer(tpb_grpc.TelemetryServicer):
         response = tpb.StatsResponse(
             tier=self.hub.repository.profile.tier, start=snap.start, end=snap.end,
             window_s=WINDOW_S, devices=telemetry_messages.device_energy(snap.used),
+            instance=self.hub.instance,
         )
         for key, summary in sorted(snap.summaries.items()):
             served = versions[key]
@@ -117,3 +122,7 @@ class TelemetryServicer(tpb_grpc.TelemetryServicer):
                 served.queue_depth, served.in_flight, LOWEST_S, GROWTH,
             ))
         return response
+
+    async def Agreement(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "an agent keeps no shadow agreement: ask the router")

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tiered.profiles import TIERS
+from tiered import names
 from tiered.protocol import routing
 from tiered.rollout import engine
 from tiered.rollout.spec import Artifact, ArtifactVersion, RolloutStatus, TieredModel
@@ -59,7 +59,7 @@ class Transition:
 
 def live(status: RolloutStatus | None) -> bool:
     return (status is not None and status.canary_version is not None
-            and status.phase in (engine.PROGRESSING, engine.PAUSED))
+            and status.phase in (names.Phase.PROGRESSING, names.Phase.PAUSED))
 
 
 def follow_spec(spec: TieredModel, status: RolloutStatus | None, target: int,
@@ -72,7 +72,7 @@ def follow_spec(spec: TieredModel, status: RolloutStatus | None, target: int,
     back, aborted) is not rolled out again by re-applying the same spec.
     """
     if status is None:
-        first = RolloutStatus(stable_version=target, phase=engine.PROMOTED,
+        first = RolloutStatus(stable_version=target, phase=names.Phase.PROMOTED,
                               stage_started_at=now, message=f"version {target} serving")
         return Transition("promote", f"first version {target}: serving on every tier", first)
     if target == status.stable_version:
@@ -143,7 +143,7 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
         shadow = (spec.rollout.shadow_fraction
                   if live(status) and spec.rollout.analysis.agreement is not None else 0.0)
         tiers: dict[str, routing.TierRoute] = {}
-        for tier in TIERS:
+        for tier in names.TIERS:
             stable_agents = tuple(agents_of(spec, tier, status.stable_version))
             if tier not in spec.tiers or not stable_agents:
                 continue

@@ -33,24 +33,21 @@ class RolloutJudge:
     def __init__(self, channel: Callable[[str], grpc.Channel], seed: int = 0) -> None:
         self._channel = channel
         self._rng = np.random.default_rng(seed)
-        self._cursors: dict[tuple[str, str], float] = {}
+        # (agent address, model) -> (the agent's instance, its clock's cursor)
+        self._cursors: dict[tuple[str, str], tuple[str, float]] = {}
         self._stages: dict[str, StageAccumulator] = {}
-        self._routers: dict[str, str] = {}  # model -> the router instance its stage counts
 
     def read(self, spec: TieredModel, status: RolloutStatus,
-             agents: Mapping[str, Sequence[str]], router: str | None,
+             agents: Mapping[str, Sequence[str]], routers: Sequence[str],
              now: float) -> StageReading:
-        """This pass's reading of the live stage: its measurements so far."""
+        """This pass's reading of the live stage: its measurements so far, from
+        every agent of every tier and the shadow agreement of every router."""
         stage = self._stages.get(spec.name)
-        instance, shadow = self._agreement(spec.name, status.canary_version, router)
+        shadow = self._agreement(spec.name, status.canary_version, routers)
         if stage is None or not stage.matches(status.canary_version, status.stage_index):
             stage = StageAccumulator(status.canary_version, status.stage_index, self._rng,
                                      shadow)
             self._stages[spec.name] = stage
-            self._routers[spec.name] = instance
-        elif instance != self._routers.get(spec.name):  # a restarted router counts from 0
-            stage.restart_shadow()
-            self._routers[spec.name] = instance
         # One analysis per interval (numbered on the wall clock, so no two stages
         # share a number): a failure counts once per look, not once per poll,
         # and each window's energy is one J/inference sample.
@@ -75,18 +72,22 @@ class RolloutJudge:
         for tier, addresses in agents.items():
             for agent in addresses:
                 key = (agent, model)
-                first = key not in self._cursors
+                instance, cursor = self._cursors.get(key, ("", 0.0))
                 try:
                     reply = tpb_grpc.TelemetryStub(self._channel(agent)).Stats(
-                        tpb.StatsRequest(model_name=model, cursor=self._cursors.get(key, 0.0)),
+                        tpb.StatsRequest(model_name=model, cursor=cursor),
                         timeout=RPC_TIMEOUT_S)
                 except grpc.RpcError as error:  # an agent away: its samples are missing
                     log.warning("telemetry of %s unreadable: %s", agent, error.code().name)
                     unreadable.append(agent)
                     continue
-                self._cursors[key] = reply.end
+                first = key not in self._cursors or reply.instance != instance
+                self._cursors[key] = (reply.instance, reply.end)
                 if first:
-                    continue  # what came before this stage's first poll is not its own
+                    # A new agent, or a restarted one behind the same address: its
+                    # clock is another; what came before this first poll is not
+                    # this stage's.
+                    continue
                 readings.extend(
                     VersionReading(tier, int(v.model_version), v.success, v.failure,
                                    tuple(v.latency_samples_s),
@@ -94,21 +95,23 @@ class RolloutJudge:
                     for v in reply.versions if v.model_version.isdigit())
         return readings, unreadable
 
-    def _agreement(self, model: str, version: int, router: str | None
-                   ) -> tuple[str, dict[tuple[str, str], float]]:
-        """The router's instance and its cumulative (tier, agree|disagree) counts
-        of shadow comparisons for the canary version, from its Agreement RPC."""
-        if not router:
-            return "", {}
-        try:
-            reply = tpb_grpc.TelemetryStub(self._channel(router)).Agreement(
-                tpb.AgreementRequest(model_name=model, model_version=str(version)),
-                timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as error:
-            log.warning("router agreement unreadable: %s", error.code().name)
-            return self._routers.get(model, ""), {}
-        counts: dict[tuple[str, str], float] = {}
-        for tier in reply.tiers:
-            counts[(tier.tier, "agree")] = float(tier.agreed)
-            counts[(tier.tier, "disagree")] = float(tier.disagreed)
-        return reply.instance, counts
+    def _agreement(self, model: str, version: int, routers: Sequence[str]
+                   ) -> dict[tuple[str, str, str], float]:
+        """Every router's cumulative shadow comparisons of the canary version,
+        from its Agreement RPC, as (router instance, tier, agree|disagree) ->
+        count: each router counts on its own, and a restarted one is another
+        instance. A router that cannot be read is left out of this poll."""
+        counts: dict[tuple[str, str, str], float] = {}
+        for router in routers:
+            try:
+                reply = tpb_grpc.TelemetryStub(self._channel(router)).Agreement(
+                    tpb.AgreementRequest(model_name=model, model_version=str(version)),
+                    timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as error:
+                log.warning("shadow agreement of %s unreadable: %s", router,
+                            error.code().name)
+                continue
+            for tier in reply.tiers:
+                counts[(reply.instance, tier.tier, "agree")] = float(tier.agreed)
+                counts[(reply.instance, tier.tier, "disagree")] = float(tier.disagreed)
+        return counts

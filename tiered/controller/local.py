@@ -215,8 +215,8 @@ class LocalBackend:
     def agents(self, spec: TieredModel, rollout: RolloutStatus) -> Mapping[str, Sequence[str]]:
         return {tier: self.system.agents.get(tier, ()) for tier in self._tiers(spec)}
 
-    def agreement_source(self) -> str | None:
-        return self.system.router
+    def routers(self) -> Sequence[str]:
+        return (self.system.router,) if self.system.router else ()
 
     def apply(self, spec: TieredModel, made: plan.Plan) -> None:
         """Each tier's agents serve the versions kept that are built there."""

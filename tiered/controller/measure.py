@@ -56,7 +56,7 @@ class StageAccumulator:
     """Samples of one stage of one rollout, per (tier, version)."""
 
     def __init__(self, canary_version: int, stage: int, rng: np.random.Generator,
-                 shadow_baseline: Mapping[tuple[str, str], float]) -> None:
+                 shadow_baseline: Mapping[tuple[str, ...], float]) -> None:
         self.canary_version = canary_version
         self.stage = stage
         self.window = 0
@@ -64,7 +64,7 @@ class StageAccumulator:
         self._rng = rng
         self._series: dict[tuple[str, int], _Series] = {}
         self._shadow_baseline = dict(shadow_baseline)
-        self._shadow: dict[tuple[str, str], float] = dict(shadow_baseline)
+        self._shadow: dict[tuple[str, ...], float] = dict(shadow_baseline)
 
     def matches(self, canary_version: int, stage: int) -> bool:
         return (self.canary_version, self.stage) == (canary_version, stage)
@@ -106,16 +106,13 @@ class StageAccumulator:
         if slot < RESERVOIR:
             series.latencies_ms[slot] = value
 
-    def set_shadow(self, counts: Mapping[tuple[str, str], float]) -> None:
-        """The router's cumulative (tier, result) counts for this canary version
-        (an unreadable router, no counts, keeps the last)."""
-        if counts:
-            self._shadow = dict(counts)
-
-    def restart_shadow(self) -> None:
-        """The router restarted: its counts start again from zero, and what it
-        counted before is lost to this stage."""
-        self._shadow_baseline, self._shadow = {}, {}
+    def set_shadow(self, counts: Mapping[tuple[str, ...], float]) -> None:
+        """Cumulative shadow counts for this canary version, keyed by tuples
+        whose last item is the result (agree, disagree), such as (router
+        instance, tier, result). Counts of a key not read this time (a router
+        unreadable, or gone) keep their last value; a key new since the stage
+        began (a new or restarted router) counts from zero."""
+        self._shadow.update(counts)
 
     def measurements(self, stable_version: int, tiers: Iterable[str],
                      window: int | None = None) -> Measurements:
@@ -123,8 +120,8 @@ class StageAccumulator:
         numbers the analysis (default: the count of polls)."""
         shadow = {key: self._shadow.get(key, 0.0) - self._shadow_baseline.get(key, 0.0)
                   for key in self._shadow}
-        agreed = int(sum(v for (_, result), v in shadow.items() if result == "agree"))
-        disagreed = int(sum(v for (_, result), v in shadow.items() if result == "disagree"))
+        agreed = int(sum(v for key, v in shadow.items() if key[-1] == "agree"))
+        disagreed = int(sum(v for key, v in shadow.items() if key[-1] == "disagree"))
         return Measurements(
             window=self.window if window is None else window, stage=self.stage,
             tiers={tier: TierSamples(self._samples(tier, stable_version),

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from tiered import names
 from tiered.controller import desired
 from tiered.errors import ConfigError
-from tiered.profiles import TIERS
 from tiered.rollout import engine
-from tiered.rollout.analysis import SUCCESSFUL, Measurements
+from tiered.rollout.analysis import Measurements
 from tiered.rollout.spec import (
     ArtifactVersion,
     Condition,
@@ -178,10 +178,11 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
             decision, numbers = _judge(spec, rollout, observed.reading, now)
             rollout = decision.status
             snapshot = make_snapshot(spec, rollout, decision.action, decision.reason, numbers)
-            if decision.action != engine.HOLD:
+            if decision.action != names.Action.HOLD:
                 events.append(Event(_REASONS[decision.action],
                                     f"{decision.action}: {decision.reason}",
-                                    warning=decision.action in (engine.ROLLBACK, engine.PAUSE)))
+                                    warning=decision.action in (names.Action.ROLLBACK,
+                                                                names.Action.PAUSE)))
                 steps.append(_step(spec, rollout, decision.action, decision.reason, now,
                                    numbers))
             requeue = decision.requeue_after_s
@@ -207,7 +208,7 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
 
 
 def _tiers(spec: TieredModel) -> list[str]:
-    return [tier for tier in TIERS if tier in spec.tiers]
+    return [tier for tier in names.TIERS if tier in spec.tiers]
 
 
 def _judge(spec: TieredModel, rollout: RolloutStatus, reading: StageReading | None,
@@ -238,9 +239,10 @@ def _retirements(previous: Sequence[Retirement], wanted: Sequence[int],
     return retiring, tuple(r.version for r in retiring if now >= r.after)
 
 
-_REASONS = {"start": "RolloutStarted", "promote": "Promoted", "abort": "Aborted",
-            engine.ADVANCE: "StageAdvanced", engine.ROLLBACK: "RolledBack",
-            engine.PAUSE: "Paused", engine.RESUME: "Resumed", engine.HOLD: "Holding"}
+_REASONS = {names.Action.START: "RolloutStarted", names.Action.PROMOTE: "Promoted",
+            names.Action.ABORT: "Aborted", names.Action.ADVANCE: "StageAdvanced",
+            names.Action.ROLLBACK: "RolledBack", names.Action.PAUSE: "Paused",
+            names.Action.RESUME: "Resumed", names.Action.HOLD: "Holding"}
 
 
 def status_fields(spec: TieredModel, rollout: RolloutStatus | None) -> Mapping[str, Any]:
@@ -265,9 +267,10 @@ def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
         progressing = ("False", "BuildRefused", blocked or "")
     elif blocked is not None:
         progressing = ("True", "WaitingForAgents", blocked)
-    elif rollout is not None and rollout.phase == engine.PROGRESSING and desired.live(rollout):
+    elif (rollout is not None and rollout.phase == names.Phase.PROGRESSING
+          and desired.live(rollout)):
         progressing = ("True", "RollingOut", rollout.message)
-    elif rollout is not None and rollout.phase == engine.PAUSED:
+    elif rollout is not None and rollout.phase == names.Phase.PAUSED:
         progressing = ("False", "Paused", rollout.message)
     else:
         progressing = ("False", rollout.phase if rollout is not None else "NoVersionServing",
@@ -277,7 +280,7 @@ def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
     elif unreadable:
         degraded = ("True", "TelemetryUnreadable",
                     f"telemetry unreadable from {', '.join(unreadable)}")
-    elif rollout is not None and rollout.phase == engine.ROLLED_BACK:
+    elif rollout is not None and rollout.phase == names.Phase.ROLLED_BACK:
         degraded = ("True", "RolledBack", rollout.message)
     else:
         degraded = ("False", "AsExpected", "")
@@ -317,7 +320,7 @@ def make_snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason:
         "action": action, "reason": reason,
         "verdict": run.verdict if run is not None else None,
         # what keeps the analysis from passing: metric labels, with their tier
-        "pending": [m.label for m in run.metrics if m.outcome != SUCCESSFUL]
+        "pending": [m.label for m in run.metrics if m.outcome != names.Outcome.SUCCESSFUL]
         if run is not None else [],
         **{key: None for key in ("stable_requests", "canary_requests", "p95_stable_ms",
                                  "p95_canary_ms", "jpi_stable", "jpi_canary", "agreement")},

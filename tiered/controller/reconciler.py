@@ -97,8 +97,8 @@ class Backend(Protocol):
     def agents(self, spec: TieredModel, rollout: RolloutStatus) -> Mapping[str, Sequence[str]]:
         """Per tier, the agents whose telemetry judges the rollout."""
 
-    def agreement_source(self) -> str | None:
-        """Where the router's shadow agreement is read."""
+    def routers(self) -> Sequence[str]:
+        """Every router whose shadow agreement counts."""
 
     def apply(self, spec: TieredModel, made: plan.Plan) -> None:
         """Keep the plan's versions on the agents; remove those it retires."""
@@ -147,7 +147,7 @@ class Reconciler:
         if plan.judging(spec, status, wanted, states):
             reading = self.judge.read(spec, status.rollout,
                                       self.backend.agents(spec, status.rollout),
-                                      self.backend.agreement_source(), now)
+                                      self.backend.routers(), now)
         elif not desired.live(status.rollout):
             self.judge.forget(name)
         made = plan.plan(spec, status, plan.Observation(stored.generation, states, present,

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import yaml
 
+from tiered import names
 from tiered.controller import desired
 from tiered.controller.plan import make_snapshot
 from tiered.controller.reconciler import decode_status
@@ -126,6 +128,20 @@ def analysis_lines(status: RolloutStatus | None) -> list[str]:
             *(f"  {m.label}: {m.outcome}: {m.reason}" for m in run.metrics)]
 
 
+def history_lines(status: TieredModelStatus, last: int = 10) -> list[str]:
+    """The rollout's latest steps as the status keeps them (both backends),
+    each with the numbers it was taken on."""
+    lines = []
+    for step in status.history[-last:]:
+        when = datetime.fromtimestamp(step.t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        versions = f"v{step.stable_version}" + (
+            f"->v{step.canary_version}" if step.canary_version else "")
+        numbers = " ".join(f"{k}={v:.4g}" for k, v in step.numbers.items())
+        lines.append(f"{when} {versions} {step.action}: {step.reason}"
+                     + (f" [{numbers}]" if numbers else ""))
+    return lines
+
+
 def spec_of(record: Record) -> TieredModel:
     return load_tiered_model(record.spec, record.name)
 
@@ -143,7 +159,7 @@ def row_of(name: str, spec: TieredModel, status: RolloutStatus | None,
         return {"NAME": name, "PHASE": "Pending", "STAGE": "-", "STABLE": "-",
                 "CANARY": "-", "WEIGHTS": "-", "MESSAGE": message}
     stage = (desired.stage_label(spec, status)
-             if status.canary_version is not None and status.phase != engine.PROMOTED else "-")
+             if status.canary_version is not None and status.phase != names.Phase.PROMOTED else "-")
     return {
         "NAME": name, "PHASE": status.phase, "STAGE": stage,
         "STABLE": f"v{status.stable_version}",

@@ -10,22 +10,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from tiered import names
 from tiered.engines.base import Engine, TensorSpec
 from tiered.errors import ConfigError
 from tiered.settings import load_dataclass
 
-BACKENDS = ("onnxruntime", "torch", "tensorrt")
-
-__all__ = ["BACKENDS", "Engine", "TensorSpec", "open_engine"]
+__all__ = ["Engine", "TensorSpec", "open_engine"]
 
 
 def open_engine(backend: str, model_path: Path, settings: Mapping[str, Any], where: str) -> Engine:
     """Load `model_path` on `backend` with its settings (`where` names them in errors)."""
-    if backend == "onnxruntime":
+    if backend == names.Backend.ONNXRUNTIME:
         from tiered.engines.onnxruntime_engine import OnnxRuntimeEngine, OrtSettings
 
         return OnnxRuntimeEngine(model_path, load_dataclass(OrtSettings, settings, where))
-    if backend == "torch":
+    if backend == names.Backend.TORCH:
         try:
             from tiered.engines.torch_engine import TorchEngine, TorchSettings
         except ImportError as error:
@@ -33,8 +32,8 @@ def open_engine(backend: str, model_path: Path, settings: Mapping[str, Any], whe
                 f"backend: torch needs the torch package (pip install 'tiered[torch]'): {error}"
             ) from error
         return TorchEngine(model_path, load_dataclass(TorchSettings, settings, where))
-    if backend == "tensorrt":
+    if backend == names.Backend.TENSORRT:
         from tiered.engines.tensorrt_engine import TensorRTEngine, TensorRTSettings
 
         return TensorRTEngine(model_path, load_dataclass(TensorRTSettings, settings, where))
-    raise ConfigError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
+    raise ConfigError(f"backend: {backend!r} is not one of {', '.join(names.Backend)}")

@@ -34,13 +34,15 @@ from typing import Any
 
 import numpy as np
 
+from tiered import names
 from tiered.engines.base import Engine, TensorSpec
 from tiered.errors import ConfigError, EngineError, InvalidArgument
 from tiered.files import write_atomically
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "fp16", "fp8", "int8")
+PRECISIONS = (names.Precision.FP32, names.Precision.FP16, names.Precision.FP8,
+              names.Precision.INT8)
 # Explicit quantization: TensorRT takes fp8/int8 scales from Q/DQ nodes.
 _QUANTIZED_OPS = {"QuantizeLinear", "DequantizeLinear"}
 
@@ -146,7 +148,8 @@ def profile_shapes(
 
 def precision_refusal(precision: str, op_types: Iterable[str]) -> str | None:
     """Why this precision cannot build this graph, or None when it can."""
-    if precision in ("fp8", "int8") and not _QUANTIZED_OPS.intersection(op_types):
+    quantized = _QUANTIZED_OPS.intersection(op_types)
+    if precision in (names.Precision.FP8, names.Precision.INT8) and not quantized:
         return (
             f"precision: {precision} needs an explicitly quantized model (QuantizeLinear/"
             "DequantizeLinear nodes); this artifact has none (use fp16, or quantize it first)"
@@ -254,12 +257,12 @@ class TensorRTEngine(Engine):
         config = builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, settings.workspace_mib << 20)
         config.builder_optimization_level = settings.builder_optimization_level
-        if settings.precision == "fp16":
+        if settings.precision == names.Precision.FP16:
             config.set_flag(trt.BuilderFlag.FP16)
-        elif settings.precision == "fp8":
+        elif settings.precision == names.Precision.FP8:
             config.set_flag(trt.BuilderFlag.FP8)
             config.set_flag(trt.BuilderFlag.FP16)  # layers without Q/DQ fall back to fp16
-        elif settings.precision == "int8":
+        elif settings.precision == names.Precision.INT8:
             config.set_flag(trt.BuilderFlag.INT8)
             config.set_flag(trt.BuilderFlag.FP16)
         profile = builder.create_optimization_profile()

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 import torch
 
+from tiered import names
 from tiered.engines.base import Engine, TensorSpec
 from tiered.engines.onnx_to_torch import OnnxModule, convert
 from tiered.errors import ConfigError, EngineError, InvalidArgument
@@ -41,14 +42,15 @@ from tiered.errors import ConfigError, EngineError, InvalidArgument
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+PRECISIONS = (names.Precision.FP32, names.Precision.FP16, names.Precision.BF16,
+              names.Precision.FP8)
 
 # fp8 weights are widened to this type for the arithmetic.
 _COMPUTE_DTYPES = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp8": torch.float16,
+    names.Precision.FP32: torch.float32,
+    names.Precision.FP16: torch.float16,
+    names.Precision.BF16: torch.bfloat16,
+    names.Precision.FP8: torch.float16,
 }
 
 # Ada (8.9) and Hopper (9.0) are the first GPUs with fp8 tensor cores.
@@ -223,15 +225,15 @@ class TorchEngine(Engine):
         self.outputs = tuple(_spec(v, "output") for v in model.graph.output)
         self.device = resolve_device(settings.device, torch.cuda.is_available())
         capability = torch.cuda.get_device_capability() if self.device == "cuda" else None
-        if settings.precision == "fp8":
+        if settings.precision == names.Precision.FP8:
             refusal = fp8_refusal(self.device, capability)
             if refusal:
                 raise ConfigError(refusal)
         self._dtype = _COMPUTE_DTYPES[settings.precision]
-        module = convert(model, self._dtype, fp8_weights=settings.precision == "fp8")
+        module = convert(model, self._dtype, fp8_weights=settings.precision == names.Precision.FP8)
         if self.device == "cpu" and settings.threads:
             torch.set_num_threads(settings.threads)
-        if self.device == "cpu" and settings.precision == "fp16":
+        if self.device == "cpu" and settings.precision == names.Precision.FP16:
             log.warning(
                 "%s: fp16 on the CPU runs far slower than fp32 (few CPUs compute in it); "
                 "prefer fp32 or bf16 there", model_path,

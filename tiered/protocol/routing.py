@@ -7,7 +7,7 @@ a bad table is rejected whole and the last good one keeps serving. The
 dataclasses check themselves on construction, so a table the controller
 builds is valid before it is written. Pure data: no I/O beyond reading the
 one file it is given; never talks to agents and imports nothing of ours above
-`protocol` (tier names excepted, for now).
+`protocol` (tier and policy names come from the leaf `tiered.names`).
 
     version: 7
     models:
@@ -31,6 +31,7 @@ one file it is given; never talks to agents and imports nothing of ours above
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,11 +39,9 @@ from typing import Any
 
 import yaml
 
+from tiered import names
 from tiered.errors import ConfigError
-from tiered.profiles import TIERS  # cheapest first
 from tiered.settings import load_dataclass, read_yaml
-
-POLICIES = ("slo-energy", "cascade")
 
 MAX_AGENTS_PER_TIER = 1024
 MAX_FAILOVER_ATTEMPTS = 10
@@ -98,7 +97,7 @@ class TierRoute:
 
 @dataclass(frozen=True)
 class CascadeSettings:
-    tiers: tuple[str, ...] = TIERS  # asked in this order
+    tiers: tuple[str, ...] = names.TIERS  # asked in this order
     threshold: float = 0.9  # confidence below this escalates
     output: str = ""  # the output to judge: logits, probabilities or one confidence per row
 
@@ -107,9 +106,9 @@ class CascadeSettings:
         if not self.tiers:
             raise ConfigError("tiers: needs at least one tier")
         for index, tier in enumerate(self.tiers):
-            if tier not in TIERS:
+            if tier not in names.TIERS:
                 raise ConfigError(f"tiers[{index}]: unknown tier {tier!r}; expected one of "
-                                  f"{', '.join(TIERS)}")
+                                  f"{', '.join(names.TIERS)}")
         if len(set(self.tiers)) != len(self.tiers):
             raise ConfigError("tiers: a tier is listed twice")
         if not 0.0 <= self.threshold <= 1.0:
@@ -119,7 +118,7 @@ class CascadeSettings:
 @dataclass(frozen=True)
 class ModelRoute:
     tiers: Mapping[str, TierRoute]
-    policy: str = "slo-energy"
+    policy: str = names.Policy.SLO_ENERGY
     slo_ms: float = 100.0
     failover_attempts: int = 3
     max_in_flight: int = 64
@@ -129,12 +128,12 @@ class ModelRoute:
         if not self.tiers:
             raise ConfigError("tiers: needs at least one tier")
         for tier in self.tiers:
-            if tier not in TIERS:
+            if tier not in names.TIERS:
                 raise ConfigError(f"tiers: unknown tier {tier!r}; expected one of "
-                                  f"{', '.join(TIERS)}")
-        if self.policy not in POLICIES:
+                                  f"{', '.join(names.TIERS)}")
+        if self.policy not in tuple(names.Policy):
             raise ConfigError(f"policy: unknown policy {self.policy!r}; expected one of "
-                              f"{', '.join(POLICIES)}")
+                              f"{', '.join(names.Policy)}")
         if self.slo_ms <= 0:
             raise ConfigError(f"slo_ms: expected > 0, got {self.slo_ms}")
         if not 1 <= self.failover_attempts <= MAX_FAILOVER_ATTEMPTS:
@@ -142,13 +141,13 @@ class ModelRoute:
                               f"got {self.failover_attempts}")
         if self.max_in_flight < 1:
             raise ConfigError(f"max_in_flight: expected >= 1, got {self.max_in_flight}")
-        if self.policy == "cascade":
+        if self.policy == names.Policy.CASCADE:
             missing = [t for t in self.cascade.tiers if t not in self.tiers]
             if missing:
                 raise ConfigError(f"cascade: tier {missing[0]!r} has no entry in tiers")
 
     def ordered_tiers(self) -> tuple[str, ...]:
-        return tuple(t for t in TIERS if t in self.tiers)
+        return tuple(t for t in names.TIERS if t in self.tiers)
 
 
 @dataclass(frozen=True)
@@ -211,7 +210,9 @@ def _document(value: Any) -> Any:
             out[item.name] = _document(current)
         return out
     if isinstance(value, Mapping):
-        return {key: _document(item) for key, item in value.items()}
+        return {_document(key): _document(item) for key, item in value.items()}
     if isinstance(value, tuple):
         return [_document(item) for item in value]
+    if isinstance(value, enum.Enum):  # a tiered.names member: its plain string
+        return value.value
     return value

@@ -6,11 +6,12 @@ Plaintext only when asked for with `--insecure`, and then with a warning.
 Authorization: repository load/unload need an admin token (metadata
 `authorization: Bearer T`) or, under mTLS, a client certificate whose common
 name is an admin's; inference is open unless inference tokens are set.
+Settings, credentials and channels only: it never parses command-line flags
+(the CLI's `tiered.cli.flags` does, into a `TransportSecurity`).
 """
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import logging
 from collections.abc import Iterable, Sequence
@@ -95,40 +96,6 @@ def channel(address: str, security: TransportSecurity, options: Sequence = (),
     if credentials is None:
         return module.insecure_channel(address, options=list(options))
     return module.secure_channel(address, credentials, options=list(options))
-
-
-def add_tls_flags(parser: argparse.ArgumentParser, server: bool = True) -> None:
-    group = parser.add_argument_group("transport security")
-    group.add_argument("--tls-cert", type=Path, metavar="PEM",
-                       help="this process's certificate (servers: required unless --insecure)")
-    group.add_argument("--tls-key", type=Path, metavar="PEM", help="its private key")
-    group.add_argument("--tls-ca", type=Path, metavar="PEM",
-                       help="CA bundle that peers' certificates must chain to")
-    if server:
-        group.add_argument("--tls-client-auth", action="store_true",
-                           help="require client certificates signed by --tls-ca (mTLS)")
-    group.add_argument("--insecure", action="store_true",
-                       help="plaintext gRPC, no TLS (logged as a warning)")
-
-
-def security_from_args(args: argparse.Namespace) -> TransportSecurity:
-    return TransportSecurity(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
-                             client_auth=getattr(args, "tls_client_auth", False),
-                             insecure=args.insecure)
-
-
-def tls_args(security: TransportSecurity, server: bool = True) -> list[str]:
-    """The flags that give a child process the same transport security."""
-    if security.insecure:
-        return ["--insecure"]
-    flags = []
-    for flag, path in (("--tls-cert", security.cert), ("--tls-key", security.key),
-                       ("--tls-ca", security.ca)):
-        if path is not None:
-            flags += [flag, str(path)]
-    if server and security.client_auth:
-        flags.append("--tls-client-auth")
-    return flags
 
 
 def read_tokens(path: Path | None, flag: str) -> frozenset[str]:

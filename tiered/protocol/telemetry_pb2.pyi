@@ -78,20 +78,22 @@ class VersionStats(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., device: _Optional[str] = ..., success: _Optional[int] = ..., failure: _Optional[int] = ..., inferences: _Optional[int] = ..., latency: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., latency_samples_s: _Optional[_Iterable[float]] = ..., busy_s: _Optional[float] = ..., has_energy: _Optional[bool] = ..., energy: _Optional[_Union[Energy, _Mapping]] = ..., joules_per_inference: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tier", "start", "end", "window_s", "versions", "devices")
+    __slots__ = ("tier", "start", "end", "window_s", "versions", "devices", "instance")
     TIER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     tier: str
     start: float
     end: float
     window_s: float
     versions: _containers.RepeatedCompositeFieldContainer[VersionStats]
     devices: _containers.RepeatedCompositeFieldContainer[Energy]
-    def __init__(self, tier: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., window_s: _Optional[float] = ..., versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[Energy, _Mapping]]] = ...) -> None: ...
+    instance: str
+    def __init__(self, tier: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ..., window_s: _Optional[float] = ..., versions: _Optional[_Iterable[_Union[VersionStats, _Mapping]]] = ..., devices: _Optional[_Iterable[_Union[Energy, _Mapping]]] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class AgreementRequest(_message.Message):
     __slots__ = ("model_name", "model_version")

@@ -1,4 +1,4 @@
-"""Canary vs stable, per metric: the statistics a rollout stage is judged by.
+"""Canary vs stable, per metric: the sequential tests a rollout stage is judged by.
 
 Each metric is judged per tier (agreement over all tiers), ends Successful,
 Failed, Inconclusive or Error and carries every number it was decided from;
@@ -6,27 +6,93 @@ a run's verdict is the worst of them (Failed > Error > Inconclusive >
 Successful). Missing data, or fewer samples than the spec's minimum, is
 Inconclusive: never a pass.
 
-- latency_p95: one-sided Mann-Whitney U of canary/max_ratio against stable
-  (the effect-size margin: the canary regresses only if it is slower than
-  stable by more than max_ratio), plus an absolute bound on the canary's p95
-  judged by a distribution-free lower confidence bound of that quantile.
-- error_rate: one-sided two-proportion z-test (Agresti-Caffo adjusted) of
-  canary against max_ratio x stable, plus an absolute bound judged by the
-  Wilson lower bound of the canary's rate.
-- energy_per_inference: Mann-Whitney U on per-window J/inference samples,
-  with the max_ratio margin.
-- agreement: the Wilson lower bound of the shadow agreement rate must reach
-  the minimum (Failed when even the upper bound is below it).
+The false-rollback budget. `confidence` holds per rollout: a canary with no
+regression is rolled back with probability at most alpha = 1 - confidence,
+however often it is looked at. alpha is split evenly (a union bound) over
+every test the rollout can run (`rollout_tests`): each stage x each tier the
+stage sends canary traffic to x each test of a tier, plus one agreement test
+per stage. Each test is anytime-valid: its evidence is an e-value E_t, a
+nonnegative supermartingale while the canary has no regression, so by
+Ville's inequality P(E_t ever reaches 1/a) <= a; the test fails when its
+always-valid p-value 1/E_t reaches its share a. A look may come after every
+request and the guarantee stands. Nothing crosses looks: E_t is a function
+of the stage's cumulative samples, so the same samples give the same verdict
+after a controller restart.
 
-Relative tests fail on evidence of regression and otherwise pass; absolute
-bounds fail on evidence and are Inconclusive when only the point estimate
-crosses them. Pure: numbers in, a frozen AnalysisRun out; no I/O, no clock.
-The normal approximation of U is used at every sample size (see the tests
-for how it compares with the exact distribution's use in scipy).
+- latency_p95, latency_p99 (tail tests, after Howard & Ramdas, "Sequential
+  estimation of quantiles", Bernoulli 2022, arXiv 1906.09712): stable's pNN
+  gets an anytime upper confidence bound U, an order statistic whose rank the
+  binomial mixture sets (a/2). If the canary's pNN is within max_ratio x
+  stable's, at most (100 - NN)% of canary requests lie above max_ratio x U;
+  the binomial mixture tests the canary's count above it against that share
+  (a/2). Distribution-free, ties included; a slower tail is seen with an
+  unchanged median. max_ms: the canary's count above max_ms against the same
+  share.
+- latency_shift (a location test): Mann-Whitney U of canary/max_ratio against
+  stable; its z is made anytime-valid by the normal mixture (an asymptotic
+  confidence sequence: Waudby-Smith et al., "Time-uniform central limit
+  theory and asymptotic confidence sequences", arXiv 2103.06476).
+- error_rate: errors are rare, so each version's errors form a Poisson
+  stream and each error is the canary's with probability n_c p_c / (n_c p_c +
+  n_s p_s); with no regression (p_c <= max_ratio x p_s) that is at most
+  theta0 = max_ratio n_c / (max_ratio n_c + n_s). The binomial mixture tests the
+  canary's share of the errors against theta0. max: the canary's error count
+  against max.
+- energy_per_inference: Mann-Whitney on per-window J/inference with the
+  max_ratio margin, normal mixture.
+- agreement: the binomial mixture both ways: Failed on evidence that the
+  agreement rate is below min, Successful on evidence that it is above,
+  Inconclusive in between.
+
+Relative tests and absolute bounds fail on evidence; otherwise a relative
+test passes (a stage's min_requests and min_duration_s decide how much data a
+pass stands on) and an absolute bound is Inconclusive while its point
+estimate is beyond it.
+
+The e-values. Binomial mixture: the likelihood ratio of Bernoulli(theta1)
+against Bernoulli(theta0) averaged over 24 alternatives theta1 (odds ratios
+1.1 to 100 away from theta0); each ratio is a supermartingale under any rate
+on theta0's side, so their average is. Normal mixture (Robbins 1970; one-sided,
+Howard, Ramdas, McAuliffe, Sekhon, Annals of Statistics 2021): for a
+standardized statistic z after V effective samples,
+E = 2 sqrt(rho / (V + rho)) exp(z^2 V / (2 (V + rho))) Phi(z sqrt(V / (V + rho))),
+tightest for V from 5 to 100 x rho: rho = 100 requests for latency, 4
+windows for energy.
+
+Assumptions. Within a stage each version's requests are independent draws,
+and the router's choice of version does not depend on a request's outcome.
+The canary's share of a tier's traffic is constant within a stage (the error
+test takes it from the request counts). Each look's samples contain the
+previous look's: counts are cumulative and a latency reservoir is nested
+until full. Past that a look sees a uniform subsample, valid on its own but
+renewed about once per doubling of the stage's traffic, so in the worst case
+a test's error grows to (1 + doublings) x its share; the simulated rates stay
+far below (cumulative latency histograms would restore nesting). The tail
+test's threshold stands on stable's upper bound, about 10% above its p95 at
+4000 samples, so a tail regression must clear that too. Conditions that
+change over time (a noisy neighbour)
+hit both versions alike, because both are sampled over the same time; a
+test conditioned on the pooled sample (Mann-Whitney) stays valid, and the
+tail test's threshold moves with stable's tail. Mann-Whitney's normal
+approximation holds from min_samples on.
+
+Against the reference (Lindon, Sanden, Shirikian, "Rapid Regression
+Detection in Software Deployments through Sequential Testing", KDD 2022,
+arXiv 2205.14762: anytime-valid tests of stochastic order and of equality in
+distribution from sequential quantile confidence bands): a band uniform over
+every quantile pays for its width at the one quantile a metric names; here
+each metric tests its own quantile (or shift, or rate), the margin max_ratio
+makes a regression a size the user chose rather than any difference, and the
+budget spans stages and tiers as well as looks.
+
+Cost: a sort and a few binary searches per version's sample, about 0.3 ms a
+tier with 4000 latency samples a version. Pure: numbers in, a frozen AnalysisRun out;
+no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -34,6 +100,7 @@ from statistics import NormalDist
 
 import numpy as np
 
+from tiered import names
 from tiered.rollout.spec import (
     AgreementBound,
     AnalysisRun,
@@ -42,11 +109,27 @@ from tiered.rollout.spec import (
     ErrorRateBound,
     LatencyBound,
     MetricResult,
+    ShiftBound,
+    Stage,
 )
 
-SUCCESSFUL, FAILED, INCONCLUSIVE, ERROR = "Successful", "Failed", "Inconclusive", "Error"
+SUCCESSFUL, FAILED, INCONCLUSIVE, ERROR = (
+    names.Outcome.SUCCESSFUL, names.Outcome.FAILED, names.Outcome.INCONCLUSIVE,
+    names.Outcome.ERROR)
 _SEVERITY = {SUCCESSFUL: 0, INCONCLUSIVE: 1, ERROR: 2, FAILED: 3}
 _NORMAL = NormalDist()
+
+# The binomial mixtures' alternatives: odds ratios against the null rate. Not
+# knowing which one holds costs log(24) nats of evidence, what a fixed-size
+# test pays for a Bonferroni split in 24.
+_ODDS_RATIOS = np.geomspace(1.1, 100.0, 24)
+# The normal mixture's spread, in effective samples: its boundary is within a
+# few percent of its lowest from about 5 x to 100 x this, so it is set where
+# stages decide: hundreds to thousands of requests, tens of energy windows.
+RHO_REQUESTS = 100.0
+RHO_WINDOWS = 4.0
+# A rate of exactly 0 or 1 leaves no alternative on one side; stay just inside.
+_EDGE = 1e-12
 
 
 def worst(outcomes: Sequence[str]) -> str:
@@ -59,7 +142,7 @@ def worst(outcomes: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class VersionSamples:
-    """What one version (stable or canary) did over the analysis window."""
+    """What one version (stable or canary) did over the stage so far."""
 
     latencies_ms: Sequence[float] = ()  # raw per-request samples (a bounded reservoir)
     requests: int = 0
@@ -82,7 +165,7 @@ class TierSamples:
 @dataclass(frozen=True)
 class Measurements:
     """Canary and stable over the current stage, per tier the stage sends canary
-    traffic to, as the adapter collected them.
+    traffic to, as the adapter collected them: cumulative since the stage began.
 
     `window` numbers the analyses: the same window judged twice counts once
     toward the consecutive-failure limit. `stage` is the stage index the
@@ -95,6 +178,10 @@ class Measurements:
     shadow_compared: int = 0  # shadowed requests whose outputs were compared, every tier
     shadow_agreed: int = 0
 
+    def requests(self, version: str) -> int:
+        """Requests one version ("stable" or "canary") served on every tier."""
+        return sum(getattr(samples, version).requests for samples in self.tiers.values())
+
     def pooled(self, version: str) -> VersionSamples:
         """One version ("stable" or "canary") over every tier, for headline figures."""
         parts = [getattr(samples, version) for samples in self.tiers.values()]
@@ -105,7 +192,86 @@ class Measurements:
             joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference))
 
 
-# --- statistics -------------------------------------------------------------
+# --- the false-rollback budget ----------------------------------------------
+
+
+def tests_per_tier(spec: AnalysisSpec) -> int:
+    """Sequential tests judged on each tier a stage sends canary traffic to."""
+    latency = sum(1 + (bound.max_ms is not None)
+                  for bound in (spec.latency_p95, spec.latency_p99) if bound is not None)
+    errors = 0 if spec.error_rate is None else 1 + (spec.error_rate.max is not None)
+    return (latency + (spec.latency_shift is not None) + errors
+            + (spec.energy_per_inference is not None))
+
+
+def stage_tests(spec: AnalysisSpec, tiers: int) -> int:
+    """Tests of one stage on `tiers` tiers: each tier's, and agreement once."""
+    return tiers * tests_per_tier(spec) + (spec.agreement is not None)
+
+
+def rollout_tests(spec: AnalysisSpec, stages: Sequence[Stage]) -> int:
+    """Every test a rollout through `stages` can run: what alpha is shared by.
+    Fixed by the spec before any data, as the union bound needs."""
+    return max(1, sum(stage_tests(spec, sum(1 for w in stage.weights.values() if w > 0))
+                      for stage in stages))
+
+
+# --- sequential evidence ----------------------------------------------------
+
+
+def binomial_log_e(successes: int | np.ndarray, trials: int, rate: float,
+                   above: bool = True) -> float | np.ndarray:
+    """log of the mixture e-value against "the success rate is at most `rate`"
+    (above=True; at least `rate` when above=False) from `successes` of
+    `trials`: the likelihood ratios of the alternatives on the other side,
+    averaged. Vectorized over `successes`."""
+    x = np.asarray(successes, dtype=float)[..., None]
+    rate = min(max(rate, _EDGE), 1.0 - _EDGE)
+    odds = _ODDS_RATIOS if above else 1.0 / _ODDS_RATIOS
+    alternatives = odds * rate / (1.0 - rate + odds * rate)
+    log_ratios = (x * np.log(alternatives / rate)
+                  + (trials - x) * np.log((1.0 - alternatives) / (1.0 - rate)))
+    top = log_ratios.max(axis=-1)
+    log_e = top + np.log(np.mean(np.exp(log_ratios - top[..., None]), axis=-1))
+    return float(log_e) if log_e.ndim == 0 else log_e
+
+
+def normal_log_e(z: float, information: float, rho: float) -> float:
+    """log of the one-sided normal-mixture e-value of a standardized statistic
+    `z` after `information` effective samples, mixture spread `rho` (see the
+    module docstring)."""
+    v = max(information, 0.0)
+    x = max(z * math.sqrt(v / (v + rho)), -30.0)  # below: e < 1 and Phi underflows
+    # erfc keeps Phi's far left tail, where NormalDist.cdf rounds to 0.
+    return (0.5 * math.log(rho / (v + rho)) + x * x / 2
+            + math.log(math.erfc(-x / math.sqrt(2))))
+
+
+def p_value(log_e: float) -> float:
+    """The always-valid p-value of an e-value: 1/E, at most 1."""
+    return math.exp(-max(log_e, 0.0))
+
+
+@functools.lru_cache(maxsize=4096)  # a pure function of three numbers, asked every look
+def quantile_upper_rank(n: int, q: float, alpha: float) -> int | None:
+    """The 1-based rank u for which X_(u) of n samples is an anytime-valid
+    upper confidence bound of the q-quantile at level alpha; None while n is
+    too small for any.
+
+    Fewer than u samples fall below the true quantile Q at every n, except
+    with probability alpha (their count is Binomial(n, <= q), and u is the
+    least count the binomial mixture rejects), so X_(u) >= Q.
+    """
+    if n <= 0:
+        return None
+    start = int(n * q)
+    spread = math.sqrt(n * q * (1 - q))
+    counts = np.arange(start, min(n, start + int(12 * spread) + 60) + 1)
+    hits = np.flatnonzero(binomial_log_e(counts, n, q) >= math.log(1 / alpha))
+    return int(counts[hits[0]]) if len(hits) and counts[hits[0]] >= 1 else None
+
+
+# --- the rank test ------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -114,39 +280,43 @@ class MannWhitney:
 
     u: float  # U of x: pairs (x_i, y_j) with x_i > y_j, ties counted half
     z: float
-    p_value: float
+    p_value: float  # fixed-sample; the judges use z through the normal mixture
     n_x: int
     n_y: int
 
-
-def average_ranks(values: np.ndarray) -> tuple[np.ndarray, float]:
-    """Ranks 1..n with ties sharing their average rank, and sum(t^3 - t) over tie groups."""
-    order = np.argsort(values, kind="mergesort")
-    ordered = values[order]
-    n = len(values)
-    # Start of each run of equal values, and one past the end of the last.
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1], True])
-    counts = np.diff(starts)
-    average = starts[:-1] + (counts + 1) / 2.0  # 1-based average rank of each run
-    ranks = np.empty(n)
-    ranks[order] = np.repeat(average, counts)
-    tie_term = float(np.sum(counts.astype(float) ** 3 - counts))
-    return ranks, tie_term
+    @property
+    def effective_samples(self) -> float:
+        """The information of a two-sample comparison: n_x n_y / (n_x + n_y)."""
+        return self.n_x * self.n_y / (self.n_x + self.n_y)
 
 
 def mann_whitney_greater(x: Sequence[float], y: Sequence[float],
                          continuity: bool = True) -> MannWhitney:
     """Mann-Whitney U, alternative "x is stochastically greater than y": the
     normal approximation with tie correction (and, by default, the 0.5
-    continuity correction, as scipy's asymptotic method does)."""
-    a = np.asarray(x, dtype=float)
-    b = np.asarray(y, dtype=float)
+    continuity correction, as scipy's asymptotic method does).
+
+    From sorted samples, since the controller judges often: U counts, for
+    each x, the y below it (and half those equal), a binary search each;
+    only when values repeat are the pooled sample's tie groups counted."""
+    a = np.sort(np.asarray(x, dtype=float))
+    b = np.sort(np.asarray(y, dtype=float))
     n_x, n_y = len(a), len(b)
     if n_x == 0 or n_y == 0:
         raise ValueError("mann_whitney_greater: both samples need at least one value")
-    ranks, tie_term = average_ranks(np.concatenate([a, b]))
+    below = np.searchsorted(b, a, "left")
+    equal = b[np.minimum(below, n_y - 1)] == a
+    tie_term = 0.0
+    if equal.any() or np.any(a[1:] == a[:-1]) or np.any(b[1:] == b[:-1]):
+        below_or_equal = np.searchsorted(b, a, "right")
+        u = float((below + below_or_equal).sum() / 2.0)
+        pooled = np.sort(np.concatenate([a, b]), kind="stable")  # two sorted runs: a merge
+        starts = np.flatnonzero(np.r_[True, pooled[1:] != pooled[:-1], True])
+        ties = np.diff(starts).astype(float)
+        tie_term = float(np.sum(ties ** 3 - ties))
+    else:
+        u = float(below.sum())
     n = n_x + n_y
-    u = float(ranks[:n_x].sum() - n_x * (n_x + 1) / 2.0)
     mean = n_x * n_y / 2.0
     variance = n_x * n_y / 12.0 * ((n + 1) - tie_term / (n * (n - 1)))
     if variance <= 0:  # every value equal: no evidence either way
@@ -155,38 +325,12 @@ def mann_whitney_greater(x: Sequence[float], y: Sequence[float],
     return MannWhitney(u, z, _NORMAL.cdf(-z), n_x, n_y)
 
 
-def wilson_interval(successes: int, trials: int, confidence: float) -> tuple[float, float]:
-    """One-sided Wilson bounds: (lower, upper), each holding with `confidence`."""
-    if trials <= 0:
-        return 0.0, 1.0
-    z = _NORMAL.inv_cdf(confidence)
-    p = successes / trials
-    denominator = 1 + z * z / trials
-    centre = (p + z * z / (2 * trials)) / denominator
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def quantile_lower_bound(values: np.ndarray, q: float, confidence: float) -> float:
-    """A distribution-free lower confidence bound of the q-quantile: the order
-    statistic X_(k) with P(Binomial(n, q) >= k) >= confidence (normal approx)."""
-    ordered = np.sort(values)
-    n = len(ordered)
-    z = _NORMAL.inv_cdf(confidence)
-    k = math.floor(n * q - z * math.sqrt(n * q * (1 - q)))  # 1-based
-    return float(ordered[max(k, 1) - 1])
-
-
-def two_proportion_greater(x1: int, n1: int, x2: int, n2: int,
-                           ratio: float) -> tuple[float, float]:
-    """z and one-sided p for "p1 > ratio * p2", Agresti-Caffo adjusted (one
-    success and one failure added to each sample) so that zero counts work."""
-    p1 = (x1 + 1) / (n1 + 2)
-    p2 = (x2 + 1) / (n2 + 2)
-    difference = p1 - ratio * p2
-    sd = math.sqrt(p1 * (1 - p1) / (n1 + 2) + ratio * ratio * p2 * (1 - p2) / (n2 + 2))
-    z = difference / sd
-    return z, _NORMAL.cdf(-z)
+def quantile_sorted(ordered: np.ndarray, q: float) -> float:
+    """The q-quantile of a sorted sample, interpolated as numpy's default."""
+    h = (len(ordered) - 1) * q
+    low = int(math.floor(h))
+    high = min(low + 1, len(ordered) - 1)
+    return float(ordered[low] + (h - low) * (ordered[high] - ordered[low]))
 
 
 # --- metrics ----------------------------------------------------------------
@@ -199,186 +343,267 @@ def _finite_nonnegative(values: Sequence[float]) -> np.ndarray | None:
     return array
 
 
-def judge_latency(bound: LatencyBound, stable: Sequence[float], canary: Sequence[float],
-                  confidence: float, min_samples: int) -> MetricResult:
-    name = "latency_p95"
+def _checked_pair(name: str, what: str, stable: Sequence[float], canary: Sequence[float],
+                  ) -> tuple[np.ndarray, np.ndarray] | MetricResult:
+    """Both samples as sorted arrays (quantiles and counts above a value are
+    then lookups), or the Error result that one holds a bad value."""
     s, c = _finite_nonnegative(stable), _finite_nonnegative(canary)
     if s is None or c is None:
-        return MetricResult(name, ERROR, "latency samples hold a negative or non-finite value",
-                            {"n_stable": len(stable), "n_canary": len(canary)})
+        return MetricResult(name, ERROR, f"{what} samples hold a negative or non-finite value",
+                            {"n_stable": float(len(stable)), "n_canary": float(len(canary))})
+    return np.sort(s), np.sort(c)
+
+
+def _too_few(name: str, what: str, n_stable: int, n_canary: int, need: int,
+             numbers: dict[str, float]) -> MetricResult | None:
+    if n_stable < need or n_canary < need:
+        return MetricResult(name, INCONCLUSIVE, f"too few {what}: canary {n_canary}, stable "
+                            f"{n_stable}, need {need} each", numbers)
+    return None
+
+
+def _percent(q: float) -> str:
+    return f"{q * 100:g}"
+
+
+def _verdict(p: float, alpha: float, failed: str, otherwise: str,
+             other: str = SUCCESSFUL) -> tuple[str, str]:
+    """Failed, with its reason, once the always-valid p-value reaches alpha;
+    else the `other` outcome with the other reason."""
+    if p <= alpha:
+        return FAILED, f"{failed} (p={p:.3g} <= {alpha:.3g})"
+    return other, f"{otherwise} (p={p:.3g})"
+
+
+def _combine(name: str, checks: list[tuple[str, str]],
+             numbers: dict[str, float]) -> MetricResult:
+    """One metric from its checks (outcome, reason): the worst outcome, its
+    reason first."""
+    outcome = worst([o for o, _ in checks])
+    ordered = [r for o, r in checks if o == outcome] + [r for o, r in checks if o != outcome]
+    return MetricResult(name, outcome, "; ".join(ordered), numbers)
+
+
+def judge_latency_quantile(q: float, bound: LatencyBound, stable: Sequence[float],
+                           canary: Sequence[float], alpha: float,
+                           min_samples: int) -> MetricResult:
+    """The tail test of the q-quantile (see the module docstring) at `alpha`,
+    and max_ms, when set, a test of its own at `alpha` too."""
+    pct = _percent(q)
+    name = f"latency_p{pct}"
+    checked = _checked_pair(name, "latency", stable, canary)
+    if isinstance(checked, MetricResult):
+        return checked
+    s, c = checked
     numbers = {"n_stable": float(len(s)), "n_canary": float(len(c)),
                "min_samples": float(min_samples), "max_ratio": bound.max_ratio,
-               "confidence": confidence}
-    if len(s) < min_samples or len(c) < min_samples:
-        return MetricResult(name, INCONCLUSIVE, f"too few samples: canary {len(c)}, stable "
-                            f"{len(s)}, need {min_samples} each", numbers)
-    alpha = 1 - confidence
-    test = mann_whitney_greater(c / bound.max_ratio, s)
-    p95_s, p95_c = float(np.quantile(s, 0.95)), float(np.quantile(c, 0.95))
-    numbers.update(
-        median_stable_ms=float(np.median(s)), median_canary_ms=float(np.median(c)),
-        p95_stable_ms=p95_s, p95_canary_ms=p95_c,
-        p95_ratio=p95_c / p95_s if p95_s > 0 else math.inf,
-        u=test.u, z=test.z, p_value=test.p_value, alpha=alpha)
-    outcomes, reasons = [], []
-    if test.p_value < alpha:
-        outcomes.append(FAILED)
-        reasons.append(f"canary slower than {bound.max_ratio:g}x stable (Mann-Whitney "
-                       f"p={test.p_value:.3g} < {alpha:.3g}; p95 {p95_c:.3g} vs {p95_s:.3g} ms)")
-    else:
-        outcomes.append(SUCCESSFUL)
-        reasons.append(f"no regression beyond {bound.max_ratio:g}x (p={test.p_value:.3g}; "
-                       f"p95 {p95_c:.3g} vs {p95_s:.3g} ms)")
+               "quantile": q, "alpha": alpha}
+    too_few = _too_few(name, "samples", len(s), len(c), min_samples, numbers)
+    if too_few is not None:
+        return too_few
+    # Half the share bounds stable's quantile, half tests the canary's count.
+    rank = quantile_upper_rank(len(s), q, alpha / 2)
+    q_s, q_c = quantile_sorted(s, q), quantile_sorted(c, q)
+    numbers.update({f"p{pct}_stable_ms": q_s, f"p{pct}_canary_ms": q_c,
+                    "median_stable_ms": quantile_sorted(s, 0.5),
+                    "median_canary_ms": quantile_sorted(c, 0.5),
+                    "expected_share_above": 1 - q})
+    if q_s > 0:
+        numbers[f"p{pct}_ratio"] = q_c / q_s
+    if rank is None:
+        return MetricResult(name, INCONCLUSIVE, f"too few stable samples ({len(s)}) to bound "
+                            f"its p{pct}", numbers)
+    upper = float(s[rank - 1])
+    threshold = bound.max_ratio * upper
+    above = len(c) - int(np.searchsorted(c, threshold, "right"))
+    p = p_value(binomial_log_e(above, len(c), 1 - q))
+    numbers.update({f"p{pct}_stable_upper_ms": upper, "threshold_ms": threshold,
+                    "canary_above": float(above), "canary_share_above": above / len(c),
+                    "p_value": p, "alpha_bound": alpha / 2, "alpha_count": alpha / 2})
+    detail = (f"{above} of {len(c)} canary requests ({above / len(c):.1%}) above "
+              f"{threshold:.3g} ms = {bound.max_ratio:g} x stable p{pct}'s bound "
+              f"{upper:.3g} ms, {1 - q:.0%} expected; p{pct} {q_c:.3g} vs {q_s:.3g} ms")
+    checks = [_verdict(p, alpha / 2, f"canary p{pct} above {bound.max_ratio:g}x stable's: "
+                       f"{detail}", f"no p{pct} regression beyond {bound.max_ratio:g}x: {detail}")]
     if bound.max_ms is not None:
-        lower = quantile_lower_bound(c, 0.95, confidence)
-        numbers.update(max_ms=bound.max_ms, p95_canary_lower_bound_ms=lower)
-        if lower > bound.max_ms:
-            outcomes.append(FAILED)
-            reasons.append(f"canary p95 above {bound.max_ms:g} ms (lower bound {lower:.3g} ms)")
-        elif p95_c > bound.max_ms:
-            outcomes.append(INCONCLUSIVE)
-            reasons.append(f"canary p95 {p95_c:.3g} ms is above {bound.max_ms:g} ms "
-                           f"but not yet significantly (lower bound {lower:.3g} ms)")
-    return _combine(name, outcomes, reasons, numbers)
+        over = len(c) - int(np.searchsorted(c, bound.max_ms, "right"))
+        p_max = p_value(binomial_log_e(over, len(c), 1 - q))
+        numbers.update(max_ms=bound.max_ms, canary_above_max=float(over), p_value_max=p_max)
+        if p_max <= alpha or q_c > bound.max_ms:
+            checks.append(_verdict(
+                p_max, alpha, f"canary p{pct} above {bound.max_ms:g} ms: {over} of {len(c)} "
+                f"requests above it", f"canary p{pct} {q_c:.3g} ms is above {bound.max_ms:g} "
+                f"ms but not yet significantly", INCONCLUSIVE))
+    return _combine(name, checks, numbers)
+
+
+def _shift_p(unit: str, key: str, max_ratio: float, s: np.ndarray, c: np.ndarray,
+             rho: float, numbers: dict[str, float]) -> tuple[float, str]:
+    """Mann-Whitney of canary/max_ratio against stable (sorted) through the
+    normal mixture: the always-valid p-value and the reason's numbers."""
+    test = mann_whitney_greater(c / max_ratio, s)
+    p = p_value(normal_log_e(test.z, test.effective_samples, rho))
+    median_s, median_c = quantile_sorted(s, 0.5), quantile_sorted(c, 0.5)
+    numbers.update({f"median_stable_{key}": median_s, f"median_canary_{key}": median_c,
+                    "u": test.u, "z": test.z, "effective_samples": test.effective_samples,
+                    "p_value": p})
+    if median_s > 0:
+        numbers["median_ratio"] = median_c / median_s
+    return p, f"median {median_c:.4g} vs {median_s:.4g} {unit}, z={test.z:.3g}"
+
+
+def judge_latency_shift(bound: ShiftBound, stable: Sequence[float], canary: Sequence[float],
+                        alpha: float, min_samples: int) -> MetricResult:
+    name = "latency_shift"
+    checked = _checked_pair(name, "latency", stable, canary)
+    if isinstance(checked, MetricResult):
+        return checked
+    s, c = checked
+    numbers = {"n_stable": float(len(s)), "n_canary": float(len(c)),
+               "min_samples": float(min_samples), "max_ratio": bound.max_ratio, "alpha": alpha}
+    too_few = _too_few(name, "samples", len(s), len(c), min_samples, numbers)
+    if too_few is not None:
+        return too_few
+    p, detail = _shift_p("ms", "ms", bound.max_ratio, s, c, RHO_REQUESTS, numbers)
+    return _combine(name, [_verdict(
+        p, alpha, f"canary latencies shifted beyond {bound.max_ratio:g}x stable's: {detail}",
+        f"no shift beyond {bound.max_ratio:g}x: {detail}")], numbers)
 
 
 def judge_error_rate(bound: ErrorRateBound, stable_errors: int, stable_requests: int,
-                     canary_errors: int, canary_requests: int, confidence: float,
+                     canary_errors: int, canary_requests: int, alpha: float,
                      min_samples: int) -> MetricResult:
+    """The canary's share of all errors against its share with no regression,
+    and (with max) its error count against max; `alpha` for each."""
     name = "error_rate"
     numbers = {"n_stable": float(stable_requests), "n_canary": float(canary_requests),
                "errors_stable": float(stable_errors), "errors_canary": float(canary_errors),
                "min_samples": float(min_samples), "max_ratio": bound.max_ratio,
-               "confidence": confidence}
+               "alpha": alpha}
     if not (0 <= stable_errors <= stable_requests and 0 <= canary_errors <= canary_requests):
         return MetricResult(name, ERROR, "error counts are negative or exceed the requests",
                             numbers)
-    if stable_requests < min_samples or canary_requests < min_samples:
-        return MetricResult(name, INCONCLUSIVE, f"too few requests: canary {canary_requests}, "
-                            f"stable {stable_requests}, need {min_samples} each", numbers)
-    alpha = 1 - confidence
+    too_few = _too_few(name, "requests", stable_requests, canary_requests, min_samples, numbers)
+    if too_few is not None:
+        return too_few
     rate_s, rate_c = stable_errors / stable_requests, canary_errors / canary_requests
-    z, p_value = two_proportion_greater(canary_errors, canary_requests, stable_errors,
-                                        stable_requests, bound.max_ratio)
-    numbers.update(rate_stable=rate_s, rate_canary=rate_c, z=z, p_value=p_value, alpha=alpha)
-    outcomes, reasons = [], []
-    if p_value < alpha:
-        outcomes.append(FAILED)
-        reasons.append(f"canary error rate {rate_c:.3g} above {bound.max_ratio:g}x stable's "
-                       f"{rate_s:.3g} (z={z:.3g}, p={p_value:.3g})")
-    else:
-        outcomes.append(SUCCESSFUL)
-        reasons.append(f"error rate {rate_c:.3g} vs {rate_s:.3g} (p={p_value:.3g})")
+    errors = stable_errors + canary_errors
+    share_max = (bound.max_ratio * canary_requests
+                 / (bound.max_ratio * canary_requests + stable_requests))
+    p = p_value(binomial_log_e(canary_errors, errors, share_max)) if errors else 1.0
+    numbers.update(rate_stable=rate_s, rate_canary=rate_c, canary_share_of_errors_max=share_max,
+                   p_value=p)
+    detail = (f"canary {rate_c:.3g} ({canary_errors} of {errors} errors, at most "
+              f"{share_max:.1%} expected) vs stable {rate_s:.3g}")
+    checks = [_verdict(p, alpha, f"canary error rate above {bound.max_ratio:g}x stable's: "
+                       f"{detail}", f"error rate {detail}")]
     if bound.max is not None:
-        lower, _ = wilson_interval(canary_errors, canary_requests, confidence)
-        numbers.update(max=bound.max, rate_canary_lower_bound=lower)
-        if lower > bound.max:
-            outcomes.append(FAILED)
-            reasons.append(f"canary error rate above {bound.max:g} (lower bound {lower:.3g})")
-        elif rate_c > bound.max:
-            outcomes.append(INCONCLUSIVE)
-            reasons.append(f"canary error rate {rate_c:.3g} above {bound.max:g} but not yet "
-                           f"significantly (lower bound {lower:.3g})")
-    return _combine(name, outcomes, reasons, numbers)
+        p_max = p_value(binomial_log_e(canary_errors, canary_requests, bound.max))
+        numbers.update(max=bound.max, p_value_max=p_max)
+        if p_max <= alpha or rate_c > bound.max:
+            checks.append(_verdict(
+                p_max, alpha, f"canary error rate {rate_c:.3g} above {bound.max:g}",
+                f"canary error rate {rate_c:.3g} above {bound.max:g} but not yet "
+                f"significantly", INCONCLUSIVE))
+    return _combine(name, checks, numbers)
 
 
 def judge_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[float],
-                 confidence: float) -> MetricResult:
+                 alpha: float) -> MetricResult:
     name = "energy_per_inference"
-    s, c = _finite_nonnegative(stable), _finite_nonnegative(canary)
-    if s is None or c is None:
-        return MetricResult(name, ERROR, "J/inference samples hold a negative or non-finite "
-                            "value", {"n_stable": len(stable), "n_canary": len(canary)})
+    checked = _checked_pair(name, "J/inference", stable, canary)
+    if isinstance(checked, MetricResult):
+        return checked
+    s, c = checked
     numbers = {"n_stable": float(len(s)), "n_canary": float(len(c)),
                "min_windows": float(bound.min_windows), "max_ratio": bound.max_ratio,
-               "confidence": confidence}
-    if len(s) < bound.min_windows or len(c) < bound.min_windows:
-        return MetricResult(name, INCONCLUSIVE, f"too few J/inference windows: canary {len(c)}, "
-                            f"stable {len(s)}, need {bound.min_windows} each", numbers)
-    alpha = 1 - confidence
-    test = mann_whitney_greater(c / bound.max_ratio, s)
+               "alpha": alpha}
+    too_few = _too_few(name, "J/inference windows", len(s), len(c), bound.min_windows, numbers)
+    if too_few is not None:
+        return too_few
     mean_s, mean_c = float(np.mean(s)), float(np.mean(c))
-    numbers.update(mean_stable_j=mean_s, mean_canary_j=mean_c,
-                   median_stable_j=float(np.median(s)), median_canary_j=float(np.median(c)),
-                   ratio=mean_c / mean_s if mean_s > 0 else math.inf,
-                   u=test.u, z=test.z, p_value=test.p_value, alpha=alpha)
-    if test.p_value < alpha:
-        return MetricResult(name, FAILED, f"canary uses more than {bound.max_ratio:g}x stable's "
-                            f"energy ({mean_c:.4g} vs {mean_s:.4g} J/inference, "
-                            f"p={test.p_value:.3g})", numbers)
-    return MetricResult(name, SUCCESSFUL, f"{mean_c:.4g} vs {mean_s:.4g} J/inference "
-                        f"(p={test.p_value:.3g})", numbers)
+    numbers.update(mean_stable_j=mean_s, mean_canary_j=mean_c)
+    if mean_s > 0:
+        numbers["ratio"] = mean_c / mean_s
+    p, detail = _shift_p("J", "j", bound.max_ratio, s, c, RHO_WINDOWS, numbers)
+    means = f"mean {mean_c:.4g} vs {mean_s:.4g} J/inference, {detail}"
+    return _combine(name, [_verdict(
+        p, alpha, f"canary uses more than {bound.max_ratio:g}x stable's energy: {means}",
+        means)], numbers)
 
 
-def judge_agreement(bound: AgreementBound, agreed: int, compared: int, confidence: float,
+def judge_agreement(bound: AgreementBound, agreed: int, compared: int, alpha: float,
                     min_samples: int) -> MetricResult:
+    """Failed on evidence that the agreement rate is below min, Successful on
+    evidence that it is above, Inconclusive in between (`alpha` each way)."""
     name = "agreement"
     numbers = {"compared": float(compared), "agreed": float(agreed), "min": bound.min,
-               "min_samples": float(min_samples), "confidence": confidence}
+               "min_samples": float(min_samples), "alpha": alpha}
     if not 0 <= agreed <= compared:
         return MetricResult(name, ERROR, "agreed count is negative or exceeds compared", numbers)
     if compared < min_samples:
         return MetricResult(name, INCONCLUSIVE, f"too few shadowed requests: {compared}, need "
                             f"{min_samples}", numbers)
     rate = agreed / compared
-    lower, upper = wilson_interval(agreed, compared, confidence)
-    numbers.update(rate=rate, lower_bound=lower, upper_bound=upper)
-    if lower >= bound.min:
-        return MetricResult(name, SUCCESSFUL, f"agreement {rate:.4g} (lower bound {lower:.4g} "
-                            f">= {bound.min:g})", numbers)
-    if upper < bound.min:
-        return MetricResult(name, FAILED, f"agreement {rate:.4g} below {bound.min:g} (upper "
-                            f"bound {upper:.4g})", numbers)
-    return MetricResult(name, INCONCLUSIVE, f"agreement {rate:.4g}: lower bound {lower:.4g} "
-                        f"not yet >= {bound.min:g}", numbers)
+    below = p_value(binomial_log_e(agreed, compared, bound.min, above=False))
+    above = 0.0 if bound.min <= 0 else p_value(binomial_log_e(agreed, compared, bound.min))
+    numbers.update(rate=rate, p_value=below, p_value_above=above)
+    if below <= alpha:
+        return MetricResult(name, FAILED, f"agreement {rate:.4g} below {bound.min:g} "
+                            f"(p={below:.3g} <= {alpha:.3g})", numbers)
+    if above <= alpha:
+        return MetricResult(name, SUCCESSFUL, f"agreement {rate:.4g} above {bound.min:g} "
+                            f"(p={above:.3g} <= {alpha:.3g})", numbers)
+    return MetricResult(name, INCONCLUSIVE, f"agreement {rate:.4g}: not yet significantly "
+                        f"above {bound.min:g} (p={above:.3g} > {alpha:.3g})", numbers)
 
 
-def _combine(name: str, outcomes: list[str], reasons: list[str],
-             numbers: dict[str, float]) -> MetricResult:
-    outcome = worst(outcomes)
-    # Lead with the reason that decided the outcome.
-    ordered = [r for o, r in zip(outcomes, reasons) if o == outcome] + \
-              [r for o, r in zip(outcomes, reasons) if o != outcome]
-    return MetricResult(name, outcome, "; ".join(ordered), numbers)
-
-
-def analyze(spec: AnalysisSpec, measurements: Measurements) -> AnalysisRun:
+def analyze(spec: AnalysisSpec, measurements: Measurements,
+            tests: int | None = None) -> AnalysisRun:
     """Judge every configured metric of canary vs stable on each tier, and
     agreement over all of them; the worst outcome wins.
 
     Each tier is judged on its own samples, so a tier's regression is not
     diluted by another tier's traffic and stable is compared on the tier the
     canary ran on. A tier where neither version served a request this stage
-    has nothing at stake and is left out (unless no tier served any). The
-    per-tier tests share the spec's false-alarm rate (Bonferroni): with k
-    tiers each is judged at confidence 1 - (1 - confidence) / k.
+    has nothing at stake and is left out (unless no tier served any). Every
+    test gets (1 - confidence) / `tests`, the rollout's count
+    (`rollout_tests`); None counts this look's tests only, as for a rollout
+    of this one stage.
     """
     tiers = ({tier: s for tier, s in measurements.tiers.items() if s.served}
              or dict(measurements.tiers) or {None: TierSamples()})
-    confidence = 1 - (1 - spec.confidence) / len(tiers)
+    tests = stage_tests(spec, len(tiers)) if tests is None else tests
+    alpha = (1 - spec.confidence) / tests
     metrics: list[MetricResult] = []
     for tier, samples in tiers.items():
         metrics.extend(replace(m, tier=tier)
-                       for m in _judge_tier(spec, samples.stable, samples.canary, confidence))
+                       for m in _judge_tier(spec, samples.stable, samples.canary, alpha))
     if spec.agreement is not None:
         metrics.append(judge_agreement(spec.agreement, measurements.shadow_agreed,
-                                       measurements.shadow_compared, spec.confidence,
-                                       spec.min_samples))
+                                       measurements.shadow_compared, alpha, spec.min_samples))
+    budget = {"alpha_rollout": 1 - spec.confidence, "tests": float(tests)}
+    metrics = [replace(m, numbers={**m.numbers, **budget}) for m in metrics]
     return AnalysisRun(measurements.window, worst([m.outcome for m in metrics]),
                        tuple(metrics))
 
 
 def _judge_tier(spec: AnalysisSpec, stable: VersionSamples, canary: VersionSamples,
-                confidence: float) -> list[MetricResult]:
+                alpha: float) -> list[MetricResult]:
     metrics: list[MetricResult] = []
-    if spec.latency_p95 is not None:
-        metrics.append(judge_latency(spec.latency_p95, stable.latencies_ms, canary.latencies_ms,
-                                     confidence, spec.min_samples))
+    for q, bound in ((0.95, spec.latency_p95), (0.99, spec.latency_p99)):
+        if bound is not None:
+            metrics.append(judge_latency_quantile(q, bound, stable.latencies_ms,
+                                                  canary.latencies_ms, alpha,
+                                                  spec.min_samples))
+    if spec.latency_shift is not None:
+        metrics.append(judge_latency_shift(spec.latency_shift, stable.latencies_ms,
+                                           canary.latencies_ms, alpha, spec.min_samples))
     if spec.error_rate is not None:
         metrics.append(judge_error_rate(spec.error_rate, stable.errors, stable.requests,
-                                        canary.errors, canary.requests, confidence,
+                                        canary.errors, canary.requests, alpha,
                                         spec.min_samples))
     if spec.energy_per_inference is not None:
         metrics.append(judge_energy(spec.energy_per_inference, stable.joules_per_inference,
-                                    canary.joules_per_inference, confidence))
+                                    canary.joules_per_inference, alpha))
     return metrics

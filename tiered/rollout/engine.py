@@ -10,7 +10,10 @@ A stage passes when its analysis is Successful, the canary has served
 `min_requests` and `min_duration_s` has passed. It fails fast: a Failed
 analysis counts at any time, and `consecutive_failure_limit` failures in a
 row trigger `on_failure` (rollback or pause). A stage still undecided at
-`max_duration_s` follows `on_failure` too: no data is never a pass.
+`max_duration_s` follows `on_failure` too: no data is never a pass. Every
+analysis of the rollout shares one false-rollback budget, split over the
+tests of all its stages (`analysis.rollout_tests`); the tests are
+anytime-valid, so judging at every interval spends nothing more.
 
 The manual verbs (pause, resume, promote, abort) are pure functions of the
 same kind. Weight arithmetic is pure: each tier's canary percent comes from
@@ -25,17 +28,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from tiered import names
 from tiered.errors import InvalidArgument
-from tiered.profiles import TIERS
-from tiered.rollout.analysis import ERROR, FAILED, INCONCLUSIVE, SUCCESSFUL, Measurements, analyze
+from tiered.rollout.analysis import Measurements, analyze, rollout_tests
 from tiered.rollout.spec import AnalysisRun, RolloutStatus, Stage, TieredModel
 
-PROGRESSING, PAUSED, PROMOTED, ROLLED_BACK, ABORTED = (
-    "Progressing", "Paused", "Promoted", "RolledBack", "Aborted")
-FINISHED = (PROMOTED, ROLLED_BACK, ABORTED)
-
-ADVANCE, HOLD, ROLLBACK, PROMOTE, PAUSE, RESUME, ABORT = (
-    "advance", "hold", "rollback", "promote", "pause", "resume", "abort")
+# The phases a rollout does not leave by itself.
+FINISHED = (names.Phase.PROMOTED, names.Phase.ROLLED_BACK, names.Phase.ABORTED)
 
 # A holding rollout is looked at again at least this often (seconds), sooner
 # when a stage deadline comes first.
@@ -46,7 +45,7 @@ POLL_INTERVAL_S = 30.0
 class Decision:
     """What to do now, why, and the status to write back."""
 
-    action: str  # advance | hold | rollback | promote | pause | resume | abort
+    action: names.Action
     reason: str
     status: RolloutStatus
     analysis: AnalysisRun | None = None  # the analysis this decision used, with its numbers
@@ -65,15 +64,16 @@ def _current_stage(spec: TieredModel, status: RolloutStatus) -> tuple[int, Stage
 def canary_weights(spec: TieredModel, status: RolloutStatus) -> Mapping[str, float]:
     """Canary percent per tier: the current stage's while the rollout is live
     (progressing or paused), else 0 everywhere; tiers a stage omits get 0."""
-    tiers = [tier for tier in TIERS if tier in spec.tiers]
-    live = status.canary_version is not None and status.phase in (PROGRESSING, PAUSED)
+    tiers = [tier for tier in names.TIERS if tier in spec.tiers]
+    live = (status.canary_version is not None
+            and status.phase in (names.Phase.PROGRESSING, names.Phase.PAUSED))
     if not live:
         return MappingProxyType({tier: 0.0 for tier in tiers})
     _, stage = _current_stage(spec, status)
     return MappingProxyType({tier: float(stage.weights.get(tier, 0.0)) for tier in tiers})
 
 
-def _decision(spec: TieredModel, action: str, reason: str, status: RolloutStatus,
+def _decision(spec: TieredModel, action: names.Action, reason: str, status: RolloutStatus,
               analysis: AnalysisRun | None = None,
               requeue_after_s: float | None = None) -> Decision:
     status = dataclasses.replace(status, message=reason)
@@ -89,20 +89,20 @@ def start(spec: TieredModel, stable_version: int, canary_version: int,
     if canary_version == stable_version:
         raise InvalidArgument(f"canary_version: {canary_version} is already the stable version")
     return RolloutStatus(stable_version=stable_version, canary_version=canary_version,
-                         stage_index=0, phase=PROGRESSING, stage_started_at=now)
+                         stage_index=0, phase=names.Phase.PROGRESSING, stage_started_at=now)
 
 
 def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements | None,
            now: float) -> Decision:
     """The next step of the rollout; see the module docstring for the rules."""
     if status.phase in FINISHED:
-        return _decision(spec, HOLD, f"rollout is {status.phase}", status,
+        return _decision(spec, names.Action.HOLD, f"rollout is {status.phase}", status,
                          status.last_analysis)
     if status.canary_version is None:
-        return _decision(spec, HOLD, "no canary version to roll out", status)
-    if status.paused or status.phase == PAUSED:
-        return _decision(spec, HOLD, "paused: resume, promote or abort to go on",
-                         dataclasses.replace(status, phase=PAUSED, paused=True),
+        return _decision(spec, names.Action.HOLD, "no canary version to roll out", status)
+    if status.paused or status.phase == names.Phase.PAUSED:
+        return _decision(spec, names.Action.HOLD, "paused: resume, promote or abort to go on",
+                         dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True),
                          status.last_analysis)
 
     stages = spec.rollout.stages
@@ -116,44 +116,47 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
         if timed_out:
             return _on_failure(spec, status, f"{why}, max_duration_s "
                                f"{stage.max_duration_s:g} reached", status.last_analysis)
-        return _decision(spec, HOLD, why, status, status.last_analysis,
+        return _decision(spec, names.Action.HOLD, why, status, status.last_analysis,
                          _requeue(stage, elapsed))
 
     last = status.last_analysis
     if last is not None and last.window == measurements.window:
         run, failures = last, status.consecutive_failures  # judged and counted already
     else:
-        run = analyze(spec.rollout.analysis, measurements)
-        failures = status.consecutive_failures + 1 if run.verdict == FAILED else 0
+        # Every test of every stage shares the rollout's false-rollback budget.
+        run = analyze(spec.rollout.analysis, measurements,
+                      rollout_tests(spec.rollout.analysis, stages))
+        failures = status.consecutive_failures + 1 if run.verdict == names.Outcome.FAILED else 0
     status = dataclasses.replace(status, last_analysis=run, consecutive_failures=failures)
 
-    if run.verdict == FAILED:
+    if run.verdict == names.Outcome.FAILED:
         limit = spec.rollout.analysis.consecutive_failure_limit
-        detail = "; ".join(f"{m.label}: {m.reason}" for m in run.with_outcome(FAILED))
+        detail = "; ".join(f"{m.label}: {m.reason}" for m in run.with_outcome(names.Outcome.FAILED))
         if failures >= limit:
             return _on_failure(spec, status, f"{where} failed ({failures} of {limit} in a "
                                f"row): {detail}", run)
-        return _decision(spec, HOLD, f"{where}: analysis failed ({failures} of {limit} in a "
-                         f"row): {detail}", status, run, _requeue(stage, elapsed))
+        return _decision(spec, names.Action.HOLD, f"{where}: analysis failed ({failures} of "
+                         f"{limit} in a row): {detail}", status, run, _requeue(stage, elapsed))
 
     why = []
-    requests = measurements.pooled("canary").requests
+    requests = measurements.requests("canary")
     if requests < stage.min_requests:
         why.append(f"too little data: {requests} of {stage.min_requests} canary requests")
     if elapsed < stage.min_duration_s:
         why.append(f"too short: {elapsed:.0f} of {stage.min_duration_s:g} s")
-    if run.verdict in (INCONCLUSIVE, ERROR):
-        pending = run.with_outcome(INCONCLUSIVE) + run.with_outcome(ERROR)
+    if run.verdict in (names.Outcome.INCONCLUSIVE, names.Outcome.ERROR):
+        pending = (run.with_outcome(names.Outcome.INCONCLUSIVE)
+                   + run.with_outcome(names.Outcome.ERROR))
         why.append(f"analysis {run.verdict.lower()}: " +
                    "; ".join(f"{m.label}: {m.reason}" for m in pending))
     if why:
         if timed_out:
             return _on_failure(spec, status, f"{where} undecided at max_duration_s "
                                f"{stage.max_duration_s:g}: {'; '.join(why)}", run)
-        return _decision(spec, HOLD, f"{where}: {'; '.join(why)}", status, run,
+        return _decision(spec, names.Action.HOLD, f"{where}: {'; '.join(why)}", status, run,
                          _requeue(stage, elapsed))
 
-    assert run.verdict == SUCCESSFUL
+    assert run.verdict == names.Outcome.SUCCESSFUL
     if index == len(stages) - 1:
         return _promoted(spec, status, f"{where} passed, the last: promoting "
                          f"version {status.canary_version}", run)
@@ -169,27 +172,28 @@ def _requeue(stage: Stage, elapsed: float) -> float:
 
 def _on_failure(spec: TieredModel, status: RolloutStatus, reason: str,
                 run: AnalysisRun | None) -> Decision:
-    if spec.rollout.on_failure == "pause":
-        return _decision(spec, PAUSE, f"{reason}; pausing (on_failure: pause)",
-                         dataclasses.replace(status, phase=PAUSED, paused=True), run)
-    return _decision(spec, ROLLBACK, f"{reason}; rolling back to version "
+    if spec.rollout.on_failure == names.OnFailure.PAUSE:
+        return _decision(spec, names.Action.PAUSE, f"{reason}; pausing (on_failure: pause)",
+                         dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True), run)
+    return _decision(spec, names.Action.ROLLBACK, f"{reason}; rolling back to version "
                      f"{status.stable_version}",
-                     dataclasses.replace(status, phase=ROLLED_BACK, paused=False), run)
+                     dataclasses.replace(status, phase=names.Phase.ROLLED_BACK, paused=False), run)
 
 
 def _promoted(spec: TieredModel, status: RolloutStatus, reason: str,
               run: AnalysisRun | None) -> Decision:
     promoted = dataclasses.replace(status, stable_version=status.canary_version,
-                                   canary_version=None, phase=PROMOTED, paused=False,
+                                   canary_version=None, phase=names.Phase.PROMOTED, paused=False,
                                    consecutive_failures=0)
-    return _decision(spec, PROMOTE, reason, promoted, run)
+    return _decision(spec, names.Action.PROMOTE, reason, promoted, run)
 
 
 def _advanced(spec: TieredModel, status: RolloutStatus, index: int, now: float, reason: str,
               run: AnalysisRun | None) -> Decision:
     advanced = dataclasses.replace(status, stage_index=index + 1, stage_started_at=now,
-                                   phase=PROGRESSING, paused=False, consecutive_failures=0)
-    return _decision(spec, ADVANCE, reason, advanced, run, 0.0)
+                                   phase=names.Phase.PROGRESSING, paused=False,
+                                   consecutive_failures=0)
+    return _decision(spec, names.Action.ADVANCE, reason, advanced, run, 0.0)
 
 
 # --- manual verbs -----------------------------------------------------------
@@ -206,20 +210,21 @@ def pause(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
     """Stop at the current stage; canary weights stay as they are."""
     _require_live(status, "pause")
     if status.paused:
-        return _decision(spec, HOLD, "already paused", status, status.last_analysis)
-    return _decision(spec, PAUSE, "paused by hand",
-                     dataclasses.replace(status, phase=PAUSED, paused=True),
+        return _decision(spec, names.Action.HOLD, "already paused", status, status.last_analysis)
+    return _decision(spec, names.Action.PAUSE, "paused by hand",
+                     dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True),
                      status.last_analysis)
 
 
 def resume(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
     """Go on from the current stage; its clock and the failure count restart."""
     _require_live(status, "resume")
-    if not status.paused and status.phase != PAUSED:
-        return _decision(spec, HOLD, "not paused", status, status.last_analysis)
-    resumed = dataclasses.replace(status, phase=PROGRESSING, paused=False,
+    if not status.paused and status.phase != names.Phase.PAUSED:
+        return _decision(spec, names.Action.HOLD, "not paused", status, status.last_analysis)
+    resumed = dataclasses.replace(status, phase=names.Phase.PROGRESSING, paused=False,
                                   stage_started_at=now, consecutive_failures=0)
-    return _decision(spec, RESUME, "resumed by hand", resumed, status.last_analysis, 0.0)
+    return _decision(spec, names.Action.RESUME, "resumed by hand", resumed,
+                     status.last_analysis, 0.0)
 
 
 def promote(spec: TieredModel, status: RolloutStatus, now: float,
@@ -239,7 +244,7 @@ def promote(spec: TieredModel, status: RolloutStatus, now: float,
 def abort(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
     """Send all traffic back to stable and stop; the canary version stays on record."""
     _require_live(status, "abort")
-    return _decision(spec, ABORT, f"aborted by hand; all traffic to version "
+    return _decision(spec, names.Action.ABORT, f"aborted by hand; all traffic to version "
                      f"{status.stable_version}",
-                     dataclasses.replace(status, phase=ABORTED, paused=False),
+                     dataclasses.replace(status, phase=names.Phase.ABORTED, paused=False),
                      status.last_analysis)

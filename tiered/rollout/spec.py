@@ -18,6 +18,7 @@ local backend and Kubernetes.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 import types
@@ -26,22 +27,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiered import names
 from tiered.errors import ConfigError
-from tiered.profiles import TIERS
 from tiered.settings import load_dataclass
 
 API_GROUP = "tiered.dev"
 API_VERSION = "v1alpha1"
 KIND = "TieredModel"
-
-ENGINES = ("onnxruntime", "torch", "tensorrt")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
-# The router's policy names (tiered.router.table.POLICIES); not imported, since
-# the rollout package never imports the router.
-POLICIES = ("slo-energy", "cascade")
-ON_FAILURE = ("rollback", "pause")
-PHASES = ("Progressing", "Paused", "Promoted", "RolledBack", "Aborted")
-OUTCOMES = ("Successful", "Failed", "Inconclusive", "Error")
 
 _CONSTRAINTS = frozenset({
     "minimum", "maximum", "exclusive_minimum", "exclusive_maximum", "enum",
@@ -194,10 +186,10 @@ class TierSpec(_Checked):
     """How one tier runs the model."""
 
     engine: str | None = spec_field(None, doc="engine backend; null: the tier profile's",
-                                    enum=ENGINES)
+                                    enum=tuple(names.Backend))
     precision: str | None = spec_field(
         None, doc="numeric precision of the tier build; null: the tier profile's",
-        enum=PRECISIONS)
+        enum=tuple(names.Precision))
     replicas: int = spec_field(1, doc="agents of this tier serving the model",
                                minimum=0, maximum=1000)
     batching: Batching = spec_field(default_factory=Batching, doc="dynamic batching")
@@ -212,8 +204,8 @@ class TierSpec(_Checked):
 
 @dataclass(frozen=True)
 class CascadeSettings(_Checked):
-    tiers: tuple[str, ...] = spec_field(TIERS, doc="escalation order, cheapest first",
-                                        min_items=1, enum=TIERS)
+    tiers: tuple[str, ...] = spec_field(names.TIERS, doc="escalation order, cheapest first",
+                                        min_items=1, enum=names.TIERS)
     threshold: float = spec_field(0.9, doc="escalate when confidence is below this",
                                   minimum=0.0, maximum=1.0)
     output: str = spec_field("", doc="output judged for confidence; empty: the only one")
@@ -226,7 +218,8 @@ class CascadeSettings(_Checked):
 
 @dataclass(frozen=True)
 class Routing(_Checked):
-    policy: str = spec_field("slo-energy", doc="how the router picks a tier", enum=POLICIES)
+    policy: str = spec_field(names.Policy.SLO_ENERGY, doc="how the router picks a tier",
+                             enum=tuple(names.Policy))
     slo_ms: float = spec_field(50.0, doc="latency target when a request sets none",
                                minimum=0.0, exclusive_minimum=True)
     cascade: CascadeSettings = spec_field(default_factory=CascadeSettings,
@@ -240,11 +233,13 @@ class Stage(_Checked):
     name: str = spec_field(doc="shown in status and the CLI", min_length=1)
     weights: Mapping[str, float] = spec_field(
         doc="percent of each tier's traffic sent to the canary; unlisted tiers get 0",
-        keys=TIERS, minimum=0.0, maximum=100.0)
+        keys=names.TIERS, minimum=0.0, maximum=100.0)
+    # The defaults give the analysis the data to catch what bench/judge.py
+    # simulates (e.g. errors 0.5% -> 2%) at 5% of 100 requests/s.
     min_requests: int = spec_field(
-        200, doc="canary requests needed before the stage can pass", minimum=1)
+        1000, doc="canary requests needed before the stage can pass", minimum=1)
     min_duration_s: float = spec_field(
-        60.0, doc="seconds the stage runs at least before it can pass", minimum=0.0)
+        600.0, doc="seconds the stage runs at least before it can pass", minimum=0.0)
     max_duration_s: float = spec_field(
         3600.0, doc="seconds after which a stage still undecided follows on_failure",
         minimum=0.0, exclusive_minimum=True)
@@ -258,12 +253,23 @@ class Stage(_Checked):
 
 @dataclass(frozen=True)
 class LatencyBound(_Checked):
+    """A latency percentile (p95, p99) of the canary against stable's."""
+
     max_ratio: float = spec_field(
-        1.05, doc="canary latency may exceed stable's by this factor before it regresses",
-        minimum=1.0)
+        1.05, doc="the canary's percentile may exceed stable's by this factor before it "
+        "regresses", minimum=1.0)
     max_ms: float | None = spec_field(
-        None, doc="absolute bound on the canary's p95 (ms); null: none",
+        None, doc="absolute bound on the canary's percentile (ms); null: none",
         minimum=0.0, exclusive_minimum=True)
+
+
+@dataclass(frozen=True)
+class ShiftBound(_Checked):
+    """The canary's latencies as a whole against stable's (a location test)."""
+
+    max_ratio: float = spec_field(
+        1.05, doc="canary latencies as a whole (a Mann-Whitney shift, not one quantile) may "
+        "exceed stable's by this factor before they regress", minimum=1.0)
 
 
 @dataclass(frozen=True)
@@ -279,7 +285,8 @@ class EnergyBound(_Checked):
     max_ratio: float = spec_field(
         1.1, doc="canary J/inference may exceed stable's by this factor", minimum=1.0)
     min_windows: int = spec_field(
-        5, doc="telemetry windows of J/inference needed per version", minimum=2)
+        5, doc="telemetry windows of J/inference needed per version (the rank test "
+        "behind it fails a canary only from about 20 windows a version on)", minimum=2)
 
 
 @dataclass(frozen=True)
@@ -293,8 +300,14 @@ class AgreementBound(_Checked):
 class AnalysisSpec(_Checked):
     """What a canary must show; a metric set to null is not judged."""
 
-    latency_p95: LatencyBound | None = spec_field(default_factory=LatencyBound,
-                                                  doc="request latency, canary vs stable")
+    latency_p95: LatencyBound | None = spec_field(
+        default_factory=LatencyBound, doc="the 95th percentile of request latency, canary "
+        "vs stable: a tail test")
+    latency_p99: LatencyBound | None = spec_field(
+        None, doc="the 99th percentile of request latency, canary vs stable; null: not judged")
+    latency_shift: ShiftBound | None = spec_field(
+        default_factory=ShiftBound, doc="request latency as a whole, canary vs stable: a "
+        "location test")
     error_rate: ErrorRateBound | None = spec_field(default_factory=ErrorRateBound,
                                                    doc="share of failed requests")
     energy_per_inference: EnergyBound | None = spec_field(default_factory=EnergyBound,
@@ -302,7 +315,8 @@ class AnalysisSpec(_Checked):
     agreement: AgreementBound | None = spec_field(default_factory=AgreementBound,
                                                   doc="shadow agreement with stable")
     confidence: float = spec_field(
-        0.95, doc="confidence of every test (one-sided)", minimum=0.5, maximum=1.0,
+        0.995, doc="1 - the probability that a canary with no regression is rolled back, "
+        "per rollout: over every look, metric, tier and stage", minimum=0.5, maximum=1.0,
         exclusive_maximum=True)
     min_samples: int = spec_field(
         50, doc="samples per version below which a metric is inconclusive", minimum=1)
@@ -314,8 +328,8 @@ class AnalysisSpec(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not any((self.latency_p95, self.error_rate, self.energy_per_inference,
-                    self.agreement)):
+        if not any((self.latency_p95, self.latency_p99, self.latency_shift, self.error_rate,
+                    self.energy_per_inference, self.agreement)):
             raise ConfigError("latency_p95: every metric is null; judge at least one")
 
 
@@ -325,8 +339,9 @@ class RolloutSpec(_Checked):
                                            max_items=32)
     analysis: AnalysisSpec = spec_field(default_factory=AnalysisSpec,
                                         doc="how each stage is judged")
-    on_failure: str = spec_field("rollback", doc="what a failed or undecided stage does",
-                                 enum=ON_FAILURE)
+    on_failure: str = spec_field(names.OnFailure.ROLLBACK,
+                                 doc="what a failed or undecided stage does",
+                                 enum=tuple(names.OnFailure))
     shadow_fraction: float = spec_field(
         0.1, doc="share of stable requests also sent to the canary to measure agreement",
         minimum=0.0, maximum=1.0)
@@ -346,7 +361,8 @@ class TieredModel(_Checked):
     name: str = spec_field(doc="model name", min_length=1,
                            pattern=r"[a-z0-9]([-a-z0-9_.]*[a-z0-9])?")
     artifact: Artifact = spec_field(doc="the model artifact")
-    tiers: Mapping[str, TierSpec] = spec_field(doc="tiers that serve the model", keys=TIERS)
+    tiers: Mapping[str, TierSpec] = spec_field(doc="tiers that serve the model",
+                                                keys=names.TIERS)
     rollout: RolloutSpec = spec_field(doc="staged canary of a new version")
     routing: Routing = spec_field(default_factory=Routing, doc="routing policy")
 
@@ -360,7 +376,7 @@ class TieredModel(_Checked):
                     raise ConfigError(f"rollout.stages[{index}].weights: tier {tier!r} is not "
                                       f"one the model runs on ({', '.join(self.tiers)})")
         for tier in self.routing.cascade.tiers:
-            if self.routing.policy == "cascade" and tier not in self.tiers:
+            if self.routing.policy == names.Policy.CASCADE and tier not in self.tiers:
                 raise ConfigError(f"routing.cascade.tiers: tier {tier!r} is not one the "
                                   f"model runs on ({', '.join(self.tiers)})")
 
@@ -400,8 +416,9 @@ def load_tiered_model(data: Any, where: str = KIND) -> TieredModel:
 class MetricResult:
     """One metric's outcome and every number it was decided from."""
 
-    metric: str = spec_field(doc="latency_p95, error_rate, energy_per_inference, agreement")
-    outcome: str = spec_field(doc="the metric's outcome", enum=OUTCOMES)
+    metric: str = spec_field(doc="latency_p95, latency_p99, latency_shift, error_rate, "
+                             "energy_per_inference, agreement")
+    outcome: str = spec_field(doc="the metric's outcome", enum=tuple(names.Outcome))
     reason: str = spec_field(doc="the outcome in words, with its numbers")
     numbers: Mapping[str, float] = spec_field(
         default_factory=dict, doc="samples, quantiles, test statistic, p-value, thresholds")
@@ -418,7 +435,7 @@ class AnalysisRun:
     """One analysis of canary vs stable: the worst metric outcome wins."""
 
     window: int = spec_field(doc="measurement window judged; the same window counts once")
-    verdict: str = spec_field(doc="worst outcome of the metrics", enum=OUTCOMES)
+    verdict: str = spec_field(doc="worst outcome of the metrics", enum=tuple(names.Outcome))
     metrics: tuple[MetricResult, ...] = spec_field(default=(), doc="per metric")
 
     def with_outcome(self, outcome: str) -> tuple[MetricResult, ...]:
@@ -435,7 +452,8 @@ class RolloutStatus:
     stable_version: int = spec_field(doc="version serving the rest of the traffic", minimum=0)
     canary_version: int | None = spec_field(None, doc="version being rolled out", minimum=1)
     stage_index: int = spec_field(0, doc="current stage of spec.rollout.stages", minimum=0)
-    phase: str = spec_field("Progressing", doc="where the rollout stands", enum=PHASES)
+    phase: str = spec_field(names.Phase.PROGRESSING, doc="where the rollout stands",
+                            enum=tuple(names.Phase))
     stage_started_at: float = spec_field(0.0, doc="when the current stage began (seconds)")
     consecutive_failures: int = spec_field(0, doc="failed analyses in a row", minimum=0)
     paused: bool = spec_field(False, doc="true while paused (by hand or by on_failure)")
@@ -479,7 +497,7 @@ class HistoryEntry:
     t: float = spec_field(doc="when (seconds since the epoch)")
     action: str = spec_field(doc="start, advance, promote, rollback, pause, resume, abort")
     reason: str = spec_field(doc="the decision in words, with its numbers")
-    phase: str = spec_field(doc="the rollout's phase after it", enum=PHASES)
+    phase: str = spec_field(doc="the rollout's phase after it", enum=tuple(names.Phase))
     stable_version: int = spec_field(doc="stable version after it", minimum=0)
     canary_version: int | None = spec_field(None, doc="canary version after it")
     stage: str = spec_field("", doc="the stage it left or entered, as 'N/M name'")
@@ -506,7 +524,7 @@ class TieredModelStatus:
                                                "first version serves")
     artifacts: tuple[ArtifactVersion, ...] = spec_field((), doc="every artifact seen, "
                                                         "with its version number")
-    weights: Mapping[str, float] = spec_field(default_factory=dict, keys=TIERS,
+    weights: Mapping[str, float] = spec_field(default_factory=dict, keys=names.TIERS,
                                               doc="percent of each tier's traffic on the "
                                               "canary now")
     stage: str = spec_field("", doc="the live stage, as 'N/M name'; empty when none")
@@ -527,6 +545,8 @@ _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
 def to_plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):  # a tiered.names member: its plain string
+        return value.value
     if dataclasses.is_dataclass(value):
         return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple):
@@ -547,7 +567,7 @@ def _bounds(meta: Mapping[str, Any]) -> dict[str, Any]:
     if "pattern" in meta:
         schema["pattern"] = f"^(?:{meta['pattern']})$"
     if "enum" in meta:
-        schema["enum"] = list(meta["enum"])
+        schema["enum"] = [to_plain(v) for v in meta["enum"]]
     return schema
 
 
@@ -568,7 +588,7 @@ def _type_schema(hint: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
         value_schema = _type_schema(args[1] if len(args) == 2 else Any, meta)
         if "keys" in meta:  # known keys: one property each, so the API server checks them
             schema = {"type": "object",
-                      "properties": {key: dict(value_schema) for key in meta["keys"]}}
+                      "properties": {to_plain(key): dict(value_schema) for key in meta["keys"]}}
         else:
             schema = {"type": "object", "additionalProperties": value_schema}
         return _nullable(schema, optional)

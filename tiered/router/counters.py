@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from tiered.protocol import routing
+from tiered import names
 
 MAX_CACHED_CHILDREN = 4096  # labelled Prometheus children kept at hand
 MAX_SHADOWED_VERSIONS = 1024  # (model, canary version) pairs tallied; the oldest go first
@@ -63,7 +63,7 @@ class ShadowAgreement:
         with self._lock:
             tiers = self._rows.get((model, version), {})
             return [TierAgreement(tier, tiers[tier][AGREE], tiers[tier][DISAGREE])
-                    for tier in sorted(tiers, key=routing.TIERS.index)]
+                    for tier in sorted(tiers, key=names.TIERS.index)]
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(

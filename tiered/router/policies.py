@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tiered import names
 from tiered.errors import InvalidArgument, NotFound
 from tiered.protocol import routing
 
@@ -134,9 +135,9 @@ class Pinned:
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
                observations: Observations, rng: random.Random) -> Ranking:
-        if request.tier not in routing.TIERS:
+        if request.tier not in names.TIERS:
             raise InvalidArgument(f"tiered-tier: unknown tier {request.tier!r}; expected one of "
-                                  f"{', '.join(routing.TIERS)}")
+                                  f"{', '.join(names.TIERS)}")
         pinned = [c for c in candidates if c.tier == request.tier]
         if not pinned:
             raise NotFound(f"tiered-tier: model {request.model!r} has no agents on tier "
@@ -259,6 +260,6 @@ def policy_for(route: routing.ModelRoute, request: RouteRequest) -> Pinned | Slo
     """The pin wins whenever the hint is present; else the model's policy."""
     if request.tier is not None:
         return Pinned()
-    if route.policy == "cascade":
+    if route.policy == names.Policy.CASCADE:
         return Cascade(route.cascade.tiers)
     return SloEnergy(route.slo_ms)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,9 +85,3 @@ class Reservoir:
         if slot < self.size:
             self.samples[slot] = value
 
-
-def histogram_of(values: Iterable[float]) -> Histogram:
-    histogram = Histogram()
-    for value in values:
-        histogram.record(value)
-    return histogram

@@ -38,6 +38,7 @@ from tiered.rollout.spec import API_GROUP, API_VERSION, RolloutStatus, TieredMod
 log = logging.getLogger(__name__)
 
 WORKLOAD_KINDS = ("Deployment", "DaemonSet", "Service")
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # on a Service's EndpointSlices
 
 
 class KubeBackend:
@@ -53,6 +54,7 @@ class KubeBackend:
         self.custom = client.CustomObjectsApi(api_client)
         self.apps = client.AppsV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
+        self.discovery = client.DiscoveryV1Api(api_client)
         self._uids: dict[str, str] = {}  # owner references name the model's uid
 
     # -- the model --------------------------------------------------------------
@@ -114,12 +116,23 @@ class KubeBackend:
         return states, frozenset(self._owned(spec))
 
     def agents(self, spec: TieredModel, rollout: RolloutStatus) -> Mapping[str, Sequence[str]]:
-        return {tier: tuple(self._address(spec, tier, v)
-                            for v in desired.served_versions(rollout))
+        """Every ready pod of each served version's workload, from the
+        EndpointSlices of its headless Service (a Service address would reach
+        one pod of several)."""
+        return {tier: tuple(address for v in desired.served_versions(rollout)
+                            for address in self._agent_pods(spec, tier, v))
                 for tier in spec.tiers}
 
-    def agreement_source(self) -> str | None:
-        return self.settings.router
+    def routers(self) -> Sequence[str]:
+        """Every ready router pod behind the `--router` Service, else the
+        address as given (one router, or not a Service of this cluster)."""
+        if not self.settings.router:
+            return ()
+        host, _, _ = self.settings.router.rpartition(":")
+        service, _, rest = host.partition(".")
+        namespace = rest.split(".")[0] if rest.endswith(("svc", "svc.cluster.local")) else ""
+        pods = self._endpoints(service, "grpc", namespace) if namespace else ()
+        return pods or (self.settings.router,)
 
     def apply(self, spec: TieredModel, made: plan.Plan) -> None:
         """Delete the objects of the versions the plan retires."""
@@ -238,10 +251,27 @@ class KubeBackend:
             _preload_content=False)  # plain JSON: the kubelet's status as it is
         return render.build_failure(json.loads(response.data).get("items") or [])
 
-    def _address(self, spec: TieredModel, tier: str, version: int) -> str:
+    def _agent_pods(self, spec: TieredModel, tier: str, version: int) -> tuple[str, ...]:
         service = render.workload_name(spec.name, tier, version)
-        return self.agent_addresses.get(
-            service, render.agent_address(spec.name, tier, version, self.namespace))
+        if service in self.agent_addresses:  # tests: agents outside the cluster
+            return (self.agent_addresses[service],)
+        return self._endpoints(service, "grpc", self.namespace)
+
+    def _endpoints(self, service: str, port_name: str, namespace: str) -> tuple[str, ...]:
+        """HOST:PORT of every ready endpoint of a Service, from its EndpointSlices."""
+        slices = self.discovery.list_namespaced_endpoint_slice(
+            namespace, label_selector=f"{SERVICE_NAME_LABEL}={service}")
+        found = set()
+        for piece in slices.items:
+            port = next((p.port for p in piece.ports or () if p.name == port_name), None)
+            if port is None:
+                continue
+            for endpoint in piece.endpoints or ():
+                if endpoint.conditions is not None and endpoint.conditions.ready is False:
+                    continue
+                found.update(f"[{a}]:{port}" if ":" in a else f"{a}:{port}"
+                             for a in endpoint.addresses)
+        return tuple(sorted(found))
 
 
 def _stored(obj: Mapping[str, Any]) -> Stored:

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from tiered.engines import BACKENDS, Engine, TensorSpec, open_engine, quantize
+from tiered import names
+from tiered.engines import Engine, TensorSpec, open_engine, quantize
 from tiered.engines.build import gate, install, report, samples, spec
 from tiered.errors import ConfigError, EngineError
 from tiered.profiles import TierProfile
@@ -66,8 +67,8 @@ def build(
         artifact.parent.mkdir()
         # The FP32 reference runs on the tier's ONNX Runtime settings, so its
         # latency is what serving the unlowered artifact here would cost.
-        reference = open_engine("onnxruntime", request.source, dict(profile.onnxruntime),
-                                f"{profile.tier} profile onnxruntime")
+        reference = open_engine(names.Backend.ONNXRUNTIME, request.source,
+                                dict(profile.onnxruntime), f"{profile.tier} profile onnxruntime")
         built: Engine | None = None
         try:
             step = samples.batch_step(reference.inputs)
@@ -120,7 +121,7 @@ def _lower(
     step: int | None, rng: np.random.Generator, artifact: Path, work: Path,
 ) -> tuple[samples.Samples | None, dict[str, Any]]:
     """Write the tier's artifact; return the calibration data and calibrator facts (INT8)."""
-    if settings.precision == "int8":
+    if settings.precision == names.Precision.INT8:
         calibration = samples.load_or_draw(request.calibration, inputs,
                                            settings.calibration_samples,
                                            settings.random_samples, rng, "calibration")
@@ -129,7 +130,8 @@ def _lower(
             method=settings.calibration_method, per_channel=settings.per_channel, work_dir=work,
         )
         return calibration, calibrator
-    if settings.precision == "fp16" and settings.backend == "onnxruntime":
+    if (settings.precision == names.Precision.FP16
+            and settings.backend == names.Backend.ONNXRUNTIME):
         quantize.convert_fp16(request.source, artifact)
     else:  # torch converts at load; ONNX Runtime fp32 is the artifact itself
         quantize.keep_fp32(request.source, artifact)
@@ -144,10 +146,10 @@ def _preflight(request: spec.BuildRequest, profile: TierProfile,
     install.check_layout_names(request.model, request.version)
     if request.repository.exists() and not request.repository.is_dir():
         raise ConfigError(f"repository: {request.repository} is not a directory")
-    if settings.backend not in BACKENDS:
+    if settings.backend not in tuple(names.Backend):
         raise ConfigError(
             f"backend: {settings.backend!r} has no engine in this installation of tiered "
-            f"(engines: {', '.join(BACKENDS)}); build for it once its engine is registered"
+            f"(engines: {', '.join(names.Backend)}); build for it once its engine is registered"
         )
     model_dir = request.repository / request.model
     if (model_dir / str(request.version)).exists() and not request.force:
@@ -170,7 +172,7 @@ def _preflight(request: spec.BuildRequest, profile: TierProfile,
 def _engine_settings(profile: TierProfile, settings: spec.BuildSettings) -> dict[str, Any]:
     """The settings the version is measured (and, in a new config, served) with."""
     merged = {**profile.backends.get(settings.backend, {}), **settings.engine}
-    if settings.backend == "torch":
+    if settings.backend == names.Backend.TORCH:
         merged["precision"] = settings.precision  # torch converts at load
     return merged
 

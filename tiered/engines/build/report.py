@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tiered import names
 from tiered.engines import Engine
 from tiered.engines.build import gate, install, samples, spec
 from tiered.errors import ConfigError
@@ -42,7 +43,7 @@ def compose(
                      "pass --eval with real data for a meaningful gate")
     if calibration is not None and calibration.origin == "random":
         notes.append("INT8 ranges calibrated on random inputs; pass --calibration with real data")
-    if settings.precision == "fp16" and built.device == "cpu":
+    if settings.precision == names.Precision.FP16 and built.device == "cpu":
         notes.append("FP16 measured on CPU: ONNX Runtime runs FP16 nodes it lacks CPU kernels "
                      "for through inserted casts, so this latency says nothing of GPU FP16")
     return {

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tiered import names
 from tiered.engines import quantize
 from tiered.errors import ConfigError
 from tiered.profiles import TierProfile
@@ -19,9 +20,10 @@ from tiered.settings import load_dataclass
 
 # What each backend can be built as. ONNX Runtime versions carry their
 # precision in the file; torch takes FP32 ONNX and converts at load.
-PRECISIONS: dict[str, tuple[str, ...]] = {
-    "onnxruntime": ("int8", "fp16", "fp32"),
-    "torch": ("fp32", "fp16", "bf16", "fp8"),
+PRECISIONS: dict[names.Backend, tuple[names.Precision, ...]] = {
+    names.Backend.ONNXRUNTIME: (names.Precision.INT8, names.Precision.FP16, names.Precision.FP32),
+    names.Backend.TORCH: (names.Precision.FP32, names.Precision.FP16, names.Precision.BF16,
+                          names.Precision.FP8),
 }
 
 

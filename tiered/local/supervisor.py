@@ -6,7 +6,8 @@ as child processes, writes their addresses for the controller and the CLI,
 applies the TieredModels the system file lists, and then watches: a child
 that dies is started again (agents and the router on the port they had), and
 the controller's progress lines are echoed. Ctrl-C stops everything, the
-controller first and the agents last.
+controller first and the agents last. It never reconciles: the controller
+child does.
 
     # examples/local.yaml
     state_dir: .tiered                # relative to the working directory
@@ -28,14 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiered import names
 from tiered.controller.local import RunningSystem, StateLayout
 from tiered.controller.plan import RETIRE_GRACE_S
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file
 from tiered.errors import ConfigError
 from tiered.files import write_atomically
-from tiered.processes import AgentError, AgentProcess, RouterProcess, ServerProcess
-from tiered.profiles import TIERS
+from tiered.local.processes import AgentError, AgentProcess, RouterProcess, ServerProcess
 from tiered.settings import load_dataclass, read_yaml
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class ControllerSettings:
 @dataclass(frozen=True)
 class LocalSystem:
     state_dir: str = ".tiered"
-    tiers: tuple[str, ...] = TIERS
+    tiers: tuple[str, ...] = names.TIERS
     router: RouterPorts = field(default_factory=RouterPorts)
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     sample_models: str | None = None
@@ -74,9 +75,9 @@ class LocalSystem:
 
     def __post_init__(self) -> None:
         for index, tier in enumerate(self.tiers):
-            if tier not in TIERS:
+            if tier not in names.TIERS:
                 raise ConfigError(f"tiers[{index}]: unknown tier {tier!r}; expected one of "
-                                  f"{', '.join(TIERS)}")
+                                  f"{', '.join(names.TIERS)}")
         if not self.tiers or len(set(self.tiers)) != len(self.tiers):
             raise ConfigError("tiers: list each tier once, at least one")
 

@@ -30,23 +30,24 @@ from pathlib import Path
 
 import numpy as np
 
+from tiered import names
+from tiered.cli.progress import progress_line
 from tiered.controller.local import StateLayout
 from tiered.controller.reconciler import decode_status
-from tiered.controller.progress import progress_line
-from tiered.controller.report import write_report
 from tiered.controller.store import StateStore
-from tiered.controller.up import (
+from tiered.controller.verbs import apply_file
+from tiered.demo.report import write_report
+from tiered.local.supervisor import (
     ControllerSettings,
     LocalSystem,
     LocalUp,
     RouterPorts,
     prepare_sample_models,
 )
-from tiered.controller.verbs import apply_file
-from tiered.rollout.engine import PROMOTED, ROLLED_BACK
 from tiered.rollout.spec import RolloutStatus
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# The examples of the source tree: the demo runs from a checkout.
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL = "digits"
 TIER_MIX = {"edge": 0.6, "regional": 0.25, "datacenter": 0.15}  # where clients sit
 RATE_PER_S = 80.0
@@ -189,16 +190,17 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models")) -> 
             print("5. tiered apply -f examples/digits-v2.yaml: v1 retrained, rolled out in "
                   "stages")
             apply_file(store, EXAMPLES / "digits-v2.yaml")
-            last = _follow(store, up, lambda s: s is not None and s.phase == PROMOTED
+            last = _follow(store, up, lambda s: s is not None and s.phase == names.Phase.PROMOTED
                            and s.stable_version == 2, last, ROLLOUT_TIMEOUT_S, say)
             check("version 2 promoted through every stage", _status(store).stable_version == 2)
 
             print("6. tiered apply -f examples/digits-v3.yaml: a heavier network")
             apply_file(store, EXAMPLES / "digits-v3.yaml")
             last = _follow(store, up, lambda s: s is not None and s.canary_version == 3
-                           and s.phase in (PROMOTED, ROLLED_BACK), last, ROLLOUT_TIMEOUT_S, say)
+                           and s.phase in (names.Phase.PROMOTED, names.Phase.ROLLED_BACK),
+                           last, ROLLOUT_TIMEOUT_S, say)
             final = _status(store)
-            check("version 3 rolled back automatically", final.phase == ROLLED_BACK
+            check("version 3 rolled back automatically", final.phase == names.Phase.ROLLED_BACK
                   and final.stable_version == 2)
             check("in its first stage", final.stage_index == 0)
             time.sleep(3.0)  # answers in flight while the table changes

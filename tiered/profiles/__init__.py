@@ -1,25 +1,26 @@
 """Tier profiles: how each tier runs models by default.
 
-A profile (`agents/<tier>.yaml`) names the tier's engine and precision, the
-engine's settings, dynamic-batching defaults and the agent's limits. A
-model's config.yaml overrides the engine and batching keys it names.
+A profile names the tier's engine and precision, the engine's settings,
+dynamic-batching defaults and the agent's limits; a model's config.yaml
+overrides the engine and batching keys it names. The three built-in profiles
+are package data beside this module (`edge.yaml`, `regional.yaml`,
+`datacenter.yaml`), so an installed wheel carries them; `--profile FILE` names
+any other. Settings only: nothing here starts an engine or serves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tiered import names
 from tiered.errors import ConfigError
 from tiered.settings import load_dataclass, read_yaml
 
-TIERS = ("edge", "regional", "datacenter")
-
-# The profiles ship beside the package in the source tree (agents/); images
-# copy that folder next to it, and --profile names any other file.
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "agents"
+__all__ = ["ServerLimits", "TierProfile", "load_profile"]
 
 MiB = 1 << 20
 
@@ -69,18 +70,19 @@ class TierProfile:
         return {"onnxruntime": self.onnxruntime, "torch": self.torch, "tensorrt": self.tensorrt}
 
     def __post_init__(self) -> None:
-        if self.tier not in TIERS:
-            raise ConfigError(f"tier: {self.tier!r} is not one of {', '.join(TIERS)}")
+        if self.tier not in names.TIERS:
+            raise ConfigError(f"tier: {self.tier!r} is not one of {', '.join(names.TIERS)}")
         if self.instance_count < 1:
             raise ConfigError(f"instance_count: must be >= 1, got {self.instance_count}")
 
 
 def load_profile(tier: str, path: Path | None = None) -> TierProfile:
-    """The profile for `tier`, from `path` or from agents/<tier>.yaml."""
-    path = path or PROFILE_DIR / f"{tier}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"tier profile {path} not found (pass --profile FILE)")
-    profile = load_dataclass(TierProfile, read_yaml(path), str(path))
+    """The profile for `tier`, from `path` or from the built-in <tier>.yaml."""
+    # A Traversable, not a Path: the package may be imported from a zip.
+    source = path or resources.files(__name__).joinpath(f"{tier}.yaml")
+    if not source.is_file():
+        raise ConfigError(f"tier profile {source} not found (pass --profile FILE)")
+    profile = load_dataclass(TierProfile, read_yaml(source), str(source))
     if profile.tier != tier:
-        raise ConfigError(f"{path}: profile is for tier {profile.tier!r}, not {tier!r}")
+        raise ConfigError(f"{source}: profile is for tier {profile.tier!r}, not {tier!r}")
     return profile

@@ -1,12 +1,14 @@
 """One terminal line per rollout snapshot: stage, weights, samples, p95s,
 J/inference, agreement and the decision, for `tiered rollout status` and
-the demo's live progress."""
+the demo's live progress. Formatting only: it reads no store and no clock."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from tiered import names
 
 
 def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
@@ -37,9 +39,9 @@ def progress_line(t: float, snap: Mapping[str, Any]) -> str:
                f"agree {'-' if agreement is None else f'{agreement:.1%}'}"
                f" ({snap.get('agreement_compared', 0)})")
     pending = ", ".join(snap.get("pending") or ())
-    decision = snap["action"] if snap["action"] != "hold" else \
+    decision = snap["action"] if snap["action"] != names.Action.HOLD else \
         f"hold ({snap.get('verdict')}{': ' + pending if pending else ''})"
     line = f"{head} | {numbers} | {decision}"
-    if snap["action"] != "hold":
+    if snap["action"] != names.Action.HOLD:
         line += f": {snap['reason']}"
     return line

@@ -17,10 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered import tables
+from tiered import names, tables
 from tiered.files import write_atomically
-from tiered.profiles import TIERS
-from tiered.rollout.engine import FINISHED, HOLD
+from tiered.rollout import engine
 
 W, H = 760, 250
 LEFT, RIGHT, TOP, BOTTOM = 60, 32, 34, 40  # plot margins inside the SVG
@@ -84,12 +83,12 @@ def _rollouts(history: Sequence[Mapping]) -> list[list[Mapping]]:
     current: dict[Any, list[Mapping]] = {}
     for s in history:
         model, canary, group = s.get("model"), s.get("canary_version"), current.get(s.get("model"))
-        if s.get("action") == "start" or (
+        if s.get("action") == names.Action.START or (
                 canary is not None and (group is None or canary != _canary(group))):
             group = current[model] = []
             groups.append(group)
-        elif group is None or (group[-1].get("phase") in FINISHED
-                               and (s.get("action") or HOLD) == HOLD):
+        elif group is None or (group[-1].get("phase") in engine.FINISHED
+                               and (s.get("action") or names.Action.HOLD) == names.Action.HOLD):
             continue
         group.append(s)
     return groups
@@ -101,12 +100,13 @@ def _decisions(history: Sequence[Mapping]) -> list[Mark]:
     for s in history:
         if s.get("canary_version") is not None:
             canary[s.get("model")] = s["canary_version"]
-        action = s.get("action") or HOLD
-        if action == HOLD:
+        action = s.get("action") or names.Action.HOLD
+        if action == names.Action.HOLD:
             continue
-        if action == "advance":
+        if action == names.Action.ADVANCE:
             label = f"advance to stage {(s.get('stage_index') or 0) + 1}"
-        elif action in ("start", "promote", "rollback", "abort") and s.get("model") in canary:
+        elif action in (names.Action.START, names.Action.PROMOTE, names.Action.ROLLBACK,
+                        names.Action.ABORT) and s.get("model") in canary:
             label = f"{action} v{canary[s.get('model')]}"
         else:
             label = action
@@ -256,7 +256,7 @@ def _charts(history: Sequence[Mapping], marks: Sequence[Mark]) -> str:
         _chart("Energy per inference", "J / inference", history, _pair("jpi_stable", "jpi_canary"),
                [0], marks),
         _chart("Canary weight per tier", "%", history,
-               [(tier, TIER_COLORS[tier], _weight(tier)) for tier in TIERS], [0, 100], marks,
+               [(tier, TIER_COLORS[tier], _weight(tier)) for tier in names.TIERS], [0, 100], marks,
                step=True),
         _chart("Agreement with stable", "fraction", history,
                [("agreement", CANARY, _field("agreement"))], [1], marks)])

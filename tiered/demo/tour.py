@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from tiered.agent.repository import model_file, write_config
+from tiered.local.processes import AgentProcess
 from tiered.models import zoo
-from tiered.processes import AgentProcess
 
 MODEL = "mlp"
 FEATURES = 16

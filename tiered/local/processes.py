@@ -1,6 +1,6 @@
 """Start and stop tiered's server processes (`tiered agent`, `tiered router`).
 
-Used by the local backend (`tiered up`), the demo, the benchmarks and the
+Used by the local system (`tiered up`), the demo, the benchmarks and the
 tests. It only builds command lines: nothing here imports the agent or the
 router. A server binds port 0 when asked and prints the port it got, so
 nothing races for ports; its output goes to a log file whose tail is shown

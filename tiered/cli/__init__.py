@@ -1,0 +1,51 @@
+"""The `tiered` command line: one parser, each command registered by the module
+that runs it.
+
+`agent` (agent, top), `router`, `demo`, `build`, `models`, `controller` (up,
+controller) and `verbs` (apply, get, rollout, crds) each add their parsers
+and handlers with `register(commands)`; `flags` holds the flags several
+commands share. Arguments are parsed in `main()`, never at import, and a
+handler imports what it runs only when it runs, so `tiered --help` stays
+fast. `top` and `progress` are how results read on a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from tiered.cli import agent, build, controller, demo, models, router, verbs
+
+__all__ = ["build_parser", "main"]
+
+# In the order `tiered --help` lists the commands.
+_COMMANDS = (agent, router, demo, build, models, controller, verbs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tiered",
+        description="Edge-to-cloud tiered deployment of ML inference: agents serve models "
+        "over the Open Inference Protocol (KServe v2 / Triton gRPC) on edge, regional and "
+        "datacenter tiers.",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging verbosity (default: INFO)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in _COMMANDS:
+        module.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return args.handler(args)

@@ -1,0 +1,107 @@
+"""`tiered agent` (serve a model repository on one tier) and `tiered top`
+(a live table of agents' telemetry). Handlers import the agent and grpc only
+when they run, so building the parser stays cheap."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tiered.cli import flags
+from tiered.errors import ConfigError
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    agent = commands.add_parser(
+        "agent",
+        help="serve a model repository over v2 gRPC on one tier",
+        description="Serve every model in a repository over the v2 inference protocol "
+        "(tritonclient, perf_analyzer and KServe v2 clients work unchanged). Layout: "
+        "DIR/<model>/config.yaml and DIR/<model>/<version>/model.onnx. The tier's profile "
+        "(tiered/profiles/<tier>.yaml) supplies engine and batching defaults.",
+    )
+    agent.add_argument("--tier", required=True, choices=flags.TIER_CHOICES,
+                       help="the tier this agent runs on")
+    agent.add_argument(
+        "--model-repository", required=True, type=Path, metavar="DIR",
+        help="directory of models: DIR/<model>/config.yaml, DIR/<model>/<version>/model.onnx",
+    )
+    agent.add_argument("--port", type=int, default=8001,
+                       help="gRPC port (default 8001; 0 picks a free one and prints it)")
+    agent.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    agent.add_argument("--profile", type=Path, metavar="FILE",
+                       help="tier profile YAML (default: tiered/profiles/<tier>.yaml)")
+    agent.add_argument("--metrics-port", type=int, default=8002,
+                       help="Prometheus /metrics port (default 8002; 0 picks a free one)")
+    agent.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
+    agent.add_argument("--no-telemetry", action="store_true",
+                       help="keep only Triton's cumulative statistics: no latency windows, "
+                       "energy attribution or tiered.v1.Telemetry figures")
+    agent.add_argument("--otlp-endpoint", default="", metavar="HOST:PORT",
+                       help="export traces over OTLP/gRPC to this collector (default: off)")
+    agent.add_argument("--trace-base-rate", type=float, default=0.01,
+                       help="share of fast, successful requests whose traces are kept; failed "
+                       "ones always are, slow ones by latency (default 0.01)")
+    agent.add_argument("--allow-failed-models", action="store_true",
+                       help="start even if some models fail to load (they show as UNAVAILABLE)")
+    flags.add_tls_flags(agent)
+    flags.add_auth_flags(agent)
+    agent.set_defaults(handler=_run_agent)
+
+    top = commands.add_parser(
+        "top",
+        help="live table of agents' model versions: rates, latency, energy per inference",
+        description="Poll each agent's tiered.v1.Telemetry service and show, per model "
+        "version, requests/s, error rate, latency quantiles, queueing and joules per "
+        "inference (with the energy source: nvml, rapl or model) since the last refresh.",
+    )
+    top.add_argument("agents", nargs="+", metavar="HOST:PORT", help="agent gRPC addresses")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true",
+                     help="print the whole window once and exit (no screen clearing)")
+    top.add_argument("--model", default="", help="only this model")
+    flags.add_tls_flags(top, server=False)
+    top.set_defaults(handler=_run_top)
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from tiered.agent import server
+    from tiered.profiles import load_profile
+    from tiered.telemetry.tracing import TracingSettings
+
+    try:
+        profile = load_profile(args.tier, args.profile)
+        security = flags.security_from_args(args)
+        authorizer = flags.authorizer_from_args(args)
+    except ConfigError as error:
+        print(f"tiered agent: {error}", file=sys.stderr)
+        return 2
+    security.warn_if_plaintext("tiered agent")
+    settings = server.AgentSettings(
+        profile=profile,
+        repository=args.model_repository,
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.no_metrics else args.metrics_port,
+        telemetry=not args.no_telemetry,
+        tracing=TracingSettings(base_rate=args.trace_base_rate, otlp_endpoint=args.otlp_endpoint),
+        allow_failed_models=args.allow_failed_models,
+        security=security, authorizer=authorizer,
+    )
+    return server.run(settings)
+
+
+def _run_top(args: argparse.Namespace) -> int:
+    from tiered.cli import top
+
+    try:
+        transport = flags.security_from_args(args)
+    except ConfigError as error:
+        print(f"tiered top: {error}", file=sys.stderr)
+        return 2
+    try:
+        return top.run(args.agents, args.interval, args.once, args.model, transport)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,84 @@
+"""`tiered models`: write sample ONNX models made on this machine. torch is
+imported only when a model is trained."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Kept in step with tiered.models.digits.VARIANTS (a test compares them): the
+# choices are spelled out so that `--help` does not have to import torch.
+DIGITS_VARIANTS = ("v1", "v2", "heavy")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    models = commands.add_parser(
+        "models",
+        help="write sample models: trained digits classifiers, a random-weight ResNet-18",
+        description="Write sample ONNX models built on this machine (nothing is downloaded).",
+    )
+    model_kinds = models.add_subparsers(dest="model", required=True, metavar="MODEL")
+    digits = model_kinds.add_parser(
+        "digits",
+        help="train small CNNs on scikit-learn's digits and export them (needs tiered[torch])",
+        description="Train a small CNN on scikit-learn's bundled 8x8 handwritten digits "
+        "(CPU, seconds) and write DIR/digits-<variant>.onnx (input `input` FP32 "
+        "[batch, 1, 8, 8], pixels in [0, 1]; output `logits` FP32 [batch, 10]), "
+        "DIR/digits-calibration.npz (`input`: training images for INT8 calibration) and "
+        "DIR/digits-eval.npz (`input`, `label`: the held-out test split). Variants: v1 the "
+        "base model; v2 v1's network retrained with another seed (a new version, as "
+        "costly, that answers a little differently); heavy, many times the compute of v1 "
+        "for latency-regression demos. "
+        "Prints per-epoch progress to stderr and a summary per model.",
+    )
+    digits.add_argument("--variant", default="v1", choices=(*DIGITS_VARIANTS, "all"),
+                        help="which model to train (default: v1)")
+    digits.add_argument("--out", type=Path, default=Path("build/models"), metavar="DIR",
+                        help="output directory (default: build/models)")
+    digits.set_defaults(handler=_run_digits)
+    resnet18 = model_kinds.add_parser(
+        "resnet18",
+        help="write a ResNet-18-shaped classifier with random weights",
+        description="Write DIR/resnet18.onnx: ResNet-18 with random (seeded) weights and "
+        "BatchNorm folded into the convs; input `input` FP32 [batch, 3, N, N], output "
+        "`logits` FP32 [batch, 1000]. For measuring serving, not for its answers.",
+    )
+    resnet18.add_argument("--out", type=Path, default=Path("build/models"), metavar="DIR",
+                          help="output directory (default: build/models)")
+    resnet18.add_argument("--image-size", type=int, default=224, metavar="N",
+                          help="input height and width, at least 32 (default: 224)")
+    resnet18.add_argument("--seed", type=int, default=0, metavar="S",
+                          help="weight seed; the same seed writes the same file (default: 0)")
+    resnet18.set_defaults(handler=_run_resnet18)
+
+
+def _run_digits(args: argparse.Namespace) -> int:
+    try:
+        from tiered.models import digits  # torch: imported only when training is asked for
+    except ImportError as error:
+        print(f"tiered models digits: needs the torch extra (pip install 'tiered[torch]'): "
+              f"{error}", file=sys.stderr)
+        return 2
+    names = DIGITS_VARIANTS if args.variant == "all" else (args.variant,)
+    for name in names:
+        model = digits.write_digits(
+            args.out, name, progress=lambda line: print(line, file=sys.stderr, flush=True)
+        )
+        print(model.summary(), flush=True)
+    print(f"data: {model.calibration_path} (calibration inputs), {model.eval_path} "
+          "(held-out inputs and labels)", flush=True)
+    return 0
+
+
+def _run_resnet18(args: argparse.Namespace) -> int:
+    from tiered.models import zoo
+
+    try:
+        path = zoo.resnet18(args.out / "resnet18.onnx", seed=args.seed, image_size=args.image_size)
+    except ValueError as error:
+        print(f"tiered models resnet18: --image-size: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: ResNet-18, random weights (seed {args.seed}), input `input` FP32 "
+          f"[batch, 3, {args.image_size}, {args.image_size}], output `logits` FP32 [batch, 1000]")
+    return 0

@@ -1,0 +1,52 @@
+"""`tiered router`: serve v2 gRPC in front of the tier agents. The handler
+imports the router (and grpc) only when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tiered.cli import flags
+from tiered.errors import ConfigError
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    router = commands.add_parser(
+        "router",
+        help="serve v2 gRPC in front of the tier agents and route each request",
+        description="A v2 inference server (tritonclient and perf_analyzer work unchanged) "
+        "that forwards each request to a tier agent named in the routing table: pinned by "
+        "the tiered-tier hint, else by the model's policy (slo-energy or cascade), with "
+        "failover, canary split sticky by tiered-key, shadowing and per-agent in-flight "
+        "limits. The table file is reloaded when it changes; an invalid one is rejected.",
+    )
+    router.add_argument("--routing-table", required=True, type=Path, metavar="FILE",
+                        help="routing table (YAML or JSON)")
+    router.add_argument("--port", type=int, default=8001,
+                        help="gRPC port (default 8001; 0 picks a free one and prints it)")
+    router.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    router.add_argument("--metrics-port", type=int, default=8003,
+                        help="Prometheus /metrics port (default 8003; 0 picks a free one)")
+    router.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
+    router.add_argument("--seed", type=int, default=None,
+                        help="seed of the split for requests without a tiered-key")
+    flags.add_tls_flags(router)
+    router.set_defaults(handler=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from tiered.router import server as router_server
+
+    try:
+        transport = flags.security_from_args(args)
+    except ConfigError as error:
+        print(f"tiered router: {error}", file=sys.stderr)
+        return 2
+    transport.warn_if_plaintext("tiered router")
+    return router_server.run(router_server.RouterSettings(
+        routing_table=args.routing_table, host=args.host, port=args.port,
+        metrics_port=None if args.no_metrics else args.metrics_port, seed=args.seed,
+        security=transport,
+    ))

@@ -1,0 +1,179 @@
+"""`tiered apply`, `get` and `rollout` (the verbs on TieredModels, on the local
+system's store or on a cluster) and `tiered crds`. Domain errors become one
+line on stderr and exit code 1. The controller's modules and the kubernetes
+client are imported only when a verb runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tiered.cli import flags
+from tiered.errors import ConfigError, TieredError
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    apply_cmd = commands.add_parser(
+        "apply", help="create or update TieredModels from a YAML file",
+        description="Validate every TieredModel in FILE (--- separated), pin each "
+        "artifact's path and sha256, and store them; a changed artifact starts a rollout.")
+    apply_cmd.add_argument("-f", "--file", required=True, type=Path, metavar="FILE")
+    flags.add_backend_flags(apply_cmd)
+    apply_cmd.set_defaults(handler=_verb("apply", _apply))
+
+    get = commands.add_parser("get", help="list TieredModels and where their rollouts stand")
+    get.add_argument("name", nargs="?", help="one model (default: all)")
+    get.add_argument("-o", "--output", choices=("table", "yaml", "json"), default="table",
+                     help="table (default), or the whole record as yaml or json")
+    flags.add_backend_flags(get)
+    get.set_defaults(handler=_verb("get", _get))
+
+    rollout = commands.add_parser(
+        "rollout", help="show or steer a rollout: status, pause, resume, promote, abort",
+        description="status: the rollout's stage, weights and the latest decisions with "
+        "their numbers (--watch follows them). pause: hold at the current stage. resume: go "
+        "on (the stage's clock restarts). promote: skip to the next stage (--full: make "
+        "the canary stable now). abort: send all traffic back to the stable version.")
+    rollout.add_argument("verb", choices=("status", "pause", "resume", "promote", "abort"))
+    rollout.add_argument("name", help="the TieredModel")
+    rollout.add_argument("--full", action="store_true", help="promote: all the way")
+    rollout.add_argument("--watch", "-w", action="store_true", help="status: keep following")
+    flags.add_backend_flags(rollout)
+    rollout.set_defaults(handler=_verb("rollout", _rollout))
+
+    crds = commands.add_parser(
+        "crds", help="write the TieredModel CustomResourceDefinition (for the Helm chart)",
+        description="Write tieredmodels.tiered.dev.yaml, made from the same schema that "
+        "validates TieredModel YAML locally, into DIR.")
+    crds.add_argument("--out", type=Path, default=Path("helm/tiered/crds"), metavar="DIR",
+                      help="directory (default: helm/tiered/crds)")
+    crds.set_defaults(handler=_crds)
+
+
+def _cluster(args: argparse.Namespace):
+    from tiered.controller.kube.verbs import ClusterVerbs, api_client
+
+    return ClusterVerbs(api_client(args.kubeconfig, args.context), args.namespace)
+
+
+def _store(args: argparse.Namespace):
+    from tiered.controller.local import StateLayout
+    from tiered.controller.store import StateStore
+
+    layout = StateLayout(args.state)
+    if not layout.store.is_file():
+        raise ConfigError(f"no local system state in {args.state} (start one with "
+                          "`tiered up -f FILE`, or pass --state DIR)")
+    return StateStore(layout.store)
+
+
+def _verb(name: str, body) -> Callable[[argparse.Namespace], int]:
+    """Run a store verb; domain errors become one line on stderr and exit code 1."""
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except TieredError as error:
+            print(f"tiered {name}: {error}", file=sys.stderr)
+            return 1
+    return handler
+
+
+def _apply(args: argparse.Namespace) -> int:
+    from tiered.controller.verbs import apply_file
+
+    if args.kubernetes:
+        results = _cluster(args).apply_file(args.file)
+    else:
+        with _store(args) as store:
+            results = apply_file(store, args.file)
+    for name, result in results:
+        print(f"tieredmodel/{name} {result}")
+    return 0
+
+
+def _get(args: argparse.Namespace) -> int:
+    import json
+
+    import yaml
+
+    from tiered.controller import verbs
+    from tiered.tables import render
+
+    if args.kubernetes:
+        cluster = _cluster(args)
+        rows = cluster.rows(args.name)
+        documents = ([cluster.get(args.name)] if args.name else
+                     [cluster.get(row["NAME"]) for row in rows])
+    else:
+        with _store(args) as store:
+            records = [store.get(args.name)] if args.name else store.list()
+        rows = [verbs.summary_row(r) for r in records]
+        documents = [verbs.describe(r) for r in records]
+    if args.output == "table":
+        if rows:
+            print(render(list(rows[0]), [list(r.values()) for r in rows]))
+        else:
+            print("no TieredModels applied")
+    else:
+        print(json.dumps(documents, indent=2) if args.output == "json"
+              else yaml.safe_dump_all(documents, sort_keys=False), end="")
+    return 0
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from tiered.controller import verbs
+
+    if args.kubernetes:
+        cluster = _cluster(args)
+        if args.verb == "status":
+            from tiered.controller.reconciler import decode_status
+
+            row = cluster.rows(args.name)[0]
+            print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
+            status = decode_status(args.name, cluster.get(args.name).get("status"))
+            for line in [*verbs.analysis_lines(status.rollout), "history:",
+                         *verbs.history_lines(status)]:
+                print(line)
+            return 0
+        decision = cluster.rollout_verb(args.name, args.verb, full=args.full)
+        print(f"{args.name}: {decision.action}: {decision.reason}")
+        return 0
+    with _store(args) as store:
+        if args.verb == "status":
+            return _rollout_status(store, args.name, args.watch)
+        decision = verbs.rollout_verb(store, args.name, args.verb, full=args.full)
+    print(f"{args.name}: {decision.action}: {decision.reason}")
+    return 0
+
+
+def _rollout_status(store, name: str, watch: bool) -> int:
+    import time
+
+    from tiered.cli.progress import progress_line
+    from tiered.controller import verbs
+    from tiered.controller.reconciler import decode_status
+
+    record = store.get(name)
+    row = verbs.summary_row(record)
+    print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
+    for line in verbs.analysis_lines(decode_status(name, record.status).rollout):
+        print(line)
+    history = store.history(name)
+    for _, t, snap in history[-10:]:
+        print(progress_line(t, snap))
+    last = history[-1][0] if history else 0
+    while watch:
+        time.sleep(1.0)
+        for entry_id, t, snap in store.history(name, after_id=last):
+            print(progress_line(t, snap), flush=True)
+            last = entry_id
+    return 0
+
+
+def _crds(args: argparse.Namespace) -> int:
+    from tiered.controller.crd import write_crds
+
+    print(f"wrote {write_crds(args.out)}")
+    return 0

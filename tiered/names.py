@@ -1,0 +1,88 @@
+"""The names every part of tiered shares: tiers, engines, precisions, routing
+policies, rollout phases and actions, on_failure values and metric outcomes.
+
+Each set is one `StrEnum`, defined here once. A member equals its string, so
+YAML, JSON, the CRD and the wire carry the same plain words as before, and a
+value read from a document compares equal to the member it names. A leaf: it
+imports nothing of ours, so every package (the pure rollout judge and the
+protocol included) may import it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Tier(StrEnum):
+    EDGE = "edge"
+    REGIONAL = "regional"
+    DATACENTER = "datacenter"
+
+
+# Cheapest first: the order a cascade escalates in and tables list tiers in.
+TIERS: tuple[Tier, ...] = tuple(Tier)
+
+
+class Backend(StrEnum):
+    """An engine backend (`tiered.engines`; a TieredModel's `engine`)."""
+
+    ONNXRUNTIME = "onnxruntime"
+    TORCH = "torch"
+    TENSORRT = "tensorrt"
+
+
+class Precision(StrEnum):
+    """A tier build's numeric precision; which backend builds which is
+    `tiered.engines.build`'s to say."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"
+    FP8 = "fp8"
+
+
+class Policy(StrEnum):
+    """How the router picks a tier for a request."""
+
+    SLO_ENERGY = "slo-energy"
+    CASCADE = "cascade"
+
+
+class OnFailure(StrEnum):
+    """What a failed or undecided rollout stage does."""
+
+    ROLLBACK = "rollback"
+    PAUSE = "pause"
+
+
+class Phase(StrEnum):
+    """Where a rollout stands."""
+
+    PROGRESSING = "Progressing"
+    PAUSED = "Paused"
+    PROMOTED = "Promoted"
+    ROLLED_BACK = "RolledBack"
+    ABORTED = "Aborted"
+
+
+class Action(StrEnum):
+    """A step of a rollout: what the engine decided, or a person asked for."""
+
+    START = "start"
+    ADVANCE = "advance"
+    HOLD = "hold"
+    ROLLBACK = "rollback"
+    PROMOTE = "promote"
+    PAUSE = "pause"
+    RESUME = "resume"
+    ABORT = "abort"
+
+
+class Outcome(StrEnum):
+    """A metric's (and an analysis run's) outcome."""
+
+    SUCCESSFUL = "Successful"
+    FAILED = "Failed"
+    INCONCLUSIVE = "Inconclusive"
+    ERROR = "Error"

@@ -89,16 +89,21 @@ def serve(agent: FakeAgent) -> tuple[grpc.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def spec(artifact: Path) -> dict:
-    stage = {"min_requests": 60, "min_duration_s": 1.5, "max_duration_s": 60}
+TWO_STAGES = [
+    {"name": "edge", "weights": {"edge": 20}, "min_requests": 60, "min_duration_s": 1.5,
+     "max_duration_s": 60},
+    {"name": "region", "weights": {"edge": 50, "regional": 50}, "min_requests": 60,
+     "min_duration_s": 1.5, "max_duration_s": 60}]
+
+
+def spec(artifact: Path, stages=TWO_STAGES) -> dict:
     tier = {"precision": "fp32", "batching": {"max_batch_size": 4,
                                               "max_queue_delay_us": QUEUE_DELAY_US}}
     return {
         "artifact": {"uri": str(artifact), "sha256": sha256_file(artifact)},
         "tiers": {t: dict(tier) for t in TIERS},
         "rollout": {
-            "stages": [{"name": "edge", "weights": {"edge": 20}, **stage},
-                       {"name": "region", "weights": {"edge": 50, "regional": 50}, **stage}],
+            "stages": stages,
             "analysis": {"latency_p95": {"max_ratio": 1.2},
                          "energy_per_inference": {"max_ratio": 1.3, "min_windows": 3},
                          "agreement": None, "min_samples": 30, "interval_s": 0.5,
@@ -139,6 +144,12 @@ class Local:
     def status(self):
         return decode_status(NAME, self.store.get(NAME).status)
 
+    def drop_stage_samples(self) -> None:
+        """The status as a controller without stage samples in it would have left it."""
+        record = self.store.get(NAME)
+        self.store.write_status(NAME, record.revision,
+                                status={**record.status, "stage_samples": None})
+
     def kubelet(self) -> None:
         """Local agents are up already."""
 
@@ -157,7 +168,8 @@ class Local:
 class Kube:
     """The Kubernetes backend against the API double; fake agents per Service."""
 
-    def __init__(self, api: FakeKubeAPI) -> None:
+    def __init__(self, api: FakeKubeAPI, namespace: str = NAMESPACE) -> None:
+        self.namespace = namespace
         self.api = client.ApiClient(api.client_configuration())
         self.custom = client.CustomObjectsApi(self.api)
         self.servers, addresses = [], {}
@@ -166,49 +178,56 @@ class Kube:
                 server, address = serve(FakeAgent(tier, lambda v=version: [v]))
                 self.servers.append(server)
                 addresses[render.workload_name(NAME, tier, version)] = address
-        settings = render.ClusterSettings(namespace=NAMESPACE)
+        settings = render.ClusterSettings(namespace=self.namespace)
         self.backend = KubeBackend(settings, self.api, addresses, lambda _: None)
         self.raw = api
 
     def apply(self, document: dict) -> None:
         body = {"apiVersion": "tiered.dev/v1alpha1", "kind": "TieredModel",
-                "metadata": {"name": NAME, "namespace": NAMESPACE}, "spec": document}
+                "metadata": {"name": NAME, "namespace": self.namespace}, "spec": document}
         try:
             current = self.custom.get_namespaced_custom_object(
-                "tiered.dev", "v1alpha1", NAMESPACE, "tieredmodels", NAME)
+                "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME)
         except client.exceptions.ApiException:
             self.custom.create_namespaced_custom_object(
-                "tiered.dev", "v1alpha1", NAMESPACE, "tieredmodels", body)
+                "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", body)
             return
         current["spec"] = document
         self.custom.replace_namespaced_custom_object(
-            "tiered.dev", "v1alpha1", NAMESPACE, "tieredmodels", NAME, current)
+            "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME, current)
 
     def status(self):
         obj = self.custom.get_namespaced_custom_object(
-            "tiered.dev", "v1alpha1", NAMESPACE, "tieredmodels", NAME)
+            "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME)
         return decode_status(NAME, obj.get("status"))
+
+    def drop_stage_samples(self) -> None:
+        obj = self.custom.get_namespaced_custom_object(
+            "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME)
+        obj["status"]["stage_samples"] = None
+        self.custom.replace_namespaced_custom_object_status(
+            "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME, obj)
 
     def kubelet(self) -> None:
         """Every workload of the namespace has an available pod."""
         apps = client.AppsV1Api(self.api)
         for deployment in self.raw.objects("deployments"):
-            if deployment["metadata"]["namespace"] == NAMESPACE and not (
+            if deployment["metadata"]["namespace"] == self.namespace and not (
                     deployment.get("status") or {}).get("availableReplicas"):
                 apps.patch_namespaced_deployment_status(
-                    deployment["metadata"]["name"], NAMESPACE,
+                    deployment["metadata"]["name"], self.namespace,
                     {"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}})
 
     def table(self) -> routing.RoutingTable:
         data = client.CoreV1Api(self.api).read_namespaced_config_map(
-            "tiered-routing", NAMESPACE).data[render.ROUTING_KEY]
+            "tiered-routing", self.namespace).data[render.ROUTING_KEY]
         return routing.parse_table(yaml.safe_load(data))
 
     def present(self) -> set[int]:
         """Versions with a workload or a Service left."""
         return {int(obj["metadata"]["labels"][render.LABEL_VERSION])
                 for plural in ("deployments", "services") for obj in self.raw.objects(plural)
-                if obj["metadata"]["namespace"] == NAMESPACE}
+                if obj["metadata"]["namespace"] == self.namespace}
 
     def queue_delays(self) -> set[int]:
         delays = set()
@@ -242,21 +261,31 @@ def outcomes(artifacts, tmp_path_factory):
     return results
 
 
+def controller(side) -> Reconciler:
+    """A controller as one starts: a Reconciler with a judge that has read nothing."""
+    return Reconciler(side.backend, RolloutJudge(ChannelCache(), seed=0), clock=time.time,
+                      progress=lambda _: None, retire_grace_s=1.0)
+
+
+def drive(side, reconciler: Reconciler, what: str, done, timeout_s: float = 90.0):
+    """Reconcile (a kubelet marking workloads available) until `done(rollout)`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reconciler.reconcile(NAME)
+        side.kubelet()
+        status = side.status()
+        if status.rollout is not None and done(status.rollout):
+            return status
+        time.sleep(0.1)
+    raise AssertionError(f"{type(side).__name__}: timed out waiting for {what}: "
+                         f"{side.status()}")
+
+
 def run_scenario(side, artifacts) -> dict:
-    reconciler = Reconciler(side.backend, RolloutJudge(ChannelCache(), seed=0), clock=time.time,
-                            progress=lambda _: None, retire_grace_s=1.0)
+    reconciler = controller(side)
 
     def until(what, done, timeout_s=90.0):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            reconciler.reconcile(NAME)
-            side.kubelet()
-            status = side.status()
-            if status.rollout is not None and done(status.rollout):
-                return status
-            time.sleep(0.1)
-        raise AssertionError(f"{type(side).__name__}: timed out waiting for {what}: "
-                             f"{side.status()}")
+        return drive(side, reconciler, what, done, timeout_s)
 
     side.apply(spec(artifacts[1]))
     until("v1 serving", lambda r: r.stable_version == 1)
@@ -328,3 +357,65 @@ def test_both_backends_retire_the_same_versions_and_apply_the_batching(outcomes)
     for side in ("local", "kubernetes"):
         assert outcomes[side]["present"] == {2}, side
         assert outcomes[side]["queue_delays"] == {QUEUE_DELAY_US}, side
+
+
+# One stage whose evidence takes most of it to gather: the fake agents answer
+# 40 requests a version per look, a look about every 0.1-0.3 s, so 400 canary
+# requests take some 1-3 s of the 3.6 s the stage lasts at least; a controller
+# started afresh at 90% of max_duration_s gathers a few looks before the stage
+# times out.
+LATE_STAGE = [{"name": "edge", "weights": {"edge": 20}, "min_requests": 400,
+               "min_duration_s": 3.6, "max_duration_s": 4.0}]
+
+
+def run_restart(side, artifacts, keep_samples: bool):
+    """v2's one stage, the controller replaced at 90% of max_duration_s."""
+    first = controller(side)
+    side.apply(spec(artifacts[1], LATE_STAGE))
+    drive(side, first, "v1 serving", lambda r: r.stable_version == 1)
+    side.apply(spec(artifacts[2], LATE_STAGE))
+    started = drive(side, first, "the v2 rollout", lambda r: r.canary_version == 2)
+    late = started.rollout.stage_started_at + 0.9 * LATE_STAGE[0]["max_duration_s"]
+    while time.time() < late:
+        first.reconcile(NAME)
+        time.sleep(0.1)
+    before = side.status()
+    if not keep_samples:
+        side.drop_stage_samples()
+    final = drive(side, controller(side), "v2's outcome",
+                  lambda r: r.phase in ("Promoted", "RolledBack"), 30)
+    return before, final
+
+
+@pytest.mark.parametrize("backend", ["local", "kubernetes"])
+def test_a_controller_restarted_late_in_a_stage_goes_on_from_its_samples(
+        backend, artifacts, tmp_path):
+    with FakeKubeAPI() as api:
+        def side():
+            return Local(tmp_path / "state") if backend == "local" else Kube(api, "restart")
+        kept = side()
+        try:
+            before, final = run_restart(kept, artifacts, keep_samples=True)
+        finally:
+            kept.close()
+    samples = before.stage_samples
+    canary = sum(s["requests"] for s in samples["series"]
+                 if (s["tier"], s["version"]) == ("edge", 2))  # the stage's one tier
+    assert canary >= LATE_STAGE[0]["min_requests"], canary  # gathered before the restart
+    assert {c[0] for c in samples["cursors"]}  # and where each agent was read up to
+    assert final.rollout.phase == "Promoted", final.rollout.message
+    promoted = final.history[-1]
+    assert promoted.action == "promote"
+    assert promoted.numbers["canary_requests"] >= canary  # it went on from them
+
+
+def test_without_its_samples_a_restarted_controller_would_run_out_of_time(
+        artifacts, tmp_path):
+    """The control: the same restart with the samples wiped from the status."""
+    local = Local(tmp_path / "state")
+    try:
+        _, final = run_restart(local, artifacts, keep_samples=False)
+    finally:
+        local.close()
+    assert final.rollout.phase == "RolledBack"
+    assert "undecided at max_duration_s" in final.rollout.message, final.rollout.message

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -39,14 +40,22 @@ class RolloutJudge:
 
     def read(self, spec: TieredModel, status: RolloutStatus,
              agents: Mapping[str, Sequence[str]], routers: Sequence[str],
-             now: float) -> StageReading:
+             now: float, saved: Mapping[str, Any] | None = None) -> StageReading:
         """This pass's reading of the live stage: its measurements so far, from
-        every agent of every tier and the shadow agreement of every router."""
+        every agent of every tier and the shadow agreement of every router.
+        `saved` is the stage's state as the status kept it: a restarted
+        controller goes on from there, cursors included."""
         stage = self._stages.get(spec.name)
         shadow = self._agreement(spec.name, status.canary_version, routers)
         if stage is None or not stage.matches(status.canary_version, status.stage_index):
-            stage = StageAccumulator(status.canary_version, status.stage_index, self._rng,
-                                     shadow)
+            if saved is not None and (saved.get("canary_version"), saved.get("stage")) == (
+                    status.canary_version, status.stage_index):
+                stage = StageAccumulator.restore(saved, self._rng)
+                self._cursors.update({(agent, spec.name): (instance, float(end))
+                                      for agent, instance, end in saved.get("cursors", ())})
+            else:
+                stage = StageAccumulator(status.canary_version, status.stage_index,
+                                         self._rng, shadow)
             self._stages[spec.name] = stage
         # One analysis per interval (numbered on the wall clock, so no two stages
         # share a number): a failure counts once per look, not once per poll,
@@ -56,9 +65,12 @@ class RolloutJudge:
         stage.add(readings, window)
         stage.set_shadow(shadow)
         tiers = [t for t, w in engine.canary_weights(spec, status).items() if w > 0]
+        cursors = [[agent, *kept] for (agent, model), kept in sorted(self._cursors.items())
+                   if model == spec.name]
         return StageReading(status.canary_version, status.stage_index,
                             stage.measurements(status.stable_version, tiers, window),
-                            stage.summary(status.stable_version, tiers), tuple(unreadable))
+                            stage.summary(status.stable_version, tiers), tuple(unreadable),
+                            {**stage.state(), "cursors": cursors})
 
     def forget(self, model: str) -> None:
         """No live rollout: the next one's samples start when it does."""

@@ -11,12 +11,21 @@ was first seen and the canary has served, so one stage never judges another's
 traffic and stable is measured over the same time as the canary. Stable and
 canary are kept per tier, for the tiers where the stage sends canary
 traffic, so each tier's canary is compared with that tier's stable.
+
+A stage's samples survive a controller restart: `state()` is written into
+the status at every look and `StageAccumulator.restore` takes it back.
+Counts, energy windows and shadow counts come back exact; the latency
+reservoir comes back as the centres of the 2%-wide log buckets it was kept
+in (each sample within 1% of itself), so a restarted controller decides on
+the same evidence to that precision.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +33,8 @@ from tiered.rollout.analysis import Measurements, TierSamples, VersionSamples
 
 RESERVOIR = 4000  # latency samples kept per (tier, version); uniform over the stage
 WINDOWS = 600  # J/inference windows kept per (tier, version)
+BUCKET_GROWTH = 1.02  # a stored latency is kept to within 1%
+BUCKET_LOWEST_MS = 1e-3
 
 
 @dataclass
@@ -114,6 +125,37 @@ class StageAccumulator:
         began (a new or restarted router) counts from zero."""
         self._shadow.update(counts)
 
+    def state(self) -> dict[str, Any]:
+        """The stage's samples as plain data for the status (see the module
+        docstring): what `restore` takes back after a restart."""
+        return {
+            "canary_version": self.canary_version, "stage": self.stage,
+            "window": self.window, "canary_served": self.canary_served,
+            "series": [{"tier": tier, "version": version, "requests": s.requests,
+                        "errors": s.errors, "seen": s.seen,
+                        "latency_buckets": _buckets(s.latencies_ms),
+                        "energy": [[w, j, n] for w, (j, n) in s.energy.items()]}
+                       for (tier, version), s in sorted(self._series.items())],
+            "shadow_baseline": [[*key, v] for key, v in self._shadow_baseline.items()],
+            "shadow": [[*key, v] for key, v in self._shadow.items()],
+        }
+
+    @classmethod
+    def restore(cls, state: Mapping[str, Any], rng: np.random.Generator) -> StageAccumulator:
+        stage = cls(int(state["canary_version"]), int(state["stage"]), rng,
+                    {tuple(k[:-1]): float(k[-1]) for k in state.get("shadow_baseline", ())})
+        stage.window = int(state.get("window", 0))
+        stage.canary_served = bool(state.get("canary_served", False))
+        stage._shadow.update({tuple(k[:-1]): float(k[-1]) for k in state.get("shadow", ())})
+        for kept in state.get("series", ()):
+            stage._series[(kept["tier"], int(kept["version"]))] = _Series(
+                requests=int(kept["requests"]), errors=int(kept["errors"]),
+                seen=int(kept["seen"]),
+                latencies_ms=[_bucket_centre(index) for index, count in
+                              kept.get("latency_buckets", ()) for _ in range(int(count))],
+                energy={int(w): [float(j), float(n)] for w, j, n in kept.get("energy", ())})
+        return stage
+
     def measurements(self, stable_version: int, tiers: Iterable[str],
                      window: int | None = None) -> Measurements:
         """Stable and canary on each of `tiers`; agreement over every tier. `window`
@@ -157,3 +199,17 @@ class StageAccumulator:
             "agreement": (m.shadow_agreed / m.shadow_compared if m.shadow_compared else None),
             "agreement_compared": m.shadow_compared,
         }
+
+
+def _buckets(values_ms: Iterable[float]) -> list[list[int]]:
+    """[[bucket, count], ...] of values in 2%-wide log buckets."""
+    counts: dict[int, int] = {}
+    for value in values_ms:
+        index = max(0, int(math.log(max(value, BUCKET_LOWEST_MS) / BUCKET_LOWEST_MS)
+                           / math.log(BUCKET_GROWTH)))
+        counts[index] = counts.get(index, 0) + 1
+    return [[index, count] for index, count in sorted(counts.items())]
+
+
+def _bucket_centre(index: int) -> float:
+    return BUCKET_LOWEST_MS * BUCKET_GROWTH ** (index + 0.5)

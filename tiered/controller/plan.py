@@ -79,6 +79,7 @@ class StageReading:
     measurements: Measurements | None
     numbers: Mapping[str, Any] = field(default_factory=dict)  # headline numbers
     unreadable: tuple[str, ...] = ()  # agents whose telemetry could not be read
+    state: Mapping[str, Any] | None = None  # the stage's samples, kept in the status
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,8 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
         observed_generation=observed.generation, message=message,
         conditions=conditions(status.conditions, rollout, blocked, refused, unreadable,
                               observed.generation, now),
-        history=(*status.history, *steps)[-HISTORY_LIMIT:], retiring=retiring)
+        history=(*status.history, *steps)[-HISTORY_LIMIT:], retiring=retiring,
+        stage_samples=_stage_samples(status, rollout, observed.reading))
     keep = tuple(sorted({*still, *(r.version for r in retiring if r.version not in due)}))
     return Plan(written, keep, due, tuple(events), snapshot, requeue)
 
@@ -225,6 +227,20 @@ def _judge(spec: TieredModel, rollout: RolloutStatus, reading: StageReading | No
         return dataclasses.replace(decision, reason=why, status=dataclasses.replace(
             decision.status, message=why)), reading.numbers
     return engine.decide(spec, rollout, reading.measurements, now), reading.numbers
+
+
+def _stage_samples(status: TieredModelStatus, rollout: RolloutStatus | None,
+                   reading: StageReading | None) -> Mapping[str, Any] | None:
+    """The live stage's samples to keep: this pass's reading when it was of
+    the stage the rollout is still in, else what was kept for it; none once
+    the stage or the rollout has moved on."""
+    if not desired.live(rollout):
+        return None
+    stage = (rollout.canary_version, rollout.stage_index)
+    for kept in (reading.state if reading is not None else None, status.stage_samples):
+        if kept is not None and (kept.get("canary_version"), kept.get("stage")) == stage:
+            return kept
+    return None
 
 
 def _retirements(previous: Sequence[Retirement], wanted: Sequence[int],

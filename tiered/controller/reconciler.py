@@ -147,7 +147,7 @@ class Reconciler:
         if plan.judging(spec, status, wanted, states):
             reading = self.judge.read(spec, status.rollout,
                                       self.backend.agents(spec, status.rollout),
-                                      self.backend.routers(), now)
+                                      self.backend.routers(), now, status.stage_samples)
         elif not desired.live(status.rollout):
             self.judge.forget(name)
         made = plan.plan(spec, status, plan.Observation(stored.generation, states, present,

@@ -537,6 +537,10 @@ class TieredModelStatus:
         (), doc="the rollout's latest steps, oldest first (bounded)")
     retiring: tuple[Retirement, ...] = spec_field(
         (), doc="versions on their way out, and when they go")
+    stage_samples: Mapping[str, Any] | None = spec_field(
+        None, doc="the live stage's samples so far (counts, latency buckets, energy "
+        "windows, shadow counts, telemetry cursors): a restarted controller goes on "
+        "from them")
 
 
 # --- OpenAPI schema ---------------------------------------------------------

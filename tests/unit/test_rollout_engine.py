@@ -107,6 +107,12 @@ TABLE = {
         "undecided at max_duration_s"),
     "no data past max_duration rolls back": (SPEC, status(), None, 1600, names.Action.ROLLBACK,
                                              "no measurements"),
+    "no canary traffic past max_duration pauses, whatever on_failure says": (
+        SPEC, status(), measure(canary_ms=(), requests=0, agreed=0, compared=0), 1600,
+        names.Action.PAUSE, "no canary traffic in 600 s"),
+    "no canary traffic yet holds": (
+        SPEC, status(), measure(canary_ms=(), requests=0, agreed=0, compared=0), 1100,
+        names.Action.HOLD, "too little data: 0 of 300"),
     "paused holds": (SPEC, status(phase="Paused", paused=True), measure(), 1100, names.Action.HOLD,
                      "paused"),
     "finished holds": (SPEC, status(phase="RolledBack"), measure(), 1100, names.Action.HOLD,

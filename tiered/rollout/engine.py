@@ -10,7 +10,9 @@ A stage passes when its analysis is Successful, the canary has served
 `min_requests` and `min_duration_s` has passed. It fails fast: a Failed
 analysis counts at any time, and `consecutive_failure_limit` failures in a
 row trigger `on_failure` (rollback or pause). A stage still undecided at
-`max_duration_s` follows `on_failure` too: no data is never a pass. Every
+`max_duration_s` follows `on_failure` too: no data is never a pass. A
+stage whose canary served no request at all pauses instead, saying so:
+there was nothing to judge, so nothing failed. Every
 analysis of the rollout shares one false-rollback budget, split over the
 tests of all its stages (`analysis.rollout_tests`); the tests are
 anytime-valid, so judging at every interval spends nothing more.
@@ -140,6 +142,14 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
 
     why = []
     requests = measurements.requests("canary")
+    if timed_out and requests == 0:
+        # Nothing was judged, so nothing failed: the traffic or the routes are
+        # what to look at, not the version.
+        return _decision(spec, names.Action.PAUSE, f"{where}: no canary traffic in "
+                         f"{stage.max_duration_s:g} s: pausing (the stage's weights send "
+                         "no requests to the canary; check the traffic and the routes, "
+                         "then resume)",
+                         dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True), run)
     if requests < stage.min_requests:
         why.append(f"too little data: {requests} of {stage.min_requests} canary requests")
     if elapsed < stage.min_duration_s:

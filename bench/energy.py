@@ -10,15 +10,18 @@ For each request batch size B (default 8 and 64), in one run:
   about `--in-flight-images` images in flight. After a warm-up, a window of
   `--duration` whole one-second slots [S, E) is measured three ways:
     agent   its own `tiered.v1.Telemetry/Stats` over [S, E) (cursor S, read
-            half a slot after E): inferences, energy (NVML, split by busy
-            time: here one version gets it all) and joules_per_inference;
+            half a slot after E): inferences, the GPU's energy over the span
+            as the agent read it (NVML), its idle draw as the agent measured
+            it, and the version's active J/inference (above idle; the figure
+            versions are judged on, shown beside);
     direct  this process reads NVML's total-energy counter itself, every
             `--sample-ms`, on the same monotonic clock as the agent's slots;
             the counter is interpolated at S and E (the agent's reported
             span), and divided by the inferences the agent counted;
     clients the same direct joules over the images the clients saw answered
             in [S, E) (independent of the agent's counts).
-  The check: agent J/inference / direct J/inference within 1 +- `--tolerance`.
+  The check: agent J/inference / direct J/inference within 1 +- `--tolerance`,
+  both the device's whole energy (idle included) over the agent's inferences.
 - in-process: the same model with tiered.engines.torch_engine.TorchEngine and
   the same profile settings, `engine.run` on host arrays of B images from as
   many threads as the engine has streams, for `--inprocess` seconds, NVML read
@@ -323,14 +326,14 @@ def summarize_served(seen: Observed, tolerance: float) -> dict[str, Any]:
     (start, end), batch, plan = seen.planned, seen.batch, seen.plan
     version = next(v for v in answer.versions if v.model_name == MODEL)
     span_s = answer.end - answer.start
-    agent_j = version.energy.joules if version.has_energy else None
-    agent_jpi = (version.joules_per_inference
-                 if version.has_energy and version.inferences else None)
+    device = next((d for d in answer.devices if d.device == version.device), None)
+    agent_j = device.joules if device is not None else None
+    inferences = version.inferences
+    agent_jpi = agent_j / inferences if agent_j is not None and inferences else None
     direct_j = value_at(samples, answer.end) - value_at(samples, answer.start)
     client_images = images_in_span(
         merge_slot_counts([slot_counts(o.completed_at, batch) for o in outcomes]),
         answer.start, answer.end)
-    inferences = version.inferences
     direct_jpi = direct_j / inferences if inferences else None
     executions = seen.counts_after[1] - seen.counts_before[1]
     return {
@@ -347,10 +350,16 @@ def summarize_served(seen: Observed, tolerance: float) -> dict[str, Any]:
             "busy_s": version.busy_s,
             "energy_source": version.energy.source if version.has_energy else None,
             "energy_device": version.energy.device if version.has_energy else None,
-            "joules": agent_j,
+            "joules": agent_j,  # the device's, idle included
             "j_per_inference": agent_jpi,
-            "devices": {d.device: {"source": d.source, "joules": d.joules}
-                        for d in answer.devices},
+            "idle_watts": (device.idle_watts if device is not None
+                           and device.HasField("idle_watts") else None),
+            "active_joules": version.energy.joules if version.has_energy else None,
+            "active_j_per_inference": (version.joules_per_inference
+                                       if version.has_energy and inferences else None),
+            "devices": {d.device: {"source": d.source, "joules": d.joules,
+                                   "idle_watts": d.idle_watts if d.HasField("idle_watts")
+                                   else None} for d in answer.devices},
         },
         "direct": {
             "source": seen.source,
@@ -493,11 +502,13 @@ def report(result: Mapping[str, Any]) -> str:
     machine = result["machine"]
     served = common.table(
         ["B", "span s", "inferences", "img/s", "batch", "busy", "W", "agent J", "direct J",
-         "agent J/inf", "direct J/inf", "agent/direct", "direct J/client img"],
+         "agent J/inf", "direct J/inf", "agent/direct", "direct J/client img", "agent idle W",
+         "active J/inf"],
         [[r["batch"], r["window"]["span_s"], r["agent"]["inferences"], r["img_per_s"],
           r["formed_batch"], r["engine_busy_fraction"], r["watts"], r["agent"]["joules"],
           r["direct"]["joules"], r["agent"]["j_per_inference"], r["direct"]["j_per_inference"],
-          r["agreement"]["agent_over_direct"], r["clients"]["j_per_image_direct"]]
+          r["agreement"]["agent_over_direct"], r["clients"]["j_per_image_direct"],
+          r["agent"]["idle_watts"], r["agent"]["active_j_per_inference"]]
          for r in result["served"]],
         [r["agreement"]["verdict"] for r in result["served"]],
     )
@@ -518,7 +529,8 @@ def report(result: Mapping[str, Any]) -> str:
         "Served (agent = its Stats over whole slots [S, E); direct = the counter read here "
         f"({result['served'][0]['direct']['source'] if result['served'] else '-'}), "
         "interpolated at S and E, over the agent's inferences;\nbatch = formed engine batch; "
-        "busy = engine busy s / span (summed over lanes); W = direct J / span)\n" + served,
+        "busy = engine busy s / span (summed over lanes); W = direct J / span; active J/inf = "
+        "the version's J/inference above the agent's idle W)\n" + served,
         "Direct counter: " + counters,
         "In-process torch engine, host arrays, NVML read around the run\n" + inprocess,
         "Targets (agent J/inference over direct J/inference, same slots)\n"

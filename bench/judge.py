@@ -20,7 +20,9 @@ cumulative shadow comparisons (shadow_fraction of the stable requests on the
 stage's tiers). Latency is lognormal (median 6, 4, 2.5 ms on edge, regional,
 datacenter; sigma 0.5: edge p95 14 ms, inside the Kubernetes example's 25 ms
 bound); errors 0.5%; J/inference 0.5, 1, 2 J per window, lognormal noise of
-sqrt(0.05^2 + 0.3^2 / n) for a window of n inferences; agreement 100%.
+sqrt(0.05^2 + 0.3^2 / n) for a window of n inferences, standing for a measured
+counter (source nvml: the judge tests only measured energy unless a spec sets
+allow_modeled); agreement 100%.
 
 Scenarios: (a) every canary latency +20%; (b) the canary's slowest 10% x1.5,
 median unchanged; (c) canary errors 0.5% -> 2%; (d) canary J/inference +30%;
@@ -132,6 +134,7 @@ SCENARIOS = (
     Scenario("f", "unchanged", False),
     Scenario("g", "unchanged, noisy neighbour", False, bursts=True),
 )
+ENERGY_SOURCE = "nvml"  # what the simulated J/inference stands for: a measured counter
 _TAIL_Z = 1.2815515655446004  # standard normal 0.9 quantile: the slowest 10% start here
 
 
@@ -195,7 +198,7 @@ class _Series:
 
     def samples(self) -> VersionSamples:
         return VersionSamples(self.reservoir[:self.size], self.requests, self.errors,
-                              self.windows)
+                              self.windows, ENERGY_SOURCE)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The names every part of tiered shares: tiers, engines, precisions, routing
-policies, rollout phases and actions, on_failure values and metric outcomes.
+policies, rollout phases and actions, on_failure values, metric outcomes and
+energy sources.
 
 Each set is one `StrEnum`, defined here once. A member equals its string, so
 YAML, JSON, the CRD and the wire carry the same plain words as before, and a
@@ -86,3 +87,33 @@ class Outcome(StrEnum):
     FAILED = "Failed"
     INCONCLUSIVE = "Inconclusive"
     ERROR = "Error"
+
+
+class EnergySource(StrEnum):
+    """Where an energy figure comes from: a GPU's or a CPU package's counter
+    (measurements), or CPU time times configured watts (an estimate)."""
+
+    NVML = "nvml"
+    RAPL = "rapl"
+    MODEL = "model"
+
+
+MEASURED_ENERGY = frozenset({EnergySource.NVML, EnergySource.RAPL})
+
+
+def energy_source_label(source: str) -> str:
+    """A figure's source as shown beside it: a modeled figure says it is an
+    estimate, and a figure of no known source says so."""
+    if source == EnergySource.MODEL:
+        return "model, estimate"
+    return source or "source unknown"
+
+
+def energy_sources_label(stable: str | None, canary: str | None) -> str:
+    """Stable's and the canary's sources as one label: one source once, two
+    each named; None is a version with no figure yet."""
+    if stable == canary:
+        return energy_source_label(stable or "")
+    return ", ".join(f"{who} " + ("no figure yet" if source is None
+                                  else energy_source_label(source))
+                     for who, source in (("stable", stable), ("canary", canary)))

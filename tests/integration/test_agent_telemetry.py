@@ -54,8 +54,8 @@ def test_stats_since_a_cursor_count_each_request_once(agent):
     assert [v.success for v in third.versions] == [0]
 
 
-def test_stats_attribute_energy_with_its_source(agent):
-    wait_for_next_slot()
+def test_stats_attribute_active_energy_with_its_source_and_idle_draw(agent):
+    time.sleep(2.2)  # a whole slot with no engine work: a counter's idle draw is measured
     start = stats(agent.address)
     send(agent.address, 20)
     wait_for_next_slot()
@@ -63,9 +63,14 @@ def test_stats_attribute_energy_with_its_source(agent):
     assert response.tier == "edge" and response.window_s == 60
     (cpu,) = [d for d in response.devices if d.device == "cpu"]
     assert cpu.source in ("rapl", "model") and cpu.joules > 0
+    assert cpu.HasField("idle_watts") and cpu.idle_watts >= 0
+    if cpu.source == "model":
+        assert cpu.idle_watts == 5.0  # the model's configured idle draw, not a measurement
     (version,) = response.versions
     assert version.has_energy and version.energy.source == cpu.source
-    assert 0 < version.energy.joules <= cpu.joules + 1e-9
+    assert version.energy.idle_watts == cpu.idle_watts
+    active = cpu.joules - cpu.idle_watts * (response.end - response.start)
+    assert 0 <= version.energy.joules <= max(active, 0.0) + 1e-9  # above idle only
     assert version.joules_per_inference == pytest.approx(version.energy.joules / 20)
 
 
@@ -83,6 +88,8 @@ def test_metrics_use_triton_names_and_label_energy_sources(agent):
     energy = [s for s in families["tiered_energy_joules"].samples if s.name.endswith("_total")]
     assert {s.labels["device"] for s in energy} >= {"cpu"}
     assert all(s.labels["source"] in ("rapl", "model", "nvml") and s.value > 0 for s in energy)
+    idle = {s.labels["device"]: s for s in families["tiered_idle_watts"].samples}
+    assert idle["cpu"].labels["source"] in ("rapl", "model") and idle["cpu"].value >= 0
     quantiles = {s.labels["quantile"] for s in families["tiered_request_latency_seconds"].samples
                  if s.labels["model"] == "add_sub"}
     assert quantiles == {"0.5", "0.95", "0.99"}
@@ -91,6 +98,8 @@ def test_metrics_use_triton_names_and_label_energy_sources(agent):
 def test_tiered_top_prints_a_row_per_model_version(agent):
     import subprocess
     import sys
+
+    from tiered.cli import top
 
     send(agent.address, 5)
     wait_for_next_slot()
@@ -102,7 +111,11 @@ def test_tiered_top_prints_a_row_per_model_version(agent):
     assert result.returncode == 0, result.stderr
     header, *lines = result.stdout.strip().splitlines()
     assert header.split()[:4] == ["agent", "tier", "model", "ver"]
-    (row,) = lines
+    row, *notes = lines
     fields = row.split()
     assert fields[:5] == [agent.address, "edge", "add_sub", "1", "cpu"]
     assert float(fields[5]) > 0  # req/s over the window
+    if fields[top.HEADERS.index("source")] == "model":  # called an estimate under the table
+        assert len(notes) == 1 and "estimate" in notes[0]
+    else:
+        assert notes == []

@@ -52,6 +52,7 @@ NAME, NAMESPACE = "digits", "both"
 TIERS = ("edge", "regional")
 BEHAVIOUR = {1: (4.0, 0.10), 2: (4.0, 0.10), 3: (12.0, 0.35)}  # median ms, J/inference
 QUEUE_DELAY_US = 250
+RATE_PER_S = 400  # requests each fake agent answers per version
 
 
 class FakeAgent(tpb_grpc.TelemetryServicer, pb_grpc.GRPCInferenceServiceServicer):
@@ -68,15 +69,19 @@ class FakeAgent(tpb_grpc.TelemetryServicer, pb_grpc.GRPCInferenceServiceServicer
         return pb.RepositoryModelLoadResponse()
 
     def Stats(self, request, context):
+        # Requests at a steady rate since the reader's cursor, so what a stage
+        # gathers depends on its time, not on how often it is looked at.
+        now = time.time()
+        answered = int(RATE_PER_S * (now - request.cursor)) if request.cursor else 40
         versions = []
         for version in self.versions():
             latency_ms, joules = BEHAVIOUR[version]
             samples = self.rng.lognormal(np.log(latency_ms), 0.2, 40) / 1000.0
             versions.append(tpb.VersionStats(
-                model_name=request.model_name, model_version=str(version), success=40,
-                inferences=40, latency_samples_s=samples.tolist(), has_energy=True,
+                model_name=request.model_name, model_version=str(version), success=answered,
+                inferences=answered, latency_samples_s=samples.tolist(), has_energy=True,
                 joules_per_inference=joules * self.rng.uniform(0.9, 1.1)))
-        return tpb.StatsResponse(tier=self.tier, start=request.cursor, end=time.time(),
+        return tpb.StatsResponse(tier=self.tier, start=request.cursor, end=now,
                                  window_s=1.0, versions=versions)
 
 
@@ -359,13 +364,12 @@ def test_both_backends_retire_the_same_versions_and_apply_the_batching(outcomes)
         assert outcomes[side]["queue_delays"] == {QUEUE_DELAY_US}, side
 
 
-# One stage whose evidence takes most of it to gather: the fake agents answer
-# 40 requests a version per look, a look about every 0.1-0.3 s, so 400 canary
-# requests take some 1-3 s of the 3.6 s the stage lasts at least; a controller
-# started afresh at 90% of max_duration_s gathers a few looks before the stage
-# times out.
-LATE_STAGE = [{"name": "edge", "weights": {"edge": 20}, "min_requests": 400,
-               "min_duration_s": 3.6, "max_duration_s": 4.0}]
+# One stage judged only at its end (min_duration_s = max_duration_s = 10 s),
+# whose min_requests take 5 of its 10 s to gather (the fake agents answer
+# 400 requests a second): a controller started afresh at 90% has one second
+# left, 400 requests, too few without the samples gathered before it.
+LATE_STAGE = [{"name": "edge", "weights": {"edge": 20}, "min_requests": 2000,
+               "min_duration_s": 10.0, "max_duration_s": 10.0}]
 
 
 def run_restart(side, artifacts, keep_samples: bool):

@@ -14,6 +14,12 @@ from YAML, traffic through the router with tritonclient, verbs through the
 - An artifact whose bytes change after `tiered apply` pinned them is refused
   at the build, and the status says so; once the pinned bytes are back, the
   build is tried again.
+- The judge on canaries made in code from the stable network, each changed in
+  one way only: one answering differently on 12% of inputs (as fast and as
+  cheap) is rolled back on agreement in stage 1; one whose brightest 10% of
+  inputs take a detour (a slower tail, the median unchanged) is rolled back
+  on latency_p95; the same network as other bytes is promoted; a stage that
+  sends the canary no traffic pauses and says so.
 - Every client request in the module is answered.
 """
 
@@ -31,6 +37,7 @@ import onnx
 import pytest
 import yaml
 
+from tests import canaries
 from tiered import names
 from tiered.controller.local import StateLayout
 from tiered.controller.reconciler import decode_status
@@ -40,6 +47,10 @@ from tiered.local.supervisor import ControllerSettings, LocalSystem, LocalUp, Ro
 
 pytest.importorskip("tritonclient.grpc")
 
+# ONNX Runtime on the datacenter tier too: the slow-tail canary's detour (If,
+# ReduceSum) is beyond the torch engine's operators, and a local tier serves a
+# model on one engine (`make demo` runs the torch engine there).
+DATACENTER = {"engine": "onnxruntime", "precision": "fp32"}
 STAGE = {"min_requests": 40, "min_duration_s": 10, "max_duration_s": 90}
 
 
@@ -52,7 +63,7 @@ def spec(variant: str, models: Path) -> dict:
                          "calibration": str(models / "digits-calibration.npz"),
                          "eval": str(models / "digits-eval.npz")},
             "tiers": {tier: {"batching": {"max_batch_size": 1}}
-                      | ({"precision": "fp32"} if tier == "datacenter" else {})
+                      | (DATACENTER if tier == "datacenter" else {})
                       for tier in ("edge", "regional", "datacenter")},
             "rollout": {
                 "stages": [{"name": "edge", "weights": {"edge": 50}, **STAGE},
@@ -215,3 +226,80 @@ def test_an_artifact_changed_after_apply_is_refused_and_says_so(system, store, t
     apply(state, spec("v2", digits_models))  # back to the stable artifact
     final = wait_for(local, store, lambda s: s.phase == names.Phase.ABORTED, 30)
     assert final.stable_version == 2
+
+
+def rolled_out(local: LocalUp, store: StateStore, document: dict, done, timeout_s: float):
+    """Apply `document` (a new artifact: the next version) and wait until
+    `done(rollout, version)`; the rollout then."""
+    version = max(a.version for a in status_of(store).artifacts) + 1
+    apply(local.layout.root, document)
+    return wait_for(local, store, lambda s: done(s, version), timeout_s), version
+
+
+def canary(models: Path, artifact: Path, **changes) -> dict:
+    """The module's spec for another artifact, with rollout settings changed."""
+    document = spec("v2", models)
+    document["spec"]["artifact"]["uri"] = str(artifact)
+    rollout = document["spec"]["rollout"]
+    rollout["analysis"].update(changes.pop("analysis", {}))
+    rollout.update(changes)
+    return document
+
+
+def failed_metrics(rollout) -> set[str]:
+    return {m.metric for m in rollout.last_analysis.metrics if m.outcome == "Failed"}
+
+
+def test_a_canary_answering_differently_is_rolled_back_on_agreement_in_stage_1(
+        system, store, traffic, digits_models, tmp_path):
+    local, _, _ = system
+    images = np.load(digits_models / "digits-eval.npz")["input"]
+    artifact = tmp_path / "digits-disagreeing.onnx"
+    share = canaries.answering_differently(digits_models / "digits-v2.onnx", artifact, images)
+    assert 0.10 <= share <= 0.14, share  # as fast and as cheap; 12% other answers
+    final, version = rolled_out(
+        local, store, canary(digits_models, artifact, analysis={"agreement": {"min": 0.99}}),
+        lambda s, v: s.canary_version == v and s.phase in (names.Phase.PROMOTED, names.Phase.ROLLED_BACK), 120)
+    assert final.phase == names.Phase.ROLLED_BACK and final.stage_index == 0, final.message
+    assert "agreement" in failed_metrics(final), final.last_analysis.summary()
+
+
+def test_a_canary_slower_only_in_its_tail_is_rolled_back_on_latency_p95(
+        system, store, traffic, digits_models, tmp_path):
+    local, _, _ = system
+    images = np.load(digits_models / "digits-eval.npz")["input"]
+    artifact = tmp_path / "digits-slow-tail.onnx"
+    canaries.slower_in_its_tail(digits_models / "digits-v2.onnx", artifact, images)
+    final, _ = rolled_out(
+        local, store, canary(digits_models, artifact),
+        lambda s, v: s.canary_version == v and s.phase in (names.Phase.PROMOTED, names.Phase.ROLLED_BACK), 150)
+    assert final.phase == names.Phase.ROLLED_BACK, final.message
+    assert "latency_p95" in failed_metrics(final), final.last_analysis.summary()
+
+
+def test_an_unchanged_canary_is_promoted(system, store, traffic, digits_models, tmp_path):
+    local, _, _ = system
+    artifact = tmp_path / "digits-unchanged.onnx"
+    canaries.the_same(digits_models / "digits-v2.onnx", artifact)
+    final, version = rolled_out(
+        local, store, canary(digits_models, artifact),
+        lambda s, v: s.phase in (names.Phase.PROMOTED, names.Phase.ROLLED_BACK) and v in (s.stable_version,
+                                                                  s.canary_version), 150)
+    assert final.phase == names.Phase.PROMOTED and final.stable_version == version, final.message
+
+
+def test_a_stage_without_canary_traffic_pauses_and_says_so(system, store, traffic,
+                                                           digits_models, tmp_path):
+    local, _, state = system
+    stable = status_of(store).rollout.stable_version
+    artifact = tmp_path / "digits-unrouted.onnx"
+    canaries.the_same(digits_models / "digits-v1.onnx", artifact)
+    dark = [{"name": "dark", "weights": {"edge": 0}, "min_requests": 40,
+             "min_duration_s": 2, "max_duration_s": 6}]
+    final, version = rolled_out(
+        local, store, canary(digits_models, artifact, stages=dark, shadow_fraction=0.0),
+        lambda s, v: s.canary_version == v and s.phase in (names.Phase.PAUSED, names.Phase.ROLLED_BACK), 60)
+    assert final.phase == names.Phase.PAUSED, final.message
+    assert "no canary traffic" in final.message, final.message
+    assert "aborted by hand" in tiered(state, "rollout", "abort", "digits").stdout
+    assert status_of(store).rollout.stable_version == stable

@@ -16,8 +16,9 @@ def accumulator(baseline=None, stage=0, seed=0):
     return StageAccumulator(CANARY, stage, np.random.default_rng(seed), baseline or {})
 
 
-def reading(tier, version, success=0, failure=0, latencies=(), joules=None):
-    return VersionReading(tier, version, success, failure, tuple(latencies), joules)
+def reading(tier, version, success=0, failure=0, latencies=(), joules=None, source="nvml"):
+    return VersionReading(tier, version, success, failure, tuple(latencies), joules,
+                          source if joules is not None else "")
 
 
 POLL = [
@@ -176,6 +177,7 @@ def test_summary_numbers():
         "p95_stable_ms": pytest.approx(float(np.percentile([1000 * s for s in stable_s], 95))),
         "p95_canary_ms": pytest.approx(float(np.percentile([2.0, 4.0, 6.0, 100.0], 95))),
         "jpi_stable": 2.0, "jpi_canary": 3.0,
+        "energy_source_stable": "nvml", "energy_source_canary": "nvml",
         "agreement": pytest.approx(18 / 20), "agreement_compared": 20,
     }
     assert summary["p95_stable_ms"] == pytest.approx(95.05)
@@ -186,8 +188,22 @@ def test_summary_with_nothing_measured():
     assert summary == {
         "stable_requests": 0, "canary_requests": 0, "p95_stable_ms": None,
         "p95_canary_ms": None, "jpi_stable": None, "jpi_canary": None,
+        "energy_source_stable": "", "energy_source_canary": "",
         "agreement": None, "agreement_compared": 0,
     }
+
+
+def test_each_version_carries_the_source_of_its_energy_figures_and_mixed_is_unknown():
+    acc = accumulator()
+    acc.add([reading("edge", STABLE, 10, 0, (), 1.0, "nvml"),
+             reading("edge", CANARY, 10, 0, (), 1.0, "model")])
+    acc.add([reading("edge", STABLE, 10, 0, (), 1.0, "nvml"),
+             reading("edge", CANARY, 10, 0, (), 1.0, "nvml")])
+    m = acc.measurements(STABLE, ["edge"])
+    assert m.tiers["edge"].stable.energy_source == "nvml"
+    assert m.tiers["edge"].canary.energy_source == ""  # model, then nvml: not one source
+    restored = StageAccumulator.restore(acc.state(), np.random.default_rng(0))
+    assert restored.measurements(STABLE, ["edge"]) == m
 
 
 def test_summary_agreement_none_when_only_errors_compared():
@@ -220,3 +236,19 @@ def test_samples_start_with_the_canarys_first_request():
     assert (edge.stable.requests, edge.canary.requests) == (80, 10)
     assert edge.stable.latencies_ms == pytest.approx((10.0, 12.0))
     assert acc.window == 4
+
+
+def test_a_restored_stage_has_every_count_and_each_latency_within_one_percent():
+    acc = accumulator({("r1", "edge", "agree"): 3.0})
+    latencies = np.random.default_rng(4).lognormal(np.log(0.005), 0.6, 500)
+    acc.add([reading("edge", STABLE, 400, 3, latencies[:250], 1.0),
+             reading("edge", CANARY, 100, 1, latencies[250:], 2.0)], window=3)
+    acc.set_shadow({("r1", "edge", "agree"): 10.0, ("r1", "edge", "disagree"): 1.0})
+    restored = StageAccumulator.restore(acc.state(), np.random.default_rng(0))
+    before, after = (a.measurements(STABLE, ["edge"]) for a in (acc, restored))
+    for version in ("stable", "canary"):
+        old, new = (getattr(m.tiers["edge"], version) for m in (before, after))
+        assert (new.requests, new.errors, new.joules_per_inference) == (
+            old.requests, old.errors, old.joules_per_inference)
+        assert sorted(new.latencies_ms) == pytest.approx(sorted(old.latencies_ms), rel=0.01)
+    assert (after.shadow_compared, after.shadow_agreed) == (8, 7)

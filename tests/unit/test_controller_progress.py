@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tiered.cli.progress import progress_line
 from tiered.controller.plan import make_snapshot
 from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, load_tiered_model
@@ -42,3 +44,21 @@ def test_a_hold_with_a_passing_analysis_and_other_decisions_read_plainly():
                                            NUMBERS))
     assert advanced.endswith("| advance: stage 1 passed")
     assert make_snapshot(SPEC, live(None), "hold", "no measurements yet")["pending"] == []
+
+
+@pytest.mark.parametrize("sources, shown", [
+    ({"energy_source_stable": "model", "energy_source_canary": "model"},
+     "J/inf 200.000/210.000 mJ (model, estimate)  "),
+    ({"energy_source_stable": "nvml", "energy_source_canary": "nvml"},
+     "J/inf 200.000/210.000 mJ (nvml)  "),
+    ({"energy_source_stable": "nvml", "energy_source_canary": "model"},
+     "J/inf 200.000/210.000 mJ (stable nvml, canary model, estimate)  "),
+    ({}, "J/inf 200.000/210.000 mJ  "),
+    ({"energy_source_stable": "nvml", "energy_source_canary": "nvml", "jpi_stable": None,
+      "jpi_canary": None}, "J/inf -/- mJ  "),
+])
+def test_j_per_inference_shows_its_source_when_the_snapshot_has_one(sources, shown):
+    passing = AnalysisRun(5, "Successful", ())
+    line = progress_line(0.0, make_snapshot(SPEC, live(passing), "hold", "too short",
+                                            {**NUMBERS, **sources}))
+    assert shown in line

@@ -2,7 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from tiered.telemetry.energy import EnergyMeter, EnergyReading
+from tiered.protocol import telemetry_messages
+from tiered.telemetry.energy import (
+    CpuPowerModel,
+    EnergyMeter,
+    EnergyReading,
+    IdleDraw,
+    ModeledCpuMeter,
+)
 from tiered.telemetry.recorder import EnergyLedger, VersionRecorder, energy_per_version
 
 
@@ -55,6 +62,7 @@ def test_reservoir_per_slot_is_bounded():
 
 class CountingMeter(EnergyMeter):
     source = "model"
+    idle_watts = 0.0  # known: every joule is active
 
     def __init__(self, joules_per_read: float) -> None:
         self.joules, self.step = 0.0, joules_per_read
@@ -102,3 +110,92 @@ def test_a_span_reaching_back_before_the_first_mark_counts_from_it():
     ledger.mark(6.0)
     ledger.mark(7.0)
     assert ledger.used(-55.0, 7.0)["cpu"].joules == pytest.approx(4.0)
+
+
+class PowerMeter(EnergyMeter):
+    """A GPU counter: `idle_w` all the time, plus what the test adds while busy."""
+
+    source = "nvml"
+
+    def __init__(self, clock: Clock, idle_w: float) -> None:
+        self.clock, self.idle_w, self.active_j = clock, idle_w, 0.0
+
+    def read(self) -> EnergyReading:
+        return EnergyReading(self.idle_w * self.clock.now + self.active_j, self.source,
+                             self.clock.now)
+
+
+def serve(utilisation: float, idle_slots: int = 2, busy_slots: int = 10):
+    """A version alone on a 60 W-idle GPU: idle slots first, then slots in which
+    it answers 100 x `utilisation` requests of 10 ms and 0.5 J above idle each.
+    Returns the device's energy over the busy slots and the version's."""
+    clock = Clock(0.0)
+    meter = PowerMeter(clock, idle_w=60.0)
+    ledger, recorder = EnergyLedger({"cuda": meter}), VersionRecorder(clock)
+    ledger.mark(0.0)
+    for second in range(1, idle_slots + busy_slots + 1):
+        if second > idle_slots:
+            clock.now = second - 0.5
+            for _ in range(round(100 * utilisation)):
+                recorder.request_succeeded(0.01, 0.0, 0.01, 1)
+                recorder.batch_ran(0.01)
+                meter.active_j += 0.5
+        clock.now = float(second)
+        ledger.mark(clock.now, {"cuda": recorder.busy_s(second - 1, second)})
+    start = float(idle_slots)
+    used = ledger.used(start, clock.now)
+    energy = energy_per_version(used, {"v": recorder.since(start, clock.now)}, {"v": "cuda"})
+    return used["cuda"], energy.get("v")
+
+
+def test_a_versions_joules_per_inference_does_not_depend_on_how_long_its_device_idles():
+    (device_20, at_20), (device_100, at_100) = serve(0.2), serve(1.0)
+    assert at_20.joules_per_inference == pytest.approx(0.5)
+    assert at_100.joules_per_inference == pytest.approx(0.5)
+    assert (at_20.source, at_20.idle_watts) == ("nvml", pytest.approx(60.0))
+    # Split whole, the idle draw would make the quieter version look 3x costlier.
+    assert device_20.joules / 200 == pytest.approx(3.5)
+    assert device_100.joules / 1000 == pytest.approx(1.1)
+
+
+def test_idle_is_measured_from_slots_without_busy_time_and_reported():
+    device, _ = serve(0.2)
+    assert device.idle_watts == pytest.approx(60.0) and device.seconds == 10.0
+    assert device.active_joules == pytest.approx(100.0)
+    (message,) = telemetry_messages.device_energy({"cuda": device})
+    assert message.HasField("idle_watts") and message.idle_watts == pytest.approx(60.0)
+    assert message.joules == pytest.approx(700.0) and message.source == "nvml"
+
+
+def test_until_an_idle_slot_no_version_reports_energy():
+    device, version = serve(0.2, idle_slots=0)
+    assert device.idle_watts is None and device.active_joules is None and version is None
+    (message,) = telemetry_messages.device_energy({"cuda": device})
+    assert not message.HasField("idle_watts")
+
+
+def test_idle_draw_is_the_least_power_of_recent_slots_without_busy_time():
+    idle = IdleDraw(history=3)
+    assert idle.watts is None
+    idle.slot(joules=80.0, seconds=1.0, busy_s=0.0)  # a slot the power state came down in
+    idle.slot(joules=300.0, seconds=1.0, busy_s=0.4)  # busy: not an idle sample
+    idle.slot(joules=120.0, seconds=2.0, busy_s=0.0)
+    assert idle.watts == pytest.approx(60.0)
+    for _ in range(3):  # the device now idles higher: the old sample ages out
+        idle.slot(joules=70.0, seconds=1.0, busy_s=0.0)
+    assert idle.watts == pytest.approx(70.0)
+
+
+def test_a_models_idle_draw_is_its_configured_watts_not_a_measurement():
+    cpu, wall = [0.0], [0.0]
+    meter = ModeledCpuMeter(CpuPowerModel(watts_per_busy_core=10, idle_watts=5),
+                            cpu_seconds=lambda: cpu[0], clock=lambda: wall[0])
+    ledger = EnergyLedger({"cpu": meter})
+    assert ledger.idle["cpu"].watts == 5.0  # known before any slot
+    ledger.mark(0.0)
+    cpu[0], wall[0] = 0.1, 1.0  # background CPU time in an idle slot: not idle draw
+    ledger.mark(1.0, {})
+    assert ledger.idle["cpu"].watts == 5.0
+    cpu[0], wall[0] = 0.5, 2.0
+    ledger.mark(2.0, {"cpu": 0.4})
+    assert ledger.used(1.0, 2.0)["cpu"].active_joules == pytest.approx(4.0)  # 0.4 s x 10 W

@@ -287,15 +287,80 @@ ENERGY = {
 @pytest.mark.parametrize("case", ENERGY)
 def test_energy(case):
     canary, expected = ENERGY[case]
-    result = a.judge_energy(EnergyBound(1.1, 5), windows(1.0), canary, ALPHA)
+    result = a.judge_energy(EnergyBound(1.1, 5), windows(1.0), canary, ALPHA, "nvml", "nvml")
     assert result.outcome == expected, result.reason
 
 
 def test_a_few_windows_cannot_fail_energy_whatever_they_show():
     # Five windows a version: even a canary 40% costlier everywhere is no
     # evidence at a small share; the stage holds for more windows instead.
-    result = a.judge_energy(EnergyBound(1.1, 5), windows(1.0, 5), windows(1.4, 5), ALPHA)
+    result = a.judge_energy(EnergyBound(1.1, 5), windows(1.0, 5), windows(1.4, 5), ALPHA,
+                            "rapl", "rapl")
     assert result.outcome == a.SUCCESSFUL and result.numbers["p_value"] > ALPHA
+
+
+MEASURED, MODELED = EnergyBound(1.1, 5), EnergyBound(1.1, 5, allow_modeled=True)
+# (bound, stable source, canary source, canary windows): outcome, judged, measured, in reason
+ENERGY_SOURCES = {
+    "nvml both: a 30% regression fails": (
+        MEASURED, "nvml", "nvml", windows(1.3), a.FAILED, 1.0, 1.0, "source nvml"),
+    "rapl both: an unchanged canary passes": (
+        MEASURED, "rapl", "rapl", windows(1.0), a.SUCCESSFUL, 1.0, 1.0, "source rapl"),
+    "model both: a 30% regression is not judged by default": (
+        MEASURED, "model", "model", windows(1.3), a.SUCCESSFUL, 0.0, 0.0, "allow_modeled"),
+    "model both with allow_modeled: the 30% regression fails": (
+        MODELED, "model", "model", windows(1.3), a.FAILED, 1.0, 0.0, "model, estimate"),
+    "unknown source is not a measurement": (
+        MEASURED, "", "", windows(1.3), a.SUCCESSFUL, 0.0, 0.0, "source unknown"),
+    "nvml against model: sources differ": (
+        MEASURED, "nvml", "model", windows(1.3), a.SUCCESSFUL, 0.0, 0.0, "different sources"),
+    "nvml against rapl: sources differ even with allow_modeled": (
+        MODELED, "nvml", "rapl", windows(1.3), a.SUCCESSFUL, 0.0, 1.0, "different sources"),
+    "one measured side without figures yet waits": (
+        MEASURED, "nvml", "nvml", [], a.INCONCLUSIVE, 1.0, 1.0, "too few"),
+    "a modeled side passes before the other has figures": (
+        MEASURED, "model", "", [], a.SUCCESSFUL, 0.0, 0.0, "stable model, estimate, canary no "
+        "figure yet"),
+}
+
+
+@pytest.mark.parametrize("case", ENERGY_SOURCES)
+def test_energy_is_judged_only_on_measurements_of_one_source(case):
+    bound, stable_source, canary_source, canary, outcome, judged, measured, said = \
+        ENERGY_SOURCES[case]
+    result = a.judge_energy(bound, windows(1.0), canary, ALPHA, stable_source, canary_source)
+    assert result.outcome == outcome, result.reason
+    assert (result.numbers["judged"], result.numbers["measured"]) == (judged, measured)
+    assert said in result.reason
+
+
+def test_an_unjudged_estimate_still_reports_its_comparison():
+    result = a.judge_energy(EnergyBound(1.1, 5), windows(1.0), windows(1.3), ALPHA,
+                            "model", "model")
+    assert result.reason.startswith("not judged: ")
+    assert "(model, estimate), it would be failed: canary uses more than 1.1x" in result.reason
+    assert result.numbers["ratio"] == pytest.approx(1.3) and result.numbers["p_value"] < ALPHA
+
+
+def test_analyze_passes_each_versions_energy_source_to_the_judge():
+    spec = AnalysisSpec(latency_p95=None, latency_shift=None, error_rate=None, agreement=None)
+    def tier(source):
+        return a.TierSamples(stable=a.VersionSamples((), 100, 0, windows(1.0), source),
+                             canary=a.VersionSamples((), 100, 0, windows(1.3), source))
+    for source, verdict in (("nvml", a.FAILED), ("model", a.SUCCESSFUL)):
+        run = a.analyze(spec, a.Measurements(window=1, stage=0, tiers={"edge": tier(source)}),
+                        tests=1)
+        assert run.verdict == verdict, run.summary()
+
+
+def test_pooled_energy_has_one_source_or_none():
+    same = a.Measurements(0, 0, {"edge": a.TierSamples(canary=a.VersionSamples(
+        joules_per_inference=(1.0,), energy_source="nvml")), "regional": a.TierSamples()})
+    assert same.pooled("canary").energy_source == "nvml"
+    mixed = a.Measurements(0, 0, {tier: a.TierSamples(canary=a.VersionSamples(
+        joules_per_inference=(1.0,), energy_source=source))
+        for tier, source in (("edge", "model"), ("regional", "nvml"))})
+    assert mixed.pooled("canary").energy_source == ""
 
 
 AGREEMENT = {

@@ -57,9 +57,9 @@ def measure(window=1, stage=0, canary_ms=SAME_MS, requests=400, errors=0, joules
             agreed=400, compared=400):
     return a.Measurements(
         window=window, stage=stage, tiers={"edge": a.TierSamples(
-            stable=a.VersionSamples(STABLE_MS, 8000, 8, WINDOWS),
+            stable=a.VersionSamples(STABLE_MS, 8000, 8, WINDOWS, "nvml"),
             canary=a.VersionSamples(canary_ms, requests, errors,
-                                    tuple(joules * w for w in WINDOWS)))},
+                                    tuple(joules * w for w in WINDOWS), "nvml"))},
         shadow_compared=compared, shadow_agreed=agreed)
 
 

@@ -167,3 +167,15 @@ def test_all_unknown_and_constant_series_render_without_division_by_zero():
     assert all(not p.get("d") for p in p95.iter("path"))
     assert_finite_geometry(page)
     assert agreement.find(".//path").get("d").count("M") == 1
+
+
+def test_energy_figures_name_their_source():
+    modeled = [{**s, "energy_source_stable": "model", "energy_source_canary": "model"}
+               for s in history()]
+    page = report.render_html(modeled, "t", {})
+    assert "Energy per inference (model, estimate)" in page
+    assert "<td>model, estimate</td>" in page
+    final = report.report_json(modeled, "t", {})["rollouts"][0]["final"]
+    assert (final["energy_source_stable"], final["energy_source_canary"]) == ("model", "model")
+    plain = report.render_html(history(), "t", {})  # a history that names no source
+    assert "Energy per inference</text>" in plain and "estimate" not in plain

@@ -43,3 +43,15 @@ def test_the_tally_keeps_the_newest_versions():
         tally.record("m", version, "edge", "agree")
     assert tally.tiers("m", "1") == []
     assert tally.tiers("m", "3") == [TierAgreement("edge", 1, 0)]
+
+
+def test_choices_energy_could_not_decide_are_counted_per_model():
+    metrics = RouterMetrics(ShadowAgreement())
+    for model in ("m", "m", "n"):
+        metrics.ranked_without_energy(model)
+    metrics.answered("m", "edge", "1")
+    text = generate_latest(metrics.registry).decode()
+    assert 'tiered_router_energy_incomparable_total{model="m"} 2.0' in text
+    assert 'tiered_router_energy_incomparable_total{model="n"} 1.0' in text
+    assert 'tiered_router_requests_total{model="m",outcome="ok",tier="edge",version="1"} 1.0' \
+        in text

@@ -20,15 +20,17 @@ class Clock:
         return self.now
 
 
-def stats(model="m", buckets=(10,), counts=(10,), queue=0, jpi=None) -> tpb.StatsResponse:
+def stats(model="m", buckets=(10,), counts=(10,), queue=0, jpi=None, source="rapl",
+          version="1") -> tpb.StatsResponse:
     version = tpb.VersionStats(
-        model_name=model, model_version="1", inferences=sum(counts), queue_depth=queue,
+        model_name=model, model_version=version, inferences=sum(counts), queue_depth=queue,
         latency=tpb.Histogram(lowest_s=1e-3, growth=2.0, bucket=buckets, count=counts,
                               sum_s=0.01 * sum(counts)),
         compute=tpb.Histogram(lowest_s=1e-3, growth=2.0, bucket=buckets, count=counts,
                               sum_s=0.004 * sum(counts)))
     if jpi is not None:
         version.has_energy, version.joules_per_inference = True, jpi
+        version.energy.source = source
     return tpb.StatsResponse(versions=[version])
 
 
@@ -43,10 +45,22 @@ def test_telemetry_gives_p95_service_time_energy_and_queue():
     figures, queues = telemetry_of(stats(queue=3, jpi=0.25), at=1.0)
     assert figures["m"].mean_s == pytest.approx(0.01)
     assert figures["m"].service_s == pytest.approx(0.004)
-    assert figures["m"].joules_per_inference == 0.25
+    assert figures["m"].joules_per_inference == 0.25 and figures["m"].energy_source == "rapl"
     assert queues == {"m": 3}
     figures, queues = telemetry_of(stats(buckets=(), counts=(), queue=1), at=1.0)
     assert figures == {} and queues == {"m": 1}  # an idle span keeps no figures
+
+
+def test_versions_metered_by_different_sources_give_no_energy_figure():
+    response = stats(jpi=0.25, source="model")
+    response.versions.extend(stats(jpi=0.5, source="nvml", version="2").versions)
+    figures, _ = telemetry_of(response, at=1.0)
+    assert figures["m"].joules_per_inference is None and figures["m"].energy_source == ""
+    response = stats(jpi=0.25, source="nvml")
+    response.versions.extend(stats(jpi=0.5, source="nvml", version="2").versions)
+    figures, _ = telemetry_of(response, at=1.0)
+    assert figures["m"].joules_per_inference == pytest.approx(0.375)
+    assert figures["m"].energy_source == "nvml"
 
 
 def test_observer_folds_ewma_and_telemetry_into_an_observation():
@@ -59,6 +73,7 @@ def test_observer_folds_ewma_and_telemetry_into_an_observation():
     assert seen.ewma_s == pytest.approx(0.015)
     assert seen.rtt_s == pytest.approx(0.005)  # router EWMA minus the agent's mean
     assert seen.queue_depth == 2 and seen.joules_per_inference == 0.5
+    assert seen.energy_source == "rapl"
     assert seen.predicted_p95_s() == pytest.approx(seen.p95_s + 2 * 0.004 + 0.005)
     clock.now += 11  # stale figures are forgotten, so the agent gets tried again
     assert observer.observe("a:1", "m").predicted_p95_s() is None

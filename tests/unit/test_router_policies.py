@@ -18,11 +18,12 @@ ALL = (E1, E2, R1, D1)
 
 
 def obs(p95_ms=None, joules=None, queue=0, service_ms=0.0, rtt_ms=0.0, in_flight=0,
-        ewma_ms=None) -> p.AgentObservation:
+        ewma_ms=None, source="nvml") -> p.AgentObservation:
     return p.AgentObservation(
         p95_s=None if p95_ms is None else p95_ms / 1000, service_s=service_ms / 1000,
         queue_depth=queue, rtt_s=rtt_ms / 1000, joules_per_inference=joules,
-        in_flight=in_flight, ewma_s=None if ewma_ms is None else ewma_ms / 1000)
+        energy_source=source if joules is not None else "", in_flight=in_flight,
+        ewma_s=None if ewma_ms is None else ewma_ms / 1000)
 
 
 def test_predicted_p95_adds_queue_and_round_trip():
@@ -89,6 +90,47 @@ def test_slo_energy_picks_the_cheapest_tier_meeting_the_slo(slo_ms, observations
         ALL, p.RouteRequest("m", slo_ms=slo_ms), observations, random.Random(0))
     assert ranking.candidates[0].tier == first_tier
     assert sorted(ranking.candidates, key=str) == sorted(ALL, key=str)  # all kept for failover
+    assert not ranking.energy_incomparable
+
+
+def edge(p95_ms, joules, source):
+    return {"e:1": obs(p95_ms, joules, source=source), "e:2": obs(p95_ms, joules, source=source)}
+
+
+# slo ms, observations -> tier order, whether energy could not decide
+SLO_ENERGY_SOURCES = {
+    "one-measured-source-ranks-by-energy": (
+        50, {**edge(10, 0.1, "rapl"), "r:1": obs(5, 0.5, source="rapl"), "d:1": obs(2, 0.9,
+             source="rapl")}, ["edge", "regional", "datacenter"], False),
+    "one-modeled-source-ranks-by-energy-too": (
+        50, {**edge(10, 0.1, "model"), "r:1": obs(5, 0.5, source="model"),
+             "d:1": obs(2, 0.9, source="model")}, ["edge", "regional", "datacenter"], False),
+    "modeled-edge-against-nvml-gpus-goes-fastest-first": (
+        50, {**edge(10, 0.001, "model"), "r:1": obs(5, 0.5), "d:1": obs(2, 0.9)},
+        ["datacenter", "regional", "edge"], True),
+    "rapl-against-nvml-does-not-compare-either": (
+        50, {**edge(10, 0.001, "rapl"), "r:1": obs(5, 0.5), "d:1": obs(2, 0.9)},
+        ["datacenter", "regional", "edge"], True),
+    "a-tier-of-mixed-sources-does-not-compare": (
+        50, {"e:1": obs(10, 0.1, source="model"), "e:2": obs(10, 0.1), "r:1": obs(5, 0.5),
+             "d:1": obs(2, 0.9)}, ["datacenter", "regional", "edge"], True),
+    "only-meeting-tiers-must-compare": (
+        8, {**edge(10, 0.001, "model"), "r:1": obs(5, 0.5), "d:1": obs(2, 0.9)},
+        ["regional", "datacenter", "edge"], False),
+    "no-figure-yet-is-no-other-source": (
+        50, {**edge(10, None, ""), "r:1": obs(5, 0.5), "d:1": obs(2, 0.9)},
+        ["regional", "datacenter", "edge"], False),
+}
+
+
+@pytest.mark.parametrize("slo_ms, observations, tiers, incomparable",
+                         SLO_ENERGY_SOURCES.values(), ids=SLO_ENERGY_SOURCES)
+def test_slo_energy_ranks_by_energy_only_among_figures_of_one_source(
+        slo_ms, observations, tiers, incomparable):
+    ranking = p.SloEnergy(default_slo_ms=100).choose(
+        ALL, p.RouteRequest("m", slo_ms=slo_ms), observations, random.Random(0))
+    assert list(dict.fromkeys(c.tier for c in ranking.candidates)) == tiers
+    assert ranking.energy_incomparable == incomparable
 
 
 def test_slo_energy_uses_the_model_default_without_a_hint():

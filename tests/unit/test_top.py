@@ -21,7 +21,15 @@ def test_quantile_from_the_wire_matches_the_histogram(q):
 
 def test_render_aligns_columns_and_shows_missing_values_as_dashes():
     table = [("a:1", "edge", "m", "1", "cpu", "2.0", "-", "1.00", "2.00", "3.00", "0.10",
-              "-", "-", "0", "0")]
+              "-", "-", "-", "0", "0")]
     text = top.render(table)
     header, row = text.splitlines()
     assert header.index("req/s") == row.index("2.0")
+
+
+def test_a_modeled_figure_is_called_an_estimate():
+    row = ("a:1", "edge", "m", "1", "cpu", "2.0", "-", "1.00", "2.00", "3.00", "0.10",
+           "0.002", "model", "5", "0", "0")
+    *_, note = top.render([row]).splitlines()
+    assert "estimate" in note
+    assert "estimate" not in top.render([(*row[:12], "rapl", *row[13:])])

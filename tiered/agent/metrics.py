@@ -2,9 +2,10 @@
 
 Triton's `nv_inference_*` names where the meaning is the same (cumulative
 counts and microseconds per model version), plus tiered's own: energy per
-device with its source, joules per inference and latency quantiles over the
-recent window. The collector reads everything on the agent's event loop (the
-only writer) and serves it from prometheus_client's HTTP thread.
+device and its idle draw, each with its source, active joules per inference
+and latency quantiles over the recent window. The collector reads everything
+on the agent's event loop (the only writer) and serves it from
+prometheus_client's HTTP thread.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class AgentCollector:
                         f"Request latency quantiles over the last {RECENT_S:.0f} s",
                         ("quantile",))
         per_inference = gauge("tiered_joules_per_inference",
-                              f"Energy per inference over the last {RECENT_S:.0f} s",
+                              f"Active energy (above the device's idle draw) per inference "
+                              f"over the last {RECENT_S:.0f} s; source model: an estimate",
                               ("source",))
         snap = self.hub.snapshot(cursor=self.hub.clock() - RECENT_S)
         for served in self.hub.repository.all_versions():
@@ -85,13 +87,20 @@ class AgentCollector:
             energy = snap.energy.get(key)
             if energy is not None and energy.joules_per_inference is not None:
                 per_inference.add_metric([*values, energy.source], energy.joules_per_inference)
+        device_labels = ["device", "source", "tier"]
         total = CounterMetricFamily("tiered_energy_joules", "Energy used since start, per device",
-                                    labels=["device", "source", "tier"])
+                                    labels=device_labels)
+        idle = GaugeMetricFamily("tiered_idle_watts", "A device's idle draw: measured (nvml, "
+                                 "rapl) or the model's configured watts (model)",
+                                 labels=device_labels)
         for device, meter in sorted(self.hub.ledger.meters.items()):
             reading = meter.read()
             total.add_metric([device, reading.source, tier], reading.joules)
+            watts = self.hub.ledger.idle[device].watts
+            if watts is not None:
+                idle.add_metric([device, reading.source, tier], watts)
         return [success, failure, count, executions, *(f for f, _ in durations), pending,
-                in_flight, latency, per_inference, total]
+                in_flight, latency, per_inference, total, idle]
 
 
 def serve_metrics(hub: TelemetryHub, host: str, port: int) -> int:

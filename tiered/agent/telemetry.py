@@ -1,15 +1,18 @@
 """The agent's telemetry: energy meters read each slot, and the Stats RPC.
 
 `TelemetryHub` owns the energy ledger and the task that marks it at every
-slot boundary; `TelemetryServicer` answers `tiered.v1.Telemetry/Stats` from
-the versions' recorders and the ledger. Everything runs on the agent's event
-loop, the recorders' only writer, so reads need no locks.
+slot boundary, with each device's engine busy time since the last mark (so
+the ledger learns the devices' idle draw); `TelemetryServicer` answers
+`tiered.v1.Telemetry/Stats` from the versions' recorders and the ledger.
+Everything runs on the agent's event loop, the recorders' only writer, so
+reads need no locks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -46,7 +49,7 @@ class Snapshot:
     summaries: dict[tuple[str, int], Summary]
     devices: dict[tuple[str, int], str]
     energy: dict[tuple[str, int], VersionEnergy]
-    used: dict[str, meters.EnergyReading]
+    used: dict[str, meters.DeviceEnergy]
 
 
 class TelemetryHub:
@@ -81,7 +84,17 @@ class TelemetryHub:
         while True:
             now = self.clock()
             await asyncio.sleep(slot_start(now) + SLOT_S - now)
-            self.ledger.mark(slot_start(self.clock()))
+            at, since = slot_start(self.clock()), self.ledger.last_mark
+            self.ledger.mark(at, None if since is None else self.busy_by_device(since, at))
+
+    def busy_by_device(self, start: float, end: float) -> dict[str, float]:
+        """Engine busy seconds per device over whole slots in [start, end); inf
+        where a version keeps no recorder (it may have run: no idle sample)."""
+        busy: dict[str, float] = {}
+        for served in self.repository.all_versions():
+            seconds = math.inf if served.recorder is None else served.recorder.busy_s(start, end)
+            busy[served.engine.device] = busy.get(served.engine.device, 0.0) + seconds
+        return busy
 
     def snapshot(self, cursor: float = 0.0, model: str = "", version: str = "") -> Snapshot:
         end = slot_start(self.clock())

@@ -1,6 +1,7 @@
 """One terminal line per rollout snapshot: stage, weights, samples, p95s,
-J/inference, agreement and the decision, for `tiered rollout status` and
-the demo's live progress. Formatting only: it reads no store and no clock."""
+J/inference with its source, agreement and the decision, for `tiered
+rollout status` and the demo's live progress. Formatting only: it reads no
+store and no clock."""
 
 from __future__ import annotations
 
@@ -15,8 +16,24 @@ def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}{unit}"
 
 
-def _joules(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.3f} mJ"
+def energy_sources(snap: Mapping[str, Any]) -> str:
+    """The J/inference figures' sources as the snapshot names them ('nvml',
+    'model, estimate', or each version's when they differ); '' when it names
+    none or has no figure."""
+    stable, canary = snap.get("energy_source_stable"), snap.get("energy_source_canary")
+    if not stable and not canary:
+        return ""
+    stable = stable if snap.get("jpi_stable") is not None else None
+    canary = canary if snap.get("jpi_canary") is not None else None
+    return "" if stable is None and canary is None else names.energy_sources_label(stable, canary)
+
+
+def _energy(snap: Mapping[str, Any]) -> str:
+    def mj(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.3f}"
+    sources = energy_sources(snap)
+    return (f"J/inf {mj(snap['jpi_stable'])}/{mj(snap['jpi_canary'])} mJ"
+            + (f" ({sources})" if sources else ""))
 
 
 def progress_line(t: float, snap: Mapping[str, Any]) -> str:
@@ -35,7 +52,7 @@ def progress_line(t: float, snap: Mapping[str, Any]) -> str:
     agreement = snap.get("agreement")
     numbers = (f"n {snap['stable_requests']}/{snap['canary_requests']}  "
                f"p95 {_number(snap['p95_stable_ms'])}/{_number(snap['p95_canary_ms'])} ms  "
-               f"J/inf {_joules(snap['jpi_stable'])}/{_joules(snap['jpi_canary'])}  "
+               f"{_energy(snap)}  "
                f"agree {'-' if agreement is None else f'{agreement:.1%}'}"
                f" ({snap.get('agreement_compared', 0)})")
     pending = ", ".join(snap.get("pending") or ())

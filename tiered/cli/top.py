@@ -1,8 +1,10 @@
 """`tiered top`: a live table of each agent's model versions, from tiered.v1.Telemetry.
 
 Polls every agent's Stats RPC with the cursor it got last time, so each row
-covers exactly the span since the previous refresh. Rendering is a pure
-function of the responses; the loop around it is a thin adapter.
+covers exactly the span since the previous refresh. J/inf is the version's
+active energy (above its device's idle draw, shown as idle W) per inference,
+beside its source. Rendering is a pure function of the responses; the loop
+around it is a thin adapter.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from dataclasses import dataclass
 
 import grpc
 
+from tiered import names
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.security import PLAINTEXT, TransportSecurity, channel
 
 HEADERS = ("agent", "tier", "model", "ver", "dev", "req/s", "err%", "p50 ms", "p95 ms",
-           "p99 ms", "queue p50", "J/inf", "source", "inflight", "queued")
+           "p99 ms", "queue p50", "J/inf", "source", "idle W", "inflight", "queued")
+SOURCE = HEADERS.index("source")
 
 
 quantile = telemetry_messages.histogram_quantile
@@ -32,6 +36,7 @@ def _ms(seconds: float | None) -> str:
 
 def rows(address: str, response: tpb.StatsResponse) -> list[tuple[str, ...]]:
     span = max(response.end - response.start, 1e-9)
+    idle = {d.device: d.idle_watts for d in response.devices if d.HasField("idle_watts")}
     table = []
     for v in response.versions:
         answered = v.success + v.failure
@@ -43,6 +48,7 @@ def rows(address: str, response: tpb.StatsResponse) -> list[tuple[str, ...]]:
             _ms(quantile(v.latency, 0.99)), _ms(quantile(v.queue, 0.5)),
             f"{v.joules_per_inference:.4g}" if v.has_energy and v.inferences else "-",
             v.energy.source if v.has_energy else "-",
+            f"{idle[v.device]:.3g}" if v.device in idle else "-",
             str(v.in_flight), str(v.queue_depth),
         ))
     return table
@@ -53,6 +59,8 @@ def render(table: Sequence[Sequence[str]]) -> str:
               for i, h in enumerate(HEADERS)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(HEADERS, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table]
+    if any(r[SOURCE] == names.EnergySource.MODEL for r in table):
+        lines.append("source model: CPU time x configured watts, an estimate, not a measurement")
     return "\n".join(lines)
 
 

@@ -103,7 +103,8 @@ class RolloutJudge:
                 readings.extend(
                     VersionReading(tier, int(v.model_version), v.success, v.failure,
                                    tuple(v.latency_samples_s),
-                                   v.joules_per_inference if v.has_energy else None)
+                                   v.joules_per_inference if v.has_energy else None,
+                                   v.energy.source if v.has_energy else "")
                     for v in reply.versions if v.model_version.isdigit())
         return readings, unreadable
 

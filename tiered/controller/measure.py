@@ -46,6 +46,12 @@ class _Series:
     # window -> [joules, inferences]: J/inference is judged per window, pooled
     # over that window's polls (a single second holds too few inferences)
     energy: dict[int, list[float]] = field(default_factory=dict)
+    energy_sources: set[str] = field(default_factory=set)  # nvml, rapl, model; "" unknown
+
+    @property
+    def energy_source(self) -> str:
+        """The figures' one source; "" when unknown or mixed."""
+        return next(iter(self.energy_sources)) if len(self.energy_sources) == 1 else ""
 
     def joules_per_inference(self) -> list[float]:
         return [joules / count for joules, count in self.energy.values() if count > 0]
@@ -61,6 +67,7 @@ class VersionReading:
     failure: int
     latency_samples_s: tuple[float, ...] = ()
     joules_per_inference: float | None = None
+    energy_source: str = ""  # of joules_per_inference: nvml, rapl, model; "" unknown
 
 
 class StageAccumulator:
@@ -105,6 +112,7 @@ class StageAccumulator:
                 pooled = series.energy.setdefault(window, [0.0, 0])
                 pooled[0] += reading.joules_per_inference * reading.success
                 pooled[1] += reading.success
+                series.energy_sources.add(reading.energy_source)
                 for old in list(series.energy)[:-WINDOWS]:
                     del series.energy[old]
 
@@ -134,7 +142,8 @@ class StageAccumulator:
             "series": [{"tier": tier, "version": version, "requests": s.requests,
                         "errors": s.errors, "seen": s.seen,
                         "latency_buckets": _buckets(s.latencies_ms),
-                        "energy": [[w, j, n] for w, (j, n) in s.energy.items()]}
+                        "energy": [[w, j, n] for w, (j, n) in s.energy.items()],
+                        "energy_sources": sorted(s.energy_sources)}
                        for (tier, version), s in sorted(self._series.items())],
             "shadow_baseline": [[*key, v] for key, v in self._shadow_baseline.items()],
             "shadow": [[*key, v] for key, v in self._shadow.items()],
@@ -153,7 +162,8 @@ class StageAccumulator:
                 seen=int(kept["seen"]),
                 latencies_ms=[_bucket_centre(index) for index, count in
                               kept.get("latency_buckets", ()) for _ in range(int(count))],
-                energy={int(w): [float(j), float(n)] for w, j, n in kept.get("energy", ())})
+                energy={int(w): [float(j), float(n)] for w, j, n in kept.get("energy", ())},
+                energy_sources=set(kept.get("energy_sources", ())))
         return stage
 
     def measurements(self, stable_version: int, tiers: Iterable[str],
@@ -177,10 +187,13 @@ class StageAccumulator:
             return VersionSamples()
         return VersionSamples(latencies_ms=tuple(series.latencies_ms), requests=series.requests,
                               errors=series.errors,
-                              joules_per_inference=tuple(series.joules_per_inference()))
+                              joules_per_inference=tuple(series.joules_per_inference()),
+                              energy_source=series.energy_source)
 
-    def summary(self, stable_version: int, tiers: Iterable[str]) -> dict[str, float | None]:
-        """The headline numbers for progress lines and history snapshots."""
+    def summary(self, stable_version: int, tiers: Iterable[str]
+                ) -> dict[str, float | str | None]:
+        """The headline numbers for progress lines and history snapshots, and
+        the source of each version's J/inference (nvml, rapl, model)."""
         m = self.measurements(stable_version, tiers)
         stable, canary = m.pooled("stable"), m.pooled("canary")
 
@@ -196,6 +209,8 @@ class StageAccumulator:
             "stable_requests": stable.requests, "canary_requests": canary.requests,
             "p95_stable_ms": p95(stable), "p95_canary_ms": p95(canary),
             "jpi_stable": jpi(stable), "jpi_canary": jpi(canary),
+            "energy_source_stable": stable.energy_source,
+            "energy_source_canary": canary.energy_source,
             "agreement": (m.shadow_agreed / m.shadow_compared if m.shadow_compared else None),
             "agreement_compared": m.shadow_compared,
         }

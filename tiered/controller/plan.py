@@ -318,7 +318,8 @@ def _step(spec: TieredModel, rollout: RolloutStatus, action: str, reason: str, n
         t=now, action=action, reason=reason, phase=rollout.phase,
         stable_version=rollout.stable_version, canary_version=rollout.canary_version,
         stage=desired.stage_label(spec, rollout) if rollout.canary_version else "",
-        numbers={k: float(v) for k, v in (numbers or {}).items() if v is not None})
+        numbers={k: float(v) for k, v in (numbers or {}).items()
+                 if isinstance(v, (int, float))})  # figures only: the status schema's type
 
 
 def make_snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason: str,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered import names, tables
+from tiered.cli.progress import energy_sources
 from tiered.files import write_atomically
 from tiered.rollout import engine
 
@@ -29,7 +30,8 @@ STABLE, CANARY = "#64748b", "#ea580c"
 TIER_COLORS = {"edge": "#0891b2", "regional": "#7c3aed", "datacenter": "#16a34a"}
 MARK_COLORS = {"promote": "#16a34a", "rollback": "#dc2626", "abort": "#dc2626"}
 FINAL_METRICS = ("p95_stable_ms", "p95_canary_ms", "jpi_stable", "jpi_canary",
-                 "agreement", "agreement_compared", "verdict")
+                 "agreement", "agreement_compared", "verdict", "energy_source_stable",
+                 "energy_source_canary")
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;color:#1e293b;
@@ -250,11 +252,13 @@ def _pair(stable: str, canary: str) -> list[Line]:
 
 
 def _charts(history: Sequence[Mapping], marks: Sequence[Mark]) -> str:
-    """The four charts of one model's snapshots."""
+    """The four charts of one model's snapshots; energy's title names the
+    sources of its latest figures."""
+    sources = next((label for s in reversed(history) if (label := energy_sources(s))), "")
     return "".join([
         _chart("p95 latency", "ms", history, _pair("p95_stable_ms", "p95_canary_ms"), [0], marks),
-        _chart("Energy per inference", "J / inference", history, _pair("jpi_stable", "jpi_canary"),
-               [0], marks),
+        _chart("Energy per inference" + (f" ({sources})" if sources else ""), "J / inference",
+               history, _pair("jpi_stable", "jpi_canary"), [0], marks),
         _chart("Canary weight per tier", "%", history,
                [(tier, TIER_COLORS[tier], _weight(tier)) for tier in names.TIERS], [0, 100], marks,
                step=True),
@@ -294,7 +298,9 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping) -> str:
     rollouts = [(r["model"], _versions(r["stable_version"], r["canary_version"]),
                  _badge(r["outcome"]),
                  r["duration_s"], f'{r["stages_reached"]}/{tables.cell(r["stages"])}',
-                 *(r["final"][k] for k in FINAL_METRICS[:5])) for r in summaries]
+                 *(r["final"][k] for k in FINAL_METRICS[:4]),
+                 energy_sources(r["final"]) or "-", r["final"]["agreement"])
+                for r in summaries]
     marks = _decisions(history)
     decisions = [(s.get("t"), s.get("model"),
                   _versions(s.get("stable_version"), s.get("canary_version")),
@@ -306,7 +312,8 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping) -> str:
     else:
         sections += ["<h2>Rollouts</h2>", _table(
             ["model", "versions", "outcome", "duration (s)", "stages", "p95 stable (ms)",
-             "p95 canary (ms)", "J/inf stable", "J/inf canary", "agreement"], rollouts)]
+             "p95 canary (ms)", "J/inf stable", "J/inf canary", "energy source", "agreement"],
+            rollouts)]
         for model in dict.fromkeys(s.get("model") for s in history):
             sections += [f"<h2>{_e(model)}</h2>", _charts(
                 [s for s in history if s.get("model") == model],

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tiered import names
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentProcess
 from tiered.models import zoo
@@ -165,9 +166,9 @@ def run(tier: str = "edge") -> int:
             telemetry = _telemetry(agent.address)
             print("9. Telemetry (tiered.v1.Telemetry, the last minute)")
             for v in telemetry.versions:
-                energy = (f"{v.joules_per_inference * 1e3:.3f} mJ per inference "
-                          f"(source: {v.energy.source})" if v.has_energy and v.inferences
-                          else "no energy figure yet")
+                energy = (f"{v.joules_per_inference * 1e3:.3f} mJ per inference above "
+                          f"idle ({names.energy_source_label(v.energy.source)})"
+                          if v.has_energy and v.inferences else "no energy figure yet")
                 print(f"   {v.model_name} v{v.model_version} on {v.device}: {v.success} answered, "
                       f"engine busy {v.busy_s * 1e3:.1f} ms, {energy}")
             print(f"   Prometheus metrics: {agent.metrics_url}")

@@ -49,7 +49,7 @@ SAMPLE_VARIANTS = ("v1", "v2", "heavy")
 @dataclass(frozen=True)
 class RouterPorts:
     port: int = 8000
-    metrics_port: int = 0  # 0: any free port (the controller learns it)
+    metrics_port: int = 0  # 0: any free port, for Prometheus (the router logs it)
 
 
 @dataclass(frozen=True)

@@ -48,15 +48,16 @@ def version_stats(
     if energy is not None:
         message.has_energy = True
         message.energy.CopyFrom(tpb.Energy(source=energy.source, device=device,
-                                           joules=energy.joules))
+                                           joules=energy.joules, idle_watts=energy.idle_watts))
         if energy.joules_per_inference is not None:
             message.joules_per_inference = energy.joules_per_inference
     return message
 
 
 def device_energy(used: Mapping) -> list[tpb.Energy]:
-    return [tpb.Energy(source=r.source, device=device, joules=r.joules)
-            for device, r in sorted(used.items())]
+    """Each device's energy over the span; idle_watts absent while unknown."""
+    return [tpb.Energy(source=e.source, device=device, joules=e.joules, idle_watts=e.idle_watts)
+            for device, e in sorted(used.items())]
 
 
 def histogram_quantile(histogram: tpb.Histogram, q: float) -> float | None:

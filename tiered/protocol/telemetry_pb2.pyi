@@ -32,14 +32,16 @@ class Histogram(_message.Message):
     def __init__(self, lowest_s: _Optional[float] = ..., growth: _Optional[float] = ..., bucket: _Optional[_Iterable[int]] = ..., count: _Optional[_Iterable[int]] = ..., sum_s: _Optional[float] = ...) -> None: ...
 
 class Energy(_message.Message):
-    __slots__ = ("source", "device", "joules")
+    __slots__ = ("source", "device", "joules", "idle_watts")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     JOULES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_WATTS_FIELD_NUMBER: _ClassVar[int]
     source: str
     device: str
     joules: float
-    def __init__(self, source: _Optional[str] = ..., device: _Optional[str] = ..., joules: _Optional[float] = ...) -> None: ...
+    idle_watts: float
+    def __init__(self, source: _Optional[str] = ..., device: _Optional[str] = ..., joules: _Optional[float] = ..., idle_watts: _Optional[float] = ...) -> None: ...
 
 class VersionStats(_message.Message):
     __slots__ = ("model_name", "model_version", "device", "success", "failure", "inferences", "latency", "queue", "compute", "latency_samples_s", "busy_s", "has_energy", "energy", "joules_per_inference", "queue_depth", "in_flight")

@@ -39,7 +39,14 @@ after a controller restart.
   canary's share of the errors against theta0. max: the canary's error count
   against max.
 - energy_per_inference: Mann-Whitney on per-window J/inference with the
-  max_ratio margin, normal mixture.
+  max_ratio margin, normal mixture; judged only when both versions' figures
+  are measurements of one source (nvml or rapl). A modeled figure (the
+  CPU-time model: an estimate) or one of unknown source is reported with its
+  comparison and passes unjudged unless allow_modeled; figures of different
+  sources (nvml vs model) do not compare and pass unjudged always. Why: on
+  a CPU the model makes canary/stable a ratio of CPU time, which the latency
+  tests judge already, and a figure that is not energy must not roll back a
+  version for its energy.
 - agreement: the binomial mixture both ways: Failed on evidence that the
   agreement rate is below min, Successful on evidence that it is above,
   Inconclusive in between.
@@ -148,6 +155,7 @@ class VersionSamples:
     requests: int = 0
     errors: int = 0
     joules_per_inference: Sequence[float] = ()  # one per telemetry window
+    energy_source: str = ""  # of those figures: nvml, rapl or model; "" unknown
 
 
 @dataclass(frozen=True)
@@ -185,11 +193,13 @@ class Measurements:
     def pooled(self, version: str) -> VersionSamples:
         """One version ("stable" or "canary") over every tier, for headline figures."""
         parts = [getattr(samples, version) for samples in self.tiers.values()]
+        sources = {p.energy_source for p in parts if len(p.joules_per_inference)}
         return VersionSamples(
             latencies_ms=tuple(v for p in parts for v in p.latencies_ms),
             requests=sum(p.requests for p in parts),
             errors=sum(p.errors for p in parts),
-            joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference))
+            joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference),
+            energy_source=sources.pop() if len(sources) == 1 else "")  # "": unknown or mixed
 
 
 # --- the false-rollback budget ----------------------------------------------
@@ -508,8 +518,43 @@ def judge_error_rate(bound: ErrorRateBound, stable_errors: int, stable_requests:
     return _combine(name, checks, numbers)
 
 
+def energy_gate(allow_modeled: bool, stable: str | None, canary: str | None) -> str | None:
+    """Why two versions' J/inference figures are not judged, or None to judge
+    them. A source is None where the version has no figure yet: missing data,
+    which the judgement itself makes Inconclusive."""
+    seen = [source for source in (stable, canary) if source is not None]
+    if len(seen) == 2 and all(seen) and stable != canary:
+        return "figures of different sources do not compare"
+    if not allow_modeled and not _measured(seen):
+        return ("the figures are not measurements (set energy_per_inference.allow_modeled: "
+                "true to judge them anyway)")
+    return None
+
+
+def _measured(sources: Sequence[str | None]) -> bool:
+    return all(source in names.MEASURED_ENERGY for source in sources if source is not None)
+
+
 def judge_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[float],
-                 alpha: float) -> MetricResult:
+                 alpha: float, stable_source: str = "", canary_source: str = "",
+                 ) -> MetricResult:
+    """The rank test of J/inference, or (see `energy_gate`) its comparison
+    reported and passed unjudged; the reason names the figures' sources."""
+    sources = (stable_source if len(stable) else None, canary_source if len(canary) else None)
+    gate = energy_gate(bound.allow_modeled, *sources)
+    result = _compare_energy(bound, stable, canary, alpha)
+    numbers = {**result.numbers, "measured": float(_measured(sources)),
+               "judged": float(gate is None)}
+    label = names.energy_sources_label(*sources)
+    if gate is None:
+        return replace(result, reason=f"{result.reason}; source {label}", numbers=numbers)
+    return MetricResult(result.metric, SUCCESSFUL, f"not judged: {gate}. Compared anyway "
+                        f"({label}), it would be {result.outcome.lower()}: {result.reason}",
+                        numbers)
+
+
+def _compare_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[float],
+                    alpha: float) -> MetricResult:
     name = "energy_per_inference"
     checked = _checked_pair(name, "J/inference", stable, canary)
     if isinstance(checked, MetricResult):
@@ -605,5 +650,6 @@ def _judge_tier(spec: AnalysisSpec, stable: VersionSamples, canary: VersionSampl
                                         spec.min_samples))
     if spec.energy_per_inference is not None:
         metrics.append(judge_energy(spec.energy_per_inference, stable.joules_per_inference,
-                                    canary.joules_per_inference, alpha))
+                                    canary.joules_per_inference, alpha, stable.energy_source,
+                                    canary.energy_source))
     return metrics

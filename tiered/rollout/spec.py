@@ -287,6 +287,10 @@ class EnergyBound(_Checked):
     min_windows: int = spec_field(
         5, doc="telemetry windows of J/inference needed per version (the rank test "
         "behind it fails a canary only from about 20 windows a version on)", minimum=2)
+    allow_modeled: bool = spec_field(
+        False, doc="judge figures that are not measured: the CPU-time model (source model, "
+        "an estimate) or an unknown source. Off: such figures are reported and never fail "
+        "a rollout. Figures of different sources (nvml vs model) are never judged")
 
 
 @dataclass(frozen=True)

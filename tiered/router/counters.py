@@ -100,13 +100,26 @@ class RouterMetrics:
                                 ["model"], registry=self.registry)
         self.table_version = Gauge("tiered_router_table_version", "Routing table in use",
                                    registry=self.registry)
-        self._answered: dict[tuple[str, str, str], Counter] = {}
+        self.energy_incomparable = Counter(
+            "tiered_router_energy_incomparable", "slo-energy choices in which the tiers "
+            "meeting the SLO had J/inference of different sources (nvml, rapl, model), so "
+            "energy decided nothing and the fastest went first", ["model"],
+            registry=self.registry)
+        self._children: dict[tuple[object, ...], Counter] = {}
+
+    def _child(self, counter: Counter, *labels: str) -> Counter:
+        """The labelled child, looked up once (the hot path counts through here)."""
+        key = (counter, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = counter.labels(*labels)
+            if len(self._children) < MAX_CACHED_CHILDREN:
+                self._children[key] = child
+        return child
 
     def answered(self, model: str, tier: str, version: str) -> None:
-        """Count one answer; the labelled child is looked up once (a hot path)."""
-        child = self._answered.get((model, tier, version))
-        if child is None:
-            child = self.requests.labels(model, tier, version, "ok")
-            if len(self._answered) < MAX_CACHED_CHILDREN:
-                self._answered[(model, tier, version)] = child
-        child.inc()
+        self._child(self.requests, model, tier, version, "ok").inc()
+
+    def ranked_without_energy(self, model: str) -> None:
+        """Count one choice that energy could not decide (`Ranking.energy_incomparable`)."""
+        self._child(self.energy_incomparable, model).inc()

@@ -90,6 +90,8 @@ class Router:
         policy = policies.policy_for(route, wanted)
         seen = self.observer.snapshot((c.agent for c in candidates), model)
         ranking = policy.choose(candidates, wanted, seen, self.rng)
+        if ranking.energy_incomparable:
+            self.metrics.ranked_without_energy(model)
         if isinstance(policy, policies.Cascade):
             response, chosen = await self.forwarder.cascade(
                 request, ranking.candidates, route, deadline)

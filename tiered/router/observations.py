@@ -4,7 +4,7 @@ Two sources, folded into `AgentObservation` values for the policies:
 the router's EWMA of the latency of calls it forwarded (and its in-flight
 counts, which are also the backpressure limit), and each agent's
 `tiered.v1.Telemetry/Stats` (recent P95, queue depth, service time, joules
-per inference), read by `TelemetryPoller` with a cursor. The clock is
+per inference and their source), read by `TelemetryPoller` with a cursor. The clock is
 injected. Figures older than `stale_after_s` are forgotten, so a tier that
 was slow once is tried again rather than shunned forever. This module never
 chooses a route and never imports agent code.
@@ -41,6 +41,7 @@ class AgentTelemetry:
     mean_s: float | None
     service_s: float | None
     joules_per_inference: float | None
+    energy_source: str = ""  # of joules_per_inference: nvml, rapl or model
 
 
 def telemetry_of(response: tpb.StatsResponse, at: float) -> tuple[dict[str, AgentTelemetry],
@@ -69,17 +70,21 @@ def telemetry_of(response: tpb.StatsResponse, at: float) -> tuple[dict[str, Agen
         latency.count.extend(merged[b] for b in sorted(merged))
         count = sum(latency.count)
         compute_count = sum(sum(v.compute.count) for v in answered)
-        energy = [(v.joules_per_inference, v.inferences) for v in answered
-                  if v.has_energy and v.inferences and v.joules_per_inference > 0]
-        inferences = sum(n for _, n in energy)
+        metered = [v for v in answered
+                   if v.has_energy and v.inferences and v.joules_per_inference > 0]
+        sources = {v.energy.source for v in metered}
+        if len(sources) > 1:  # versions on devices metered differently: no one figure
+            metered = []
+        inferences = sum(v.inferences for v in metered)
         figures[model] = AgentTelemetry(
             at=at,
             p95_s=telemetry_messages.histogram_quantile(latency, 0.95),
             mean_s=sum(v.latency.sum_s for v in answered) / count,
             service_s=(sum(v.compute.sum_s for v in answered) / compute_count
                        if compute_count else None),
-            joules_per_inference=(sum(j * n for j, n in energy) / inferences
-                                  if inferences else None),
+            joules_per_inference=(sum(v.joules_per_inference * v.inferences for v in metered)
+                                  / inferences if inferences else None),
+            energy_source=sources.pop() if inferences else "",
         )
     return figures, queues
 
@@ -153,6 +158,7 @@ class Observer:
             rtt_s=rtt,
             ewma_s=ewma_s,
             joules_per_inference=figures.joules_per_inference if figures else None,
+            energy_source=figures.energy_source if figures else "",
             in_flight=self.in_flight.get(agent, 0),
         )
 

@@ -51,7 +51,8 @@ class AgentObservation:
     queue_depth: int = 0  # requests waiting in the agent's queue (telemetry)
     rtt_s: float = 0.0  # network and protocol round trip (router EWMA minus agent latency)
     ewma_s: float | None = None  # router-measured latency of forwarded calls
-    joules_per_inference: float | None = None
+    joules_per_inference: float | None = None  # active energy, above the device's idle
+    energy_source: str = ""  # of joules_per_inference: nvml, rapl or model
     in_flight: int = 0  # router-side requests in flight to this agent
 
     def predicted_p95_s(self) -> float | None:
@@ -74,6 +75,9 @@ class Ranking:
     """A policy's decision: candidates in the order to try."""
 
     candidates: tuple[Candidate, ...]
+    # True when energy was to decide but the figures did not compare (their
+    # sources differ), so it decided nothing: the router counts these.
+    energy_incomparable: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,11 +149,15 @@ class Pinned:
         return Ranking(tuple(order_agents(pinned, observations, rng)))
 
 
+MIXED = "mixed"  # a tier whose agents' energy figures have more than one source
+
+
 @dataclass(frozen=True)
 class TierEstimate:
     tier: str
     predicted_p95_s: float  # of the tier's best agent; 0 when nothing is known yet
     joules_per_inference: float  # inf when unknown
+    energy_source: str  # of that figure; "" when unknown, MIXED when several
     load: int
 
 
@@ -158,18 +166,36 @@ def estimate_tier(tier: str, agents: Sequence[Candidate],
     # One pass: this runs for every request. An agent nobody has measured
     # predicts 0: it is tried, and so measured.
     predicted = energy = load = math.inf
+    source: str | None = None
     for candidate in agents:
         seen = observations.get(candidate.agent, _UNKNOWN)
         predicted = min(predicted, seen.predicted_p95_s() or 0.0)
         if seen.joules_per_inference is not None:
             energy = min(energy, seen.joules_per_inference)
+            source = seen.energy_source if source in (None, seen.energy_source) else MIXED
         load = min(load, seen.load)
-    return TierEstimate(tier, predicted, energy, load)  # an int: every tier has an agent
+    return TierEstimate(tier, predicted, energy, source or "", load)  # every tier has an agent
+
+
+def energy_comparable(estimates: Sequence[TierEstimate]) -> bool:
+    """Whether the tiers' J/inference figures may be ranked against each other:
+    all of one source (tiers with no figure yet rank after them)."""
+    sources = {e.energy_source for e in estimates if e.joules_per_inference < math.inf}
+    return len(sources) <= 1 and MIXED not in sources
 
 
 class SloEnergy:
     """Among tiers predicted to meet the SLO, the lowest joules per inference
-    (then the least load); when none meets it, the fastest first."""
+    (then the least load); when none meets it, the fastest first.
+
+    Energy ranks only figures of one source. NVML counts a GPU, RAPL a CPU
+    package (other processes included), the model CPU time x configured
+    watts: a joule of one is not a joule of another, and preferring measured
+    over modeled, or either way, would rank by a guess. So when the meeting
+    tiers' figures have different sources, energy decides nothing: they go
+    fastest first (predicted p95, then load) like the tiers that miss the
+    SLO, and the ranking says so for the router to count.
+    """
 
     def __init__(self, default_slo_ms: float) -> None:
         self.default_slo_ms = default_slo_ms
@@ -179,14 +205,16 @@ class SloEnergy:
         slo_s = (request.slo_ms if request.slo_ms is not None else self.default_slo_ms) / 1000
         tiers = _by_tier(candidates)
         estimates = [estimate_tier(t, agents, observations) for t, agents in tiers.items()]
-        meeting = sorted((e for e in estimates if e.predicted_p95_s <= slo_s),
-                         key=lambda e: (e.joules_per_inference, e.load))
+        meeting = [e for e in estimates if e.predicted_p95_s <= slo_s]
+        comparable = energy_comparable(meeting)
+        meeting.sort(key=(lambda e: (e.joules_per_inference, e.load)) if comparable
+                     else (lambda e: (e.predicted_p95_s, e.load)))
         missing = sorted((e for e in estimates if e.predicted_p95_s > slo_s),
                          key=lambda e: e.predicted_p95_s)
         ranked: list[Candidate] = []
         for estimate in meeting + missing:
             ranked.extend(order_agents(tiers[estimate.tier], observations, rng))
-        return Ranking(tuple(ranked))
+        return Ranking(tuple(ranked), energy_incomparable=not comparable)
 
 
 class Cascade:

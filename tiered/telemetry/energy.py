@@ -5,6 +5,11 @@ counters) or `model` (CPU time times configured watts) — so that nobody
 mistakes a model for a measurement. Meters are thin adapters over their
 counters; the clock, the NVML module and the sysfs root are injected so tests
 drive them with fakes. Attribution is pure arithmetic.
+
+Versions are compared on active energy: what a device used above its idle
+draw. Kubernetes gives each version its own pods, so a canary at a fifth of
+the traffic idles four fifths of the time; split whole, its idle draw would
+land on a fifth of the requests and it would look costlier than it is.
 """
 
 from __future__ import annotations
@@ -12,14 +17,17 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from tiered import names
+
 log = logging.getLogger(__name__)
 
-NVML, RAPL, MODEL = "nvml", "rapl", "model"
+NVML, RAPL, MODEL = names.EnergySource
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,9 @@ class EnergyReading:
 
 class EnergyMeter(ABC):
     source: str
+    # The idle draw when the meter knows it by construction (a model); None:
+    # a counter, whose idle draw has to be measured (`IdleDraw`).
+    idle_watts: float | None = None
 
     @abstractmethod
     def read(self) -> EnergyReading:
@@ -119,7 +130,11 @@ class CpuPowerModel:
 
 
 class ModeledCpuMeter(EnergyMeter):
-    """Process CPU time x watts per busy core, plus an idle share over wall time."""
+    """Process CPU time x watts per busy core, plus an idle share over wall time.
+
+    Its idle draw is the configured `idle_watts`, not a measurement: the
+    model's active energy is exactly its CPU time x watts per busy core.
+    """
 
     source = MODEL
 
@@ -127,6 +142,7 @@ class ModeledCpuMeter(EnergyMeter):
                  cpu_seconds: Callable[[], float] = time.process_time,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model
+        self.idle_watts = model.idle_watts
         self._cpu_seconds = cpu_seconds
         self._clock = clock
         self._cpu0, self._t0 = cpu_seconds(), clock()
@@ -159,6 +175,53 @@ def gpu_meter(index: int = 0) -> EnergyMeter | None:
     except pynvml.NVMLError as error:
         log.info("no NVML (%s); no GPU energy", error)
         return None
+
+
+IDLE_SLOTS = 300  # idle slots an idle estimate remembers: minutes of idle time
+
+
+class IdleDraw:
+    """A device's idle power: the least mean power over its last `history`
+    slots in which none of its engines ran; None until there was one.
+
+    The least, because an idle slot can still hold work the engines' busy
+    time does not show (a batch that began in it and ended after, a model
+    loading, the power state coming down after a burst): those only raise a
+    slot's power. A meter that knows its idle draw (a model) is not measured.
+    """
+
+    def __init__(self, known: float | None = None, history: int = IDLE_SLOTS) -> None:
+        self.known = known
+        self._slots: deque[float] = deque(maxlen=history)
+
+    def slot(self, joules: float, seconds: float, busy_s: float) -> None:
+        """One span between two meter readings and the engines' busy time in it."""
+        if self.known is None and seconds > 0 and busy_s <= 0:
+            self._slots.append(joules / seconds)
+
+    @property
+    def watts(self) -> float | None:
+        if self.known is not None:
+            return self.known
+        return min(self._slots) if self._slots else None
+
+
+@dataclass(frozen=True)
+class DeviceEnergy:
+    """What one device used over a span, and the part above its idle draw."""
+
+    joules: float  # everything, idle included
+    source: str
+    seconds: float
+    idle_watts: float | None  # None while unknown
+
+    @property
+    def active_joules(self) -> float | None:
+        """Joules above idle (never below 0: the idle estimate is a least value
+        and a span can dip under it); None while the idle draw is unknown."""
+        if self.idle_watts is None:
+            return None
+        return max(0.0, self.joules - self.idle_watts * self.seconds)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ raw latencies, counts, and the engine's busy time. A reader passes the cursor
 it got last time and receives the merge of the slots completed since, plus a
 new cursor — nothing is counted twice or skipped as long as it reads within
 the window. Energy meters are read at slot boundaries, so a span of slots has
-a joule figure too. Pure bookkeeping: the clock and rng are injected, nothing
-here does I/O beyond calling the meters it is given.
+a joule figure too, and a slot in which a device's engines did not run is a
+measurement of its idle draw. Pure bookkeeping: the clock and rng are
+injected, nothing here does I/O beyond calling the meters it is given.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
-from tiered.telemetry.energy import EnergyMeter, EnergyReading, attribute
+from tiered.telemetry.energy import (
+    DeviceEnergy,
+    EnergyMeter,
+    EnergyReading,
+    IdleDraw,
+    attribute,
+)
 from tiered.telemetry.histogram import Histogram, Reservoir
 
 SLOT_S = 1.0
@@ -108,6 +115,11 @@ class VersionRecorder:
         """The engine was busy this long on one batch (for energy attribution)."""
         self._slot().busy_s += compute_s
 
+    def busy_s(self, cursor: float, until: float) -> float:
+        """Engine busy time in the slots `since` would merge (without merging them)."""
+        return sum(slot.busy_s for slot in self._slots
+                   if slot.start >= cursor and slot.start + self.slot_s <= until)
+
     def since(self, cursor: float, until: float) -> Summary:
         """Slots that started at or after `cursor` and ended by `until`."""
         summary = Summary(start=cursor, end=until)
@@ -118,55 +130,80 @@ class VersionRecorder:
 
 
 class EnergyLedger:
-    """Meter readings at slot boundaries, to tell the joules of a span."""
+    """Meter readings at slot boundaries, to tell the joules of a span, and
+    each device's idle draw measured from the slots its engines sat out."""
 
     def __init__(self, meters: Mapping[str, EnergyMeter], window_s: float = WINDOW_S,
                  slot_s: float = SLOT_S) -> None:
         self.meters = dict(meters)  # device ("cpu", "cuda:0") -> meter
+        self.idle = {device: IdleDraw(meter.idle_watts) for device, meter in self.meters.items()}
         self._readings: deque[tuple[float, dict[str, EnergyReading]]] = deque(
             maxlen=int(window_s / slot_s) + 2)
 
-    def mark(self, at: float) -> None:
-        """Read every meter now (call at each slot boundary)."""
-        self._readings.append((at, {d: m.read() for d, m in self.meters.items()}))
+    @property
+    def last_mark(self) -> float | None:
+        return self._readings[-1][0] if self._readings else None
 
-    def used(self, start: float, end: float) -> dict[str, EnergyReading]:
-        """Joules per device between the marks nearest `start` and `end`; a span
-        that begins before the first mark counts from that mark."""
+    def mark(self, at: float, busy_s: Mapping[str, float] | None = None) -> None:
+        """Read every meter now (call at each slot boundary). `busy_s`: the
+        engines' busy seconds per device since the previous mark (a device
+        missing from it had none); None when not known, so that the span
+        measures no idle draw."""
+        readings = {d: m.read() for d, m in self.meters.items()}
+        if busy_s is not None and self._readings:
+            before, previous = self._readings[-1]
+            for device, reading in readings.items():
+                if device in previous:
+                    self.idle[device].slot(reading.joules - previous[device].joules,
+                                           at - before, busy_s.get(device, 0.0))
+        self._readings.append((at, readings))
+
+    def used(self, start: float, end: float) -> dict[str, DeviceEnergy]:
+        """Joules per device between the marks nearest `start` and `end`, with
+        the idle draw as now estimated; a span that begins before the first
+        mark counts from that mark."""
         marks = [(at, r) for at, r in self._readings if at <= end]
         if not marks:
             return {}
-        before = [r for at, r in marks if at <= start]
-        first, last = (before[-1] if before else marks[0][1]), marks[-1][1]
+        before = [(at, r) for at, r in marks if at <= start]
+        (first_at, first), (last_at, last) = (before[-1] if before else marks[0]), marks[-1]
         return {
-            device: EnergyReading(last[device].joules - first[device].joules,
-                                  last[device].source, last[device].at)
+            device: DeviceEnergy(last[device].joules - first[device].joules,
+                                 last[device].source, last_at - first_at,
+                                 self.idle[device].watts)
             for device in last if device in first
         }
 
 
 @dataclass(frozen=True)
 class VersionEnergy:
-    joules: float
+    joules: float  # the version's share of its device's active energy
     joules_per_inference: float | None
     source: str
+    idle_watts: float  # of the device, subtracted before the split
 
 
 def energy_per_version(
-    used: Mapping[str, EnergyReading],
+    used: Mapping[str, DeviceEnergy],
     summaries: Mapping[Hashable, Summary],
     devices: Mapping[Hashable, str],
 ) -> dict[Hashable, VersionEnergy]:
-    """Each device's joules split among the versions running on it by busy time."""
+    """Each device's active energy split among the versions running on it by
+    busy time, so that a version's J/inference does not depend on how long
+    its device sat idle. Nothing for a device whose idle draw is not known
+    yet: a figure with idle in it would not compare with one without."""
     result: dict[Hashable, VersionEnergy] = {}
-    for device, reading in used.items():
+    for device, energy in used.items():
+        active = energy.active_joules
+        if active is None:
+            continue
         on_device = [k for k in summaries if devices.get(k) == device]
         shares = attribute(
-            reading.joules,
+            active,
             {k: summaries[k].busy_s for k in on_device},
             {k: summaries[k].inferences for k in on_device},
         )
         for key, share in shares.items():
-            result[key] = VersionEnergy(share.joules, share.joules_per_inference, reading.source)
+            result[key] = VersionEnergy(share.joules, share.joules_per_inference, energy.source,
+                                        energy.idle_watts or 0.0)  # known: active is not None
     return result
-

@@ -8,9 +8,10 @@ import pytest
 
 from tests.chart import helm
 
-# TLS with client auth and a pull secret: the chart's widest render.
+# TLS with client auth and a server name, and a pull secret: the chart's widest render.
 FULL_VALUES: dict[str, Any] = {
-    "tls": {"enabled": True, "secretName": "tiered-tls", "clientAuth": True},
+    "tls": {"enabled": True, "secretName": "tiered-tls", "clientAuth": True,
+            "serverName": "tiered-agents.tiered-system.svc"},
     "imagePullSecrets": [{"name": "registry"}],
 }
 

@@ -175,6 +175,7 @@ def test_values_schema_closes_the_charts_own_objects():
     "router.replicas=-1",
     "router.replica=2",
     "tls.clientAuth=maybe",
+    "tls.serverName=Not_A_Name",
     "images.agent.pullPolicy=Sometimes",
     "controller.resources.requests.cpu=lots",
     "tls.enabled=true",                      # without tls.secretName
@@ -343,11 +344,13 @@ TLS_ARGS = ["--tls-cert", "/etc/tiered/tls/tls.crt", "--tls-key", "/etc/tiered/t
 
 
 def security_args(c: dict, server: bool) -> list[str]:
-    """What a container must pass: TLS from the mounted Secret (mTLS for servers in
-    the full render, which sets clientAuth), else an explicit --insecure."""
+    """What a container must pass: TLS from the mounted Secret (in the full
+    render, which sets clientAuth and serverName: mTLS for servers, and the
+    name agents are checked against), else an explicit --insecure."""
     if "/etc/tiered/tls" not in mounts(c):
         return ["--insecure"]
-    return TLS_ARGS + (["--tls-client-auth"] if server else [])
+    return [*TLS_ARGS, *(["--tls-client-auth"] if server else []),
+            "--tls-server-name", "tiered-agents.tiered-system.svc"]
 
 
 def test_controller_arguments_name_objects_the_chart_renders(any_render):

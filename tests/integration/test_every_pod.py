@@ -12,6 +12,7 @@ of every pod and the sum of both routers' shadow comparisons.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -36,6 +37,9 @@ from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
 from tiered.protocol.security import ChannelCache  # noqa: E402
 from tiered.rollout.spec import RolloutStatus, load_tiered_model  # noqa: E402
+from tiered.router.forward import ChannelPool  # noqa: E402
+from tiered.router.observations import Observer, TelemetryPoller, pods_behind  # noqa: E402
+from tiered.telemetry.recorder import SLOT_S  # noqa: E402
 
 NAMESPACE, MODEL = "pods", "mlp"
 CANARY_DIRECT, STABLE_DIRECT, THROUGH_ROUTER = 30, 20, (12, 8)
@@ -135,3 +139,64 @@ def test_the_judge_counts_every_pod_and_every_router(tmp_path):
     finally:
         for process in (*routers, *agents):
             process.stop()
+
+
+class Recording(Observer):
+    """An Observer that keeps every response it is given, per address."""
+
+    def __init__(self) -> None:
+        super().__init__(time.monotonic)
+        self.responses: dict[str, list[tpb.StatsResponse]] = {}
+
+    def record_stats(self, agent: str, response: tpb.StatsResponse) -> None:
+        self.responses.setdefault(agent, []).append(response)
+        super().record_stats(agent, response)
+
+
+def answered(response: tpb.StatsResponse) -> int:
+    return sum(sum(v.latency.count) for v in response.versions)
+
+
+def test_the_routers_poller_reads_every_pod_behind_a_name(tmp_path):
+    """A name that resolves to two real agents (a headless Service's pods) is
+    read pod by pod, each from its own cursor, and observed as their sum."""
+    pods = [AgentProcess("edge", repository(tmp_path / f"pod{i}", 1)) for i in range(2)]
+    for pod in pods:
+        pod.start()
+    service = "mlp-edge-v1.pods.svc:8001"
+
+    async def resolve(address: str) -> tuple[str, ...]:
+        return tuple(p.address for p in pods) if address == service else (address,)
+
+    try:
+        observer = Recording()
+        poller = TelemetryPoller(observer, ChannelPool().dial, lambda: [service],
+                                 resolve=resolve)
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(poller.poll_once())  # cursors start now
+        infer(pods[0].address, "1", 30)
+        infer(pods[1].address, "1", 10)
+        time.sleep(2 * SLOT_S + 0.2)  # the requests' slots have closed
+        loop.run_until_complete(poller.poll_once())
+        loop.run_until_complete(poller.poll_once())  # nothing new since the cursors
+        _, read, again = observer.responses[service]
+        assert answered(read) == 40  # both pods, each counted once
+        assert answered(again) == 0
+        assert observer.observe(service, MODEL).p95_s is not None
+        loop.run_until_complete(poller.close())
+        loop.close()
+    finally:
+        for pod in pods:
+            pod.stop()
+
+
+def test_a_name_is_resolved_to_its_addresses_and_an_ip_is_kept():
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(pods_behind("10.1.2.3:8001")) == ("10.1.2.3:8001",)
+        assert loop.run_until_complete(pods_behind("[::1]:8001")) == ("[::1]:8001",)
+        assert "127.0.0.1:8001" in loop.run_until_complete(pods_behind("localhost:8001"))
+        unknown = "no-such-host.invalid:8001"
+        assert loop.run_until_complete(pods_behind(unknown)) == (unknown,)
+    finally:
+        loop.close()

@@ -2,7 +2,8 @@
 
 Certificates come from the openssl command line, made per test module: a CA,
 the agent's and the router's certificates (for 127.0.0.1), an admin's and a
-reader's client certificates, and an outsider's from another CA.
+reader's client certificates, an outsider's from another CA, and one that
+names only a Service (for pods dialled by IP).
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tiered.local.processes import AgentProcess, RouterProcess
+from tiered.protocol import security
+from tiered.protocol.security import TransportSecurity
+
+SERVICE_NAME = "mlp-edge-v1.tiers.svc"
 
 if shutil.which("openssl") is None:
     pytest.skip("needs the openssl command to make certificates", allow_module_level=True)
@@ -33,11 +39,12 @@ def make_ca(directory: Path, name: str) -> None:
             "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=directory)
 
 
-def make_cert(directory: Path, name: str, ca: str, server: bool) -> None:
+def make_cert(directory: Path, name: str, ca: str, server: bool,
+              names: str = "IP:127.0.0.1,DNS:localhost") -> None:
     openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=directory)
     extensions = directory / f"{name}.ext"
-    extensions.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n" if server else
+    extensions.write_text(f"subjectAltName={names}\n" if server else
                           "extendedKeyUsage=clientAuth\n")
     openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
             "-CAcreateserial", "-days", "2", "-extfile", extensions.name, "-out", f"{name}.crt",
@@ -54,6 +61,7 @@ def pki(tmp_path_factory) -> Path:
     for name in ("tiered-admin", "reader"):
         make_cert(directory, name, "ca", server=False)
     make_cert(directory, "outsider", "other-ca", server=False)
+    make_cert(directory, "service", "ca", server=True, names=f"DNS:{SERVICE_NAME}")
     return directory
 
 
@@ -113,6 +121,22 @@ def test_the_router_serves_tls_and_dials_agents_with_mtls(agent, pki, tmp_path):
             client(router.address, pki, None) as caller:  # the router asks for no client cert
         answer = caller.infer("mlp", mlp_inputs())
         assert answer.as_numpy("probabilities").shape == (1, 4)
+
+
+def test_a_pod_dialled_by_ip_is_checked_against_its_services_name(pki, shared_repository):
+    """A certificate that names only the Service: the pod's IP fails the
+    check, unless the client is told the name (`--tls-server-name`)."""
+    with AgentProcess("edge", shared_repository, security_args=tls(pki, "service")) as pod:
+        for server_name, serves in ((SERVICE_NAME, True), (None, False)):
+            transport = TransportSecurity(cert=pki / "reader.crt", key=pki / "reader.key",
+                                          ca=pki / "ca.crt", server_name=server_name)
+            with security.channel(pod.address, transport) as channel:
+                try:
+                    grpc.channel_ready_future(channel).result(timeout=5)
+                    reached = True
+                except grpc.FutureTimeoutError:
+                    reached = False
+            assert reached == serves, server_name
 
 
 def test_plaintext_only_when_asked_and_then_with_a_warning(tmp_path, shared_repository):

@@ -46,7 +46,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                        "ones always are, slow ones by latency (default 0.01)")
     agent.add_argument("--allow-failed-models", action="store_true",
                        help="start even if some models fail to load (they show as UNAVAILABLE)")
-    flags.add_tls_flags(agent)
+    flags.add_tls_flags(agent, dials=False)
     flags.add_auth_flags(agent)
     agent.set_defaults(handler=_run_agent)
 

@@ -24,7 +24,8 @@ STATE_HELP = "state directory of the local system (default: .tiered)"
 TIER_CHOICES = tuple(str(tier) for tier in names.TIERS)
 
 
-def add_tls_flags(parser: argparse.ArgumentParser, server: bool = True) -> None:
+def add_tls_flags(parser: argparse.ArgumentParser, server: bool = True,
+                  dials: bool = True) -> None:
     group = parser.add_argument_group("transport security")
     group.add_argument("--tls-cert", type=Path, metavar="PEM",
                        help="this process's certificate (servers: required unless --insecure)")
@@ -34,6 +35,11 @@ def add_tls_flags(parser: argparse.ArgumentParser, server: bool = True) -> None:
     if server:
         group.add_argument("--tls-client-auth", action="store_true",
                            help="require client certificates signed by --tls-ca (mTLS)")
+    if dials:
+        group.add_argument("--tls-server-name", metavar="NAME",
+                           help="check the certificates of the servers this process "
+                           "dials against NAME, not the address dialled (pods behind a "
+                           "Service are dialled by IP)")
     group.add_argument("--insecure", action="store_true",
                        help="plaintext gRPC, no TLS (logged as a warning)")
 
@@ -43,7 +49,7 @@ def security_from_args(args: argparse.Namespace) -> TransportSecurity:
 
     return TransportSecurity(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca,
                              client_auth=getattr(args, "tls_client_auth", False),
-                             insecure=args.insecure)
+                             server_name=getattr(args, "tls_server_name", None), insecure=args.insecure)
 
 
 def add_auth_flags(parser: argparse.ArgumentParser) -> None:

@@ -35,9 +35,13 @@ class TransportSecurity:
     ca: Path | None = None
     client_auth: bool = False  # servers: require a client certificate signed by `ca`
     insecure: bool = False
+    # Clients: the name servers' certificates are checked against, where it is
+    # not the address dialled (pods found behind a Service are dialled by IP).
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
-        if self.insecure and (self.cert or self.key or self.ca or self.client_auth):
+        if self.insecure and (self.cert or self.key or self.ca or self.client_auth
+                              or self.server_name):
             raise ConfigError("--insecure: give it alone, without --tls-* flags")
         if bool(self.cert) != bool(self.key):
             raise ConfigError("--tls-cert and --tls-key: give both or neither")
@@ -95,6 +99,8 @@ def channel(address: str, security: TransportSecurity, options: Sequence = (),
     credentials = security.channel_credentials()
     if credentials is None:
         return module.insecure_channel(address, options=list(options))
+    if security.server_name:
+        options = [*options, ("grpc.ssl_target_name_override", security.server_name)]
     return module.secure_channel(address, credentials, options=list(options))
 
 

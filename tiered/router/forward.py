@@ -52,15 +52,18 @@ class ChannelPool:
     def channel(self, agent: str) -> grpc.aio.Channel:
         channel = self._channels.get(agent)
         if channel is None:
-            channel = security.channel(agent, self.transport, aio=True, options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                # A name that resolves to many agents (a headless Service) is
-                # balanced call by call rather than pinned to its first address.
-                ("grpc.lb_policy_name", "round_robin"),
-            ])
-            self._channels[agent] = channel
+            channel = self._channels[agent] = self.dial(agent)
         return channel
+
+    def dial(self, agent: str) -> grpc.aio.Channel:
+        """A new channel, not kept here (the telemetry poller's, to one pod)."""
+        return security.channel(agent, self.transport, aio=True, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # A name that resolves to many agents (a headless Service) is
+            # balanced call by call rather than pinned to its first address.
+            ("grpc.lb_policy_name", "round_robin"),
+        ])
 
     def stub(self, agent: str) -> pb_grpc.GRPCInferenceServiceStub:
         stub = self._stubs.get(agent)

@@ -13,8 +13,10 @@ chooses a route and never imports agent code.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
-from collections.abc import Callable, Iterable
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -167,33 +169,96 @@ class Observer:
         return {agent: self.observe(agent, model) for agent in agents}
 
 
-class TelemetryPoller:
-    """Reads every agent's Stats each interval, from where it left off."""
+Resolve = Callable[[str], Awaitable[Sequence[str]]]
 
-    def __init__(self, observer: Observer, channel_of: Callable[[str], grpc.aio.Channel],
-                 agents: Callable[[], Iterable[str]], interval_s: float = POLL_INTERVAL_S
-                 ) -> None:
+
+async def pods_behind(address: str) -> tuple[str, ...]:
+    """HOST:PORT of every address a name resolves to (each pod of a headless
+    Service); an IP address, or a name that does not resolve, as it is."""
+    host, _, port = address.rpartition(":")
+    bare = host.strip("[]")
+    try:
+        ipaddress.ip_address(bare)
+        return (address,)
+    except ValueError:
+        pass
+    try:
+        found = await asyncio.get_running_loop().getaddrinfo(bare, port,
+                                                             type=socket.SOCK_STREAM)
+    except OSError as error:
+        log.debug("telemetry: %s does not resolve: %s", bare, error)
+        return (address,)
+    ips = sorted({info[4][0] for info in found})
+    return tuple(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips) or (address,)
+
+
+def merged(responses: Iterable[tpb.StatsResponse]) -> tpb.StatsResponse:
+    """One response for the pods behind one address: their versions side by
+    side (`telemetry_of` sums histograms, queues and joules across them); a
+    process reached at two addresses counts once."""
+    combined, seen = tpb.StatsResponse(), set()
+    for response in responses:
+        if response.instance and response.instance in seen:
+            continue
+        seen.add(response.instance)
+        combined.versions.extend(response.versions)
+        combined.end = max(combined.end, response.end)
+    return combined
+
+
+class TelemetryPoller:
+    """Reads the Stats of every agent in the routing table each interval, from
+    where it left off: of every pod behind an address that names several (a
+    headless Service on Kubernetes), each with its own cursor, folded into
+    one observation of the address."""
+
+    def __init__(self, observer: Observer, dial: Callable[[str], grpc.aio.Channel],
+                 agents: Callable[[], Iterable[str]], interval_s: float = POLL_INTERVAL_S,
+                 resolve: Resolve = pods_behind) -> None:
         self.observer = observer
-        self.channel_of = channel_of
+        self.dial = dial  # a channel to one pod
         self.agents = agents
         self.interval_s = interval_s
-        self._cursors: dict[str, float] = {}
+        self.resolve = resolve
+        self._cursors: dict[str, tuple[str, float]] = {}  # pod -> (instance, cursor)
+        self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def poll_once(self) -> None:
         agents = list(self.agents())
-        self._cursors = {a: c for a, c in self._cursors.items() if a in agents}
-        await asyncio.gather(*(self._poll(agent) for agent in agents))
+        pods = await asyncio.gather(*(self.resolve(agent) for agent in agents))
+        reached = {pod for behind in pods for pod in behind}
+        for pod in [p for p in self._channels if p not in reached]:
+            await self._channels.pop(pod).close(grace=1)
+        self._cursors = {p: c for p, c in self._cursors.items() if p in reached}
+        replies = await asyncio.gather(*(self._poll(pod) for pod in reached))
+        by_pod = dict(zip(reached, replies, strict=True))
+        for agent, behind in zip(agents, pods, strict=True):
+            answered = [by_pod[pod] for pod in behind if by_pod[pod] is not None]
+            if answered:
+                self.observer.record_stats(agent, merged(answered))
 
-    async def _poll(self, agent: str) -> None:
-        stub = tpb_grpc.TelemetryStub(self.channel_of(agent))
+    async def _poll(self, pod: str) -> tpb.StatsResponse | None:
+        channel = self._channels.get(pod)
+        if channel is None:
+            channel = self._channels[pod] = self.dial(pod)
+        instance, cursor = self._cursors.get(pod, ("", 0.0))
         try:
-            response = await stub.Stats(
-                tpb.StatsRequest(cursor=self._cursors.get(agent, 0.0)), timeout=POLL_TIMEOUT_S)
+            response = await tpb_grpc.TelemetryStub(channel).Stats(
+                tpb.StatsRequest(cursor=cursor), timeout=POLL_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
-            log.debug("telemetry of %s: %s", agent, error.code().name)
-            return
-        self._cursors[agent] = response.end
-        self.observer.record_stats(agent, response)
+            log.debug("telemetry of %s: %s", pod, error.code().name)
+            return None
+        if instance and response.instance != instance:
+            # Another process now answers at this address: its clock, a fresh cursor.
+            self._cursors[pod] = (response.instance, 0.0)
+            return None
+        self._cursors[pod] = (response.instance, response.end)
+        return response
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace=1)
+        self._channels.clear()
 
     async def run(self) -> None:
         while True:

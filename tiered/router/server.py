@@ -133,7 +133,7 @@ async def serve(settings: RouterSettings) -> None:
             raise errors.ConfigError(f"cannot serve /metrics on port {settings.metrics_port}: "
                                      f"{error}") from error
         metrics = f"; metrics on http://{settings.host}:{http.server_port}/metrics"
-    poller = observations.TelemetryPoller(router.observer, router.pool.channel,
+    poller = observations.TelemetryPoller(router.observer, router.pool.dial,
                                           lambda: router.table.agents())
     background = [asyncio.create_task(poller.run()),
                   asyncio.create_task(watch_table(router, settings.routing_table)),
@@ -153,6 +153,7 @@ async def serve(settings: RouterSettings) -> None:
     await server.stop(grace=10)
     for task in background:
         task.cancel()
+    await poller.close()
     await router.close()
 
 

@@ -133,6 +133,10 @@ explicit --insecure (the binaries refuse to guess). Servers add
 {{- if and .server .ctx.Values.tls.clientAuth }}
 - --tls-client-auth
 {{- end }}
+{{- with .ctx.Values.tls.serverName }}
+- --tls-server-name
+- {{ . | quote }}
+{{- end }}
 {{- else }}
 - --insecure
 {{- end }}

@@ -409,3 +409,21 @@ def test_analysis_lines_name_each_metric_and_tier():
         "  latency_p95 on edge: Successful: no regression",
         "  energy_per_inference on regional: Failed: canary uses more",
         "  agreement: Inconclusive: too few shadowed requests"]
+
+
+def test_history_lines_say_where_each_energy_figure_came_from():
+    from tiered.controller.plan import _step
+    from tiered.rollout.spec import TieredModelStatus, load_tiered_model
+
+    spec = load_tiered_model({"name": "m", "artifact": {"uri": "/m.onnx", "sha256": "a" * 64},
+                              "tiers": {"edge": {}},
+                              "rollout": {"stages": [{"name": "edge", "weights": {"edge": 10}}]}})
+    rollout = RolloutStatus(stable_version=1, canary_version=2, phase="Progressing")
+    step = _step(spec, rollout, "advance", "ok", 0.0, {
+        "stable_requests": 900, "jpi_stable": 0.5, "jpi_canary": 0.25,
+        "energy_source_stable": "nvml", "energy_source_canary": "model",
+        "p95_canary_ms": None})
+    assert step.sources == {"jpi_stable": "nvml", "jpi_canary": "model"}
+    assert "p95_canary_ms" not in step.numbers  # no figure: nothing stored
+    (line,) = verbs.history_lines(TieredModelStatus(history=(step,)))
+    assert line.endswith("[stable_requests=900 jpi_stable=0.5 (nvml) jpi_canary=0.25 (model)]")

@@ -312,14 +312,21 @@ def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
     return tuple(result)
 
 
+# Each energy figure of the headline numbers, and the number naming its source.
+SOURCE_OF = {"jpi_stable": "energy_source_stable", "jpi_canary": "energy_source_canary"}
+
+
 def _step(spec: TieredModel, rollout: RolloutStatus, action: str, reason: str, now: float,
           numbers: Mapping[str, Any] | None = None) -> HistoryEntry:
+    numbers = numbers or {}
     return HistoryEntry(
         t=now, action=action, reason=reason, phase=rollout.phase,
         stable_version=rollout.stable_version, canary_version=rollout.canary_version,
         stage=desired.stage_label(spec, rollout) if rollout.canary_version else "",
-        numbers={k: float(v) for k, v in (numbers or {}).items()
-                 if isinstance(v, (int, float))})  # figures only: the status schema's type
+        numbers={k: float(v) for k, v in numbers.items()
+                 if isinstance(v, (int, float))},  # figures only: the status schema's type
+        sources={figure: str(numbers[source]) for figure, source in SOURCE_OF.items()
+                 if numbers.get(figure) is not None and numbers.get(source)})
 
 
 def make_snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason: str,

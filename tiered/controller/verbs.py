@@ -136,7 +136,8 @@ def history_lines(status: TieredModelStatus, last: int = 10) -> list[str]:
         when = datetime.fromtimestamp(step.t, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         versions = f"v{step.stable_version}" + (
             f"->v{step.canary_version}" if step.canary_version else "")
-        numbers = " ".join(f"{k}={v:.4g}" for k, v in step.numbers.items())
+        numbers = " ".join(f"{k}={v:.4g}" + (f" ({step.sources[k]})" if k in step.sources
+                                              else "") for k, v in step.numbers.items())
         lines.append(f"{when} {versions} {step.action}: {step.reason}"
                      + (f" [{numbers}]" if numbers else ""))
     return lines

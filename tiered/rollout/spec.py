@@ -508,6 +508,9 @@ class HistoryEntry:
     numbers: Mapping[str, float] = spec_field(
         default_factory=dict, doc="the stage's headline numbers: requests, p95s, "
         "J/inference, agreement")
+    sources: Mapping[str, str] = spec_field(
+        default_factory=dict, doc="where each J/inference number came from: nvml, rapl "
+        "(measured) or model (an estimate)")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ class NotFound(TieredError):
     """An unknown model, version, input or output."""
 
 
+class AlreadyExists(TieredError):
+    """A name that is already taken (a shared-memory region)."""
+
+
 class Unavailable(TieredError):
     """The target exists but cannot serve now (loading, draining, unloaded)."""
 

@@ -316,7 +316,8 @@ def test_repository_index_lists_models_with_state(client):
 
 
 def test_unimplemented_methods_say_so(client):
-    assert status_of(client.get_system_shared_memory_status) == "StatusCode.UNIMPLEMENTED"
+    assert status_of(client.get_trace_settings) == "StatusCode.UNIMPLEMENTED"
+    assert status_of(client.get_log_settings) == "StatusCode.UNIMPLEMENTED"
 
 
 def test_grpc_health_reports_serving(agent):

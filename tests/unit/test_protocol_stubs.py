@@ -46,6 +46,8 @@ SERVED_METHODS = {
     "RepositoryIndex",
     "RepositoryModelLoad",
     "RepositoryModelUnload",
+    *(f"{memory}SharedMemory{verb}" for memory in ("System", "Cuda")
+      for verb in ("Status", "Register", "Unregister")),
 }
 
 

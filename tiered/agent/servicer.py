@@ -18,6 +18,7 @@ from opentelemetry import trace
 import tiered
 from tiered.agent.model import ModelVersion
 from tiered.agent.repository import ModelRepository
+from tiered.agent.shared_memory import SharedMemory
 from tiered.errors import TieredError
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
@@ -42,8 +43,10 @@ def _deadline(timeout_s: float, context: grpc.aio.ServicerContext) -> float:
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, repository: ModelRepository, tracer: trace.Tracer | None = None,
-                 authorizer: Authorizer | None = None) -> None:
+                 authorizer: Authorizer | None = None,
+                 shared_memory: SharedMemory | None = None) -> None:
         self.repository = repository
+        self.shared_memory = shared_memory or SharedMemory()
         self.tracer = tracer  # None: tracing off, no spans made
         self.authorizer = authorizer or Authorizer()
         self.ready = False  # set once the repository is loaded; cleared on shutdown
@@ -109,14 +112,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.authorizer.require_inference(context)
         model = self.repository.get(request.model_name, request.model_version)
         try:
-            call = messages.decode_infer_request(request)
+            call = messages.decode_infer_request(request, self.shared_memory)
         except TieredError:
             model.count_rejected()
             raise
         outputs = await model.infer(
             call.inputs, call.outputs, _deadline(call.timeout_s, context), self.tracer
         )
-        return messages.encode_infer_response(call, model.config.name, model.version, outputs)
+        return messages.encode_infer_response(call, model.config.name, model.version, outputs,
+                                              self.shared_memory)
 
     @translate_errors
     async def ModelStatistics(self, request, context):
@@ -158,3 +162,51 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         messages.repository_parameters(request.parameters)
         await self.repository.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory (Triton's system and CUDA shared-memory extensions) ---------
+
+    @translate_errors
+    async def SystemSharedMemoryStatus(self, request, context):
+        self.authorizer.require_inference(context)
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.shared_memory.system_status(request.name):
+            response.regions[region.name].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                    name=region.name, key=region.key, offset=region.offset,
+                    byte_size=region.byte_size))
+        return response
+
+    @translate_errors
+    async def SystemSharedMemoryRegister(self, request, context):
+        self.authorizer.require_inference(context)
+        self.shared_memory.register_system(request.name, request.key, request.offset,
+                                           request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @translate_errors
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self.authorizer.require_inference(context)
+        self.shared_memory.unregister_system(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @translate_errors
+    async def CudaSharedMemoryStatus(self, request, context):
+        self.authorizer.require_inference(context)
+        response = pb.CudaSharedMemoryStatusResponse()
+        for region in self.shared_memory.cuda_status(request.name):
+            response.regions[region.name].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(
+                name=region.name, device_id=region.device_id, byte_size=region.byte_size))
+        return response
+
+    @translate_errors
+    async def CudaSharedMemoryRegister(self, request, context):
+        self.authorizer.require_inference(context)
+        self.shared_memory.register_cuda(request.name, request.raw_handle, request.device_id,
+                                         request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @translate_errors
+    async def CudaSharedMemoryUnregister(self, request, context):
+        self.authorizer.require_inference(context)
+        self.shared_memory.unregister_cuda(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()

@@ -57,6 +57,10 @@ _LENGTH = struct.Struct("<I")
 # allocation.
 MAX_DIMENSION = 1 << 40
 MAX_ELEMENTS = 1 << 40
+# A tensor's parameters that name a shared-memory range instead of bytes.
+SHARED_MEMORY_REGION = "shared_memory_region"
+SHARED_MEMORY_BYTE_SIZE = "shared_memory_byte_size"
+SHARED_MEMORY_OFFSET = "shared_memory_offset"
 MAX_RANK = 32  # numpy's limit before numpy 2 (64 since)
 
 
@@ -188,26 +192,37 @@ def to_raw(array: np.ndarray) -> tuple[str, list[int], bytes]:
     return datatype, list(array.shape), np.ascontiguousarray(array, dtype=wire).tobytes()
 
 
-def decode_inputs(request) -> dict[str, np.ndarray]:
-    """The inputs of a ModelInferRequest as arrays, keyed by name."""
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidArgument(
-            f"raw_input_contents: {len(raw)} buffers for {len(request.inputs)} inputs; "
-            "send every input raw or none"
-        )
+def decode_inputs(request, regions=None) -> dict[str, np.ndarray]:
+    """The inputs of a ModelInferRequest as arrays, keyed by name. An input
+    whose parameters name a shared-memory region is read from it through
+    `regions` (the agent's `SharedMemory`); raw_input_contents then holds
+    one buffer for each of the other inputs, in order, as Triton reads it."""
+    raw = list(request.raw_input_contents)
     arrays: dict[str, np.ndarray] = {}
+    in_region = [SHARED_MEMORY_REGION in tensor.parameters for tensor in request.inputs]
+    if raw and len(raw) != in_region.count(False):
+        raise InvalidArgument(
+            f"raw_input_contents: {len(raw)} buffers for {in_region.count(False)} inputs "
+            "not in shared memory; send every such input raw or none"
+        )
+    if any(in_region) and regions is None:
+        raise InvalidArgument("inputs: shared-memory regions are read only by the agent "
+                              "they were registered with")
+    next_raw = iter(raw)
     for index, tensor in enumerate(request.inputs):
         field = f"inputs[{index}] {tensor.name!r}"
         if tensor.name in arrays:
             raise InvalidArgument(f"{field}: input given more than once")
         shape = tuple(tensor.shape)
-        if raw:
+        if in_region[index]:
+            arrays[tensor.name] = regions.read(parameters_of(tensor.parameters),
+                                               tensor.datatype, shape, field)
+        elif raw:
             if tensor.contents.ListFields():  # two sources for one tensor: refuse, never pick
                 raise InvalidArgument(
                     f"{field}: contents given beside raw_input_contents; send one of them"
                 )
-            arrays[tensor.name] = from_raw(raw[index], tensor.datatype, shape, field=field)
+            arrays[tensor.name] = from_raw(next(next_raw), tensor.datatype, shape, field=field)
         else:
             arrays[tensor.name] = from_contents(tensor.contents, tensor.datatype, shape, field=field)
     return arrays
@@ -217,6 +232,18 @@ def parameter_value(parameter):
     """The Python value of an InferParameter (whichever oneof member is set)."""
     kind = parameter.WhichOneof("parameter_choice")
     return None if kind is None else getattr(parameter, kind)
+
+
+def set_parameter(parameter, value) -> None:
+    """Set an InferParameter to a Python value (the oneof member its type names)."""
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        parameter.string_param = str(value)
 
 
 def parameters_of(parameters: Mapping) -> dict[str, object]:

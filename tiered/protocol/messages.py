@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,10 +19,12 @@ from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
 
 # Triton's extension names for what the agent implements.
-SERVER_EXTENSIONS = ("model_configuration", "model_repository", "statistics", "parameters")
+SERVER_EXTENSIONS = ("model_configuration", "model_repository", "statistics", "parameters",
+                     "system_shared_memory", "cuda_shared_memory")
 
-# Request parameters with a meaning here; the rest (e.g. routing hints) pass.
-_SUPPORTED_OUTPUT_PARAMETERS = {"binary_data"}
+# Output parameters with a meaning here; any other is refused.
+_SUPPORTED_OUTPUT_PARAMETERS = {"binary_data", codec.SHARED_MEMORY_REGION,
+                                codec.SHARED_MEMORY_BYTE_SIZE, codec.SHARED_MEMORY_OFFSET}
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,12 @@ class InferCall:
     timeout_s: float  # math.inf when the request set none
     priority: int
     parameters: Mapping[str, Any]
+    # Outputs to be written into a shared-memory region: name -> its parameters.
+    output_regions: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
-def decode_infer_request(request: pb.ModelInferRequest) -> InferCall:
+def decode_infer_request(request: pb.ModelInferRequest, regions=None) -> InferCall:
+    """`regions`: the agent's shared memory, for tensors that name a region."""
     parameters = codec.parameters_of(request.parameters)
     timeout = parameters.get("timeout", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
@@ -57,8 +62,11 @@ def decode_infer_request(request: pb.ModelInferRequest) -> InferCall:
         model_name=request.model_name,
         model_version=request.model_version,
         id=request.id,
-        inputs=codec.decode_inputs(request),
+        inputs=codec.decode_inputs(request, regions),
         outputs=tuple(output.name for output in request.outputs),
+        output_regions={output.name: codec.parameters_of(output.parameters)
+                        for output in request.outputs
+                        if codec.SHARED_MEMORY_REGION in output.parameters},
         timeout_s=timeout / 1e6 if timeout else math.inf,
         priority=priority,
         parameters=parameters,
@@ -66,12 +74,27 @@ def decode_infer_request(request: pb.ModelInferRequest) -> InferCall:
 
 
 def encode_infer_response(
-    call: InferCall, model_name: str, version: int, outputs: Mapping[str, np.ndarray]
+    call: InferCall, model_name: str, version: int, outputs: Mapping[str, np.ndarray],
+    regions=None,
 ) -> pb.ModelInferResponse:
+    """An output asked for in a shared-memory region is written there (through
+    `regions`) and answered with its name, datatype, shape and region, and an
+    empty buffer in its place, as Triton answers it."""
     response = pb.ModelInferResponse(model_name=model_name, model_version=str(version), id=call.id)
     for name, array in outputs.items():
         datatype, shape, raw = codec.to_raw(array)
-        response.outputs.add(name=name, datatype=datatype, shape=shape)
+        tensor = response.outputs.add(name=name, datatype=datatype, shape=shape)
+        region = call.output_regions.get(name)
+        if region is not None:
+            if regions is None:
+                raise InvalidArgument(f"output {name!r}: shared-memory regions are written "
+                                      "only by the agent they were registered with")
+            regions.write(region, array, f"output {name!r}")
+            for key in (codec.SHARED_MEMORY_REGION, codec.SHARED_MEMORY_BYTE_SIZE,
+                        codec.SHARED_MEMORY_OFFSET):
+                if key in region:
+                    codec.set_parameter(tensor.parameters[key], region[key])
+            raw = b""
         response.raw_output_contents.append(raw)
     return response
 

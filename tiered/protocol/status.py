@@ -22,6 +22,7 @@ _CODES: dict[type[errors.TieredError], grpc.StatusCode] = {
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,

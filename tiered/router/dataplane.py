@@ -64,6 +64,7 @@ class Router:
         table = self.table  # the whole request sees one table
         route = self.route_of(model)
         try:
+            hints.refuse_shared_memory(request)
             deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
                                       started)
             response, chosen, choice = await self._route(request, route, metadata, deadline)

@@ -55,3 +55,17 @@ def deadline(parameters: Mapping, time_remaining: float | None, default_s: float
         if isinstance(timeout, int) and not isinstance(timeout, bool) and timeout > 0:
             budget = min(budget, timeout / 1e6)
     return now + budget
+
+
+SHARED_MEMORY = ("tensors that name a shared-memory region are read by the agent the region "
+                 "was registered with, on its own host; the router forwards over the network: "
+                 "send such requests to that agent, or send the bytes to the router")
+
+
+def refuse_shared_memory(request) -> None:
+    """A tensor naming a shared-memory region cannot cross the router's hop."""
+    for kind, tensors in (("inputs", request.inputs), ("outputs", request.outputs)):
+        for index, tensor in enumerate(tensors):
+            if codec.SHARED_MEMORY_REGION in tensor.parameters:
+                raise errors.InvalidArgument(f"{kind}[{index}] {tensor.name!r}: "
+                                             f"{SHARED_MEMORY}")

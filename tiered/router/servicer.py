@@ -21,7 +21,7 @@ from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.status import translate_errors
 from tiered.protocol.streaming import answer_stream
-from tiered.router import dataplane, forward
+from tiered.router import dataplane, forward, hints
 
 MAX_STREAM_IN_FLIGHT = 256
 PLACEMENT = ("the router does not load or unload models: placement is the controller's job "
@@ -93,6 +93,13 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def RepositoryModelUnload(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, PLACEMENT)
+
+    async def _no_shared_memory(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, hints.SHARED_MEMORY)
+
+    SystemSharedMemoryStatus = SystemSharedMemoryRegister = SystemSharedMemoryUnregister = \
+        CudaSharedMemoryStatus = CudaSharedMemoryRegister = CudaSharedMemoryUnregister = \
+        _no_shared_memory
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:

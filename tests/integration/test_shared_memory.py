@@ -1,0 +1,165 @@
+"""Triton's system shared-memory extension on a real agent, driven by the
+real tritonclient and its `tritonclient.utils.shared_memory` helpers, as a
+Triton user on the same host drives it; the router refuses region
+references it could not honour.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.utils.shared_memory as shm  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from tiered.agent.shared_memory import MAX_REGIONS  # noqa: E402
+from tiered.local.processes import RouterProcess  # noqa: E402
+
+BYTES = 16 * 4  # one FP32 [1, 16] tensor
+
+
+@pytest.fixture
+def regions():
+    """Shared-memory objects made by the client, destroyed afterwards."""
+    made = []
+
+    def make(byte_size: int = 2 * BYTES):
+        name = f"tiered-test-{uuid.uuid4().hex[:8]}"
+        handle = shm.create_shared_memory_region(name, f"/{name}", byte_size)
+        made.append(handle)
+        return name, handle
+
+    yield make
+    for handle in made:
+        shm.destroy_shared_memory_region(handle)
+
+
+def status_code(caught) -> str:
+    return caught.value.status()
+
+
+def add_sub_request(client, regions, offset: int = 0):
+    """INPUT0 and OUTPUT0 in shared memory, INPUT1 and OUTPUT1 on the wire."""
+    a, b = np.arange(16, dtype=np.float32)[None], np.full((1, 16), 2, np.float32)
+    inputs_name, inputs = regions(offset + BYTES)
+    outputs_name, outputs = regions(BYTES)
+    shm.set_shared_memory_region(inputs, [a], offset=offset)
+    client.register_system_shared_memory(inputs_name, f"/{inputs_name}", offset + BYTES)
+    client.register_system_shared_memory(outputs_name, f"/{outputs_name}", BYTES)
+    first = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+    first.set_shared_memory(inputs_name, BYTES, offset=offset)
+    second = grpcclient.InferInput("INPUT1", [1, 16], "FP32")
+    second.set_data_from_numpy(b)
+    total = grpcclient.InferRequestedOutput("OUTPUT0")
+    total.set_shared_memory(outputs_name, BYTES)
+    return (a, b), [first, second], [total, grpcclient.InferRequestedOutput("OUTPUT1")], \
+        outputs, outputs_name
+
+
+def test_inputs_and_outputs_in_shared_memory_beside_tensors_on_the_wire(agent, regions):
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        assert "system_shared_memory" in client.get_server_metadata().extensions
+        (a, b), inputs, outputs, out_region, out_name = add_sub_request(client, regions,
+                                                                         offset=BYTES)
+        result = client.infer("add_sub", inputs, outputs=outputs)
+        answer = result.get_output("OUTPUT0")
+        assert answer.parameters["shared_memory_region"].string_param == out_name
+        written = shm.get_contents_as_numpy(out_region, np.float32, list(answer.shape))
+        np.testing.assert_array_equal(written, a + b)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)  # on the wire
+        client.unregister_system_shared_memory()
+
+
+def test_status_register_and_unregister(agent, regions):
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        client.unregister_system_shared_memory()
+        first, _ = regions()
+        second, _ = regions()
+        client.register_system_shared_memory(first, f"/{first}", BYTES, offset=BYTES)
+        client.register_system_shared_memory(second, f"/{second}", 2 * BYTES)
+        status = client.get_system_shared_memory_status(as_json=True)["regions"]
+        assert status[first] == {"name": first, "key": f"/{first}", "offset": str(BYTES),
+                                 "byte_size": str(BYTES)}
+        assert set(status) == {first, second}
+        with pytest.raises(InferenceServerException) as caught:
+            client.register_system_shared_memory(first, f"/{second}", BYTES)
+        assert status_code(caught) == "StatusCode.ALREADY_EXISTS"
+        client.unregister_system_shared_memory(first)
+        assert set(client.get_system_shared_memory_status(as_json=True)["regions"]) == {second}
+        with pytest.raises(InferenceServerException) as caught:
+            client.get_system_shared_memory_status(first)
+        assert status_code(caught) == "StatusCode.NOT_FOUND"
+        client.unregister_system_shared_memory()
+        assert client.get_system_shared_memory_status(as_json=True).get("regions", {}) == {}
+
+
+@pytest.mark.parametrize("key, byte_size, why", [
+    ("/../../etc/passwd", BYTES, "directly under /dev/shm"),
+    ("/nested/name", BYTES, "directly under /dev/shm"),
+    ("/tiered-test-no-such-object", BYTES, "no shared-memory object"),
+    ("REGION", 4 * BYTES, "beyond its"),  # larger than the object
+    ("REGION", 0, "byte_size must be > 0"),
+])
+def test_registration_checks_the_key_and_the_size(agent, regions, key, byte_size, why):
+    name, _ = regions()
+    with grpcclient.InferenceServerClient(agent.address) as client, \
+            pytest.raises(InferenceServerException) as caught:
+        client.register_system_shared_memory("r", key.replace("REGION", name), byte_size)
+    assert status_code(caught) in ("StatusCode.INVALID_ARGUMENT", "StatusCode.NOT_FOUND")
+    assert why in caught.value.message()
+
+
+def test_a_range_outside_its_region_or_an_unknown_region_is_refused(agent, regions):
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        name, _ = regions()
+        client.register_system_shared_memory(name, f"/{name}", 2 * BYTES)
+        for region, size, offset, why in ((name, BYTES, 2 * BYTES, "outside region"),
+                                          (name, BYTES // 2, 0, "expected 64 bytes"),
+                                          ("never-registered", BYTES, 0, "is registered")):
+            tensor = grpcclient.InferInput("input", [1, 16], "FP32")
+            tensor.set_shared_memory(region, size, offset=offset)
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer("mlp", [tensor])
+            assert status_code(caught) == "StatusCode.INVALID_ARGUMENT"
+            assert why in caught.value.message()
+        tensor = grpcclient.InferInput("input", [1, 16], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 16), np.float32))
+        assert client.infer("mlp", [tensor]).as_numpy("probabilities").shape == (1, 4)
+        client.unregister_system_shared_memory()
+
+
+def test_the_registry_is_bounded(agent, regions):
+    name, _ = regions()
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        client.unregister_system_shared_memory()
+        for index in range(MAX_REGIONS):
+            client.register_system_shared_memory(f"r{index}", f"/{name}", BYTES)
+        with pytest.raises(InferenceServerException) as caught:
+            client.register_system_shared_memory("one-too-many", f"/{name}", BYTES)
+        assert status_code(caught) == "StatusCode.INVALID_ARGUMENT"
+        assert "unregister some first" in caught.value.message()
+        client.unregister_system_shared_memory()
+
+
+def test_the_router_refuses_region_references_with_a_clear_error(agent, regions, tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"version": 1, "models": {
+        "mlp": {"tiers": {"edge": {"agents": [agent.address]}}}}}))
+    with RouterProcess(table) as router, \
+            grpcclient.InferenceServerClient(router.address) as client:
+        name, _ = regions()
+        with pytest.raises(InferenceServerException) as caught:
+            client.register_system_shared_memory(name, f"/{name}", BYTES)
+        assert status_code(caught) == "StatusCode.UNIMPLEMENTED"
+        tensor = grpcclient.InferInput("input", [1, 16], "FP32")
+        tensor.set_shared_memory(name, BYTES)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("mlp", [tensor])
+        assert status_code(caught) == "StatusCode.INVALID_ARGUMENT"
+        assert "send such requests to that agent" in caught.value.message()

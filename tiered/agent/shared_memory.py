@@ -1,0 +1,289 @@
+"""Shared-memory regions, Triton's way: tensors that name a region instead of
+travelling in the message.
+
+A client on the agent's host registers a region (a POSIX shared-memory
+object under /dev/shm, or CUDA device memory by its IPC handle), then sends
+tensors whose parameters name it: `shared_memory_region`,
+`shared_memory_byte_size` and optionally `shared_memory_offset`. An input is
+read from the region; an output is written into its region, and the
+response carries its name, datatype and shape with no bytes.
+
+Everything a client names is checked before memory is touched: a key maps
+only a file directly under /dev/shm (no path, no symlink), a range must lie
+inside its region, a name registers once, and the registry holds at most
+`max_regions`. A region stays mapped while a request still reads it, even
+if it is unregistered meanwhile (the mapping closes with its last view).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiered.errors import AlreadyExists, InvalidArgument, NotFound
+from tiered.protocol import codec
+
+SHM_DIR = Path("/dev/shm")
+MAX_REGIONS = 256
+MAX_NAME_CHARS = 256
+REGION, BYTE_SIZE, OFFSET = (codec.SHARED_MEMORY_REGION, codec.SHARED_MEMORY_BYTE_SIZE,
+                             codec.SHARED_MEMORY_OFFSET)
+
+
+@dataclass(frozen=True)
+class SystemRegion:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    memory: mmap.mmap  # the object from 0 to offset + byte_size
+
+    def view(self, offset: int, byte_size: int) -> memoryview:
+        return memoryview(self.memory)[self.offset + offset:self.offset + offset + byte_size]
+
+
+@dataclass(frozen=True)
+class CudaRegion:
+    name: str
+    device_id: int
+    byte_size: int
+    memory: Any  # a torch uint8 tensor over the opened IPC allocation
+
+
+def _shm_path(key: str) -> Path:
+    """The file of a shared-memory object named as shm_open names it ("/name")."""
+    bare = key[1:] if key.startswith("/") else key
+    if not bare or "/" in bare or bare in (".", "..") or "\0" in bare:
+        raise InvalidArgument(f"key {key!r}: expected a shared-memory object name such as "
+                              "'/input0' (a file directly under /dev/shm)")
+    return SHM_DIR / bare
+
+
+def _map(key: str, end: int) -> mmap.mmap:
+    path = _shm_path(key)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError as error:
+        raise NotFound(f"key {key!r}: no shared-memory object {path}") from error
+    except OSError as error:
+        raise InvalidArgument(f"key {key!r}: cannot open {path}: {error.strerror}") from error
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgument(f"key {key!r}: {path} is not a shared-memory object")
+        if info.st_size < end:
+            raise InvalidArgument(f"key {key!r}: offset + byte_size = {end} is beyond its "
+                                  f"{info.st_size} bytes")
+        return mmap.mmap(fd, end)
+    finally:
+        os.close(fd)
+
+
+class SharedMemory:
+    """The agent's registered regions; every front end's calls share it."""
+
+    def __init__(self, max_regions: int = MAX_REGIONS) -> None:
+        self.max_regions = max_regions
+        self._system: dict[str, SystemRegion] = {}
+        self._cuda: dict[str, CudaRegion] = {}
+        self._lock = threading.Lock()
+
+    # -- registration ----------------------------------------------------------
+
+    def _check_new(self, name: str) -> None:
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise InvalidArgument(f"name: expected 1..{MAX_NAME_CHARS} characters")
+        if name in self._system or name in self._cuda:
+            raise AlreadyExists(f"shared-memory region {name!r} is already registered")
+        if len(self._system) + len(self._cuda) >= self.max_regions:
+            raise InvalidArgument(f"shared memory: {self.max_regions} regions are registered, "
+                                  "the most this agent keeps; unregister some first")
+
+    def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        if byte_size <= 0:
+            raise InvalidArgument(f"region {name!r}: byte_size must be > 0")
+        with self._lock:
+            self._check_new(name)
+            memory = _map(key, offset + byte_size)
+            self._system[name] = SystemRegion(name, key, offset, byte_size, memory)
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int,
+                      byte_size: int) -> None:
+        if byte_size <= 0:
+            raise InvalidArgument(f"region {name!r}: byte_size must be > 0")
+        with self._lock:
+            self._check_new(name)
+            memory = open_cuda_handle(raw_handle, device_id, byte_size)
+            self._cuda[name] = CudaRegion(name, device_id, byte_size, memory)
+
+    def unregister_system(self, name: str) -> None:
+        """Empty name: every system region. An unknown name is not an error."""
+        with self._lock:
+            for region in [self._system.pop(name, None)] if name else self._pop_all(
+                    self._system):
+                if region is not None:
+                    _release(region.memory)
+
+    def unregister_cuda(self, name: str) -> None:
+        with self._lock:
+            for region in [self._cuda.pop(name, None)] if name else self._pop_all(self._cuda):
+                if region is not None:
+                    close_cuda_handle(region.memory)
+
+    @staticmethod
+    def _pop_all(regions: dict) -> list:
+        popped = list(regions.values())
+        regions.clear()
+        return popped
+
+    def system_status(self, name: str) -> list[SystemRegion]:
+        return self._status(self._system, name)
+
+    def cuda_status(self, name: str) -> list[CudaRegion]:
+        return self._status(self._cuda, name)
+
+    def _status(self, regions: Mapping, name: str) -> list:
+        with self._lock:
+            if not name:
+                return list(regions.values())
+            if name not in regions:
+                raise NotFound(f"no shared-memory region {name!r} is registered")
+            return [regions[name]]
+
+    # -- tensors ---------------------------------------------------------------
+
+    def reference(self, parameters: Mapping[str, Any], field: str
+                  ) -> tuple[SystemRegion | CudaRegion, int, int] | None:
+        """The region, offset and byte size a tensor's parameters name; None
+        for a tensor without them."""
+        name = parameters.get(REGION)
+        if name is None:
+            return None
+        size, offset = parameters.get(BYTE_SIZE), parameters.get(OFFSET, 0)
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"{field}: {REGION} must name a region")
+        for key, value in ((BYTE_SIZE, size), (OFFSET, offset)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{field}: {key} must be an integer >= 0, got {value!r}")
+        with self._lock:
+            region = self._system.get(name) or self._cuda.get(name)
+        if region is None:
+            raise InvalidArgument(f"{field}: no shared-memory region {name!r} is registered")
+        if offset + size > region.byte_size:
+            raise InvalidArgument(
+                f"{field}: bytes {offset}..{offset + size} are outside region {name!r} "
+                f"of {region.byte_size} bytes")
+        return region, offset, size
+
+    def read(self, parameters: Mapping[str, Any], datatype: str, shape, field: str
+             ) -> np.ndarray | None:
+        """An input tensor from its region; None if it names none."""
+        found = self.reference(parameters, field)
+        if found is None:
+            return None
+        region, offset, size = found
+        if isinstance(region, SystemRegion):
+            return codec.from_raw(region.view(offset, size), datatype, shape, field=field)
+        host = region.memory[offset:offset + size].cpu().numpy()  # device to host
+        return codec.from_raw(host.data, datatype, shape, field=field)
+
+    def write(self, parameters: Mapping[str, Any], array: np.ndarray, field: str) -> bool:
+        """Write an output into the region its parameters name; False if none."""
+        found = self.reference(parameters, field)
+        if found is None:
+            return False
+        region, offset, size = found
+        _, _, raw = codec.to_raw(array)
+        if len(raw) > size:
+            raise InvalidArgument(f"{field}: the output has {len(raw)} bytes, more than the "
+                                  f"{size} of its shared-memory range")
+        if isinstance(region, SystemRegion):
+            region.view(offset, len(raw))[:] = raw
+        else:
+            import torch
+
+            source = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            region.memory[offset:offset + len(raw)].copy_(source)
+        return True
+
+
+def _release(memory: mmap.mmap) -> None:
+    """Close a mapping now, or (a request still reads it) with its last view."""
+    try:
+        memory.close()
+    except BufferError:
+        pass
+
+
+# -- CUDA IPC --------------------------------------------------------------------
+
+class _DeviceArray:
+    """Device memory by address, for torch.as_tensor (CUDA array interface)."""
+
+    def __init__(self, pointer: int, byte_size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (byte_size,), "typestr": "|u1",
+                                         "data": (pointer, False), "version": 3}
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]  # cudaIpcMemHandle_t, passed by value
+
+
+def open_cuda_handle(raw_handle: bytes, device_id: int, byte_size: int):
+    """The memory a cudaIpcMemHandle_t names, as a torch uint8 tensor."""
+    try:
+        import torch
+    except ImportError as error:
+        raise InvalidArgument("CUDA shared memory: this agent has no torch") from error
+    if not torch.cuda.is_available():
+        raise InvalidArgument("CUDA shared memory: this agent sees no CUDA device")
+    if not 0 <= device_id < torch.cuda.device_count():
+        raise InvalidArgument(f"device_id {device_id}: this agent sees "
+                              f"{torch.cuda.device_count()} CUDA devices")
+    if len(raw_handle) != ctypes.sizeof(_IpcHandle):
+        raise InvalidArgument(f"raw_handle: expected a 64-byte cudaIpcMemHandle_t, got "
+                              f"{len(raw_handle)} bytes")
+    runtime = _cudart()
+    pointer = ctypes.c_void_p()
+    with torch.cuda.device(device_id):
+        torch.cuda.init()
+        code = runtime.cudaIpcOpenMemHandle(ctypes.byref(pointer),
+                                            _IpcHandle.from_buffer_copy(raw_handle), 1)
+    if code != 0:
+        raise InvalidArgument(f"raw_handle: cudaIpcOpenMemHandle failed (CUDA error {code})")
+    return torch.as_tensor(_DeviceArray(pointer.value, byte_size),
+                           device=f"cuda:{device_id}")
+
+
+def close_cuda_handle(memory) -> None:
+    _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(memory.data_ptr()))
+
+
+_RUNTIME: list = []
+
+
+def _cudart():
+    if _RUNTIME:
+        return _RUNTIME[0]
+    import torch  # loads the CUDA runtime torch was built with
+
+    for name in (f"libcudart.so.{torch.version.cuda.split('.')[0]}", "libcudart.so"):
+        try:
+            runtime = ctypes.CDLL(name)
+        except OSError:
+            continue
+        runtime.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle,
+                                                 ctypes.c_uint]
+        runtime.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        _RUNTIME.append(runtime)
+        return runtime
+    raise InvalidArgument("CUDA shared memory: the CUDA runtime library is not loadable")

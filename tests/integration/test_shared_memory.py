@@ -7,6 +7,8 @@ references it could not honour.
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import uuid
 
 import numpy as np
@@ -163,3 +165,18 @@ def test_the_router_refuses_region_references_with_a_clear_error(agent, regions,
             client.infer("mlp", [tensor])
         assert status_code(caught) == "StatusCode.INVALID_ARGUMENT"
         assert "send such requests to that agent" in caught.value.message()
+
+
+@pytest.mark.skipif(shutil.which("perf_analyzer") is None,
+                    reason="Triton's perf_analyzer is not on PATH (it ships in tritonclient "
+                    "2.51's wheel and needs libb64)")
+def test_perf_analyzer_runs_with_system_shared_memory(agent, tmp_path):
+    report = tmp_path / "report.csv"
+    run = subprocess.run(
+        ["perf_analyzer", "-m", "add_sub", "-u", agent.address, "-i", "grpc",
+         "--shared-memory", "system", "--concurrency-range", "2",
+         "--measurement-interval", "1000", "-f", str(report)],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    header, row = report.read_text().splitlines()[:2]
+    assert float(dict(zip(header.split(","), row.split(",")))["Inferences/Second"]) > 0

@@ -40,6 +40,8 @@ CPU and listed under `skipped_without_cuda` in the JSON.
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -63,6 +65,8 @@ from tiered.tables import cell
 MODEL = "resnet18"
 INPUT, OUTPUT = "input", "logits"
 TARGET_SERVED_VS_HOST = 0.5
+TARGET_PERF_SYSTEM_VS_HOST = 0.8  # perf_analyzer --shared-memory system
+PERF_ANALYZER = "perf_analyzer"
 
 
 @dataclass(frozen=True)
@@ -431,6 +435,45 @@ def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
     }
 
 
+def perf_analyzer_point(agent: ServerProcess, memory: str, concurrency: int,
+                        settings: RunSettings, energy: EnergyMeter) -> dict[str, Any]:
+    """Triton's own load generator against one agent: tensors on the wire
+    (`none`), or in system or CUDA shared memory; the agent's statistics
+    around its run give the batch it formed."""
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        def totals() -> dict[str, int]:
+            return common.stats_totals(client.get_inference_statistics(MODEL, as_json=True),
+                                       MODEL)
+
+        with tempfile.TemporaryDirectory(prefix="tiered-perf-") as tmp:
+            report = Path(tmp) / "report.csv"
+            before, start = totals(), Reading.take(energy, [agent.pid])
+            run = subprocess.run(
+                [PERF_ANALYZER, "-m", MODEL, "-u", agent.address, "-i", "grpc",
+                 "--shared-memory", memory, "--concurrency-range", str(concurrency),
+                 "--measurement-interval", str(int(settings.duration_s * 1000)),
+                 "-f", str(report)], capture_output=True, text=True, timeout=600)
+            end, after = Reading.take(energy, [agent.pid]), totals()
+            if run.returncode != 0:
+                return {"setup": f"perf_analyzer, shared memory: {memory}",
+                        "concurrency": concurrency, "error": (run.stdout + run.stderr)[-600:]}
+            header, row = report.read_text().splitlines()[:2]
+    figures = dict(zip(header.split(","), row.split(","), strict=True))
+    seconds, joules, server_cpu_s = start.until(end)
+    delta = common.stats_delta(before, after)
+    throughput = float(figures["Inferences/Second"])
+    return {
+        "setup": f"perf_analyzer, shared memory: {memory}",
+        "concurrency": concurrency, "client_processes": 1, "throughput": throughput,
+        "p50_ms": float(figures["p50 latency"]) / 1000, "p99_ms": float(figures["p99 latency"]) / 1000,
+        "errors": 0, "formed_batch": common.formed_batch(delta),
+        "agent_ms_per_request": per_request_ms(delta), "agent_stats_delta": delta,
+        "j_per_img": common.ratio(joules, throughput * seconds or None),
+        "watts": common.ratio(joules, seconds),
+        "server_cpu_cores": common.ratio(server_cpu_s, seconds), "client_cpu_cores": None,
+    }
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -483,6 +526,17 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
             return common.agent("datacenter", repo, switch_interval_s=switch_interval_s)
 
         measure("1 agent", [agent()], settings.concurrency)
+        if shutil.which(PERF_ANALYZER):
+            memories = ("none", "system", "cuda") if settings.device == "cuda" else (
+                "none", "system")
+            with common.serving([agent()]) as (one,):
+                for memory in memories:
+                    common.progress(f"perf_analyzer, shared memory {memory}, c={top}")
+                    row = perf_analyzer_point(one, memory, top, settings, energy)
+                    common.progress(f"  {row.get('throughput', row.get('error'))}")
+                    served.append(row)
+        else:
+            result["perf_analyzer"] = f"not run: {PERF_ANALYZER} is not on PATH"
         if settings.diagnostics:
             measure("transport floor (no work)", [common.floor_server({OUTPUT: 1000})], (1, top))
             measure("1 agent, GIL switch 0.5 ms", [agent(0.0005)], (top,))
@@ -513,7 +567,7 @@ def compare(served: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any
     out = []
     for row in served:
         if not row.get("formed_batch"):
-            continue  # the transport floor runs no model
+            continue  # the transport floor runs no model; a perf_analyzer run that failed
         batch = max(1, round(row["formed_batch"]))
         x1 = by.get(("host engine.run x1 (pinned, graph)", batch), {}).get("img_per_s")
         x2 = by.get(("host engine.run x2 threads", batch), {}).get("img_per_s")
@@ -549,10 +603,17 @@ def targets(comparison: Sequence[Mapping[str, Any]],
     row = next(
         (r for r in comparison if r["setup"] == "1 agent" and r["concurrency"] == top), {}
     )
+    system = next((r for r in comparison
+                   if r["setup"] == "perf_analyzer, shared memory: system"), {})
     return [common.judge(
         "served vs host",
         f"1 agent: served img/s @c{top} / best in-process host-memory img/s at the formed batch",
-        row.get("served_vs_best_host"), ">=", TARGET_SERVED_VS_HOST)]
+        row.get("served_vs_best_host"), ">=", TARGET_SERVED_VS_HOST),
+        common.judge(
+        "perf_analyzer system shm vs host",
+        f"perf_analyzer --shared-memory system @c{top} / best in-process host-memory img/s "
+        "at the formed batch", system.get("served_vs_best_host"), ">=",
+        TARGET_PERF_SYSTEM_VS_HOST)]
 
 
 def report(result: Mapping[str, Any]) -> str:
@@ -568,7 +629,7 @@ def report(result: Mapping[str, Any]) -> str:
           r["p99_ms"], r["formed_batch"], r["errors"], r["agent_ms_per_request"]["queue"],
           r["agent_ms_per_request"]["merge"], r["agent_ms_per_request"]["engine"],
           r["agent_ms_per_request"]["split"], r["server_cpu_cores"], r["client_cpu_cores"],
-          r["j_per_img"], r["watts"]] for r in result["served"]],
+          r["j_per_img"], r["watts"]] for r in result["served"] if "error" not in r],
     )
     comparison = common.table(
         ["setup", "c", "formed batch", "ref batch", "served img/s", "host x1 img/s",
@@ -592,6 +653,9 @@ def report(result: Mapping[str, Any]) -> str:
         "Served vs in-process host-memory reference at the formed batch\n" + comparison,
         "One batch's host path, each step alone (ms per batch)\n" + breakdown,
         "Targets\n" + common.targets_table(result["targets"]),
+        *(f"{r['setup']} @c{r['concurrency']} failed: {r['error']}"
+          for r in result["served"] if "error" in r),
+        *([result["perf_analyzer"]] if "perf_analyzer" in result else []),
     ])
 
 

@@ -174,17 +174,7 @@ int64s = st.integers(-(2**63), 2**63 - 1)
 
 
 def set_parameter(parameters, key: str, value) -> None:
-    parameter = parameters[key]
-    if isinstance(value, bool):
-        parameter.bool_param = value
-    elif isinstance(value, str):
-        parameter.string_param = value
-    elif isinstance(value, float):
-        parameter.double_param = value
-    elif value >= 2**63:
-        parameter.uint64_param = value
-    else:
-        parameter.int64_param = value
+    codec.set_parameter(parameters[key], value)
 
 
 any_value = st.one_of(st.booleans(), texts, int64s, st.integers(0, 2**64 - 1),

@@ -239,7 +239,10 @@ def set_parameter(parameter, value) -> None:
     if isinstance(value, bool):
         parameter.bool_param = value
     elif isinstance(value, int):
-        parameter.int64_param = value
+        if value >= 2**63:
+            parameter.uint64_param = value
+        else:
+            parameter.int64_param = value
     elif isinstance(value, float):
         parameter.double_param = value
     else:

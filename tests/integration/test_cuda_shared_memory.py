@@ -31,14 +31,14 @@ BYTES = 16 * 4  # one FP32 [1, 16] tensor
 def device_region(byte_size: int):
     """Device memory of its own allocation (cudaMalloc), as a torch float32
     tensor, and its 64-byte CUDA IPC handle, as a client process makes them."""
-    runtime = shared_memory._cudart()
+    runtime = shared_memory.cuda_runtime()
     runtime.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
-    runtime.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(shared_memory._IpcHandle),
+    runtime.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(shared_memory.IpcHandle),
                                             ctypes.c_void_p]
-    pointer, handle = ctypes.c_void_p(), shared_memory._IpcHandle()
+    pointer, handle = ctypes.c_void_p(), shared_memory.IpcHandle()
     assert runtime.cudaMalloc(ctypes.byref(pointer), byte_size) == 0
     assert runtime.cudaIpcGetMemHandle(ctypes.byref(handle), pointer) == 0
-    memory = torch.as_tensor(shared_memory._DeviceArray(pointer.value, byte_size),
+    memory = torch.as_tensor(shared_memory.DeviceArray(pointer.value, byte_size),
                              device="cuda")
     # tritonclient takes the handle base64-encoded, as its get_raw_handle gives it.
     return memory.view(torch.float32), base64.b64encode(bytes(handle))

@@ -18,10 +18,10 @@ if it is unregistered meanwhile (the mapping closes with its last view).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import stat
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,17 +89,18 @@ def _map(key: str, end: int) -> mmap.mmap:
 
 
 class SharedMemory:
-    """The agent's registered regions; every front end's calls share it."""
+    """The agent's registered regions. Used from the server's event loop only."""
 
     def __init__(self, max_regions: int = MAX_REGIONS) -> None:
         self.max_regions = max_regions
         self._system: dict[str, SystemRegion] = {}
         self._cuda: dict[str, CudaRegion] = {}
-        self._lock = threading.Lock()
 
     # -- registration ----------------------------------------------------------
 
-    def _check_new(self, name: str) -> None:
+    def _check_new(self, name: str, byte_size: int) -> None:
+        if byte_size <= 0:
+            raise InvalidArgument(f"region {name!r}: byte_size must be > 0")
         if not name or len(name) > MAX_NAME_CHARS:
             raise InvalidArgument(f"name: expected 1..{MAX_NAME_CHARS} characters")
         if name in self._system or name in self._cuda:
@@ -109,41 +110,24 @@ class SharedMemory:
                                   "the most this agent keeps; unregister some first")
 
     def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        if byte_size <= 0:
-            raise InvalidArgument(f"region {name!r}: byte_size must be > 0")
-        with self._lock:
-            self._check_new(name)
-            memory = _map(key, offset + byte_size)
-            self._system[name] = SystemRegion(name, key, offset, byte_size, memory)
+        self._check_new(name, byte_size)
+        self._system[name] = SystemRegion(name, key, offset, byte_size,
+                                          _map(key, offset + byte_size))
 
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int,
                       byte_size: int) -> None:
-        if byte_size <= 0:
-            raise InvalidArgument(f"region {name!r}: byte_size must be > 0")
-        with self._lock:
-            self._check_new(name)
-            memory = open_cuda_handle(raw_handle, device_id, byte_size)
-            self._cuda[name] = CudaRegion(name, device_id, byte_size, memory)
+        self._check_new(name, byte_size)
+        self._cuda[name] = CudaRegion(name, device_id, byte_size,
+                                      open_cuda_handle(raw_handle, device_id, byte_size))
 
     def unregister_system(self, name: str) -> None:
         """Empty name: every system region. An unknown name is not an error."""
-        with self._lock:
-            for region in [self._system.pop(name, None)] if name else self._pop_all(
-                    self._system):
-                if region is not None:
-                    _release(region.memory)
+        for region in _take(self._system, name):
+            _release(region.memory)
 
     def unregister_cuda(self, name: str) -> None:
-        with self._lock:
-            for region in [self._cuda.pop(name, None)] if name else self._pop_all(self._cuda):
-                if region is not None:
-                    close_cuda_handle(region.memory)
-
-    @staticmethod
-    def _pop_all(regions: dict) -> list:
-        popped = list(regions.values())
-        regions.clear()
-        return popped
+        for region in _take(self._cuda, name):
+            close_cuda_handle(region.memory)
 
     def system_status(self, name: str) -> list[SystemRegion]:
         return self._status(self._system, name)
@@ -152,12 +136,11 @@ class SharedMemory:
         return self._status(self._cuda, name)
 
     def _status(self, regions: Mapping, name: str) -> list:
-        with self._lock:
-            if not name:
-                return list(regions.values())
-            if name not in regions:
-                raise NotFound(f"no shared-memory region {name!r} is registered")
-            return [regions[name]]
+        if not name:
+            return list(regions.values())
+        if name not in regions:
+            raise NotFound(f"no shared-memory region {name!r} is registered")
+        return [regions[name]]
 
     # -- tensors ---------------------------------------------------------------
 
@@ -174,8 +157,7 @@ class SharedMemory:
         for key, value in ((BYTE_SIZE, size), (OFFSET, offset)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f"{field}: {key} must be an integer >= 0, got {value!r}")
-        with self._lock:
-            region = self._system.get(name) or self._cuda.get(name)
+        region = self._system.get(name) or self._cuda.get(name)
         if region is None:
             raise InvalidArgument(f"{field}: no shared-memory region {name!r} is registered")
         if offset + size > region.byte_size:
@@ -216,6 +198,15 @@ class SharedMemory:
         return True
 
 
+def _take(regions: dict, name: str) -> list:
+    """Remove and return the named region (none if unknown), or every one."""
+    if name:
+        return [regions.pop(name)] if name in regions else []
+    taken = list(regions.values())
+    regions.clear()
+    return taken
+
+
 def _release(memory: mmap.mmap) -> None:
     """Close a mapping now, or (a request still reads it) with its last view."""
     try:
@@ -226,7 +217,7 @@ def _release(memory: mmap.mmap) -> None:
 
 # -- CUDA IPC --------------------------------------------------------------------
 
-class _DeviceArray:
+class DeviceArray:
     """Device memory by address, for torch.as_tensor (CUDA array interface)."""
 
     def __init__(self, pointer: int, byte_size: int) -> None:
@@ -234,7 +225,7 @@ class _DeviceArray:
                                          "data": (pointer, False), "version": 3}
 
 
-class _IpcHandle(ctypes.Structure):
+class IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * 64)]  # cudaIpcMemHandle_t, passed by value
 
 
@@ -249,41 +240,37 @@ def open_cuda_handle(raw_handle: bytes, device_id: int, byte_size: int):
     if not 0 <= device_id < torch.cuda.device_count():
         raise InvalidArgument(f"device_id {device_id}: this agent sees "
                               f"{torch.cuda.device_count()} CUDA devices")
-    if len(raw_handle) != ctypes.sizeof(_IpcHandle):
+    if len(raw_handle) != ctypes.sizeof(IpcHandle):
         raise InvalidArgument(f"raw_handle: expected a 64-byte cudaIpcMemHandle_t, got "
                               f"{len(raw_handle)} bytes")
-    runtime = _cudart()
+    runtime = cuda_runtime()
     pointer = ctypes.c_void_p()
     with torch.cuda.device(device_id):
         torch.cuda.init()
         code = runtime.cudaIpcOpenMemHandle(ctypes.byref(pointer),
-                                            _IpcHandle.from_buffer_copy(raw_handle), 1)
+                                            IpcHandle.from_buffer_copy(raw_handle), 1)
     if code != 0:
         raise InvalidArgument(f"raw_handle: cudaIpcOpenMemHandle failed (CUDA error {code})")
-    return torch.as_tensor(_DeviceArray(pointer.value, byte_size),
+    return torch.as_tensor(DeviceArray(pointer.value, byte_size),
                            device=f"cuda:{device_id}")
 
 
 def close_cuda_handle(memory) -> None:
-    _cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(memory.data_ptr()))
+    cuda_runtime().cudaIpcCloseMemHandle(ctypes.c_void_p(memory.data_ptr()))
 
 
-_RUNTIME: list = []
-
-
-def _cudart():
-    if _RUNTIME:
-        return _RUNTIME[0]
-    import torch  # loads the CUDA runtime torch was built with
+@functools.cache
+def cuda_runtime():
+    """The CUDA runtime library torch loaded, with the IPC calls typed."""
+    import torch
 
     for name in (f"libcudart.so.{torch.version.cuda.split('.')[0]}", "libcudart.so"):
         try:
             runtime = ctypes.CDLL(name)
         except OSError:
             continue
-        runtime.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle,
+        runtime.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), IpcHandle,
                                                  ctypes.c_uint]
         runtime.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
-        _RUNTIME.append(runtime)
         return runtime
     raise InvalidArgument("CUDA shared memory: the CUDA runtime library is not loadable")

@@ -226,7 +226,7 @@ class TelemetryPoller:
     async def poll_once(self) -> None:
         agents = list(self.agents())
         pods = await asyncio.gather(*(self.resolve(agent) for agent in agents))
-        reached = {pod for behind in pods for pod in behind}
+        reached = tuple(dict.fromkeys(pod for behind in pods for pod in behind))
         for pod in [p for p in self._channels if p not in reached]:
             await self._channels.pop(pod).close(grace=1)
         self._cursors = {p: c for p, c in self._cursors.items() if p in reached}

@@ -178,13 +178,12 @@ class SharedMemory:
         host = region.memory[offset:offset + size].cpu().numpy()  # device to host
         return codec.from_raw(host.data, datatype, shape, field=field)
 
-    def write(self, parameters: Mapping[str, Any], array: np.ndarray, field: str) -> bool:
-        """Write an output into the region its parameters name; False if none."""
+    def write(self, parameters: Mapping[str, Any], raw: bytes, field: str) -> bool:
+        """Write an output's bytes into the region its parameters name; False if none."""
         found = self.reference(parameters, field)
         if found is None:
             return False
         region, offset, size = found
-        _, _, raw = codec.to_raw(array)
         if len(raw) > size:
             raise InvalidArgument(f"{field}: the output has {len(raw)} bytes, more than the "
                                   f"{size} of its shared-memory range")

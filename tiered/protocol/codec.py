@@ -57,11 +57,12 @@ _LENGTH = struct.Struct("<I")
 # allocation.
 MAX_DIMENSION = 1 << 40
 MAX_ELEMENTS = 1 << 40
+MAX_RANK = 32  # numpy's limit before numpy 2 (64 since)
+
 # A tensor's parameters that name a shared-memory range instead of bytes.
 SHARED_MEMORY_REGION = "shared_memory_region"
 SHARED_MEMORY_BYTE_SIZE = "shared_memory_byte_size"
 SHARED_MEMORY_OFFSET = "shared_memory_offset"
-MAX_RANK = 32  # numpy's limit before numpy 2 (64 since)
 
 
 def dtype_of(datatype: str, *, field: str = "datatype") -> np.dtype:

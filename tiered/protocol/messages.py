@@ -89,7 +89,7 @@ def encode_infer_response(
             if regions is None:
                 raise InvalidArgument(f"output {name!r}: shared-memory regions are written "
                                       "only by the agent they were registered with")
-            regions.write(region, array, f"output {name!r}")
+            regions.write(region, raw, f"output {name!r}")
             for key in (codec.SHARED_MEMORY_REGION, codec.SHARED_MEMORY_BYTE_SIZE,
                         codec.SHARED_MEMORY_OFFSET):
                 if key in region:

@@ -171,7 +171,7 @@ class ModelVersion:
                 self._idle.set()
         elapsed_ns = time.perf_counter_ns() - started
         self.stats.request_succeeded(
-            batch_size, elapsed_ns, int(result.queue_s * 1e9), result.timing, _now_ms()
+            elapsed_ns, int(result.queue_s * 1e9), result.timing, _now_ms()
         )
         if self.recorder is not None:
             self.recorder.request_succeeded(

@@ -44,13 +44,15 @@ class InferenceStats:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
-    inference_count: int = 0  # batch elements answered successfully
+    # Counted together when a batch runs, as Triton does, so that no reading
+    # ever sees a batch without its elements.
+    inference_count: int = 0  # batch elements the engine ran
     execution_count: int = 0  # batches the engine ran
     last_inference_ms: int = 0  # wall-clock ms of the last answer
     by_batch_size: dict[int, BatchDurations] = field(default_factory=dict)
 
     def request_succeeded(
-        self, batch_size: int, total_ns: int, queue_ns: int, timing: BatchTiming, now_ms: int
+        self, total_ns: int, queue_ns: int, timing: BatchTiming, now_ms: int
     ) -> None:
         # Each request of a batch lived through the whole batch's compute.
         self.success.add(total_ns)
@@ -58,7 +60,6 @@ class InferenceStats:
         self.compute_input.add(timing.input_ns)
         self.compute_infer.add(timing.infer_ns)
         self.compute_output.add(timing.output_ns)
-        self.inference_count += batch_size
         self.last_inference_ms = now_ms
 
     def request_failed(self, total_ns: int, now_ms: int) -> None:
@@ -67,6 +68,7 @@ class InferenceStats:
 
     def batch_executed(self, size: int, timing: BatchTiming) -> None:
         self.execution_count += 1
+        self.inference_count += size
         durations = self.by_batch_size.setdefault(size, BatchDurations())
         durations.compute_input.add(timing.input_ns)
         durations.compute_infer.add(timing.infer_ns)

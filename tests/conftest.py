@@ -37,11 +37,36 @@ def shared_repository(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def agent(shared_repository) -> AgentProcess:
+def agent_in_one_process(shared_repository) -> AgentProcess:
     """One edge agent serving the shared repository for the whole session."""
     with AgentProcess("edge", shared_repository) as process:
         yield process
         assert process.alive(), f"the shared agent died:\n{process.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def agent(agent_in_one_process) -> AgentProcess:
+    """The shared agent; a module that tests the protocol overrides this with
+    `either_agent`, so that it runs against each way of serving it."""
+    return agent_in_one_process
+
+
+@pytest.fixture(scope="session")
+def agent_with_front_ends(shared_repository) -> AgentProcess:
+    """The same agent with two front-end processes feeding its engine process."""
+    with AgentProcess("edge", shared_repository, extra_args=["--front-ends", "2"]) as process:
+        yield process
+        assert process.alive(), f"the agent with front ends died:\n{process.log_tail()}"
+
+
+def either_agent(request) -> AgentProcess:
+    """Each agent in turn (as a module's parametrized `agent` fixture): the
+    protocol must not depend on how the agent is served."""
+    return request.getfixturevalue(
+        "agent_in_one_process" if request.param == "one process" else "agent_with_front_ends")
+
+
+EITHER_AGENT = ("one process", "front ends")
 
 
 @pytest.fixture(scope="session")

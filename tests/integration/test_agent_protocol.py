@@ -14,12 +14,17 @@ import tritonclient.grpc.aio as aioclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import IDENTITY_DATATYPES
+from tests.conftest import EITHER_AGENT, IDENTITY_DATATYPES, either_agent
 from tiered.protocol import codec
 
 rng = np.random.default_rng(0)
 big = np.zeros((9, 16), np.float32)  # one row more than add_sub's max_batch_size
 
+
+
+@pytest.fixture(scope="module", params=EITHER_AGENT)
+def agent(request):
+    return either_agent(request)
 
 @pytest.fixture(scope="module")
 def client(agent):

@@ -20,11 +20,17 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.utils.shared_memory as shm  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from tests.conftest import EITHER_AGENT, either_agent  # noqa: E402
 from tiered.agent.shared_memory import MAX_REGIONS  # noqa: E402
 from tiered.local.processes import RouterProcess  # noqa: E402
 
 BYTES = 16 * 4  # one FP32 [1, 16] tensor
 
+
+
+@pytest.fixture(scope="module", params=EITHER_AGENT)
+def agent(request):
+    return either_agent(request)
 
 @pytest.fixture
 def regions():

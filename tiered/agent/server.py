@@ -3,15 +3,21 @@
 On one port: the v2 inference service, `tiered.v1.Telemetry`,
 `grpc.health.v1` (SERVING once the repository is loaded, NOT_SERVING while
 shutting down) and server reflection; Prometheus `/metrics` on another.
-Tracing is set up here when an OTLP endpoint is configured.
+Tracing is set up here when an OTLP endpoint is configured. With the
+profile's `front_ends: N`, this process keeps the engines and serves those
+services on a private unix socket, and N front-end processes share the port
+(`front_end.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,20 +25,30 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tiered.agent.feed import FeedServer
+from tiered.agent.front_end import FrontEnds, FrontEndSettings, reserve_port
 from tiered.agent.metrics import serve_metrics
 from tiered.agent.repository import ModelRepository
 from tiered.agent.servicer import InferenceServicer
 from tiered.agent.telemetry import TelemetryHub, TelemetryServicer
 from tiered.errors import ConfigError
-from tiered.profiles import TierProfile
+from tiered.profiles import MiB, TierProfile
 from tiered.protocol import descriptors
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
-from tiered.protocol.security import PLAINTEXT, Authorizer, TransportSecurity, add_port
+from tiered.protocol.security import (
+    PLAINTEXT,
+    TRUST_FRONT_ENDS,
+    Authorizer,
+    TransportSecurity,
+    add_port,
+)
 from tiered.telemetry import tracing
 from tiered.telemetry.tracing import TracingSettings
 
 log = logging.getLogger(__name__)
+
+FEED_FRAME_SLACK = 1 << 20  # a feed frame carries a request's bytes and a little more
 
 
 @dataclass(frozen=True)
@@ -57,12 +73,28 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _grpc_server(limits, servicer: InferenceServicer, hub: TelemetryHub,
+                 health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+    """Every service of the agent on one (not yet bound) server."""
+    server = grpc.aio.server(
+        options=grpc_options(limits.max_message_bytes),
+        maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+    )
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    tpb_grpc.add_TelemetryServicer_to_server(TelemetryServicer(hub), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        descriptors.reflection_service_names(), server, pool=descriptors.reflection_pool()
+    )
+    return server
+
+
 async def serve(settings: AgentSettings) -> None:
     """Run until SIGTERM or SIGINT, then drain and return."""
-    limits = settings.profile.limits
+    profile = settings.profile
+    limits = profile.limits
     sys.setswitchinterval(limits.gil_switch_interval_ms / 1000)
-    repository = ModelRepository(settings.repository, settings.profile,
-                                 telemetry=settings.telemetry)
+    repository = ModelRepository(settings.repository, profile, telemetry=settings.telemetry)
     failed = await repository.load_all()
     if failed and not settings.allow_failed_models:
         await repository.close()
@@ -71,26 +103,45 @@ async def serve(settings: AgentSettings) -> None:
             "--allow-failed-models serves the rest)"
         )
 
-    server = grpc.aio.server(
-        options=grpc_options(limits.max_message_bytes),
-        maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
-    )
-    tracer = tracing.configure(f"tiered-agent-{settings.profile.tier}", settings.tracing)
-    servicer = InferenceServicer(repository, tracer, settings.authorizer)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    tracer = tracing.configure(f"tiered-agent-{profile.tier}", settings.tracing)
+    # With front ends, they check credentials; this process's socket trusts them.
+    authorizer = TRUST_FRONT_ENDS if profile.front_ends else settings.authorizer
+    servicer = InferenceServicer(repository, tracer, authorizer)
     hub = TelemetryHub.for_this_machine(repository)
-    tpb_grpc.add_TelemetryServicer_to_server(TelemetryServicer(hub), server)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        descriptors.reflection_service_names(), server, pool=descriptors.reflection_pool()
-    )
+    server = _grpc_server(limits, servicer, hub, health_servicer)
+    front_ends = None
     address = f"{settings.host}:{settings.port}"
-    try:
-        port = add_port(server, address, settings.security)
-    except RuntimeError as error:
-        raise ConfigError(f"cannot listen on {address}: {error}") from error
-    await server.start()
+    if profile.front_ends:
+        private = Path(tempfile.mkdtemp(prefix="tiered-agent-"))
+        log.info("front ends reach this process through %s", private)
+        server.add_insecure_port(f"unix:{private / 'grpc.sock'}")
+        await server.start()
+        feed = FeedServer(str(private / "feed.sock"), servicer.answer_fed,
+                          limits.max_message_bytes + FEED_FRAME_SLACK)
+        held = reserve_port(settings.host, settings.port)
+        port = held.getsockname()[1]
+        front_ends = FrontEnds(profile.front_ends, FrontEndSettings(
+            host=settings.host, port=port, security=settings.security,
+            authorizer=settings.authorizer, feed=feed.path,
+            engine=f"unix:{private / 'grpc.sock'}",
+            max_message_bytes=limits.max_message_bytes,
+            max_concurrent_rpcs=limits.max_concurrent_rpcs,
+            drain_timeout_s=limits.drain_timeout_s,
+            arena_bytes=limits.front_end_arena_mib * MiB))
+        try:
+            await front_ends.start()
+        except ConfigError:
+            await _close_feed(feed, held, private)
+            await server.stop(0)
+            await repository.close()
+            raise
+    else:
+        try:
+            port = add_port(server, address, settings.security)
+        except RuntimeError as error:
+            raise ConfigError(f"cannot listen on {address}: {error}") from error
+        await server.start()
     hub.start()
     metrics = ""
     if settings.metrics_port is not None:
@@ -107,10 +158,11 @@ async def serve(settings: AgentSettings) -> None:
     for service in ("", descriptors.INFERENCE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     models = ", ".join(sorted({v.config.name for v in repository.all_versions()})) or "none"
+    processes = f"; {profile.front_ends} front-end processes" if front_ends else ""
     # Tests and supervisors read this line to learn the port when --port 0.
     print(
-        f"tiered agent ({settings.profile.tier}) listening on {settings.host}:{port}; "
-        f"models: {models}{metrics}",
+        f"tiered agent ({profile.tier}) listening on {settings.host}:{port}; "
+        f"models: {models}{metrics}{processes}",
         flush=True,
     )
 
@@ -123,10 +175,19 @@ async def serve(settings: AgentSettings) -> None:
     log.info("shutting down: refusing new requests, draining in-flight ones")
     servicer.ready = False
     await health_servicer.enter_graceful_shutdown()
+    if front_ends is not None:
+        await front_ends.stop()  # each drains its calls, answered from here
+        await _close_feed(feed, held, private)
     await server.stop(grace=limits.drain_timeout_s)
     await hub.stop()
     await repository.close()
     log.info("stopped")
+
+
+async def _close_feed(feed: FeedServer, held: socket.socket, private: Path) -> None:
+    await feed.close()
+    held.close()
+    shutil.rmtree(private, ignore_errors=True)
 
 
 def run(settings: AgentSettings) -> int:

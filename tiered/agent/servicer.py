@@ -13,13 +13,14 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 import tiered
 from tiered.agent.model import ModelVersion
 from tiered.agent.repository import ModelRepository
 from tiered.agent.shared_memory import SharedMemory
-from tiered.errors import TieredError
+from tiered.errors import InvalidArgument, TieredError
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import messages
@@ -34,11 +35,9 @@ PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
 MAX_STREAM_IN_FLIGHT = 256  # requests of one stream being answered at once
 
 
-def _deadline(timeout_s: float, context: grpc.aio.ServicerContext) -> float:
-    """The earlier of the request's `timeout` parameter and the gRPC deadline."""
+def _seconds_left(context: grpc.aio.ServicerContext) -> float:
     remaining = context.time_remaining()
-    budget = min(timeout_s, remaining if remaining is not None else math.inf)
-    return time.monotonic() + budget
+    return math.inf if remaining is None else remaining
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -88,37 +87,55 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def ModelInfer(self, request, context):
-        if self.tracer is None:
-            return await self._infer(request, context)
-        with self.tracer.start_as_current_span(
-            "ModelInfer",
-            context=context_from_metadata(context.invocation_metadata()),
-            kind=trace.SpanKind.SERVER,
-            attributes={"tiered.model": request.model_name, "tiered.tier":
-                        self.repository.profile.tier},
-        ):
-            return await self._infer(request, context)
+        self.authorizer.require_inference(context)
+        return await self.answer(request, _seconds_left(context), context.invocation_metadata())
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        metadata = context.invocation_metadata()
+
+        def infer(request: pb.ModelInferRequest):
+            self.authorizer.require_inference(context)  # refused in the stream, per request
+            return self.answer(request, _seconds_left(context), metadata)
+
         # grpc.aio wants the handler itself to be an async generator.
-        async for response in answer_stream(
-            request_iterator, lambda request: self._infer(request, context), MAX_STREAM_IN_FLIGHT
-        ):
+        async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):
             yield response
 
-    async def _infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
-        self.authorizer.require_inference(context)
+    async def answer(self, request: pb.ModelInferRequest, seconds_left: float = math.inf,
+                     metadata=(), raw: list | None = None) -> pb.ModelInferResponse:
+        """One inference, however it came: from gRPC, or from a front-end process
+        (`raw`: its input buffers, which travelled apart from the message)."""
+        if self.tracer is None:
+            return await self._infer(request, seconds_left, raw)
+        with self.tracer.start_as_current_span(
+            "ModelInfer",
+            context=context_from_metadata(metadata),
+            kind=trace.SpanKind.SERVER,
+            attributes={"tiered.model": request.model_name, "tiered.tier":
+                        self.repository.profile.tier},
+        ):
+            return await self._infer(request, seconds_left, raw)
+
+    async def answer_fed(self, body: bytes, raw: list, seconds_left: float) -> bytes:
+        """A front end's request (`feed.Answer`); authorized by the front end."""
+        try:
+            request = pb.ModelInferRequest.FromString(body)
+        except DecodeError as error:
+            raise InvalidArgument(f"the request does not parse: {error}") from error
+        return (await self.answer(request, seconds_left, raw=raw)).SerializeToString()
+
+    async def _infer(self, request: pb.ModelInferRequest, seconds_left: float,
+                     raw: list | None) -> pb.ModelInferResponse:
         model = self.repository.get(request.model_name, request.model_version)
         try:
-            call = messages.decode_infer_request(request, self.shared_memory)
+            call = messages.decode_infer_request(request, self.shared_memory, raw)
         except TieredError:
             model.count_rejected()
             raise
-        outputs = await model.infer(
-            call.inputs, call.outputs, _deadline(call.timeout_s, context), self.tracer
-        )
+        deadline = time.monotonic() + min(call.timeout_s, seconds_left)
+        outputs = await model.infer(call.inputs, call.outputs, deadline, self.tracer)
         return messages.encode_infer_response(call, model.config.name, model.version, outputs,
                                               self.shared_memory)
 

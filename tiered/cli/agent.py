@@ -5,6 +5,7 @@ when they run, so building the parser stays cheap."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -44,6 +45,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     agent.add_argument("--trace-base-rate", type=float, default=0.01,
                        help="share of fast, successful requests whose traces are kept; failed "
                        "ones always are, slow ones by latency (default 0.01)")
+    agent.add_argument("--front-ends", type=int, metavar="N",
+                       help="gRPC front-end processes sharing the port and feeding this "
+                       "process's engines through shared memory; 0 serves gRPC in this "
+                       "process (default: the tier profile's front_ends)")
     agent.add_argument("--allow-failed-models", action="store_true",
                        help="start even if some models fail to load (they show as UNAVAILABLE)")
     flags.add_tls_flags(agent, dials=False)
@@ -73,6 +78,8 @@ def _run_agent(args: argparse.Namespace) -> int:
 
     try:
         profile = load_profile(args.tier, args.profile)
+        if args.front_ends is not None:
+            profile = dataclasses.replace(profile, front_ends=args.front_ends)
         security = flags.security_from_args(args)
         authorizer = flags.authorizer_from_args(args)
     except ConfigError as error:

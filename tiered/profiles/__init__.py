@@ -23,6 +23,7 @@ from tiered.settings import load_dataclass, read_yaml
 __all__ = ["ServerLimits", "TierProfile", "load_profile"]
 
 MiB = 1 << 20
+MAX_FRONT_ENDS = 64
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,13 @@ class ServerLimits:
     # How often Python hands the GIL between the event loop and engine threads.
     # Python's 5 ms default lets the loop starve engine threads under load.
     gil_switch_interval_ms: float = 5.0
+    # Each front-end process's arena for request bytes on their way to the
+    # engine; a request that does not fit travels through the socket instead.
+    front_end_arena_mib: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_concurrent_rpcs", "max_queue_size"):
+        for name in ("max_message_bytes", "max_concurrent_rpcs", "max_queue_size",
+                     "front_end_arena_mib"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gil_switch_interval_ms <= 100:
@@ -62,6 +67,8 @@ class TierProfile:
     build: Mapping[str, Any] = field(default_factory=dict)
     dynamic_batching: Mapping[str, Any] = field(default_factory=dict)
     instance_count: int = 1
+    # gRPC front-end processes feeding this process's engines (0: it serves gRPC itself)
+    front_ends: int = 0
     limits: ServerLimits = ServerLimits()
 
     @property
@@ -74,6 +81,8 @@ class TierProfile:
             raise ConfigError(f"tier: {self.tier!r} is not one of {', '.join(names.TIERS)}")
         if self.instance_count < 1:
             raise ConfigError(f"instance_count: must be >= 1, got {self.instance_count}")
+        if not 0 <= self.front_ends <= MAX_FRONT_ENDS:
+            raise ConfigError(f"front_ends: must be in 0..{MAX_FRONT_ENDS}, got {self.front_ends}")
 
 
 def load_profile(tier: str, path: Path | None = None) -> TierProfile:

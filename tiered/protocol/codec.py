@@ -193,12 +193,13 @@ def to_raw(array: np.ndarray) -> tuple[str, list[int], bytes]:
     return datatype, list(array.shape), np.ascontiguousarray(array, dtype=wire).tobytes()
 
 
-def decode_inputs(request, regions=None) -> dict[str, np.ndarray]:
+def decode_inputs(request, regions=None, raw=None) -> dict[str, np.ndarray]:
     """The inputs of a ModelInferRequest as arrays, keyed by name. An input
     whose parameters name a shared-memory region is read from it through
     `regions` (the agent's `SharedMemory`); raw_input_contents then holds
-    one buffer for each of the other inputs, in order, as Triton reads it."""
-    raw = list(request.raw_input_contents)
+    one buffer for each of the other inputs, in order, as Triton reads it.
+    `raw`: those buffers when they travelled apart from the message."""
+    raw = list(request.raw_input_contents) if raw is None else raw
     arrays: dict[str, np.ndarray] = {}
     in_region = [SHARED_MEMORY_REGION in tensor.parameters for tensor in request.inputs]
     if raw and len(raw) != in_region.count(False):

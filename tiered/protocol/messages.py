@@ -43,8 +43,9 @@ class InferCall:
     output_regions: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
-def decode_infer_request(request: pb.ModelInferRequest, regions=None) -> InferCall:
-    """`regions`: the agent's shared memory, for tensors that name a region."""
+def decode_infer_request(request: pb.ModelInferRequest, regions=None, raw=None) -> InferCall:
+    """`regions`: the agent's shared memory, for tensors that name a region;
+    `raw`: the raw input buffers, when they travelled apart from the message."""
     parameters = codec.parameters_of(request.parameters)
     timeout = parameters.get("timeout", 0)
     if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
@@ -62,7 +63,7 @@ def decode_infer_request(request: pb.ModelInferRequest, regions=None) -> InferCa
         model_name=request.model_name,
         model_version=request.model_version,
         id=request.id,
-        inputs=codec.decode_inputs(request, regions),
+        inputs=codec.decode_inputs(request, regions, raw),
         outputs=tuple(output.name for output in request.outputs),
         output_regions={output.name: codec.parameters_of(output.parameters)
                         for output in request.outputs

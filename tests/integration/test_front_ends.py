@@ -1,0 +1,190 @@
+"""An agent whose gRPC front ends are separate processes feeding one engine
+process: connections spread over them, batches form across them, a dead one
+is replaced, shutdown drains them, and credentials are checked where the
+client is seen. (The whole v2 protocol and shared-memory suites also run
+against such an agent: `test_agent_protocol.py`, `test_shared_memory.py`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from tiered.agent.repository import model_file, write_config
+from tiered.local.processes import AgentError, AgentProcess
+from tiered.models import zoo
+
+rng = np.random.default_rng(7)
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def sockets(pid: int) -> int:
+    """Open sockets of process `pid`: each connection it accepted adds one."""
+    return sum(os.readlink(fd).startswith("socket:") for fd in Path(f"/proc/{pid}/fd").iterdir())
+
+
+def add_sub(rows: np.ndarray):
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        item = grpcclient.InferInput(name, list(rows.shape), "FP32")
+        item.set_data_from_numpy(rows)
+        inputs.append(item)
+    return inputs
+
+
+def test_connections_spread_over_front_ends_and_batch_together(agent_with_front_ends):
+    agent = agent_with_front_ends
+    front_ends = children(agent.pid)
+    assert len(front_ends) == 2, front_ends
+    idle = {pid: sockets(pid) for pid in front_ends}
+    rows = rng.standard_normal((64, 16)).astype(np.float32)
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        before = client.get_inference_statistics("add_sub").model_stats[0]
+
+    async def send():
+        # A connection each (channels in one process share one by default).
+        clients = [aioclient.InferenceServerClient(
+            agent.address, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(16)]
+        try:
+            results = await asyncio.gather(*(
+                clients[i % 16].infer("add_sub", add_sub(rows[i:i + 1]))
+                for i in range(64)))
+            spread = {pid: sockets(pid) - idle[pid] for pid in front_ends}
+            return results, spread
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+    results, spread = asyncio.run(send())
+    for i, result in enumerate(results):
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * rows[i:i + 1])
+    assert all(count >= 1 for count in spread.values()), spread  # each took connections
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        after = client.get_inference_statistics("add_sub").model_stats[0]
+    assert after.inference_count - before.inference_count == 64  # one engine counts all
+    assert after.execution_count - before.execution_count < 64, "nothing was merged"
+
+
+@pytest.fixture
+def slow_repository(tmp_path) -> Path:
+    zoo.resnet18(model_file(tmp_path, "slow", 1), image_size=64, num_classes=10)
+    write_config(tmp_path, "slow", {"max_batch_size": 1, "max_queue_size": 128})
+    zoo.identity(model_file(tmp_path, "identity", 1), ["FP32"])
+    write_config(tmp_path, "identity", {"max_batch_size": 4})
+    return tmp_path
+
+
+def test_shutdown_drains_calls_in_flight_and_leaves_nothing_behind(slow_repository):
+    agent = AgentProcess("edge", slow_repository, extra_args=["--front-ends", "2"]).start()
+    front_ends = children(agent.pid)
+    private = Path(re.search(r"front ends reach this process through (\S+)",
+                             agent.log()).group(1))
+    assert (private / "feed.sock").exists()
+    image = grpcclient.InferInput("input", [1, 3, 64, 64], "FP32")
+    image.set_data_from_numpy(rng.standard_normal((1, 3, 64, 64)).astype(np.float32))
+
+    async def main():
+        async with aioclient.InferenceServerClient(agent.address) as client:
+            calls = [asyncio.create_task(client.infer("slow", [image])) for _ in range(60)]
+            await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0.1)  # every call reaches a front end (signalled, they refuse more)
+            os.kill(agent.pid, signal.SIGTERM)
+            in_flight = sum(not call.done() for call in calls)
+            return in_flight, await asyncio.gather(*calls, return_exceptions=True)
+
+    in_flight, outcomes = asyncio.run(main())
+    assert in_flight > 0, "every call was answered before the signal: nothing was drained"
+    assert all(not isinstance(o, Exception) for o in outcomes), [str(o) for o in outcomes if isinstance(o, Exception)]
+    assert agent.stop() == 0, agent.log_tail()
+    assert not any(Path(f"/proc/{pid}").exists() for pid in front_ends)
+    assert not private.exists()
+    assert "starting another" not in agent.log()  # stopped front ends are not replaced
+
+
+def test_a_dead_front_end_is_replaced(slow_repository):
+    with AgentProcess("edge", slow_repository, extra_args=["--front-ends", "2"]) as agent:
+        first = children(agent.pid)
+        victim = min(first)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = children(agent.pid)
+            if len(now) == 2 and victim not in now:
+                break
+            time.sleep(0.2)
+        assert len(now) == 2 and victim not in now, (first, now, agent.log_tail())
+        assert "exited with code -9; starting another" in agent.log()
+        for _ in range(12):  # new connections, spread over both again
+            with grpcclient.InferenceServerClient(agent.address) as client:
+                item = grpcclient.InferInput("in_FP32", [1, 3], "FP32")
+                item.set_data_from_numpy(np.ones((1, 3), np.float32))
+                out = client.infer("identity", [item]).as_numpy("out_FP32")
+                np.testing.assert_array_equal(out, np.ones((1, 3), np.float32))
+
+
+def test_a_request_larger_than_the_arena_travels_inline(slow_repository, tmp_path):
+    profile = tmp_path / "edge.yaml"
+    profile.write_text("tier: edge\nfront_ends: 1\nlimits:\n  front_end_arena_mib: 1\n")
+    with AgentProcess("edge", slow_repository, extra_args=["--profile", str(profile)]) as agent:
+        assert "1 front-end processes" in agent.log()
+        with grpcclient.InferenceServerClient(agent.address) as client:
+            for columns in (1000, 600_000):  # 4 kB: in the arena; 2.4 MB: inline
+                data = rng.standard_normal((1, columns)).astype(np.float32)
+                item = grpcclient.InferInput("in_FP32", list(data.shape), "FP32")
+                item.set_data_from_numpy(data)
+                out = client.infer("identity", [item]).as_numpy("out_FP32")
+                np.testing.assert_array_equal(out, data)
+
+
+def test_a_taken_port_is_refused(agent_with_front_ends, slow_repository):
+    port = int(agent_with_front_ends.address.rsplit(":", 1)[1])
+    second = AgentProcess("edge", slow_repository, port=port,
+                          extra_args=["--front-ends", "2"])
+    with pytest.raises(AgentError):
+        second.start(timeout_s=60)
+    assert second.stop() == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in second.log()
+
+
+def test_the_front_end_checks_credentials(slow_repository, tmp_path):
+    tokens = tmp_path / "admin.tokens"
+    tokens.write_text("sesame\n")
+    inference = tmp_path / "inference.tokens"
+    inference.write_text("open-up\n")
+    with AgentProcess("edge", slow_repository, admin_token_file=tokens,
+                      extra_args=["--front-ends", "1", "--inference-token-file",
+                                  str(inference)]) as agent:
+        with grpcclient.InferenceServerClient(agent.address) as client:
+            item = grpcclient.InferInput("in_FP32", [1, 2], "FP32")
+            item.set_data_from_numpy(np.ones((1, 2), np.float32))
+            for call in (lambda: client.load_model("identity"),
+                         lambda: client.infer("identity", [item])):
+                with pytest.raises(InferenceServerException) as caught:
+                    call()
+                assert caught.value.status() == "StatusCode.UNAUTHENTICATED"
+            client.load_model("identity", headers={"authorization": "Bearer sesame"})
+            answer = client.infer("identity", [item],
+                                  headers={"authorization": "Bearer open-up"})
+            np.testing.assert_array_equal(answer.as_numpy("out_FP32"), np.ones((1, 2)))

@@ -1,0 +1,321 @@
+"""Front-end processes: several gRPC servers on one port feeding one engine process.
+
+One Python process takes in about 2,000 requests a second, far less than a
+GPU engine serves. With `front_ends: N` the agent process keeps the models,
+batchers, statistics, telemetry and shared-memory regions (the engine
+process) and starts N front ends that bind the agent's port together
+(SO_REUSEPORT: the kernel spreads connections over them). A front end
+answers ModelInfer and ModelStreamInfer through the feed (`feed.py`: input
+bytes in shared memory, one small frame each way) and passes every other
+call, bytes untouched, to the engine process's own gRPC server on a unix
+socket, so each behaves exactly as with one process. A front end checks
+who may call what (it alone sees the client's token and certificate); the
+engine's socket lives in a private directory and trusts its front ends.
+
+`FrontEnds` starts, watches (a front end that dies is replaced) and stops
+them; `main` is a front end (`python -m tiered.agent.front_end`, its
+settings pickled on stdin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from tiered.agent.feed import Arena, FedError, FeedClient
+from tiered.errors import ConfigError, TieredError
+from tiered.protocol import descriptors
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol.security import Authorizer, TransportSecurity, add_port
+from tiered.protocol.status import describe, status_code
+from tiered.protocol.streaming import answer_stream
+
+log = logging.getLogger(__name__)
+
+READY = "ready"
+START_TIMEOUT_S = 60.0
+RESTART_DELAY_S = 1.0
+MAX_STREAM_IN_FLIGHT = 256
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
+# Calls that need an inference or an admin credential (checked here, where
+# the client's metadata and certificate are seen).
+_NEEDS_INFERENCE = frozenset(_INFERENCE + m for m in (
+    "ModelInfer", "ModelStreamInfer", "SystemSharedMemoryStatus", "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister"))
+_NEEDS_ADMIN = frozenset(_INFERENCE + m for m in ("RepositoryModelLoad",
+                                                  "RepositoryModelUnload"))
+
+
+@dataclass(frozen=True)
+class FrontEndSettings:
+    host: str
+    port: int
+    security: TransportSecurity
+    authorizer: Authorizer
+    feed: str  # the engine's feed socket
+    engine: str  # the engine's gRPC server, "unix:PATH"
+    max_message_bytes: int
+    max_concurrent_rpcs: int
+    drain_timeout_s: float
+    arena_bytes: int
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """Hold `port` (a free one for 0) for the front ends to share. A port
+    already in use, shared or not, is refused, as one agent's would be."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    if port:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+            except OSError as error:
+                raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}") from error
+    held = socket.socket(family, kind, proto)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    held.bind(address)
+    return held
+
+
+class FrontEnds:
+    """The engine process's view of its N front-end processes."""
+
+    def __init__(self, count: int, settings: FrontEndSettings) -> None:
+        self.count = count
+        self.settings = settings
+        self._processes: set[asyncio.subprocess.Process] = set()
+        self._watchers: set[asyncio.Task] = set()
+        self._stopping = False
+
+    async def start(self) -> None:
+        """Start every front end; return once each serves the port."""
+        started = await asyncio.gather(*(self._spawn() for _ in range(self.count)),
+                                       return_exceptions=True)
+        failed = [error for error in started if isinstance(error, BaseException)]
+        if failed:
+            await self.stop()
+            raise failed[0]
+
+    async def _spawn(self) -> None:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tiered.agent.front_end",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        self._processes.add(process)
+        process.stdin.write(pickle.dumps(self.settings))
+        process.stdin.close()
+        try:
+            line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            line = b""
+        if line.decode().strip() != READY:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            code = await process.wait()
+            self._processes.discard(process)
+            raise ConfigError(f"a front-end process did not start (exit code {code}; "
+                              "its error is above)")
+        watcher = asyncio.get_running_loop().create_task(self._watch(process))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+        code = await process.wait()
+        self._processes.discard(process)
+        if self._stopping:
+            return
+        log.warning("front-end process %d exited with code %s; starting another",
+                    process.pid, code)
+        await asyncio.sleep(RESTART_DELAY_S)
+        if not self._stopping:
+            try:
+                await self._spawn()
+            except ConfigError as error:
+                log.error("%s", error)
+
+    @property
+    def pids(self) -> list[int]:
+        return sorted(p.pid for p in self._processes)
+
+    async def stop(self) -> None:
+        """Each front end refuses new calls and finishes its in-flight ones."""
+        self._stopping = True
+        for process in list(self._processes):
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+        waits = [p.wait() for p in list(self._processes)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits),
+                                   self.settings.drain_timeout_s + 5)
+        except asyncio.TimeoutError:
+            for process in list(self._processes):
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+        for watcher in list(self._watchers):
+            watcher.cancel()
+
+
+# -- a front-end process -------------------------------------------------------------
+
+def _forwarded(metadata) -> list[tuple[str, str | bytes]]:
+    return [(key, value) for key, value in metadata or ()
+            if not key.startswith((":", "grpc-")) and key != "user-agent"]
+
+
+def _seconds_left(context) -> float:
+    remaining = context.time_remaining()
+    return float("inf") if remaining is None else remaining
+
+
+class _Handlers(grpc.GenericRpcHandler):
+    """Every method of the agent's services: inference through the feed,
+    the rest passed to the engine process's gRPC server."""
+
+    def __init__(self, feed: FeedClient, engine: grpc.aio.Channel,
+                 authorizer: Authorizer) -> None:
+        self._feed = feed
+        self._engine = engine
+        self._authorizer = authorizer
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {
+            _INFERENCE + "ModelInfer": grpc.unary_unary_rpc_method_handler(
+                self._infer, request_deserializer=pb.ModelInferRequest.FromString),
+            _INFERENCE + "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                self._stream, request_deserializer=pb.ModelInferRequest.FromString,
+                response_serializer=pb.ModelStreamInferResponse.SerializeToString),
+        }
+        pool = descriptors.reflection_pool()
+        for name in descriptors.reflection_service_names():
+            for method in pool.FindServiceByName(name).methods:
+                path = f"/{name}/{method.name}"
+                if path not in self._handlers:
+                    self._handlers[path] = self._forwarder(
+                        path, method.client_streaming, method.server_streaming)
+
+    def service(self, handler_call_details):
+        return self._handlers.get(handler_call_details.method)
+
+    def _check(self, path: str, context) -> None:
+        if path in _NEEDS_INFERENCE:
+            self._authorizer.require_inference(context)
+        elif path in _NEEDS_ADMIN:
+            self._authorizer.require_admin(context)
+
+    async def _infer(self, request, context) -> bytes:
+        try:
+            self._authorizer.require_inference(context)
+            return await self._feed.infer(request, _seconds_left(context))
+        except FedError as error:
+            await context.abort(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), str(error))
+        except Exception as error:  # the front end never dies of a request
+            await context.abort(status_code(error), describe(error))
+
+    async def _stream(self, requests: AsyncIterator, context):
+        async def infer(request):
+            self._authorizer.require_inference(context)  # refused in the stream, per request
+            try:
+                answer = await self._feed.infer(request, _seconds_left(context))
+            except FedError as error:
+                raise TieredError(str(error)) from error
+            return pb.ModelInferResponse.FromString(answer)
+
+        async for response in answer_stream(requests, infer, MAX_STREAM_IN_FLIGHT):
+            yield response
+
+    def _forwarder(self, path: str, client_streaming: bool, server_streaming: bool):
+        engine, check = self._engine, self._check
+
+        async def abort_with(error: Exception, context) -> None:
+            if isinstance(error, grpc.aio.AioRpcError):
+                await context.abort(error.code(), error.details() or "")
+            await context.abort(status_code(error), describe(error))
+
+        def call_options(context) -> dict:
+            remaining = context.time_remaining()
+            return {"metadata": _forwarded(context.invocation_metadata()),
+                    "timeout": remaining}
+
+        if not client_streaming and not server_streaming:
+            async def unary(request: bytes, context) -> bytes:
+                try:
+                    check(path, context)
+                    return await engine.unary_unary(path)(request, **call_options(context))
+                except Exception as error:
+                    await abort_with(error, context)
+            return grpc.unary_unary_rpc_method_handler(unary)
+
+        if not client_streaming:
+            async def unary_stream(request: bytes, context):
+                try:
+                    check(path, context)
+                    async for answer in engine.unary_stream(path)(request,
+                                                                  **call_options(context)):
+                        yield answer
+                except Exception as error:
+                    await abort_with(error, context)
+            return grpc.unary_stream_rpc_method_handler(unary_stream)
+
+        async def stream_stream(requests: AsyncIterator[bytes], context):
+            try:
+                check(path, context)
+                async for answer in engine.stream_stream(path)(requests,
+                                                               **call_options(context)):
+                    yield answer
+            except Exception as error:
+                await abort_with(error, context)
+        if client_streaming and server_streaming:
+            return grpc.stream_stream_rpc_method_handler(stream_stream)
+        raise ConfigError(f"{path}: client-streaming calls are not forwarded")
+
+
+async def serve(settings: FrontEndSettings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    arena = Arena(settings.arena_bytes)
+    feed = await FeedClient.connect(settings.feed, arena)
+    options = [("grpc.max_receive_message_length", settings.max_message_bytes),
+               ("grpc.max_send_message_length", settings.max_message_bytes)]
+    engine = grpc.aio.insecure_channel(settings.engine, options=options)
+    server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1)],
+                             maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+    server.add_generic_rpc_handlers([_Handlers(feed, engine, settings.authorizer)])
+    add_port(server, f"{settings.host}:{settings.port}", settings.security)
+    await server.start()
+    print(READY, flush=True)
+    engine_gone = loop.create_task(feed.closed.wait())
+    signalled = loop.create_task(stop.wait())
+    await asyncio.wait([engine_gone, signalled], return_when=asyncio.FIRST_COMPLETED)
+    await server.stop(grace=0 if feed.closed.is_set() else settings.drain_timeout_s)
+    await engine.close()
+    lost = feed.closed.is_set() and not stop.is_set()
+    for task in (engine_gone, signalled):
+        task.cancel()
+    arena.close()
+    if lost:
+        log.error("front end %d: the engine process is gone; exiting", os.getpid())
+    return 1 if lost else 0
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    with contextlib.suppress(OSError, AttributeError):  # Linux: go when the engine goes
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    settings: FrontEndSettings = pickle.loads(sys.stdin.buffer.read())
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -149,16 +149,24 @@ def _clock_ticks() -> float:
         return 100.0
 
 
-def process_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of one process, all its threads (Linux); None where unknown."""
-    if pid is None:
-        return None
+def _stat(pid: int) -> list[str] | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    rest = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
-    return (int(rest[11]) + int(rest[12])) / _clock_ticks()
+    return stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """utime + stime of a process and its live children (an agent's front ends),
+    all their threads (Linux); None where unknown."""
+    if pid is None or (own := _stat(pid)) is None:
+        return None
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[1]) == pid:
+            children.append(fields)
+    return sum(int(f[11]) + int(f[12]) for f in (own, *children)) / _clock_ticks()
 
 
 def system_busy_s() -> float | None:

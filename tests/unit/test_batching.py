@@ -25,6 +25,7 @@ from tiered.agent.batching import (
     merge,
     split,
 )
+from tiered.engines.base import concatenate_into
 from tiered.errors import DeadlineExceeded, EngineError, ResourceExhausted, Unavailable
 
 # --- form_batch: the policy ----------------------------------------------------
@@ -194,6 +195,19 @@ def test_merge_concatenates_and_split_returns_each_request(sizes, dtype) -> None
         assert part.keys() == request.keys()
         np.testing.assert_array_equal(part["x"], request["x"])
         np.testing.assert_array_equal(part["t"], request["t"])
+
+
+def test_merge_takes_read_only_and_strided_parts_as_numpy_would() -> None:
+    rows = np.arange(24, dtype=np.float32).reshape(4, 6)
+    read_only = np.frombuffer(rows[:2].tobytes(), np.float32).reshape(2, 6)  # an arena's view
+    strided = rows[:, ::2].copy()[:, None, :].repeat(2, axis=1)[:, 0, :]  # not contiguous
+    requests = [{"x": read_only}, {"x": rows[2:]}]
+    np.testing.assert_array_equal(merge(requests)["x"], rows)
+    assert not strided.flags.c_contiguous
+    mixed = merge([{"x": strided[:1]}, {"x": strided[1:]}])["x"]
+    np.testing.assert_array_equal(mixed, strided)
+    with pytest.raises(ValueError):  # parts that do not fill the batch are refused
+        concatenate_into([rows[:1]], np.empty((2, 6), np.float32))
 
 
 def test_split_cuts_outputs_of_other_shapes_by_rows() -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiered.agent.feed import Arena
+from tiered.agent.front_end import front_end_count
 
 SIZE = 1000
 
@@ -55,3 +58,10 @@ def test_live_blocks_never_overlap_and_all_space_returns(operations):
         arena.free(block)
     assert arena.allocate(SIZE) is not None
     arena.close()
+
+
+def test_the_profiles_front_ends_are_capped_by_the_cores():
+    cores = len(os.sched_getaffinity(0))
+    assert front_end_count(0) == 0  # one process, as asked
+    assert front_end_count(64) == max(1, cores - 1)
+    assert front_end_count(1) == 1

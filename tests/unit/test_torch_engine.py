@@ -30,7 +30,7 @@ from tiered.engines.torch_engine import (  # noqa: E402
     graph_eligibility,
     resolve_device,
 )
-from tiered.errors import ConfigError  # noqa: E402
+from tiered.errors import ConfigError, InvalidArgument  # noqa: E402
 from tiered.local.processes import AgentProcess  # noqa: E402
 from tiered.models import zoo  # noqa: E402
 from tiered.settings import load_dataclass  # noqa: E402
@@ -524,6 +524,24 @@ def test_cuda_lanes_run_concurrently_without_mixing_answers(models):
     for want, have in zip(expected, got):
         assert have is not None and have.shape == want.shape
         assert relative_error(have, want) < 5e-3
+
+
+@needs_cuda
+def test_requests_staged_straight_into_pinned_buffers_match_a_merged_batch(models):
+    graphed = engine(models["mlp"], device="cuda", precision="fp32",
+                     cuda_graph_batch_sizes=[1, 2, 4, 8], streams=2)
+    requests = [feeds_for("mlp", size) for size in (1, 3, 2)]
+    merged = {name: np.concatenate([r[name] for r in requests]) for name in requests[0]}
+    staged = graphed.stage(requests)
+    assert not isinstance(staged, dict)  # written into a lane's pinned buffers
+    np.testing.assert_array_equal(graphed.run(staged)["probabilities"],
+                                  graphed.run(merged)["probabilities"])
+    for _ in range(3):  # each run gave its lane back: staging never waits for one
+        graphed.run(graphed.stage(requests))
+    with pytest.raises(InvalidArgument):  # a refused run gives its lane back too
+        graphed.run(graphed.stage(requests), outputs=["nope"])
+    graphed.run(graphed.stage(requests))
+    graphed.run(graphed.stage(requests))
 
 
 @needs_cuda

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tiered.engines.base import merge
 from tiered.errors import (
     DeadlineExceeded,
     EngineError,
@@ -105,13 +106,6 @@ def form_batch(queued: Sequence[Pending], now: float, policy: BatchPolicy) -> Ba
     return BatchDecision(0, policy.max_queue_delay_s - waited)
 
 
-def merge(requests: Sequence[Arrays]) -> dict[str, np.ndarray]:
-    """Concatenate requests' inputs along the batch dimension."""
-    if len(requests) == 1:
-        return dict(requests[0])
-    return {name: np.concatenate([r[name] for r in requests]) for name in requests[0]}
-
-
 def split(outputs: Arrays, sizes: Sequence[int]) -> list[dict[str, np.ndarray]]:
     """Cut a batch's outputs back into one mapping per request (views, no copies)."""
     if len(sizes) == 1:
@@ -130,7 +124,8 @@ def split(outputs: Arrays, sizes: Sequence[int]) -> list[dict[str, np.ndarray]]:
     return parts
 
 
-RunFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+RunFn = Callable[[Arrays], dict[str, np.ndarray]]
+StageFn = Callable[[Sequence[Arrays]], Arrays]  # requests -> one batch (`Engine.stage`)
 
 
 class Batcher:
@@ -143,9 +138,11 @@ class Batcher:
         executor: Executor,
         on_batch: Callable[[int, BatchTiming], None] = lambda size, timing: None,
         clock: Callable[[], float] = time.monotonic,
+        stage: StageFn = merge,
     ) -> None:
         self.policy = policy
         self._run = run
+        self._stage = stage
         self._executor = executor
         self._on_batch = on_batch
         self._clock = clock
@@ -271,9 +268,9 @@ class Batcher:
     def _run_batch(
         self, requests: list[Arrays], sizes: list[int]
     ) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
-        """In an executor thread: merge, run the engine, split."""
+        """In an executor thread: merge (into the engine's staging), run, split."""
         t0 = time.perf_counter_ns()
-        merged = merge(requests)
+        merged = self._stage(requests)
         t1 = time.perf_counter_ns()
         outputs = self._run(merged)
         t2 = time.perf_counter_ns()

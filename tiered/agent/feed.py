@@ -180,7 +180,7 @@ class FeedClient(asyncio.Protocol):
             end = used + LENGTH.size + length
             if len(buffer) < end:
                 break
-            payload = bytes(buffer[used + REPLY.size:end])
+            payload = bytes(memoryview(buffer)[used + REPLY.size:end])  # one copy, not two
             used = end
             future, block = self._calls.pop(call_id, (None, None))
             if block is not None:
@@ -291,7 +291,7 @@ class _FeedConnection(asyncio.Protocol):
             end = used + LENGTH.size + length
             if len(buffer) < end:
                 break
-            frame = bytes(buffer[used + REQUEST.size:end])
+            frame = bytes(memoryview(buffer)[used + REQUEST.size:end])
             used = end
             spans = [SPAN.unpack_from(frame, i * SPAN.size) for i in range(count)]
             body_start = count * SPAN.size

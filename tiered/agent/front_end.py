@@ -27,6 +27,7 @@ import pickle
 import signal
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 READY = "ready"
 START_TIMEOUT_S = 60.0
 RESTART_DELAY_S = 1.0
+PORT_WAIT_S = 5.0
 MAX_STREAM_IN_FLIGHT = 256
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
@@ -72,20 +74,32 @@ class FrontEndSettings:
     arena_bytes: int
 
 
-def reserve_port(host: str, port: int) -> socket.socket:
+def reserve_port(host: str, port: int, wait_s: float = PORT_WAIT_S) -> socket.socket:
     """Hold `port` (a free one for 0) for the front ends to share. A port
-    already in use, shared or not, is refused, as one agent's would be."""
+    already in use, shared or not, is refused, as one agent's would be, after
+    `wait_s` (the front ends of an agent that just died take a moment to go)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    if port:
+    deadline = time.monotonic() + wait_s
+    while port:
         with socket.socket(family, kind, proto) as probe:
             try:
                 probe.bind(address)
+                break
             except OSError as error:
-                raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror}") from error
+                if time.monotonic() >= deadline:
+                    raise ConfigError(
+                        f"cannot listen on {host}:{port}: {error.strerror}") from error
+        time.sleep(0.1)
     held = socket.socket(family, kind, proto)
     held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     held.bind(address)
     return held
+
+
+def front_end_count(wanted: int) -> int:
+    """`wanted`, but no more than the cores this process may use, less one for
+    the engine process: more front ends than cores only contend."""
+    return min(wanted, max(1, len(os.sched_getaffinity(0)) - 1)) if wanted else 0
 
 
 class FrontEnds:

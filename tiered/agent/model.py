@@ -110,7 +110,8 @@ class ModelVersion:
             config.instance_count, thread_name_prefix=f"{config.name}-v{version}"
         )
         self._batcher = Batcher(
-            batch_policy(config), self._run, self._executor, on_batch=self._batch_ran
+            batch_policy(config), self._run, self._executor, on_batch=self._batch_ran,
+            stage=engine.stage,
         )
         self._in_flight = 0
         self._idle = asyncio.Event()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tiered.agent.feed import FeedServer
-from tiered.agent.front_end import FrontEnds, FrontEndSettings, reserve_port
+from tiered.agent.front_end import FrontEnds, FrontEndSettings, front_end_count, reserve_port
 from tiered.agent.metrics import serve_metrics
 from tiered.agent.repository import ModelRepository
 from tiered.agent.servicer import InferenceServicer
@@ -63,6 +64,8 @@ class AgentSettings:
     allow_failed_models: bool = False  # else a model that fails to load stops start-up
     security: TransportSecurity = PLAINTEXT
     authorizer: Authorizer = Authorizer()  # with no admin credentials, load/unload are refused
+    # gRPC front-end processes; None: the profile's front_ends, at most the cores less one
+    front_ends: int | None = None
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -104,15 +107,22 @@ async def serve(settings: AgentSettings) -> None:
         )
 
     tracer = tracing.configure(f"tiered-agent-{profile.tier}", settings.tracing)
+    processes = settings.front_ends
+    if processes is None:
+        processes = front_end_count(profile.front_ends)
+        if processes < profile.front_ends:
+            log.info("%d front-end processes, not the profile's %d: this machine lets the "
+                     "agent use %d cores", processes, profile.front_ends,
+                     len(os.sched_getaffinity(0)))
     # With front ends, they check credentials; this process's socket trusts them.
-    authorizer = TRUST_FRONT_ENDS if profile.front_ends else settings.authorizer
+    authorizer = TRUST_FRONT_ENDS if processes else settings.authorizer
     servicer = InferenceServicer(repository, tracer, authorizer)
     hub = TelemetryHub.for_this_machine(repository)
     health_servicer = health.aio.HealthServicer()
     server = _grpc_server(limits, servicer, hub, health_servicer)
     front_ends = None
     address = f"{settings.host}:{settings.port}"
-    if profile.front_ends:
+    if processes:
         private = Path(tempfile.mkdtemp(prefix="tiered-agent-"))
         log.info("front ends reach this process through %s", private)
         server.add_insecure_port(f"unix:{private / 'grpc.sock'}")
@@ -121,7 +131,7 @@ async def serve(settings: AgentSettings) -> None:
                           limits.max_message_bytes + FEED_FRAME_SLACK)
         held = reserve_port(settings.host, settings.port)
         port = held.getsockname()[1]
-        front_ends = FrontEnds(profile.front_ends, FrontEndSettings(
+        front_ends = FrontEnds(processes, FrontEndSettings(
             host=settings.host, port=port, security=settings.security,
             authorizer=settings.authorizer, feed=feed.path,
             engine=f"unix:{private / 'grpc.sock'}",
@@ -158,11 +168,11 @@ async def serve(settings: AgentSettings) -> None:
     for service in ("", descriptors.INFERENCE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     models = ", ".join(sorted({v.config.name for v in repository.all_versions()})) or "none"
-    processes = f"; {profile.front_ends} front-end processes" if front_ends else ""
+    fronted = f"; {processes} front-end processes" if processes else ""
     # Tests and supervisors read this line to learn the port when --port 0.
     print(
         f"tiered agent ({profile.tier}) listening on {settings.host}:{port}; "
-        f"models: {models}{metrics}{processes}",
+        f"models: {models}{metrics}{fronted}",
         flush=True,
     )
 

@@ -5,7 +5,6 @@ when they run, so building the parser stays cheap."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -48,7 +47,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     agent.add_argument("--front-ends", type=int, metavar="N",
                        help="gRPC front-end processes sharing the port and feeding this "
                        "process's engines through shared memory; 0 serves gRPC in this "
-                       "process (default: the tier profile's front_ends)")
+                       "process (default: the tier profile's front_ends, at most the "
+                       "usable cores less one)")
     agent.add_argument("--allow-failed-models", action="store_true",
                        help="start even if some models fail to load (they show as UNAVAILABLE)")
     flags.add_tls_flags(agent, dials=False)
@@ -73,13 +73,14 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def _run_agent(args: argparse.Namespace) -> int:
     from tiered.agent import server
-    from tiered.profiles import load_profile
+    from tiered.profiles import MAX_FRONT_ENDS, load_profile
     from tiered.telemetry.tracing import TracingSettings
 
     try:
         profile = load_profile(args.tier, args.profile)
-        if args.front_ends is not None:
-            profile = dataclasses.replace(profile, front_ends=args.front_ends)
+        if args.front_ends is not None and not 0 <= args.front_ends <= MAX_FRONT_ENDS:
+            raise ConfigError(f"--front-ends: must be in 0..{MAX_FRONT_ENDS}, "
+                              f"got {args.front_ends}")
         security = flags.security_from_args(args)
         authorizer = flags.authorizer_from_args(args)
     except ConfigError as error:
@@ -95,7 +96,7 @@ def _run_agent(args: argparse.Namespace) -> int:
         telemetry=not args.no_telemetry,
         tracing=TracingSettings(base_rate=args.trace_base_rate, otlp_endpoint=args.otlp_endpoint),
         allow_failed_models=args.allow_failed_models,
-        security=security, authorizer=authorizer,
+        security=security, authorizer=authorizer, front_ends=args.front_ends,
     )
     return server.run(settings)
 

@@ -36,6 +36,12 @@ class Engine(ABC):
         the engine cannot take fails alone instead of failing its batch."""
         return inputs
 
+    def stage(self, requests: Sequence[Mapping[str, np.ndarray]]) -> Mapping[str, np.ndarray]:
+        """Several requests' accepted inputs as one batch for `run` (each
+        request leads with the batch dimension). An engine with staging
+        buffers of its own writes the batch straight into them."""
+        return merge(requests)
+
     @abstractmethod
     def run(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None
@@ -48,6 +54,36 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release what the engine holds. Safe to call twice."""
+
+
+def merge(requests: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Concatenate requests' inputs along the batch dimension."""
+    if len(requests) == 1:
+        return dict(requests[0])
+    merged = {}
+    for name in requests[0]:
+        parts = [np.asarray(r[name]) for r in requests]
+        out = np.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
+        merged[name] = concatenate_into(parts, out)
+    return merged
+
+
+def concatenate_into(parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """np.concatenate(parts, out=out), holding the GIL throughout. numpy lets
+    the GIL go for each part's copy; while a busy event loop holds it, every
+    take-back waits a switch interval, which made a batch of 15 images take
+    10 ms to merge instead of 0.6. Plain byte copies never let it go."""
+    if out.dtype.hasobject or not out.flags.c_contiguous or any(
+            p.dtype != out.dtype or not p.flags.c_contiguous for p in parts):
+        return np.concatenate(parts, out=out)
+    target, at = memoryview(out).cast("B"), 0
+    for part in parts:
+        size = part.nbytes
+        target[at:at + size] = memoryview(part).cast("B")
+        at += size
+    if at != out.nbytes:
+        raise ValueError(f"parts of {at} bytes do not fill a batch of {out.nbytes}")
+    return out
 
 
 WARM_UP_RUNS = 3

@@ -35,7 +35,7 @@ import onnx
 import torch
 
 from tiered import names
-from tiered.engines.base import Engine, TensorSpec
+from tiered.engines.base import Engine, TensorSpec, concatenate_into
 from tiered.engines.onnx_to_torch import OnnxModule, convert
 from tiered.errors import ConfigError, EngineError, InvalidArgument
 
@@ -209,6 +209,19 @@ class _Lane:
         self.pool = None
 
 
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+@dataclass
+class _Staged:
+    """A batch already in a lane's pinned staging buffers (`TorchEngine.stage`);
+    the lane is held until `run` has used it."""
+
+    lane: _Lane
+    hosts: list[torch.Tensor]  # in the order of the engine's inputs
+
+
 class TorchEngine(Engine):
     """An ONNX model converted to torch; see the module docstring for threads."""
 
@@ -276,27 +289,70 @@ class TorchEngine(Engine):
     def run(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
-        module = self._module
-        if module is None:
-            raise EngineError("the torch engine is closed")
-        names = list(outputs) if outputs else self._output_names
-        unknown = [n for n in names if n not in self._output_names]
-        if unknown:
-            raise InvalidArgument(f"outputs: unknown output {unknown[0]!r}")
+        if isinstance(inputs, _Staged):  # the lane `stage` took goes back, whatever happens
+            try:
+                return self._on_cuda(inputs.lane, inputs.hosts, self._names(outputs))
+            finally:
+                self._lanes.put(inputs.lane)
+        names = self._names(outputs)
         missing = [spec.name for spec in self.inputs if spec.name not in inputs]
         if missing:
             raise InvalidArgument(f"inputs: missing input {missing[0]!r}")
         arrays = [np.asarray(inputs[spec.name]) for spec in self.inputs]
+        if self.device == "cpu":
+            return self._on_cpu(arrays, names)
+        lane = self._lanes.get()
+        try:
+            hosts = [self._to_host_tensor(lane, spec.name, array)
+                     for spec, array in zip(self.inputs, arrays)]
+            return self._on_cuda(lane, hosts, names)
+        finally:
+            self._lanes.put(lane)
+
+    def _names(self, outputs: Sequence[str] | None) -> list[str]:
+        names = list(outputs) if outputs else self._output_names
+        unknown = [n for n in names if n not in self._output_names]
+        if unknown:
+            raise InvalidArgument(f"outputs: unknown output {unknown[0]!r}")
+        return names
+
+    def stage(self, requests: Sequence[Mapping[str, np.ndarray]]) -> Mapping[str, np.ndarray]:
+        """On CUDA with pinned memory, concatenate the requests straight into a
+        lane's staging buffers (one host copy fewer than merging, then staging)."""
+        if self.device == "cpu" or not self.settings.pinned_memory or len(requests) == 1:
+            return super().stage(requests)
+        lane = self._lanes.get()
+        try:
+            hosts = []
+            for spec in self.inputs:
+                parts = [np.asarray(request[spec.name]) for request in requests]
+                shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+                host = lane.staging.view(f"in:{spec.name}", shape, _torch_dtype(parts[0].dtype))
+                concatenate_into(parts, host.numpy())
+                hosts.append(host)
+        except BaseException:
+            self._lanes.put(lane)
+            raise
+        return _Staged(lane, hosts)
+
+    def _module_or_refuse(self) -> OnnxModule:
+        if self._module is None:
+            raise EngineError("the torch engine is closed")
+        return self._module
+
+    def _on_cpu(self, arrays: list[np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         try:
             with torch.inference_mode():
-                if self.device == "cpu":
-                    return self._run_cpu(module, arrays, names)
-                lane = self._lanes.get()
-                try:
-                    return self._run_cuda(module, lane, arrays, names)
-                finally:
-                    self._lanes.put(lane)
+                return self._run_cpu(self._module_or_refuse(), arrays, names)
         except RuntimeError as error:  # torch's errors: shapes, memory, kernels
+            raise EngineError(f"torch: {error}") from error
+
+    def _on_cuda(self, lane: _Lane, hosts: list[torch.Tensor],
+                 names: list[str]) -> dict[str, np.ndarray]:
+        try:
+            with torch.inference_mode():
+                return self._run_cuda(self._module_or_refuse(), lane, hosts, names)
+        except RuntimeError as error:
             raise EngineError(f"torch: {error}") from error
 
     def _run_cpu(
@@ -311,26 +367,22 @@ class TorchEngine(Engine):
         return {name: results[name].numpy() for name in names}
 
     def _run_cuda(
-        self, module: OnnxModule, lane: _Lane, arrays: list[np.ndarray], names: list[str]
+        self, module: OnnxModule, lane: _Lane, hosts: list[torch.Tensor], names: list[str]
     ) -> dict[str, np.ndarray]:
-        rows = arrays[0].shape[0] if arrays and arrays[0].ndim else 1
+        """`hosts`: the inputs in host memory (in the lane's pinned staging when pinned)."""
+        rows = hosts[0].shape[0] if hosts and hosts[0].ndim else 1
         bucket = choose_bucket(rows, self._buckets) if self._buckets else None
         pinned = self.settings.pinned_memory
         with torch.cuda.stream(lane.stream):
             if bucket is not None:
                 captured = lane.graphs.get(bucket) or self._capture(lane, bucket)
-                for spec, array in zip(self.inputs, arrays):
-                    target = captured.inputs[spec.name][:rows]
-                    target.copy_(self._to_host_tensor(lane, spec.name, array), non_blocking=pinned)
+                for spec, host in zip(self.inputs, hosts):
+                    captured.inputs[spec.name][:rows].copy_(host, non_blocking=pinned)
                 captured.graph.replay()
                 produced = {name: captured.outputs[name][:rows] for name in names}
             else:
-                device_inputs = [
-                    self._to_host_tensor(lane, spec.name, array).to(
-                        self._torch_device, non_blocking=pinned
-                    )
-                    for spec, array in zip(self.inputs, arrays)
-                ]
+                device_inputs = [host.to(self._torch_device, non_blocking=pinned)
+                                 for host in hosts]
                 results = dict(zip(module.output_names, module(*device_inputs)))
                 produced = {name: results[name] for name in names}
             if not pinned:
@@ -347,8 +399,7 @@ class TorchEngine(Engine):
     def _to_host_tensor(self, lane: _Lane, name: str, array: np.ndarray) -> torch.Tensor:
         if not self.settings.pinned_memory:
             return torch.from_numpy(array if array.flags.writeable else array.copy())
-        dtype = torch.from_numpy(np.empty(0, array.dtype)).dtype
-        host = lane.staging.view(f"in:{name}", array.shape, dtype)
+        host = lane.staging.view(f"in:{name}", array.shape, _torch_dtype(array.dtype))
         np.copyto(host.numpy(), array)
         return host
 

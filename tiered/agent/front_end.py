@@ -47,6 +47,7 @@ READY = "ready"
 START_TIMEOUT_S = 60.0
 RESTART_DELAY_S = 1.0
 PORT_WAIT_S = 5.0
+MIN_CORES = 4  # below this a profile's front ends are not started
 MAX_STREAM_IN_FLIGHT = 256
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
@@ -96,10 +97,12 @@ def reserve_port(host: str, port: int, wait_s: float = PORT_WAIT_S) -> socket.so
     return held
 
 
-def front_end_count(wanted: int) -> int:
-    """`wanted`, but no more than the cores this process may use, less one for
-    the engine process: more front ends than cores only contend."""
-    return min(wanted, max(1, len(os.sched_getaffinity(0)) - 1)) if wanted else 0
+def front_end_count(wanted: int, cores: int | None = None) -> int:
+    """`wanted`, but at most half the cores this process may use (the engine
+    process, its batches and the clients need the rest), and none below
+    MIN_CORES: there a front end would take the core the engine needs."""
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    return 0 if cores < MIN_CORES else min(wanted, cores // 2)
 
 
 class FrontEnds:

@@ -64,7 +64,7 @@ class AgentSettings:
     allow_failed_models: bool = False  # else a model that fails to load stops start-up
     security: TransportSecurity = PLAINTEXT
     authorizer: Authorizer = Authorizer()  # with no admin credentials, load/unload are refused
-    # gRPC front-end processes; None: the profile's front_ends, at most the cores less one
+    # gRPC front-end processes; None: the profile's, as many as the cores allow
     front_ends: int | None = None
 
 

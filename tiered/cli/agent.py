@@ -47,8 +47,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     agent.add_argument("--front-ends", type=int, metavar="N",
                        help="gRPC front-end processes sharing the port and feeding this "
                        "process's engines through shared memory; 0 serves gRPC in this "
-                       "process (default: the tier profile's front_ends, at most the "
-                       "usable cores less one)")
+                       "process (default: the tier profile's front_ends, at most half "
+                       "the usable cores, none below 4)")
     agent.add_argument("--allow-failed-models", action="store_true",
                        help="start even if some models fail to load (they show as UNAVAILABLE)")
     flags.add_tls_flags(agent, dials=False)

@@ -3,6 +3,7 @@ Prometheus /metrics, against a real agent process."""
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 
@@ -74,25 +75,55 @@ def test_stats_attribute_active_energy_with_its_source_and_idle_draw(agent):
     assert version.joules_per_inference == pytest.approx(version.energy.joules / 20)
 
 
+# Triton's own metric names and types (its metrics documentation), which its
+# dashboards and alerts query: counters with no `_total` suffix.
+TRITON_METRICS = {
+    "nv_inference_request_success": "counter", "nv_inference_request_failure": "counter",
+    "nv_inference_count": "counter", "nv_inference_exec_count": "counter",
+    "nv_inference_request_duration_us": "counter", "nv_inference_queue_duration_us": "counter",
+    "nv_inference_compute_input_duration_us": "counter",
+    "nv_inference_compute_infer_duration_us": "counter",
+    "nv_inference_compute_output_duration_us": "counter",
+    "nv_inference_pending_request_count": "gauge",
+}
+
+
 def test_metrics_use_triton_names_and_label_energy_sources(agent):
     send(agent.address, 3)
     with grpcclient.InferenceServerClient(agent.address) as client:
         triton = client.get_inference_statistics("add_sub").model_stats[0]
     text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    success = {s.labels["model"]: s.value
-               for s in families["nv_inference_request_success"].samples
-               if s.name.endswith("_total")}
+    for name, kind in TRITON_METRICS.items():  # exactly as Triton writes them
+        assert f"# TYPE {name} {kind}\n" in text, name
+        assert re.search(rf'^{name}{{model="add_sub",version="1",tier="edge"}} ', text,
+                         re.MULTILINE), name
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # and it parses
+    success = {s.labels["model"]: s.value for s in families["nv_inference_request_success"].samples}
     assert success["add_sub"] >= triton.inference_stats.success.count >= 3
-    assert "nv_inference_compute_infer_duration_us" in families
-    energy = [s for s in families["tiered_energy_joules"].samples if s.name.endswith("_total")]
+    energy = families["tiered_energy_joules"].samples
     assert {s.labels["device"] for s in energy} >= {"cpu"}
     assert all(s.labels["source"] in ("rapl", "model", "nvml") and s.value > 0 for s in energy)
     idle = {s.labels["device"]: s for s in families["tiered_idle_watts"].samples}
     assert idle["cpu"].labels["source"] in ("rapl", "model") and idle["cpu"].value >= 0
-    quantiles = {s.labels["quantile"] for s in families["tiered_request_latency_seconds"].samples
-                 if s.labels["model"] == "add_sub"}
-    assert quantiles == {"0.5", "0.95", "0.99"}
+
+
+def test_latency_histograms_count_every_answer_and_sum_across_replicas(agent):
+    send(agent.address, 4)
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    success = {s.labels["model"]: s.value for s in families["nv_inference_request_success"].samples}
+    for name in ("tiered_request_duration_seconds", "tiered_queue_duration_seconds",
+                 "tiered_compute_duration_seconds"):
+        assert families[name].type == "histogram"
+        samples = [s for s in families[name].samples if s.labels["model"] == "add_sub"]
+        buckets = [s for s in samples if s.name.endswith("_bucket")]
+        counts = [s.value for s in buckets]
+        assert counts == sorted(counts), f"{name}: buckets are not cumulative"
+        assert buckets[-1].labels["le"] == "+Inf"
+        (total,) = [s.value for s in samples if s.name.endswith("_count")]
+        assert total == counts[-1] == success["add_sub"]  # one observation per answer
+        # Fixed bounds, the same on every replica: what lets Prometheus sum them.
+        assert [b.labels["le"] for b in buckets][:3] == ["0.0001", "0.00025", "0.0005"]
 
 
 def test_tiered_top_prints_a_row_per_model_version(agent):

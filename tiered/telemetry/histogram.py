@@ -1,4 +1,5 @@
-"""Latency histograms good for P50/P95/P99 from 50 µs to 60 s, and reservoirs.
+"""Latency histograms good for P50/P95/P99 from 50 µs to 60 s, cumulative ones
+with Prometheus's fixed buckets, and reservoirs.
 
 Buckets grow geometrically by 2%, so any quantile read back is within 1% of
 the true value (the midpoint of a bucket is at most half a bucket away). A
@@ -9,6 +10,7 @@ tests rollouts run. Sliding windows are built from these in
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from dataclasses import dataclass, field
@@ -65,6 +67,33 @@ class Histogram:
 
     def mean(self) -> float | None:
         return self.total_s / self.count if self.count else None
+
+
+# Seconds: from 100 µs (a small model on a GPU) to 10 s (a queue under overload).
+LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class CumulativeHistogram:
+    """Prometheus-style: counts per fixed `le` bucket since start (the last is
+    +Inf), so the histograms of several replicas sum."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
 
 
 @dataclass

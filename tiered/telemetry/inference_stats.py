@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tiered.telemetry.histogram import CumulativeHistogram
+
 
 @dataclass
 class Duration:
@@ -50,6 +52,10 @@ class InferenceStats:
     execution_count: int = 0  # batches the engine ran
     last_inference_ms: int = 0  # wall-clock ms of the last answer
     by_batch_size: dict[int, BatchDurations] = field(default_factory=dict)
+    # The same times as Prometheus histograms (seconds), which sum across replicas.
+    request_seconds: CumulativeHistogram = field(default_factory=CumulativeHistogram)
+    queue_seconds: CumulativeHistogram = field(default_factory=CumulativeHistogram)
+    compute_seconds: CumulativeHistogram = field(default_factory=CumulativeHistogram)
 
     def request_succeeded(
         self, total_ns: int, queue_ns: int, timing: BatchTiming, now_ms: int
@@ -61,6 +67,10 @@ class InferenceStats:
         self.compute_infer.add(timing.infer_ns)
         self.compute_output.add(timing.output_ns)
         self.last_inference_ms = now_ms
+        self.request_seconds.observe(total_ns / 1e9)
+        self.queue_seconds.observe(queue_ns / 1e9)
+        self.compute_seconds.observe(
+            (timing.input_ns + timing.infer_ns + timing.output_ns) / 1e9)
 
     def request_failed(self, total_ns: int, now_ms: int) -> None:
         self.fail.add(total_ns)

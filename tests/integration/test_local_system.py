@@ -26,10 +26,12 @@ from YAML, traffic through the router with tritonclient, verbs through the
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +198,16 @@ def test_a_heavier_version_is_rolled_back(system, store, traffic, digits_models)
     while canary_routed() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not canary_routed()
+
+    # The controller's /metrics says so, in the shape canary alerts read.
+    log = (StateLayout(state).logs / "controller.log").read_text()
+    url = re.findall(r"metrics on (http://\S+)", log)[-1]  # the controller may have restarted
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert 'tiered_rollout_phase{model="digits",phase="RolledBack"} 1' in text
+    assert re.search(r'tiered_rollout_decisions_total{model="digits",reason="RolledBack"} [1-9]',
+                     text)
+    assert re.search(r'tiered_rollout_analysis{model="digits",metric="\w+",tier="\w+",'
+                     r'outcome="Failed"} 1', text)
 
 
 def test_an_artifact_changed_after_apply_is_refused_and_says_so(system, store, traffic,

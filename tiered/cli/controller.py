@@ -64,7 +64,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     controller.add_argument("--identity", help="Kubernetes: this candidate's name in the "
                             "Lease (default: the host name, the pod's name in a cluster)")
     controller.add_argument("--metrics-port", type=int, metavar="PORT",
-                            help="Kubernetes: serve Prometheus /metrics (and a probe) here")
+                            help="serve Prometheus /metrics here (0: any free port): each "
+                            "rollout's phase, stage, weights and latest analysis per metric "
+                            "and tier; locally on 127.0.0.1, on Kubernetes on every address "
+                            "(also what the liveness probe connects to)")
     controller.add_argument("--agent-tls-secret", metavar="SECRET",
                             help="Kubernetes: a kubernetes.io/tls Secret (with ca.crt) the "
                             "agents serve mTLS with; the controller then needs --tls-* flags "
@@ -128,17 +131,25 @@ def _run_controller(args: argparse.Namespace) -> int:
         print(f"tiered controller: {error}", file=sys.stderr)
         return 2
     try:
+        if args.metrics_port is not None:
+            _serve_metrics(controller.reconciler.metrics, "127.0.0.1", args.metrics_port)
         controller.run(stop)
     finally:
         controller.close()
     return 0
 
 
+def _serve_metrics(metrics, host: str, port: int) -> None:
+    from tiered.telemetry import exposition
+
+    server = exposition.serve(metrics.families, host, port)
+    print(f"tiered controller: metrics on http://{host}:{server.server_port}/metrics",
+          flush=True)
+
+
 def _kube_controller(args: argparse.Namespace, stop) -> int:
     import json
     import socket
-
-    from prometheus_client import start_http_server
 
     from tiered.controller.kube.controller import ControllerOptions, KubeController
     from tiered.controller.kube.render import ClusterSettings
@@ -159,10 +170,11 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
     except (OSError, ValueError, TieredError) as error:
         print(f"tiered controller: {error}", file=sys.stderr)
         return 2
+    controller = KubeController(settings, client, options=options,
+                                progress=lambda line: print(line, flush=True))
     if args.metrics_port is not None:  # also what the liveness probe connects to
-        start_http_server(args.metrics_port)
+        _serve_metrics(controller.reconciler.metrics, "0.0.0.0", args.metrics_port)
     print(f"tiered controller: namespace {args.namespace}, identity {options.identity}"
           f"{', leader election on' if args.leader_elect else ''}", flush=True)
-    KubeController(settings, client, options=options,
-                   progress=lambda line: print(line, flush=True)).run(stop)
+    controller.run(stop)
     return 0

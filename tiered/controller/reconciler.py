@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from tiered.controller import desired, plan
 from tiered.controller.judge import RolloutJudge
+from tiered.controller.metrics import RolloutMetrics
 from tiered.errors import ConfigError
 from tiered.rollout.spec import (
     RolloutStatus,
@@ -118,8 +119,10 @@ class Reconciler:
 
     def __init__(self, backend: Backend, judge: RolloutJudge, *,
                  clock: Callable[[], float], progress: Callable[[str], None],
-                 retire_grace_s: float = plan.RETIRE_GRACE_S) -> None:
+                 retire_grace_s: float = plan.RETIRE_GRACE_S,
+                 metrics: RolloutMetrics | None = None) -> None:
         self.backend = backend
+        self.metrics = metrics or RolloutMetrics()
         self.judge = judge
         self.clock = clock
         self.progress = progress
@@ -130,6 +133,7 @@ class Reconciler:
         stored = self.backend.read(name)
         if stored is None or stored.deleting:
             self.judge.forget(name)
+            self.metrics.forget(name)
             if stored is not None:
                 self.backend.finalize(stored)
             self.backend.write_routing()
@@ -155,6 +159,7 @@ class Reconciler:
         self.backend.apply(spec, made)
         self._write(stored, made.status)
         self.backend.record(spec, made, now)
+        self.metrics.observe(name, made.status, (event.reason for event in made.events))
         for event in made.events:
             self.progress(f"{name}: {event.message}")
         self.backend.write_routing()

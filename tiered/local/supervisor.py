@@ -13,7 +13,7 @@ child does.
     state_dir: .tiered                # relative to the working directory
     tiers: [edge, regional, datacenter]
     router: {port: 8000, metrics_port: 0}
-    controller: {interval_s: 2}
+    controller: {interval_s: 2, metrics_port: 0}
     sample_models: ../build/models    # train the sample digits models here when missing
     apply: [digits.yaml]              # TieredModels, relative to this file
 """
@@ -56,6 +56,7 @@ class RouterPorts:
 class ControllerSettings:
     interval_s: float = 2.0
     retire_grace_s: float = RETIRE_GRACE_S  # a retired version's agents outlive its routes
+    metrics_port: int = 0  # Prometheus /metrics on loopback; 0: any free port (it logs it)
 
     def __post_init__(self) -> None:
         if not 0.1 <= self.interval_s <= 3600:
@@ -163,7 +164,8 @@ class LocalUp:
             self.controller = subprocess.Popen(
                 [sys.executable, "-m", "tiered", "controller", "--state", str(self.layout.root),
                  "--interval", str(self.system.controller.interval_s),
-                 "--retire-grace", str(self.system.controller.retire_grace_s)],
+                 "--retire-grace", str(self.system.controller.retire_grace_s),
+                 "--metrics-port", str(self.system.controller.metrics_port)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self.progress(f"controller: pid {self.controller.pid} (log {log_path})")
 

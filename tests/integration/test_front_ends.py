@@ -14,10 +14,13 @@ import signal
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tiered.agent.repository import model_file, write_config
@@ -146,8 +149,9 @@ def test_a_dead_front_end_is_replaced(slow_repository):
 
 def test_a_request_larger_than_the_arena_travels_inline(slow_repository, tmp_path):
     profile = tmp_path / "edge.yaml"
-    profile.write_text("tier: edge\nfront_ends: 1\nlimits:\n  front_end_arena_mib: 1\n")
-    with AgentProcess("edge", slow_repository, extra_args=["--profile", str(profile)]) as agent:
+    profile.write_text("tier: edge\nlimits:\n  front_end_arena_mib: 1\n")
+    with AgentProcess("edge", slow_repository,
+                      extra_args=["--profile", str(profile), "--front-ends", "1"]) as agent:
         assert "1 front-end processes" in agent.log()
         with grpcclient.InferenceServerClient(agent.address) as client:
             for columns in (1000, 600_000):  # 4 kB: in the arena; 2.4 MB: inline
@@ -188,3 +192,16 @@ def test_the_front_end_checks_credentials(slow_repository, tmp_path):
             answer = client.infer("identity", [item],
                                   headers={"authorization": "Bearer open-up"})
             np.testing.assert_array_equal(answer.as_numpy("out_FP32"), np.ones((1, 2)))
+
+
+def test_streaming_calls_pass_through_to_the_engine_process(agent_with_front_ends):
+    with grpc.insecure_channel(agent_with_front_ends.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # unary-stream
+        watch.cancel()
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        (answer,) = reflection.ServerReflectionInfo(  # stream-stream
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        listed = {s.name for s in answer.list_services_response.service}
+        assert {"inference.GRPCInferenceService", "tiered.v1.Telemetry"} <= listed

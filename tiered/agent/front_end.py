@@ -270,28 +270,19 @@ class _Handlers(grpc.GenericRpcHandler):
                     await abort_with(error, context)
             return grpc.unary_unary_rpc_method_handler(unary)
 
-        if not client_streaming:
-            async def unary_stream(request: bytes, context):
-                try:
-                    check(path, context)
-                    async for answer in engine.unary_stream(path)(request,
-                                                                  **call_options(context)):
-                        yield answer
-                except Exception as error:
-                    await abort_with(error, context)
-            return grpc.unary_stream_rpc_method_handler(unary_stream)
+        if client_streaming and not server_streaming:
+            raise ConfigError(f"{path}: client-streaming calls are not forwarded")
+        open_call = (engine.stream_stream if client_streaming else engine.unary_stream)(path)
 
-        async def stream_stream(requests: AsyncIterator[bytes], context):
+        async def streaming(request_or_requests, context):
             try:
                 check(path, context)
-                async for answer in engine.stream_stream(path)(requests,
-                                                               **call_options(context)):
+                async for answer in open_call(request_or_requests, **call_options(context)):
                     yield answer
             except Exception as error:
                 await abort_with(error, context)
-        if client_streaming and server_streaming:
-            return grpc.stream_stream_rpc_method_handler(stream_stream)
-        raise ConfigError(f"{path}: client-streaming calls are not forwarded")
+        return (grpc.stream_stream_rpc_method_handler(streaming) if client_streaming
+                else grpc.unary_stream_rpc_method_handler(streaming))
 
 
 async def serve(settings: FrontEndSettings) -> int:

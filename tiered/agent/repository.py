@@ -1,6 +1,6 @@
 """The model repository: which model versions this agent serves.
 
-    DIR/<model>/config.yaml
+    DIR/<model>/config.yaml   (or Triton's config.pbtxt)
     DIR/<model>/<version>/model.onnx
 
 Loading builds engines off the event loop, then swaps the served versions in
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiered.agent import triton_config
 from tiered.agent.config import (
     ModelConfig,
     check_model_name,
@@ -37,6 +38,7 @@ from tiered.telemetry.recorder import VersionRecorder
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
+CONFIG, TRITON_CONFIG = "config.yaml", "config.pbtxt"
 
 
 class ModelState(str, enum.Enum):
@@ -143,7 +145,7 @@ class ModelRepository:
         """Every model on disk or in memory, with the state of each version."""
         names = set(self._models)
         names.update(
-            p.name for p in self.root.iterdir() if p.is_dir() and (p / "config.yaml").is_file()
+            p.name for p in self.root.iterdir() if p.is_dir() and config_file(p) is not None
         )
         rows = []
         for name in sorted(names):
@@ -163,7 +165,7 @@ class ModelRepository:
         """Load every model directory; return the names that failed (and why in logs)."""
         failed = []
         for entry in sorted(self.root.iterdir()):
-            if entry.is_dir() and (entry / "config.yaml").is_file():
+            if entry.is_dir() and config_file(entry) is not None:
                 try:
                     await self.load(entry.name)
                 except TieredError as error:
@@ -220,12 +222,14 @@ class ModelRepository:
 
     def _read(self, name: str) -> tuple[ModelConfig, dict[int, Path]]:
         model_dir = self.root / name
-        config_path = model_dir / "config.yaml"
-        if not config_path.is_file():
+        config_path = config_file(model_dir)
+        if config_path is None:
             raise NotFound(f"model_name: no model {name!r} in repository {self.root}")
         inside_repository(self.root, config_path, name)
-        where = f"{name}/config.yaml"
-        config = parse_model_config(name, read_yaml(config_path), self.profile, where)
+        where = f"{name}/{config_path.name}"
+        data = (triton_config.parse(config_path.read_text(), where)
+                if config_path.name == TRITON_CONFIG else read_yaml(config_path))
+        config = parse_model_config(name, data, self.profile, where)
         on_disk = versions_on_disk(model_dir)
         wanted = {v: on_disk[v] for v in config.version_policy.select(on_disk)}
         for version, path in wanted.items():
@@ -305,12 +309,20 @@ def model_file(root: Path, name: str, version: int) -> Path:
     return path
 
 
+def config_file(model_dir: Path) -> Path | None:
+    """A model's config.yaml, or Triton's config.pbtxt; None when it has neither."""
+    found = [model_dir / n for n in (CONFIG, TRITON_CONFIG) if (model_dir / n).is_file()]
+    if len(found) > 1:
+        raise ConfigError(f"{model_dir.name}: both {CONFIG} and {TRITON_CONFIG}; keep one")
+    return found[0] if found else None
+
+
 def write_config(root: Path, name: str, config: dict) -> Path:
     """Write DIR/<name>/config.yaml from a mapping (the keys config.yaml takes)."""
     import yaml
 
     check_model_name(name)
-    path = root / name / "config.yaml"
+    path = root / name / CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

@@ -1,0 +1,87 @@
+"""A Triton model directory's `config.pbtxt`, read as the config.yaml mapping
+it stands for. Pure parsing.
+
+The text is parsed into the `inference.ModelConfig` message (protobuf's text
+format, Triton's field names), then mapped: platform or backend (ONNX
+Runtime, TensorRT), max_batch_size, input and output (TYPE_FP32 -> FP32),
+dynamic_batching (preferred sizes, delay, the default queue policy's size),
+version_policy and instance_group counts. Fields of Triton's config that
+this agent does not read are named in a warning, never silently dropped;
+a platform it cannot serve is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from google.protobuf import text_format
+
+from tiered.errors import ConfigError
+from tiered.protocol import model_config_pb2 as mc
+
+log = logging.getLogger(__name__)
+
+# Triton's platform and backend names -> ours.
+BACKENDS = {"onnxruntime_onnx": "onnxruntime", "onnxruntime": "onnxruntime",
+            "tensorrt_plan": "tensorrt", "tensorrt": "tensorrt"}
+MODEL_FILE = "model.onnx"  # each version's file, as the repository reads it
+
+
+def parse(text: str, where: str) -> dict[str, Any]:
+    config = mc.ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as strict:
+        try:
+            config = mc.ModelConfig()
+            text_format.Parse(text, config, allow_unknown_field=True)
+        except text_format.ParseError as error:
+            raise ConfigError(f"{where}: not a Triton model configuration: {error}") from error
+        log.warning("%s: ignoring what this agent does not read (%s)", where, strict)
+    return _mapping(config, where)
+
+
+def _mapping(config: mc.ModelConfig, where: str) -> dict[str, Any]:
+    data: dict[str, Any] = {"max_batch_size": config.max_batch_size}
+    if config.name:
+        data["name"] = config.name
+    named = config.backend or config.platform
+    if named:
+        if named not in BACKENDS:
+            raise ConfigError(f"{where}: platform/backend {named!r} is not served here "
+                              f"(served: {', '.join(sorted(BACKENDS))})")
+        data["backend"] = BACKENDS[named]
+    if config.default_model_filename not in ("", MODEL_FILE):
+        raise ConfigError(f"{where}.default_model_filename: each version's model must be "
+                          f"{MODEL_FILE}, not {config.default_model_filename!r}")
+    data["inputs"] = [_tensor(t, f"{where}.input[{i}]") for i, t in enumerate(config.input)]
+    data["outputs"] = [_tensor(t, f"{where}.output[{i}]") for i, t in enumerate(config.output)]
+    if config.HasField("dynamic_batching"):
+        batching = config.dynamic_batching
+        data["dynamic_batching"] = {
+            "preferred_batch_sizes": list(batching.preferred_batch_size),
+            "max_queue_delay_us": batching.max_queue_delay_microseconds,
+        }
+        if batching.default_queue_policy.max_queue_size:
+            data["dynamic_batching"]["max_queue_size"] = \
+                batching.default_queue_policy.max_queue_size
+    policy = config.version_policy.WhichOneof("policy_choice")
+    if policy == "latest":
+        data["version_policy"] = {"latest": config.version_policy.latest.num_versions or 1}
+    elif policy == "all":
+        data["version_policy"] = {"all": True}
+    elif policy == "specific":
+        data["version_policy"] = {"specific": list(config.version_policy.specific.versions)}
+    counts = [group.count or 1 for group in config.instance_group]
+    if counts:
+        data["instance_count"] = sum(counts)
+    return data
+
+
+def _tensor(tensor, where: str) -> dict[str, Any]:
+    kind = mc.DataType.Name(tensor.data_type)
+    if kind == "TYPE_INVALID":
+        raise ConfigError(f"{where}.data_type: missing")
+    datatype = "BYTES" if kind == "TYPE_STRING" else kind.removeprefix("TYPE_")
+    return {"name": tensor.name, "datatype": datatype, "dims": list(tensor.dims)}

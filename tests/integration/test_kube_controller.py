@@ -268,7 +268,10 @@ def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controll
     status = tiered_model(kube)["status"]
     assert status["stage"] == "" and status["weights_summary"] == ""
     assert "rolling back to version 2" in status["message"]
-    shown = cli(api, tmp_path, "rollout", "status", "digits")  # the verdict, per metric and tier
+    # The verdict, per metric and tier; rolled back: exit code 3, at once even when watching.
+    shown = cli(api, tmp_path, "rollout", "status", "digits", code=3)
+    assert cli(api, tmp_path, "rollout", "status", "digits", "--watch", "--timeout", "30",
+               code=3) == shown
     assert "phase: RolledBack" in shown and "last analysis: Failed" in shown, shown
     assert any(f"  {m} on edge: Failed" in shown for m in failed), shown
     # The rollout's steps are kept in the status, with the numbers they were taken on.
@@ -289,13 +292,13 @@ def test_deleting_the_model_removes_its_routes(kube, api, controllers):
     assert not api.objects("deployments") and not api.objects("services")  # owned: collected
 
 
-def cli(api, tmp_path, *args: str) -> str:
-    """`tiered ARGS --kubernetes` against the double; its output."""
+def cli(api, tmp_path, *args: str, code: int = 0) -> str:
+    """`tiered ARGS --kubernetes` against the double; its output (the exit code checked)."""
     kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
     result = subprocess.run([sys.executable, "-m", "tiered", *args, "--kubernetes",
                              "--namespace", NAMESPACE, "--kubeconfig", str(kubeconfig)],
                             check=False, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == code, result.stdout + result.stderr
     return result.stdout
 
 

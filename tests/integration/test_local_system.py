@@ -118,10 +118,10 @@ def traffic(system, store, digits_models):
     assert load.outcomes["ok"] > 1000 and not failed, load.outcomes
 
 
-def tiered(state: Path, *args: str) -> subprocess.CompletedProcess:
+def tiered(state: Path, *args: str, code: int = 0) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", "tiered", *args, "--state", str(state)],
                             check=False, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == code, result.stdout + result.stderr
     return result
 
 
@@ -155,7 +155,9 @@ def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store
 
     assert "paused by hand" in tiered(state, "rollout", "pause", "digits").stdout
     paused = wait_for(local, store, lambda s: s.phase == names.Phase.PAUSED, 10)
-    time.sleep(2.0)  # the controller holds a paused rollout
+    # Paused is not an end: watching it gives up at the timeout, with exit code 4.
+    timed_out = tiered(state, "rollout", "status", "digits", "--timeout", "1.5", code=4)
+    assert "still Paused after 1.5 s" in timed_out.stderr
     assert status_of(store).rollout.stage_index == paused.stage_index
     assert "resumed by hand" in tiered(state, "rollout", "resume", "digits").stdout
 
@@ -173,7 +175,7 @@ def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store
 
     listing = tiered(state, "get").stdout
     assert "digits" in listing and "Promoted" in listing and "v2" in listing
-    status = tiered(state, "rollout", "status", "digits").stdout
+    status = tiered(state, "rollout", "status", "digits", "--watch").stdout  # ended: exit 0
     assert "promote: stage 2/2 'wide' passed" in status
     assert "last analysis: Successful" in status and "  latency_p95 on edge: Successful" in status
 
@@ -198,6 +200,7 @@ def test_a_heavier_version_is_rolled_back(system, store, traffic, digits_models)
     while canary_routed() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not canary_routed()
+    tiered(state, "rollout", "status", "digits", code=3)  # rolled back: exit code 3
 
     # The controller's /metrics says so, in the shape canary alerts read.
     log = (StateLayout(state).logs / "controller.log").read_text()

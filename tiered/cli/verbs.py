@@ -6,12 +6,22 @@ client are imported only when a verb runs."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from tiered import names
 from tiered.cli import flags
 from tiered.errors import ConfigError, TieredError
+
+WATCH_INTERVAL_S = 1.0
+# Beside 1 (an error, as for every verb) and 2 (a usage error):
+EXIT_DEGRADED = 3  # rolled back or aborted
+EXIT_TIMED_OUT = 4  # --timeout passed while the rollout was still going
+_ENDED = {names.Phase.PROMOTED: 0, names.Phase.ROLLED_BACK: EXIT_DEGRADED,
+          names.Phase.ABORTED: EXIT_DEGRADED}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -35,11 +45,19 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="status: the rollout's stage, weights and the latest decisions with "
         "their numbers (--watch follows them). pause: hold at the current stage. resume: go "
         "on (the stage's clock restarts). promote: skip to the next stage (--full: make "
-        "the canary stable now). abort: send all traffic back to the stable version.")
+        "the canary stable now). abort: send all traffic back to the stable version. "
+        f"status exits 0 when the rollout is promoted or still going, "
+        f"{EXIT_DEGRADED} when it was rolled back or aborted, {EXIT_TIMED_OUT} when "
+        "--timeout passed first.")
     rollout.add_argument("verb", choices=("status", "pause", "resume", "promote", "abort"))
     rollout.add_argument("name", help="the TieredModel")
     rollout.add_argument("--full", action="store_true", help="promote: all the way")
-    rollout.add_argument("--watch", "-w", action="store_true", help="status: keep following")
+    rollout.add_argument("--watch", "-w", action="store_true",
+                         help="status: follow the rollout until it is promoted, rolled back "
+                         "or aborted")
+    rollout.add_argument("--timeout", type=float, metavar="S",
+                         help="status: follow (as --watch) for at most S seconds; still going "
+                         f"then: exit code {EXIT_TIMED_OUT}")
     flags.add_backend_flags(rollout)
     rollout.set_defaults(handler=_verb("rollout", _rollout))
 
@@ -125,51 +143,105 @@ def _get(args: argparse.Namespace) -> int:
 def _rollout(args: argparse.Namespace) -> int:
     from tiered.controller import verbs
 
+    if args.verb == "status":
+        return _rollout_status(args)
     if args.kubernetes:
-        cluster = _cluster(args)
-        if args.verb == "status":
-            from tiered.controller.reconciler import decode_status
-
-            row = cluster.rows(args.name)[0]
-            print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
-            status = decode_status(args.name, cluster.get(args.name).get("status"))
-            for line in [*verbs.analysis_lines(status.rollout), "history:",
-                         *verbs.history_lines(status)]:
-                print(line)
-            return 0
-        decision = cluster.rollout_verb(args.name, args.verb, full=args.full)
-        print(f"{args.name}: {decision.action}: {decision.reason}")
-        return 0
-    with _store(args) as store:
-        if args.verb == "status":
-            return _rollout_status(store, args.name, args.watch)
-        decision = verbs.rollout_verb(store, args.name, args.verb, full=args.full)
+        decision = _cluster(args).rollout_verb(args.name, args.verb, full=args.full)
+    else:
+        with _store(args) as store:
+            decision = verbs.rollout_verb(store, args.name, args.verb, full=args.full)
     print(f"{args.name}: {decision.action}: {decision.reason}")
     return 0
 
 
-def _rollout_status(store, name: str, watch: bool) -> int:
+def _rollout_status(args: argparse.Namespace) -> int:
+    """Print where the rollout stands; with --watch or --timeout, follow its
+    steps until it ends. The exit code says how it ended (see --help)."""
     import time
 
+    follow = args.watch or args.timeout is not None
+    deadline = time.monotonic() + args.timeout if args.timeout is not None else None
+    with contextlib.ExitStack() as stack:
+        if args.kubernetes:
+            poll = _cluster_steps(_cluster(args), args.name)
+        else:
+            poll = _store_steps(stack.enter_context(_store(args)), args.name)
+        try:
+            while True:
+                phase, lines = poll()
+                for line in lines:
+                    print(line, flush=True)
+                ended = _ENDED.get(phase)
+                if ended is not None or not follow:
+                    return ended or 0
+                if deadline is not None and time.monotonic() >= deadline:
+                    print(f"{args.name}: still {phase} after {args.timeout:g} s",
+                          file=sys.stderr)
+                    return EXIT_TIMED_OUT
+                time.sleep(WATCH_INTERVAL_S)
+        except BrokenPipeError:  # `... | head` closed the pipe: nothing more to say
+            sys.stderr.close()
+            return 0
+
+
+def _store_steps(store, name: str):
+    """A poll of the local store: (phase, lines to print); the first call
+    prints the summary, the analysis and the last steps, later ones new steps."""
     from tiered.cli.progress import progress_line
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
 
-    record = store.get(name)
-    row = verbs.summary_row(record)
-    print("  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-")))
-    for line in verbs.analysis_lines(decode_status(name, record.status).rollout):
-        print(line)
-    history = store.history(name)
-    for _, t, snap in history[-10:]:
-        print(progress_line(t, snap))
-    last = history[-1][0] if history else 0
-    while watch:
-        time.sleep(1.0)
-        for entry_id, t, snap in store.history(name, after_id=last):
-            print(progress_line(t, snap), flush=True)
+    last = None
+
+    def poll() -> tuple[str, list[str]]:
+        nonlocal last
+        record = store.get(name)
+        rollout = decode_status(name, record.status).rollout
+        lines = []
+        if last is None:
+            row = verbs.summary_row(record)
+            lines.append("  ".join(f"{k.lower()}: {v}" for k, v in row.items()
+                                   if v not in ("", "-")))
+            lines += verbs.analysis_lines(rollout)
+            history = store.history(name)[-10:]
+            last = 0
+        else:
+            history = store.history(name, after_id=last)
+        for entry_id, t, snap in history:
+            lines.append(progress_line(t, snap))
             last = entry_id
-    return 0
+        return (rollout.phase if rollout else ""), lines
+
+    return poll
+
+
+def _cluster_steps(cluster, name: str):
+    """As `_store_steps`, from the TieredModel's status on Kubernetes."""
+    from tiered.controller import verbs
+    from tiered.controller.reconciler import decode_status
+
+    shown: float | None = None
+
+    def poll() -> tuple[str, list[str]]:
+        nonlocal shown
+        status = decode_status(name, cluster.get(name).get("status"))
+        lines = []
+        if shown is None:
+            row = cluster.rows(name)[0]
+            lines.append("  ".join(f"{k.lower()}: {v}" for k, v in row.items()
+                                   if v not in ("", "-")))
+            lines += [*verbs.analysis_lines(status.rollout), "history:"]
+            fresh = status.history[-10:]
+        else:
+            fresh = [step for step in status.history if step.t > shown]
+        if fresh:
+            lines += verbs.history_lines(dataclasses.replace(status, history=tuple(fresh)))
+            shown = fresh[-1].t
+        elif shown is None:
+            shown = 0.0
+        return (status.rollout.phase if status.rollout else ""), lines
+
+    return poll
 
 
 def _crds(args: argparse.Namespace) -> int:

@@ -67,6 +67,11 @@ def load_dataclass(cls: type[T], data: Any, where: str) -> T:
         raise ConfigError(f"{where}{'.' if names_a_field else ': '}{message}") from error
 
 
+class Quantity(str):
+    """A Kubernetes quantity, written as a number or a string (`nvidia.com/gpu: 1`,
+    `memory: 4Gi`); kept as its string."""
+
+
 def _convert(hint: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -112,4 +117,9 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
+    if hint is Quantity:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{where}: expected a quantity such as 2, 500m or 4Gi, "
+                              f"got {value!r}")
+        return str(value)
     raise TypeError(f"settings field {where} has an unsupported type {hint!r}")

@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import pytest
+import yaml
 
 from tiered import names
 from tiered.errors import ConfigError
@@ -188,9 +189,11 @@ def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
     status = status["rollout"]["properties"]
     assert status["phase"]["enum"] == list(names.Phase)
     assert status["last_analysis"]["properties"]["verdict"]["enum"] == list(names.Outcome)
-    # Structural: every node has a type (or preserves unknown fields).
+    # Structural: every node has a type (or preserves unknown fields, or is a
+    # quantity: int-or-string, as Kubernetes declares its own).
     for path, node in _walk(root):
-        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        assert "type" in node or node.get("x-kubernetes-preserve-unknown-fields") or \
+            node.get("x-kubernetes-int-or-string"), path
         assert node.get("type") in {"object", "array", "string", "integer", "number",
                                     "boolean", None}, path
 
@@ -201,3 +204,23 @@ def test_schema_defaults_pass_the_same_validation():
     analysis = spec["properties"]["rollout"]["properties"]["analysis"]
     s.AnalysisSpec(**{k: v["default"] for k, v in analysis["properties"].items()
                       if k in ("confidence", "min_samples", "consecutive_failure_limit")})
+
+
+def test_resources_take_quantities_written_as_numbers_or_strings():
+    doc = document()
+    doc["tiers"]["datacenter"]["resources"] = yaml.safe_load(
+        "{requests: {cpu: 2, memory: 4Gi}, limits: {nvidia.com/gpu: 1, cpu: 2.5}}")
+    resources = s.load_tiered_model(doc).tiers["datacenter"].resources
+    assert dict(resources.limits) == {"nvidia.com/gpu": "1", "cpu": "2.5"}
+    assert dict(resources.requests) == {"cpu": "2", "memory": "4Gi"}
+    doc["tiers"]["datacenter"]["resources"] = {"limits": {"cpu": True}}
+    with pytest.raises(ConfigError, match="expected a quantity"):
+        s.load_tiered_model(doc)
+
+
+def test_the_crd_has_no_yaml_anchors_and_quantities_are_int_or_string():
+    from tiered.controller.crd import render
+
+    text = render()
+    assert "&id" not in text and "*id" not in text
+    assert text.count("x-kubernetes-int-or-string: true") >= 2

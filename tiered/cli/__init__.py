@@ -18,10 +18,14 @@ from collections.abc import Sequence
 
 from tiered.cli import agent, build, controller, demo, models, router, verbs
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "kubectl_main", "main"]
 
 # In the order `tiered --help` lists the commands.
 _COMMANDS = (agent, router, demo, build, models, controller, verbs)
+# The commands that act on a cluster with --kubernetes (as `kubectl tiered` does).
+CLUSTER_VERBS = ("apply", "get", "rollout")
+_COMMAND_NAMES = frozenset(("agent", "top", "router", "demo", "build", "models", "up",
+                            "controller", *CLUSTER_VERBS, "crds"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     for module in _COMMANDS:
         module.register(commands)
     return parser
+
+
+def kubectl_main() -> int:
+    """`kubectl tiered ...` (kubectl runs `kubectl-tiered` from PATH): the same
+    commands, acting on the cluster kubectl points at."""
+    argv = sys.argv[1:]
+    verb = next((a for a in argv if a in _COMMAND_NAMES), None)
+    if verb in CLUSTER_VERBS and not {"--kubernetes", "-k"} & set(argv):
+        argv = [*argv, "--kubernetes"]
+    return main(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

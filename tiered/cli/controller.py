@@ -153,9 +153,10 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
 
     from tiered.controller.kube.controller import ControllerOptions, KubeController
     from tiered.controller.kube.render import ClusterSettings
-    from tiered.controller.kube.verbs import api_client
+    from tiered.controller.kube.verbs import api_client, current_namespace
 
     try:
+        args.namespace = args.namespace or current_namespace(args.kubeconfig, args.context)
         addresses = json.loads(args.agent_addresses.read_text()) if args.agent_addresses else {}
         transport = flags.security_from_args(args)
         settings = ClusterSettings(

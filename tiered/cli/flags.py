@@ -80,8 +80,9 @@ def add_backend_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubernetes", "-k", action="store_true",
                         help="act on a cluster (the kubeconfig's current context, or "
                         "in-cluster) instead of the local system")
-    parser.add_argument("--namespace", "-n", default="default",
-                        help="Kubernetes namespace (default: default)")
+    parser.add_argument("--namespace", "-n",
+                        help="Kubernetes namespace (default: the kubeconfig context's, "
+                        "in a pod its own, else default)")
     parser.add_argument("--kubeconfig", type=Path, metavar="FILE",
                         help="Kubernetes: kubeconfig file (default: ~/.kube/config)")
     parser.add_argument("--context", help="Kubernetes: kubeconfig context")

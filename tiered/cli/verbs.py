@@ -71,9 +71,10 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _cluster(args: argparse.Namespace):
-    from tiered.controller.kube.verbs import ClusterVerbs, api_client
+    from tiered.controller.kube.verbs import ClusterVerbs, api_client, current_namespace
 
-    return ClusterVerbs(api_client(args.kubeconfig, args.context), args.namespace)
+    namespace = args.namespace or current_namespace(args.kubeconfig, args.context)
+    return ClusterVerbs(api_client(args.kubeconfig, args.context), namespace)
 
 
 def _store(args: argparse.Namespace):

@@ -53,6 +53,27 @@ def api_client(kubeconfig: Path | None = None, context: str | None = None):
         raise ConfigError(f"kubeconfig: {error}") from error
 
 
+IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def current_namespace(kubeconfig: Path | None = None, context: str | None = None) -> str:
+    """The namespace kubectl would use: the context's, in a pod its own, else default."""
+    from kubernetes import config
+
+    try:
+        contexts, active = config.list_kube_config_contexts(
+            config_file=str(kubeconfig) if kubeconfig else None)
+        chosen = next((c for c in contexts if c["name"] == context), None) if context \
+            else active
+        namespace = ((chosen or {}).get("context") or {}).get("namespace")
+        if namespace:
+            return namespace
+    except (config.ConfigException, OSError):
+        if IN_CLUSTER_NAMESPACE.is_file():
+            return IN_CLUSTER_NAMESPACE.read_text().strip() or "default"
+    return "default"
+
+
 class ClusterVerbs:
     def __init__(self, api, namespace: str) -> None:
         from kubernetes import client

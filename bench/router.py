@@ -8,15 +8,16 @@ for a fixed time after a warm-up (bench/common.py's load generator). Two
 models: `mlp` (tiny: the request is all protocol) and `sized` (a ReduceMean
 over a ResNet-18-sized input, [1, 3, 224, 224] FP32 = 602 KB, so the
 forwarding of big payloads shows and the engine does not hide it). A third
-arm, `bench/passthrough_server.py`, forwards every request to the agent and
-does nothing else: the cost of a bare Python gRPC hop, so that what the
+arm, `bench/passthrough_server.py`, forwards every request's bytes to the
+agent and does nothing else: the floor of a Python gRPC hop, so that what the
 router adds beyond it shows. Direct, pass-through and routed windows
 alternate, so each is measured beside the others in time; the client, router
 and agent share this machine's cores.
 
-Targets (small model): added P50 <= 0.5 ms at c=1; routed throughput >= 80%
-of direct at c=16. PASS / FAIL are printed and written; the exit code does
-not depend on them (a `--smoke` run's is 1 when its rows are not well-formed).
+Targets (small model, set for a 16-core host): added P50 <= 0.5 ms at c=1;
+routed throughput >= 90% of direct at c=16. PASS / FAIL are printed and
+written; the exit code does not depend on them (a `--smoke` run's is 1 when
+its rows are not well-formed).
 
 Run: `.venv/bin/python bench/router.py` (about 3 minutes), `--seconds` per
 window, `--rounds` alternations, `--out` for the JSON path, `--smoke` for a
@@ -46,13 +47,14 @@ from bench import common
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import RouterProcess
 from tiered.models import zoo
+from tiered.router.server import event_loop_factory
 
 MODELS = {
     "mlp": ("input", (1, 16)),
     "sized": ("input", (1, 3, 224, 224)),
 }
 TARGET_ADDED_P50_MS = 0.5  # mlp at c=1
-TARGET_THROUGHPUT_RATIO = 0.8  # mlp at c=16, routed over direct
+TARGET_THROUGHPUT_RATIO = 0.9  # mlp at c=16, routed over direct
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     result.update({
         "config": {**asdict(settings),
+                   # the router's and the pass-through's (uvloop where installed)
+                   "event_loop": "uvloop" if event_loop_factory() else "asyncio",
                    "note": "client, router and agent share this machine's cores"},
         "rows": rows,
         "targets": targets(rows),

@@ -213,6 +213,27 @@ def test_an_unknown_tier_hint_is_invalid_argument(client):
     assert "tiered-tier" in caught.value.message()
 
 
+def test_the_answer_is_the_agents_bytes_and_undecodable_bytes_are_invalid(router, agents,
+                                                                         table_path):
+    edge = {"edge": {"agents": [agents["edge"].address], "stable": 2}}
+    use_table(router, table_path, table(agents, 0, tiers=edge))
+    request = pb.ModelInferRequest(model_name="digits", id="same")
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 1, 8, 8])
+    request.raw_input_contents.append(images().tobytes())
+    answers = {}
+    for target, asked in ((agents["edge"].address, "2"), (router.address, "")):
+        request.model_version = asked  # the router asks the agent for the table's stable 2
+        with grpc.insecure_channel(target) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            answers[target] = call(request.SerializeToString(), timeout=10)
+    assert answers[router.address] == answers[agents["edge"].address]
+    assert pb.ModelInferResponse.FromString(answers[router.address]).model_version == "2"
+    with grpc.insecure_channel(router.address) as channel, \
+            pytest.raises(grpc.RpcError) as caught:
+        channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(b"\xff\xff", timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_stream_infer_is_forwarded_per_request(router):
     results, done = [], threading.Event()
 

@@ -133,6 +133,21 @@ def test_slo_energy_ranks_by_energy_only_among_figures_of_one_source(
     assert ranking.energy_incomparable == incomparable
 
 
+ONE_CANDIDATE = {
+    "meets-the-slo": (50, {"r:1": obs(5, 0.5)}),
+    "misses-the-slo": (1, {"r:1": obs(5, 0.5)}),
+    "modeled-energy": (50, {"r:1": obs(5, 0.5, source="model")}),
+    "nothing-known": (50, {}),
+}
+
+
+@pytest.mark.parametrize("slo_ms, observations", ONE_CANDIDATE.values(), ids=ONE_CANDIDATE)
+def test_slo_energy_with_one_candidate_ranks_it_whatever_is_known(slo_ms, observations):
+    ranking = p.SloEnergy(default_slo_ms=100).choose(
+        (R1,), p.RouteRequest("m", slo_ms=slo_ms), observations, random.Random(0))
+    assert ranking == p.Ranking((R1,), energy_incomparable=False)
+
+
 def test_slo_energy_uses_the_model_default_without_a_hint():
     observations = {"e:1": obs(30, 0.1), "e:2": obs(30, 0.1), "r:1": obs(5, 0.5),
                     "d:1": obs(5, 0.9)}

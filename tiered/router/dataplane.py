@@ -54,11 +54,12 @@ class Router:
             raise errors.NotFound(f"model_name: {model!r} is not in the routing table")
         return route
 
-    async def infer(self, request: pb.ModelInferRequest,
+    async def infer(self, request: pb.ModelInferRequest, raw: bytes,
                     metadata: Sequence[tuple[str, str]] | None, time_remaining: float | None
-                    ) -> pb.ModelInferResponse:
+                    ) -> forward.Answer:
         """Route, forward, count; a model outside the table is NOT_FOUND and
-        counted nowhere, any other failure counts in the model's statistics."""
+        counted nowhere, any other failure counts in the model's statistics.
+        `raw` is `request` as it came: what goes to the agent."""
         started = self.clock()
         model = request.model_name
         table = self.table  # the whole request sees one table
@@ -67,39 +68,40 @@ class Router:
             hints.refuse_shared_memory(request)
             deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
                                       started)
-            response, chosen, choice = await self._route(request, route, metadata, deadline)
+            answer, choice = await self._route(request, raw, route, metadata, deadline)
         except Exception:
             now = self.clock()
             self.statistics.failed(model, now - started, now)
             raise
         now = self.clock()
-        self.statistics.succeeded(model, response.model_version, now - started, now)
-        self.metrics.answered(model, chosen.tier, response.model_version)
-        if policies.should_shadow(route.tiers[chosen.tier], choice, self.rng):
-            self.shadows.send(request, response, chosen, route, table.timeout_s)
-        return response
+        version = answer.response.model_version
+        tier = answer.candidate.tier
+        self.statistics.succeeded(model, version, now - started, now)
+        self.metrics.answered(model, tier, version)
+        if policies.should_shadow(route.tiers[tier], choice, self.rng):
+            self.shadows.send(request, raw, answer, route, table.timeout_s)
+        return answer
 
-    async def _route(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
+    async def _route(self, request: pb.ModelInferRequest, raw: bytes, route: routing.ModelRoute,
                      metadata: Sequence[tuple[str, str]] | None, deadline: float
-                     ) -> tuple[pb.ModelInferResponse, policies.Candidate,
-                                policies.VersionChoice]:
+                     ) -> tuple[forward.Answer, policies.VersionChoice]:
         model = request.model_name
         wanted = hints.read_hints(model, request.parameters, metadata)
         choices = {tier: policies.pick_version(tier_route, wanted.key, self.rng)
                    for tier, tier_route in route.tiers.items()}
         candidates = self.candidates(model, route, choices)
         policy = policies.policy_for(route, wanted)
-        seen = self.observer.snapshot((c.agent for c in candidates), model)
+        # One candidate leaves nothing to rank: no policy's answer can depend on
+        # what is known of it, so nothing is read.
+        seen = self.observer.snapshot((c.agent for c in candidates), model) \
+            if len(candidates) > 1 else {}
         ranking = policy.choose(candidates, wanted, seen, self.rng)
         if ranking.energy_incomparable:
             self.metrics.ranked_without_energy(model)
-        if isinstance(policy, policies.Cascade):
-            response, chosen = await self.forwarder.cascade(
-                request, ranking.candidates, route, deadline)
-        else:
-            response, chosen = await self.forwarder.forward(
-                request, ranking.candidates, route, deadline)
-        return response, chosen, choices[chosen.tier]
+        send = self.forwarder.cascade if isinstance(policy, policies.Cascade) \
+            else self.forwarder.forward
+        answer = await send(request, raw, ranking.candidates, route, deadline)
+        return answer, choices[answer.candidate.tier]
 
     def candidates(self, model: str, route: routing.ModelRoute,
                    choices: Mapping[str, policies.VersionChoice]) -> list[policies.Candidate]:

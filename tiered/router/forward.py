@@ -1,21 +1,27 @@
 """The router's calls to its agents: pooled channels, failover, the cascade's
 escalation, shadow calls and the metadata and readiness probes.
 
-Errors from agents come back as domain errors (`upstream_error`), so that
-`translate_errors` maps them once. Which agents to try, and in what order,
-is decided before these calls (`policies`); this module only follows the
-order it is given. It talks to agents over gRPC only and never imports agent
-or controller code.
+ModelInfer travels as bytes: the client's request goes to the agent as it
+came (a different `model_version` is appended, see `with_version`) and the
+agent's answer goes back to the client as it came; the router parses both to
+read them, never to rebuild them. Errors from agents come back as domain
+errors (`upstream_error`), so that `translate_errors` maps them once. Which
+agents to try, and in what order, is decided before these calls
+(`policies`); this module only follows the order it is given. It talks to
+agents over gRPC only and never imports agent or controller code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tiered import errors
 from tiered.protocol import codec, routing, security
@@ -33,12 +39,53 @@ METADATA_TIMEOUT_S = 5.0
 SERVER_READY_TIMEOUT_S = 1.0
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.DEADLINE_EXCEEDED})
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
-Answer = tuple[pb.ModelInferResponse, policies.Candidate]
+# Bytes in, bytes out: a ModelInfer call that neither serializes nor parses.
+RawInfer = Callable[..., grpc.aio.UnaryUnaryCall]
+
+
+class Answer(NamedTuple):
+    """An agent's answer: parsed (for the router to read) and its bytes (for the client)."""
+
+    response: pb.ModelInferResponse
+    raw: bytes
+    candidate: policies.Candidate
 
 
 def upstream_error(agent: str, error: grpc.aio.AioRpcError) -> errors.TieredError:
     return error_from_status(error.code(), f"{error.details()} (agent {agent})")
+
+
+def with_version(request: pb.ModelInferRequest, raw: bytes, version: int) -> bytes:
+    """`raw` (the bytes of `request`) asking for `version` (0: the agent's latest).
+
+    On the wire the last value of a field wins, so a different version is
+    appended rather than the request rebuilt; only clearing a version the
+    client named needs a new serialization (an empty string is not written).
+    """
+    wanted = str(version) if version else ""
+    if wanted == request.model_version:
+        return raw
+    if wanted:
+        return raw + _version_field(version)
+    cleared = pb.ModelInferRequest()
+    cleared.CopyFrom(request)
+    cleared.model_version = ""
+    return cleared.SerializeToString()
+
+
+@functools.lru_cache(maxsize=256)
+def _version_field(version: int) -> bytes:
+    return pb.ModelInferRequest(model_version=str(version)).SerializeToString()
+
+
+def parse_response(raw: bytes, agent: str) -> pb.ModelInferResponse:
+    try:
+        return pb.ModelInferResponse.FromString(raw)
+    except DecodeError:
+        raise error_from_status(grpc.StatusCode.INTERNAL, f"agent {agent} answered bytes "
+                                f"that are not a ModelInferResponse") from None
 
 
 class ChannelPool:
@@ -48,6 +95,7 @@ class ChannelPool:
         self.transport = transport  # agents are checked against its CA; mTLS with its cert
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.GRPCInferenceServiceStub] = {}
+        self._infers: dict[str, RawInfer] = {}
 
     def channel(self, agent: str) -> grpc.aio.Channel:
         channel = self._channels.get(agent)
@@ -71,9 +119,20 @@ class ChannelPool:
             stub = self._stubs[agent] = pb_grpc.GRPCInferenceServiceStub(self.channel(agent))
         return stub
 
+    def infer(self, agent: str) -> RawInfer:
+        """ModelInfer on the agent's channel, bytes in and out."""
+        call = self._infers.get(agent)
+        if call is None:
+            # Registered like the generated stubs' methods: core resolves the
+            # path once per channel, not per call.
+            call = self._infers[agent] = self.channel(agent).unary_unary(
+                INFER_METHOD, _registered_method=True)
+        return call
+
     async def keep_only(self, agents: frozenset[str]) -> None:
         for agent in [a for a in self._channels if a not in agents]:
             self._stubs.pop(agent, None)
+            self._infers.pop(agent, None)
             await self._channels.pop(agent).close(grace=5)
 
     async def close(self) -> None:
@@ -102,7 +161,7 @@ class Forwarder:
         self.metrics = metrics
         self.clock = clock
 
-    async def forward(self, request: pb.ModelInferRequest,
+    async def forward(self, request: pb.ModelInferRequest, raw: bytes,
                       candidates: Sequence[policies.Candidate], route: routing.ModelRoute,
                       deadline: float) -> Answer:
         """The first candidate that answers, failing over on retryable codes."""
@@ -119,10 +178,9 @@ class Forwarder:
                 saturated += 1
                 continue
             attempts += 1
-            request.model_version = str(candidate.version) if candidate.version else ""
             try:
-                response = await self.pool.stub(candidate.agent).ModelInfer(
-                    request, timeout=remaining)
+                reply = await self.pool.infer(candidate.agent)(
+                    with_version(request, raw, candidate.version), timeout=remaining)
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RETRYABLE:
                     raise upstream_error(candidate.agent, error) from None
@@ -134,7 +192,7 @@ class Forwarder:
                 self.observer.release(candidate.agent)
             self.observer.record_latency(candidate.agent, request.model_name,
                                          self.clock() - now)
-            return response, candidate
+            return Answer(parse_response(reply, candidate.agent), reply, candidate)
         if last is None:
             if saturated:
                 self.metrics.rejected.labels(request.model_name).inc()
@@ -144,7 +202,7 @@ class Forwarder:
             raise errors.Unavailable(f"model {request.model_name!r}: no agent to send to")
         raise upstream_error(*last)
 
-    async def cascade(self, request: pb.ModelInferRequest,
+    async def cascade(self, request: pb.ModelInferRequest, raw: bytes,
                       candidates: Sequence[policies.Candidate], route: routing.ModelRoute,
                       deadline: float) -> Answer:
         """Tier by tier in the cascade's order, while the answer is unsure."""
@@ -156,7 +214,7 @@ class Forwarder:
         answer: Answer | None = None
         for index, tier in enumerate(tiers):
             try:
-                answer = await self.forward(request, by_tier[tier], route, deadline)
+                answer = await self.forward(request, raw, by_tier[tier], route, deadline)
             except (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded):
                 if answer is not None:
                     return answer  # an unsure answer beats none
@@ -165,7 +223,7 @@ class Forwarder:
                 raise
             if index + 1 == len(tiers) or deadline <= self.clock():
                 return answer
-            if not policies.should_escalate(outputs_of(answer[0], settings.output),
+            if not policies.should_escalate(outputs_of(answer.response, settings.output),
                                             settings.threshold, settings.output):
                 return answer
             self.metrics.escalations.labels(request.model_name, tier).inc()
@@ -228,25 +286,26 @@ class Shadows:
         self.rng = rng
         self._tasks: set[asyncio.Task] = set()
 
-    def send(self, request: pb.ModelInferRequest, response: pb.ModelInferResponse,
-             chosen: policies.Candidate, route: routing.ModelRoute, timeout_s: float) -> None:
+    def send(self, request: pb.ModelInferRequest, raw: bytes, answer: Answer,
+             route: routing.ModelRoute, timeout_s: float) -> None:
+        chosen = answer.candidate
         canary = route.tiers[chosen.tier].canary
         if canary is None or len(self._tasks) >= MAX_SHADOW_IN_FLIGHT:
             return
-        copy = pb.ModelInferRequest()
-        copy.CopyFrom(request)
-        copy.model_version = str(canary)
         agents = route.tiers[chosen.tier].agents_for(canary)
         agent = chosen.agent if chosen.agent in agents else self.rng.choice(agents)
-        task = asyncio.create_task(self._compare(copy, response, chosen.tier, agent,
-                                                 route.cascade.output, timeout_s))
+        task = asyncio.create_task(self._compare(
+            request.model_name, str(canary), with_version(request, raw, canary),
+            answer.response, chosen.tier, agent, route.cascade.output, timeout_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _compare(self, request: pb.ModelInferRequest, stable: pb.ModelInferResponse,
-                       tier: str, agent: str, output: str, timeout_s: float) -> None:
+    async def _compare(self, model: str, version: str, request: bytes,
+                       stable: pb.ModelInferResponse, tier: str, agent: str, output: str,
+                       timeout_s: float) -> None:
         try:
-            shadow = await self.pool.stub(agent).ModelInfer(request, timeout=timeout_s)
+            shadow = parse_response(
+                await self.pool.infer(agent)(request, timeout=timeout_s), agent)
             expected = policies.top1(outputs_of(stable, output), output)
             seen = policies.top1(outputs_of(shadow, output), output)
             if expected is None or seen is None:
@@ -256,7 +315,7 @@ class Shadows:
         except Exception as error:  # noqa: BLE001 -- a shadow never touches the answer
             log.debug("shadow call failed: %s", error)
             result = counters.ERROR
-        self.agreement.record(request.model_name, request.model_version, tier, result)
+        self.agreement.record(model, version, tier, result)
 
     def cancel(self) -> None:
         for task in list(self._tasks):

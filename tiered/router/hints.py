@@ -29,6 +29,8 @@ def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, st
         for key in HINTS:
             if key in parameters:
                 found[key] = codec.parameter_value(parameters[key])
+    if not found:  # most requests: no hint at all
+        return policies.RouteRequest(model)
     slo = found.get("tiered-slo-ms")
     if slo is not None:
         try:

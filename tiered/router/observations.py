@@ -143,8 +143,10 @@ class Observer:
         for agent in [a for a, n in self.in_flight.items() if a not in kept and n == 0]:
             del self.in_flight[agent]
 
-    def observe(self, agent: str, model: str) -> policies.AgentObservation:
-        now = self.clock()
+    def observe(self, agent: str, model: str, now: float | None = None
+                ) -> policies.AgentObservation:
+        if now is None:
+            now = self.clock()
         ewma = self._ewma.get((agent, model))
         ewma_s = ewma[0] if ewma and now - ewma[1] <= self.stale_after_s else None
         figures = self._telemetry.get((agent, model))
@@ -166,7 +168,8 @@ class Observer:
 
     def snapshot(self, agents: Iterable[str], model: str
                  ) -> dict[str, policies.AgentObservation]:
-        return {agent: self.observe(agent, model) for agent in agents}
+        now = self.clock()  # one reading for every agent of the snapshot
+        return {agent: self.observe(agent, model, now) for agent in agents}
 
 
 Resolve = Callable[[str], Awaitable[Sequence[str]]]

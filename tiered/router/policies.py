@@ -10,6 +10,7 @@ observed and an `random.Random`. Never import gRPC or agent code here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -90,11 +91,16 @@ def pick_version(route: routing.TierRoute, key: str | None, rng: random.Random) 
     """Stable or canary. A key always lands on the same side for a given weight,
     and raising the weight only moves keys from stable to canary."""
     if route.canary is None or route.canary_weight <= 0:
-        return VersionChoice(route.stable, False)
+        return _stable(route.stable)
     point = key_point(key) if key else rng.random()
     if point < route.canary_weight:
         return VersionChoice(route.canary, True)
     return VersionChoice(route.stable, False)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stable(version: int) -> VersionChoice:
+    return VersionChoice(version, False)  # one value per version, not one per request
 
 
 def key_point(key: str) -> float:
@@ -202,6 +208,8 @@ class SloEnergy:
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
                observations: Observations, rng: random.Random) -> Ranking:
+        if len(candidates) == 1:  # nothing to rank, and one agent's energy has one source
+            return Ranking(tuple(candidates))
         slo_s = (request.slo_ms if request.slo_ms is not None else self.default_slo_ms) / 1000
         tiers = _by_tier(candidates)
         estimates = [estimate_tier(t, agents, observations) for t, agents in tiers.items()]

@@ -14,18 +14,19 @@ import logging
 import random
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import start_http_server
 
 from tiered import errors
 from tiered.protocol import descriptors, routing, security
-from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.protocol.handlers import GenericOnly
 from tiered.protocol.security import PLAINTEXT, TransportSecurity
 from tiered.router import dataplane, forward, observations, servicer
 
@@ -111,12 +112,13 @@ async def serve(settings: RouterSettings) -> None:
         ("grpc.so_reuseport", 0),
     ], maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     inference = servicer.RouterServicer(router)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)
-    tpb_grpc.add_TelemetryServicer_to_server(servicer.TelemetryServicer(router), server)
+    servicer.add_to_server(inference, server)
+    services = GenericOnly(server)
+    tpb_grpc.add_TelemetryServicer_to_server(servicer.TelemetryServicer(router), services)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        descriptors.reflection_service_names(), server, pool=descriptors.reflection_pool())
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, services)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
+        descriptors.reflection_service_names(), pool=descriptors.reflection_pool()), services)
     address = f"{settings.host}:{settings.port}"
     try:
         port = security.add_port(server, address, settings.security)
@@ -157,9 +159,19 @@ async def serve(settings: RouterSettings) -> None:
     await router.close()
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (a cheaper hop), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def run(settings: RouterSettings) -> int:
     try:
-        asyncio.run(serve(settings))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(serve(settings))
     except errors.ConfigError as error:
         print(f"tiered router: {error}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 Each method converts the request, calls the data plane (`dataplane.Router`)
 and converts its answer; errors are domain errors, mapped once by
-`translate_errors`. No routing decision is made here.
+`translate_errors`. No routing decision is made here. ModelInfer takes and
+gives bytes (`add_to_server`): the agent's answer goes back as it came.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 import tiered
 from tiered import errors
+from tiered.protocol import descriptors
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.protocol.handlers import GenericOnly
 from tiered.protocol.status import translate_errors
 from tiered.protocol.streaming import answer_stream
 from tiered.router import dataplane, forward, hints
@@ -64,9 +68,10 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self.router.metadata_call(request.name, "ModelConfig", request)
 
     @translate_errors
-    async def ModelInfer(self, request, context):
-        return await self.router.infer(request, context.invocation_metadata(),
-                                       context.time_remaining())
+    async def ModelInfer(self, request: bytes, context) -> bytes:
+        answer = await self.router.infer(parse_request(request), request,
+                                         context.invocation_metadata(), context.time_remaining())
+        return answer.raw
 
     @translate_errors
     async def ModelStatistics(self, request, context):
@@ -109,10 +114,31 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
         metadata = context.invocation_metadata()
 
         async def infer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-            return await self.router.infer(request, metadata, context.time_remaining())
+            answer = await self.router.infer(request, request.SerializeToString(), metadata,
+                                             context.time_remaining())
+            return answer.response
 
         async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):
             yield response
+
+
+def parse_request(raw: bytes) -> pb.ModelInferRequest:
+    try:
+        return pb.ModelInferRequest.FromString(raw)
+    except DecodeError:
+        raise errors.InvalidArgument("request: not a ModelInferRequest") from None
+
+
+def add_to_server(inference: RouterServicer, server) -> None:
+    """The v2 service on `server` as generic handlers (`GenericOnly`), ModelInfer
+    with bytes in and out: the request goes on as it came, the answer back as
+    the agent sent it."""
+    services = GenericOnly(server)
+    services.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        descriptors.INFERENCE_SERVICE,
+        {"ModelInfer": grpc.unary_unary_rpc_method_handler(inference.ModelInfer)}),))
+    # After the bytes handler, which answers ModelInfer first.
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(inference, services)
 
 
 class TelemetryServicer(tpb_grpc.TelemetryServicer):

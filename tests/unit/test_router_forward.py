@@ -1,0 +1,47 @@
+"""The bytes the router forwards: the client's request, with the version it routes to."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiered.errors import TieredError
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.router import forward
+
+
+def request(version: str = "") -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(model_name="m", model_version=version, id="r1")
+    tensor = message.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+    tensor.parameters["binary_data_size"].int64_param = 8
+    message.raw_input_contents.append(b"\x00" * 8)
+    return message
+
+
+# client's version, routed version -> version the agent reads
+VERSIONS = {
+    "latest-to-latest": ("", 0, ""),
+    "latest-to-stable": ("", 3, "3"),
+    "named-to-the-same": ("3", 3, "3"),
+    "named-to-another": ("2", 13, "13"),
+    "named-to-latest": ("2", 0, ""),
+}
+
+
+@pytest.mark.parametrize("sent, routed, read", VERSIONS.values(), ids=VERSIONS)
+def test_the_agent_reads_the_routed_version_and_the_rest_unchanged(sent, routed, read):
+    message = request(sent)
+    forwarded = pb.ModelInferRequest.FromString(
+        forward.with_version(message, message.SerializeToString(), routed))
+    expected = request(read)
+    assert forwarded == expected
+
+
+def test_bytes_already_asking_for_the_version_go_on_untouched():
+    message = request("3")
+    raw = message.SerializeToString()
+    assert forward.with_version(message, raw, 3) is raw
+
+
+def test_an_answer_that_does_not_parse_is_an_upstream_error_naming_the_agent():
+    with pytest.raises(TieredError, match="agent a:1 answered bytes that are not"):
+        forward.parse_response(b"\xff\xff\xff", "a:1")

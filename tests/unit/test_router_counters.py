@@ -49,9 +49,23 @@ def test_choices_energy_could_not_decide_are_counted_per_model():
     metrics = RouterMetrics(ShadowAgreement())
     for model in ("m", "m", "n"):
         metrics.ranked_without_energy(model)
-    metrics.answered("m", "edge", "1")
+    metrics.answered("m", "edge", "1", 0.002)
     text = generate_latest(metrics.registry).decode()
     assert 'tiered_router_energy_incomparable_total{model="m"} 2.0' in text
     assert 'tiered_router_energy_incomparable_total{model="n"} 1.0' in text
     assert 'tiered_router_requests_total{model="m",outcome="ok",tier="edge",version="1"} 1.0' \
         in text
+
+
+def test_answers_are_timed_in_a_histogram_per_model_tier_and_version():
+    metrics = RouterMetrics(ShadowAgreement())
+    for seconds in (0.0004, 0.002, 0.002, 0.3):
+        metrics.answered("m", "edge", "1", seconds)
+    metrics.answered("m", "datacenter", "2", 0.01)
+    text = generate_latest(metrics.registry).decode()
+    edge = 'model="m",tier="edge",version="1"'
+    assert f'tiered_router_request_duration_seconds_bucket{{le="0.0005",{edge}}} 1.0' in text
+    assert f'tiered_router_request_duration_seconds_bucket{{le="0.0025",{edge}}} 3.0' in text
+    assert f'tiered_router_request_duration_seconds_count{{{edge}}} 4.0' in text
+    assert 'tiered_router_request_duration_seconds_count{model="m",tier="datacenter",' \
+        'version="2"} 1.0' in text

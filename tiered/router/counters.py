@@ -15,10 +15,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from tiered import names
+from tiered.telemetry.histogram import LATENCY_BUCKETS_S
 
 MAX_CACHED_CHILDREN = 4096  # labelled Prometheus children kept at hand
 MAX_SHADOWED_VERSIONS = 1024  # (model, canary version) pairs tallied; the oldest go first
@@ -105,9 +106,13 @@ class RouterMetrics:
             "meeting the SLO had J/inference of different sources (nvml, rapl, model), so "
             "energy decided nothing and the fastest went first", ["model"],
             registry=self.registry)
-        self._children: dict[tuple[object, ...], Counter] = {}
+        self.latency = Histogram(
+            "tiered_router_request_duration_seconds", "Answered requests' time in the router, "
+            "from arrival to answer, by the tier and version that answered",
+            ["model", "tier", "version"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self._children: dict[tuple[object, ...], Counter | Histogram] = {}
 
-    def _child(self, counter: Counter, *labels: str) -> Counter:
+    def _child(self, counter, *labels: str):
         """The labelled child, looked up once (the hot path counts through here)."""
         key = (counter, *labels)
         child = self._children.get(key)
@@ -117,8 +122,9 @@ class RouterMetrics:
                 self._children[key] = child
         return child
 
-    def answered(self, model: str, tier: str, version: str) -> None:
+    def answered(self, model: str, tier: str, version: str, seconds: float) -> None:
         self._child(self.requests, model, tier, version, "ok").inc()
+        self._child(self.latency, model, tier, version).observe(seconds)
 
     def ranked_without_energy(self, model: str) -> None:
         """Count one choice that energy could not decide (`Ranking.energy_incomparable`)."""

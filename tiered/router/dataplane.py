@@ -77,7 +77,7 @@ class Router:
         version = answer.response.model_version
         tier = answer.candidate.tier
         self.statistics.succeeded(model, version, now - started, now)
-        self.metrics.answered(model, tier, version)
+        self.metrics.answered(model, tier, version, now - started)
         if policies.should_shadow(route.tiers[tier], choice, self.rng):
             self.shadows.send(request, raw, answer, route, table.timeout_s)
         return answer

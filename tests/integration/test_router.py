@@ -273,9 +273,16 @@ def test_the_slo_choice_moves_off_a_tier_that_became_slow(router, client, agents
     other = "regional" if first == "edge" else "edge"
     slowed = {**two, first: {"agents": [agents[first].address], "stable": SLOW}}
     use_table(router, table_path, table(agents, 0, tiers=slowed, slo_ms=5))
-    for _ in range(30):  # the router measures the slow version
-        client.infer("digits", batch)
-    time.sleep(1.5)
+    # The router measures the slow version: once an agent's telemetry slot with
+    # those answers has closed and been polled (up to about 2 s), it moves.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        probe = served(agents)
+        for _ in range(10):
+            client.infer("digits", batch)
+        if delta(probe, served(agents))[other] >= 8 * 64:
+            break
+        time.sleep(0.5)
     before = served(agents)
     for _ in range(20):
         client.infer("digits", batch)

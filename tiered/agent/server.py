@@ -124,14 +124,18 @@ async def serve(settings: AgentSettings) -> None:
     front_ends = None
     address = f"{settings.host}:{settings.port}"
     if processes:
+        try:
+            held = reserve_port(settings.host, settings.port)
+        except ConfigError:
+            await repository.close()
+            raise
+        port = held.getsockname()[1]
         private = Path(tempfile.mkdtemp(prefix="tiered-agent-"))
         log.info("front ends reach this process through %s", private)
         server.add_insecure_port(f"unix:{private / 'grpc.sock'}")
         await server.start()
         feed = FeedServer(str(private / "feed.sock"), servicer.answer_fed,
                           limits.max_message_bytes + FEED_FRAME_SLACK)
-        held = reserve_port(settings.host, settings.port)
-        port = held.getsockname()[1]
         front_ends = FrontEnds(processes, FrontEndSettings(
             host=settings.host, port=port, security=settings.security,
             authorizer=settings.authorizer, feed=feed.path,
@@ -159,6 +163,9 @@ async def serve(settings: AgentSettings) -> None:
         try:
             bound = serve_metrics(hub, settings.host, settings.metrics_port)
         except OSError as error:
+            if front_ends is not None:
+                await front_ends.stop()
+                await _close_feed(feed, held, private)
             await server.stop(0)
             raise ConfigError(
                 f"cannot serve /metrics on {settings.host}:{settings.metrics_port}: {error}"

@@ -109,7 +109,7 @@ def test_pin_wrong_sha_raises_naming_artifact_sha256(base, form):
 @pytest.mark.parametrize("form", [flat, kube])
 def test_pin_missing_file_without_sha_raises_naming_artifact_uri(base, form):
     where = r"f\.yaml\.spec" if form is kube else r"f\.yaml"
-    with pytest.raises(ConfigError, match=rf"^{where}\.artifact\.uri: .*missing\.onnx"):
+    with pytest.raises(ConfigError, match=rf"^{where}\.artifact\.uri: no such file: .*missing\.onnx"):
         pin_artifact(form(artifact={"uri": "missing.onnx"}), base, "f.yaml")
 
 
@@ -129,8 +129,23 @@ def test_pin_leaves_uris_with_a_scheme(base, form):
 
 
 def test_pin_scheme_uri_without_sha_raises(base):
-    with pytest.raises(ConfigError, match=r"artifact\.uri: s3://bucket/m\.onnx"):
+    with pytest.raises(ConfigError, match=r"artifact\.uri: s3://bucket/m\.onnx is not on this "
+                       r"machine.*give artifact\.sha256"):
         pin_artifact(flat(artifact={"uri": "s3://bucket/m.onnx"}), base, "f")
+
+
+@pytest.mark.parametrize("form", [flat, kube])
+def test_a_mistyped_field_is_named_before_the_artifact_is_looked_at(base, form):
+    document = form(artifact={"uri": "missing.onnx"})
+    spec = document.get("spec", document)
+    spec["tiers"]["edge"]["replicaz"] = 2  # the typo; the artifact is missing too
+    with pytest.raises(ConfigError, match="replicaz") as caught:
+        verbs.checked(document, base, "f.yaml")
+    assert "artifact" not in str(caught.value)
+    spec["tiers"]["edge"].pop("replicaz")
+    spec["artifact"] = {"uri": "models/m.onnx"}
+    model, pinned = verbs.checked(document, base, "f.yaml")
+    assert artifact_of(pinned)["sha256"] == MODEL_SHA and model.name == "digits"
 
 
 def test_pin_absolute_path_stays(base):
@@ -427,3 +442,16 @@ def test_history_lines_say_where_each_energy_figure_came_from():
     assert "p95_canary_ms" not in step.numbers  # no figure: nothing stored
     (line,) = verbs.history_lines(TieredModelStatus(history=(step,)))
     assert line.endswith("[stable_requests=900 jpi_stable=0.5 (nvml) jpi_canary=0.25 (model)]")
+
+
+def test_get_keeps_each_table_cell_to_a_line(base, store, capsys):
+    from tiered.cli import main
+
+    write_yaml(base / "f.yaml", flat(artifact={"uri": "models/m.onnx"}))
+    verbs.apply_file(store, base / "f.yaml")
+    record = store.get("digits")
+    store.write_status("digits", record.revision, status={"message": "x" * 500})
+    assert main(["get", "--state", str(base / "state")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(len(line) < 200 for line in lines)  # header, rule, row
+    assert lines[2].rstrip().endswith("x...")

@@ -17,6 +17,7 @@ from tiered.cli import flags
 from tiered.errors import ConfigError, TieredError
 
 WATCH_INTERVAL_S = 1.0
+MAX_CELL = 80  # `tiered get`'s columns, MESSAGE above all
 # Beside 1 (an error, as for every verb) and 2 (a usage error):
 EXIT_DEGRADED = 3  # rolled back or aborted
 EXIT_TIMED_OUT = 4  # --timeout passed while the rollout was still going
@@ -132,13 +133,18 @@ def _get(args: argparse.Namespace) -> int:
         documents = [verbs.describe(r) for r in records]
     if args.output == "table":
         if rows:
-            print(render(list(rows[0]), [list(r.values()) for r in rows]))
+            print(render(list(rows[0]), [[_cell(v) for v in r.values()] for r in rows]))
         else:
             print("no TieredModels applied")
     else:
         print(json.dumps(documents, indent=2) if args.output == "json"
               else yaml.safe_dump_all(documents, sort_keys=False), end="")
     return 0
+
+
+def _cell(value: str) -> str:
+    """A table cell no wider than MAX_CELL (the whole text: -o yaml, rollout status)."""
+    return value if len(value) <= MAX_CELL else value[:MAX_CELL - 3] + "..."
 
 
 def _rollout(args: argparse.Namespace) -> int:

@@ -60,6 +60,30 @@ def read_documents(path: Path) -> list[Mapping[str, Any]]:
     return documents
 
 
+def checked(document: Mapping[str, Any], base: Path, where: str
+            ) -> tuple[TieredModel, dict[str, Any]]:
+    """A document's TieredModel and the document with its artifact pinned. The
+    schema is checked first, so a mistyped field is named as such, not taken
+    for a missing digest."""
+    load_tiered_model(_with_digest(document, UNPINNED), where)
+    pinned = pin_artifact(document, base, where)
+    return load_tiered_model(pinned, where), pinned
+
+
+UNPINNED = "0" * 64  # a digest that stands in while only the schema is checked
+
+
+def _with_digest(document: Mapping[str, Any], digest: str) -> Mapping[str, Any]:
+    """The document with `digest` where its artifact has no sha256 (else as it is)."""
+    nested = isinstance(document.get("spec"), Mapping)
+    holder = document["spec"] if nested else document
+    artifact = holder.get("artifact")
+    if not isinstance(artifact, Mapping) or "sha256" in artifact:
+        return document
+    holder = {**holder, "artifact": {**artifact, "sha256": digest}}
+    return {**document, "spec": holder} if nested else holder
+
+
 def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[str, Any]:
     """The document with its artifact's local paths made absolute and its digest pinned."""
     document = dict(document)
@@ -87,8 +111,10 @@ def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[st
             raise ConfigError(f"{where}.artifact.sha256: {uri} has sha256 {digest}, "
                               f"not {given}")
     elif isinstance(uri, str) and artifact.get("sha256") is None:
-        raise ConfigError(f"{where}.artifact.uri: {uri} is not a file here, so its sha256 "
-                          "cannot be pinned; give artifact.sha256")
+        if not urlparse(uri).scheme:
+            raise ConfigError(f"{where}.artifact.uri: no such file: {uri}")
+        raise ConfigError(f"{where}.artifact.uri: {uri} is not on this machine, so its "
+                          "sha256 cannot be computed here; give artifact.sha256")
     holder["artifact"] = artifact
     if "spec" in document:
         document["spec"] = holder
@@ -99,14 +125,12 @@ def apply_file(store: StateStore, path: Path) -> list[tuple[str, str]]:
     """Apply every TieredModel in `path`; (name, created|configured|unchanged) each.
     All documents are checked before any is stored."""
     path = Path(path)
-    checked = []
+    checked_documents = []
     for index, document in enumerate(read_documents(path)):
         where = f"{path}[{index}]" if index else str(path)
-        pinned = pin_artifact(document, path.parent, where)
-        spec = load_tiered_model(pinned, where)
-        checked.append((spec, pinned))
+        checked_documents.append(checked(document, path.parent, where))
     results = []
-    for spec, pinned in checked:
+    for spec, pinned in checked_documents:
         before = _find(store, spec.name)
         after = store.apply(spec.name, pinned)
         results.append((spec.name, "created" if before is None else

@@ -19,8 +19,8 @@ from tiered.controller.kube.render import status_body
 from tiered.controller.reconciler import decode_status
 from tiered.controller.verbs import (
     CONFLICT_RETRIES,
+    checked,
     manual_decision,
-    pin_artifact,
     read_documents,
     row_of,
     with_decision,
@@ -104,8 +104,7 @@ class ClusterVerbs:
         documents, spec_of = [], {}
         for index, document in enumerate(read_documents(path)):
             where = f"{path}[{index}]" if index else str(path)
-            pinned = pin_artifact(document, Path(path).parent, where)
-            spec = load_tiered_model(pinned, where)
+            spec, pinned = checked(document, Path(path).parent, where)
             body = dict(pinned) if "spec" in pinned else _resource(pinned)
             body.setdefault("metadata", {}).setdefault("name", spec.name)
             documents.append((spec.name, body))

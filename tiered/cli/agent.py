@@ -72,7 +72,14 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_agent(args: argparse.Namespace) -> int:
-    from tiered.agent import server
+    from tiered.engines import AGENT_EXTRA
+
+    try:
+        from tiered.agent import server
+    except ModuleNotFoundError as error:  # a base install: no OpenTelemetry, no engines
+        print(f"tiered agent: needs the agent's packages ({AGENT_EXTRA}): {error}",
+              file=sys.stderr)
+        return 2
     from tiered.profiles import MAX_FRONT_ENDS, load_profile
     from tiered.telemetry.tracing import TracingSettings
 

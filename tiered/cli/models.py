@@ -21,7 +21,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     model_kinds = models.add_subparsers(dest="model", required=True, metavar="MODEL")
     digits = model_kinds.add_parser(
         "digits",
-        help="train small CNNs on scikit-learn's digits and export them (needs tiered[torch])",
+        help="train small CNNs on scikit-learn's digits and export them (needs tiered[samples])",
         description="Train a small CNN on scikit-learn's bundled 8x8 handwritten digits "
         "(CPU, seconds) and write DIR/digits-<variant>.onnx (input `input` FP32 "
         "[batch, 1, 8, 8], pixels in [0, 1]; output `logits` FP32 [batch, 10]), "
@@ -57,8 +57,8 @@ def _run_digits(args: argparse.Namespace) -> int:
     try:
         from tiered.models import digits  # torch: imported only when training is asked for
     except ImportError as error:
-        print(f"tiered models digits: needs the torch extra (pip install 'tiered[torch]'): "
-              f"{error}", file=sys.stderr)
+        print(f"tiered models digits: needs the samples extra "
+              f"(pip install 'tiered[agent,samples]'): {error}", file=sys.stderr)
         return 2
     names = DIGITS_VARIANTS if args.variant == "all" else (args.variant,)
     for name in names:

@@ -31,7 +31,7 @@ def _client_modules():
         import tritonclient.grpc as grpcclient
         import tritonclient.grpc.aio as aioclient
     except ImportError:
-        sys.exit("tiered demo needs tritonclient: pip install 'tiered[test]'")
+        sys.exit("tiered demo needs tritonclient: pip install 'tiered[demo]'")
     return grpcclient, aioclient
 
 

@@ -15,13 +15,20 @@ from tiered.engines.base import Engine, TensorSpec
 from tiered.errors import ConfigError
 from tiered.settings import load_dataclass
 
-__all__ = ["Engine", "TensorSpec", "open_engine"]
+__all__ = ["AGENT_EXTRA", "Engine", "TensorSpec", "open_engine"]
+
+# What to install where an agent's packages (ONNX Runtime, OpenTelemetry) are missing.
+AGENT_EXTRA = "pip install 'tiered[agent]' (CPU), or 'tiered[gpu]' (CUDA)"
 
 
 def open_engine(backend: str, model_path: Path, settings: Mapping[str, Any], where: str) -> Engine:
     """Load `model_path` on `backend` with its settings (`where` names them in errors)."""
     if backend == names.Backend.ONNXRUNTIME:
-        from tiered.engines.onnxruntime_engine import OnnxRuntimeEngine, OrtSettings
+        try:
+            from tiered.engines.onnxruntime_engine import OnnxRuntimeEngine, OrtSettings
+        except ModuleNotFoundError as error:
+            raise ConfigError(f"backend: onnxruntime needs ONNX Runtime ({AGENT_EXTRA}): "
+                              f"{error}") from error
 
         return OnnxRuntimeEngine(model_path, load_dataclass(OrtSettings, settings, where))
     if backend == names.Backend.TORCH:

@@ -95,8 +95,8 @@ def prepare_sample_models(out: Path, progress: Callable[[str], None]) -> None:
     try:
         from tiered.models import digits
     except ImportError as error:
-        raise ConfigError(f"sample_models: training needs the torch extra "
-                          f"(pip install 'tiered[torch]'): {error}") from error
+        raise ConfigError(f"sample_models: training needs the samples extra "
+                          f"(pip install 'tiered[agent,samples]'): {error}") from error
     for variant in missing:
         started = time.monotonic()
         model = digits.write_digits(out, variant)

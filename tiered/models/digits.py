@@ -18,7 +18,7 @@ deliberately costly network of the same accuracy for latency-regression demos.
 - `digits-calibration.npz`: `input`, training images for INT8 calibration;
 - `digits-eval.npz`: `input` and `label` (int64), the held-out test split.
 
-This module needs the `torch` extra (torch and scikit-learn); import
+This module needs the `samples` extra (torch and scikit-learn); import
 it only where training is asked for, never from the agent or the engines. It
 never downloads anything.
 """

@@ -78,6 +78,7 @@ class Action(StrEnum):
     PAUSE = "pause"
     RESUME = "resume"
     ABORT = "abort"
+    RETRY = "retry"
 
 
 class Outcome(StrEnum):

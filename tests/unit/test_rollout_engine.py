@@ -232,6 +232,8 @@ def test_abort_sends_all_traffic_to_stable_and_keeps_the_canary_on_record():
 @pytest.mark.parametrize("verb", [e.pause, e.resume, e.promote, e.abort])
 @pytest.mark.parametrize("phase", ["Promoted", "RolledBack", "Aborted"])
 def test_verbs_on_a_finished_rollout_are_refused(verb, phase):
+    if (verb, phase) in ((e.promote, "Promoted"), (e.abort, "Aborted")):
+        return  # already in effect: a no-op (tests/unit/test_rollout_verbs.py)
     with pytest.raises(InvalidArgument, match=f"phase: the rollout is {phase}"):
         verb(SPEC, status(phase=phase), 2000)
 

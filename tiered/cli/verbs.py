@@ -21,6 +21,7 @@ MAX_CELL = 80  # `tiered get`'s columns, MESSAGE above all
 # Beside 1 (an error, as for every verb) and 2 (a usage error):
 EXIT_DEGRADED = 3  # rolled back or aborted
 EXIT_TIMED_OUT = 4  # --timeout passed while the rollout was still going
+EXIT_INTERRUPTED = 130  # Ctrl-C ended a --watch, as a shell reports SIGINT
 _ENDED = {names.Phase.PROMOTED: 0, names.Phase.ROLLED_BACK: EXIT_DEGRADED,
           names.Phase.ABORTED: EXIT_DEGRADED}
 
@@ -38,21 +39,38 @@ def register(commands: argparse._SubParsersAction) -> None:
     get.add_argument("name", nargs="?", help="one model (default: all)")
     get.add_argument("-o", "--output", choices=("table", "yaml", "json"), default="table",
                      help="table (default), or the whole record as yaml or json")
+    get.add_argument("--watch", "-w", action="store_true",
+                     help="keep looking: print the table again whenever it changes (looked "
+                     f"at every --interval seconds); Ctrl-C ends it (exit code {EXIT_INTERRUPTED})")
+    get.add_argument("--interval", type=float, default=WATCH_INTERVAL_S, metavar="S",
+                     help=f"--watch: seconds between looks (default {WATCH_INTERVAL_S:g})")
     flags.add_backend_flags(get)
     get.set_defaults(handler=_verb("get", _get))
 
     rollout = commands.add_parser(
-        "rollout", help="show or steer a rollout: status, pause, resume, promote, abort",
+        "rollout",
+        help="show or steer a rollout: status, pause, resume, promote, abort, retry, undo",
         description="status: the rollout's stage, weights and the latest decisions with "
         "their numbers (--watch follows them). pause: hold at the current stage. resume: go "
         "on (the stage's clock restarts). promote: skip to the next stage (--full: make "
         "the canary stable now). abort: send all traffic back to the stable version. "
-        f"status exits 0 when the rollout is promoted or still going, "
+        "retry: roll a rolled-back or aborted canary out again from stage 1 (once its "
+        "agents are up again). undo: point the spec back at an earlier version's artifact "
+        "(the status keeps every artifact with its version): during a rollout, the stable "
+        "version, which aborts the canary at once; otherwise the stable version before the "
+        "current one, or --to-version N, which is rolled out in stages and judged like any "
+        "new version (calibration and eval data stay the spec's). "
+        "A verb already in effect (pause when paused, abort when aborted, ...) changes "
+        "nothing, says so and exits 0. "
+        f"status exits 0 when the rollout of the spec's version is promoted or still going, "
         f"{EXIT_DEGRADED} when it was rolled back or aborted, {EXIT_TIMED_OUT} when "
         "--timeout passed first.")
-    rollout.add_argument("verb", choices=("status", "pause", "resume", "promote", "abort"))
+    rollout.add_argument("verb", choices=("status", "pause", "resume", "promote", "abort",
+                                          "retry", "undo"))
     rollout.add_argument("name", help="the TieredModel")
     rollout.add_argument("--full", action="store_true", help="promote: all the way")
+    rollout.add_argument("--to-version", type=int, metavar="N",
+                         help="undo: go back to version N (default: the previous stable)")
     rollout.add_argument("--watch", "-w", action="store_true",
                          help="status: follow the rollout until it is promoted, rolled back "
                          "or aborted")
@@ -115,31 +133,64 @@ def _apply(args: argparse.Namespace) -> int:
 
 def _get(args: argparse.Namespace) -> int:
     import json
+    import time
 
     import yaml
 
     from tiered.controller import verbs
     from tiered.tables import render
 
-    if args.kubernetes:
-        cluster = _cluster(args)
-        rows = cluster.rows(args.name)
-        documents = ([cluster.get(args.name)] if args.name else
-                     [cluster.get(row["NAME"]) for row in rows])
-    else:
-        with _store(args) as store:
-            records = [store.get(args.name)] if args.name else store.list()
-        rows = [verbs.summary_row(r) for r in records]
-        documents = [verbs.describe(r) for r in records]
-    if args.output == "table":
-        if rows:
-            print(render(list(rows[0]), [[_cell(v) for v in r.values()] for r in rows]))
+    def look() -> str:
+        if args.kubernetes:
+            rows = cluster.rows(args.name)
+            documents = ([cluster.get(args.name)] if args.name else
+                         [cluster.get(row["NAME"]) for row in rows])
         else:
-            print("no TieredModels applied")
-    else:
-        print(json.dumps(documents, indent=2) if args.output == "json"
-              else yaml.safe_dump_all(documents, sort_keys=False), end="")
-    return 0
+            records = [store.get(args.name)] if args.name else store.list()
+            rows = [verbs.summary_row(r) for r in records]
+            documents = [verbs.describe(r) for r in records]
+        if args.output != "table":
+            return (json.dumps(documents, indent=2) + "\n" if args.output == "json"
+                    else yaml.safe_dump_all(documents, sort_keys=False))
+        if not rows:
+            return "no TieredModels applied\n"
+        return render(list(rows[0]), [[_cell(v) for v in r.values()] for r in rows]) + "\n"
+
+    with contextlib.ExitStack() as stack:
+        cluster = _cluster(args) if args.kubernetes else None
+        store = None if args.kubernetes else stack.enter_context(_store(args))
+        if not args.watch:
+            print(look(), end="")
+            return 0
+
+        def watch() -> int:
+            shown = None
+            while True:
+                text = look()
+                if text != shown:
+                    if shown is not None:
+                        print()
+                    print(text, end="", flush=True)
+                    shown = text
+                time.sleep(max(args.interval, 0.1))
+
+        return _until_closed(watch)
+
+
+def _until_closed(follow: Callable[[], int]) -> int:
+    """Run a --watch loop; a closed pipe (`| head`) ends it quietly with 0, Ctrl-C
+    with EXIT_INTERRUPTED, neither with a traceback."""
+    import os
+
+    try:
+        return follow()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that
+        # flush neither fails nor prints an 'Exception ignored' note.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
 
 
 def _cell(value: str) -> str:
@@ -152,12 +203,27 @@ def _rollout(args: argparse.Namespace) -> int:
 
     if args.verb == "status":
         return _rollout_status(args)
+    if args.verb == "undo":
+        return _rollout_undo(args)
     if args.kubernetes:
         decision = _cluster(args).rollout_verb(args.name, args.verb, full=args.full)
     else:
         with _store(args) as store:
             decision = verbs.rollout_verb(store, args.name, args.verb, full=args.full)
     print(f"{args.name}: {decision.action}: {decision.reason}")
+    return 0
+
+
+def _rollout_undo(args: argparse.Namespace) -> int:
+    from tiered.controller import verbs
+
+    if args.kubernetes:
+        found = _cluster(args).rollout_undo(args.name, args.to_version)
+    else:
+        with _store(args) as store:
+            found = verbs.rollout_undo(store, args.name, args.to_version)
+    print(f"{args.name}: {'unchanged' if found.unchanged else 'undo'}: {found.reason}"
+          + ("; nothing to do" if found.unchanged else ""))
     return 0
 
 
@@ -173,22 +239,21 @@ def _rollout_status(args: argparse.Namespace) -> int:
             poll = _cluster_steps(_cluster(args), args.name)
         else:
             poll = _store_steps(stack.enter_context(_store(args)), args.name)
-        try:
+
+        def steps() -> int:
             while True:
-                phase, lines = poll()
+                phase, ended, lines = poll()
                 for line in lines:
                     print(line, flush=True)
-                ended = _ENDED.get(phase)
-                if ended is not None or not follow:
-                    return ended or 0
+                if ended or not follow:
+                    return _ENDED.get(phase, 0) if ended else 0
                 if deadline is not None and time.monotonic() >= deadline:
                     print(f"{args.name}: still {phase} after {args.timeout:g} s",
                           file=sys.stderr)
                     return EXIT_TIMED_OUT
                 time.sleep(WATCH_INTERVAL_S)
-        except BrokenPipeError:  # `... | head` closed the pipe: nothing more to say
-            sys.stderr.close()
-            return 0
+
+        return _until_closed(steps)
 
 
 def _summary_line(row: dict[str, str]) -> str:
@@ -205,10 +270,11 @@ def _store_steps(store, name: str):
 
     last = None
 
-    def poll() -> tuple[str, list[str]]:
+    def poll() -> tuple[str, bool, list[str]]:
         nonlocal last
         record = store.get(name)
-        rollout = decode_status(name, record.status).rollout
+        status = decode_status(name, record.status)
+        rollout = status.rollout
         lines = []
         if last is None:
             row = verbs.summary_row(record)
@@ -221,7 +287,8 @@ def _store_steps(store, name: str):
         for entry_id, t, snap in history:
             lines.append(progress_line(t, snap))
             last = entry_id
-        return (rollout.phase if rollout else ""), lines
+        ended = verbs.ended(verbs.spec_of(record), status, record.generation)
+        return (rollout.phase if rollout else ""), ended, lines
 
     return poll
 
@@ -230,12 +297,16 @@ def _cluster_steps(cluster, name: str):
     """As `_store_steps`, from the TieredModel's status on Kubernetes."""
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
+    from tiered.rollout.spec import load_tiered_model
 
     shown: float | None = None
 
-    def poll() -> tuple[str, list[str]]:
+    def poll() -> tuple[str, bool, list[str]]:
         nonlocal shown
-        status = decode_status(name, cluster.get(name).get("status"))
+        obj = cluster.get(name)
+        status = decode_status(name, obj.get("status"))
+        done = verbs.ended(load_tiered_model(obj, name), status,
+                           obj["metadata"].get("generation", 0))
         lines = []
         if shown is None:
             row = cluster.rows(name)[0]
@@ -249,7 +320,7 @@ def _cluster_steps(cluster, name: str):
             shown = fresh[-1].t
         elif shown is None:
             shown = 0.0
-        return (status.rollout.phase if status.rollout else ""), lines
+        return (status.rollout.phase if status.rollout else ""), done, lines
 
     return poll
 

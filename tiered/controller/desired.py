@@ -12,9 +12,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiered import names
+from tiered.errors import InvalidArgument
 from tiered.protocol import routing
 from tiered.rollout import engine
-from tiered.rollout.spec import Artifact, ArtifactVersion, RolloutStatus, TieredModel
+from tiered.rollout.spec import (
+    Artifact,
+    ArtifactVersion,
+    RolloutStatus,
+    TieredModel,
+    TieredModelStatus,
+)
 
 
 def version_of(artifact: Artifact, known: Sequence[ArtifactVersion]
@@ -90,6 +97,62 @@ def follow_spec(spec: TieredModel, status: RolloutStatus | None, target: int,
     reason = (f"rolling out version {target} over {status.stable_version}{replaced}: "
               f"stage 1/{len(spec.rollout.stages)} {spec.rollout.stages[0].name!r}")
     return Transition("start", reason, dataclasses.replace(started, message=reason))
+
+
+@dataclass(frozen=True)
+class Undo:
+    """Where `rollout undo` points the spec: an earlier version's artifact."""
+
+    version: int
+    artifact: ArtifactVersion
+    reason: str
+    unchanged: bool = False  # the spec names that version already: nothing to do
+
+
+def undo(status: TieredModelStatus, target: int, to_version: int | None = None) -> Undo:
+    """The version `rollout undo` goes back to, as Argo Rollouts' undo does, by
+    making the spec name that version's artifact again, so `follow_spec` takes
+    it from there like any applied spec:
+
+    - a live rollout: back to its stable version, which aborts the canary at
+      once (the spec back at stable is an abort; nothing is judged);
+    - otherwise the stable version before the current one (from the status's
+      history), or `to_version`: a version other than stable is rolled out in
+      stages and judged like any new version; going back is a change like any
+      other, and the old version's builds may have been removed since.
+
+    `target` is the version the spec names now."""
+    rollout = status.rollout
+    known = {a.version: a for a in status.artifacts}
+    if rollout is None:
+        raise InvalidArgument("status: no version serves yet; nothing to undo")
+    if to_version is not None:
+        if to_version not in known:
+            raise InvalidArgument(f"to_version: {to_version} is not a version of this model "
+                                  f"(known: {', '.join(map(str, sorted(known)))})")
+        version = to_version
+    elif live(rollout):
+        version = rollout.stable_version
+    else:
+        earlier = next((step.stable_version for step in reversed(status.history)
+                        if step.stable_version != rollout.stable_version
+                        and step.stable_version in known), None)
+        if earlier is None:
+            raise InvalidArgument(
+                f"history: no stable version before {rollout.stable_version} on record; "
+                f"pass --to-version (known: {', '.join(map(str, sorted(known)))})")
+        version = earlier
+    if version == target:
+        return Undo(version, known[version], f"the spec names version {version} already",
+                    unchanged=True)
+    if version == rollout.stable_version:
+        why = (f"the spec is back at stable version {version}: canary version "
+               f"{rollout.canary_version} is aborted at once" if live(rollout) else
+               f"the spec is back at stable version {version}, which serves already")
+    else:
+        why = (f"the spec names version {version} again: it is rolled out over version "
+               f"{rollout.stable_version} in stages and judged like any new version")
+    return Undo(version, known[version], why)
 
 
 def stage_label(spec: TieredModel, status: RolloutStatus) -> str:

@@ -28,6 +28,7 @@ from tiered.errors import ConfigError, Conflict
 from tiered.files import sha256_file
 from tiered.rollout import engine
 from tiered.rollout.spec import (
+    ArtifactVersion,
     RolloutStatus,
     TieredModel,
     TieredModelStatus,
@@ -39,7 +40,7 @@ CONFLICT_RETRIES = 5
 MAX_PATH = 4096  # longest artifact path accepted
 VERBS: dict[str, Callable[..., engine.Decision]] = {
     "pause": engine.pause, "resume": engine.resume, "promote": engine.promote,
-    "abort": engine.abort,
+    "abort": engine.abort, "retry": engine.retry,
 }
 
 
@@ -167,6 +168,22 @@ def history_lines(status: TieredModelStatus, last: int = 10) -> list[str]:
     return lines
 
 
+def ended(spec: TieredModel, status: TieredModelStatus, generation: int) -> bool:
+    """Whether the rollout of the spec's version is over (promoted, rolled back,
+    aborted, or the spec's version simply serving): not while the controller
+    has yet to see the spec, nor while a new version is built or rolled out."""
+    rollout = status.rollout
+    if rollout is None or status.observed_generation < generation:
+        return False
+    if spec.artifact.sha256 is None:
+        return False
+    target = next((a.version for a in status.artifacts if a.sha256 == spec.artifact.sha256),
+                  None)
+    if target == rollout.stable_version:
+        return not desired.live(rollout)
+    return target == rollout.canary_version and rollout.phase in engine.FINISHED
+
+
 def spec_of(record: Record) -> TieredModel:
     return load_tiered_model(record.spec, record.name)
 
@@ -201,16 +218,18 @@ def describe(record: Record) -> dict[str, Any]:
             "status": record.status}
 
 
-def manual_decision(name: str, spec: TieredModel, status: RolloutStatus | None, verb: str,
+def manual_decision(name: str, spec: TieredModel, status: TieredModelStatus, verb: str,
                     *, full: bool, now: float) -> engine.Decision:
     """A manual verb on a rollout, for either backend: pause, resume, promote
-    (`full`: all the way) or abort."""
+    (`full`: all the way), abort or retry (the spec's version again)."""
     if verb not in VERBS:
         raise ConfigError(f"verb: {verb!r} is not one of {', '.join(VERBS)}")
-    if status is None:
+    if status.rollout is None:
         raise ConfigError(f"{name}: has no status yet; the controller has not served it")
-    extra = {"full": full} if verb == "promote" else {}
-    return VERBS[verb](spec, status, now, **extra)
+    extra: dict[str, Any] = {"full": full} if verb == "promote" else {}
+    if verb == "retry":
+        extra["target"] = desired.version_of(spec.artifact, status.artifacts)[0]
+    return VERBS[verb](spec, status.rollout, now, **extra)
 
 
 def with_decision(status: TieredModelStatus, decision: engine.Decision) -> TieredModelStatus:
@@ -222,12 +241,15 @@ def with_decision(status: TieredModelStatus, decision: engine.Decision) -> Tiere
 def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
                  now: Callable[[], float] = time.time) -> engine.Decision:
     """Apply a manual verb to the stored status (retrying when the controller
-    wrote in between); the controller acts on it at its next pass."""
+    wrote in between); the controller acts on it at its next pass. A verb
+    already in effect (a HOLD) writes nothing."""
     for _ in range(CONFLICT_RETRIES):
         record = store.get(name)
         spec = spec_of(record)
         status = decode_status(name, record.status)
-        decision = manual_decision(name, spec, status.rollout, verb, full=full, now=now())
+        decision = manual_decision(name, spec, status, verb, full=full, now=now())
+        if decision.action == names.Action.HOLD:
+            return decision
         try:
             store.write_status(name, record.revision,
                                status=to_plain(with_decision(status, decision)))
@@ -238,3 +260,37 @@ def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
         return decision
     raise Conflict(f"{name}: the controller kept writing; try again")
 
+
+def undo_of(name: str, spec: TieredModel, status: TieredModelStatus,
+            to_version: int | None) -> desired.Undo:
+    """`rollout undo` for either backend: the version the spec goes back to."""
+    if spec.artifact.sha256 is None:
+        raise ConfigError(f"{name}: artifact.sha256: not pinned")
+    target = next((a.version for a in status.artifacts if a.sha256 == spec.artifact.sha256),
+                  None)
+    if target is None:
+        raise Conflict(f"{name}: the controller has not seen the applied artifact yet; "
+                       "try again in a moment")
+    return desired.undo(status, target, to_version)
+
+
+def with_artifact(document: Mapping[str, Any], artifact: ArtifactVersion) -> dict[str, Any]:
+    """The stored document with its artifact's uri and sha256 set to `artifact`'s
+    (the rest, calibration and eval data included, as it was)."""
+    document = dict(document)
+    nested = isinstance(document.get("spec"), Mapping)
+    holder = dict(document["spec"]) if nested else document
+    holder["artifact"] = {**holder["artifact"], "uri": artifact.uri, "sha256": artifact.sha256}
+    if nested:
+        document["spec"] = holder
+    return document
+
+
+def rollout_undo(store: StateStore, name: str, to_version: int | None = None) -> desired.Undo:
+    """Point the stored spec at an earlier version's artifact (a new generation,
+    as `apply` of that artifact would make); the controller takes it from there."""
+    record = store.get(name)
+    found = undo_of(name, spec_of(record), decode_status(name, record.status), to_version)
+    if not found.unchanged:
+        store.apply(name, with_artifact(record.spec, found.artifact))
+    return found

@@ -17,8 +17,8 @@ analysis of the rollout shares one false-rollback budget, split over the
 tests of all its stages (`analysis.rollout_tests`); the tests are
 anytime-valid, so judging at every interval spends nothing more.
 
-The manual verbs (pause, resume, promote, abort) are pure functions of the
-same kind. Weight arithmetic is pure: each tier's canary percent comes from
+The manual verbs (pause, resume, promote, abort, retry) are pure functions
+of the same kind, with one rule for a verb already in effect (see below). Weight arithmetic is pure: each tier's canary percent comes from
 the current stage, stable gets the rest. Pure: no clock (`now` is passed
 in), no randomness, no I/O.
 """
@@ -207,6 +207,11 @@ def _advanced(spec: TieredModel, status: RolloutStatus, index: int, now: float, 
 
 
 # --- manual verbs -----------------------------------------------------------
+#
+# One rule for every verb: asking for what is already in effect (pause a
+# paused rollout, abort an aborted one, promote a promoted one, resume or
+# retry one that is going) is a no-op that says so, a HOLD; asking for what
+# cannot be (pause a finished rollout) is an InvalidArgument naming why.
 
 
 def _require_live(status: RolloutStatus, verb: str) -> None:
@@ -216,11 +221,16 @@ def _require_live(status: RolloutStatus, verb: str) -> None:
         raise InvalidArgument(f"canary_version: no canary version; nothing to {verb}")
 
 
+def _already(spec: TieredModel, status: RolloutStatus, reason: str) -> Decision:
+    return _decision(spec, names.Action.HOLD, f"{reason}; nothing to do", status,
+                     status.last_analysis)
+
+
 def pause(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
     """Stop at the current stage; canary weights stay as they are."""
+    if status.phase == names.Phase.PAUSED or (status.paused and status.phase not in FINISHED):
+        return _already(spec, status, "already paused")
     _require_live(status, "pause")
-    if status.paused:
-        return _decision(spec, names.Action.HOLD, "already paused", status, status.last_analysis)
     return _decision(spec, names.Action.PAUSE, "paused by hand",
                      dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True),
                      status.last_analysis)
@@ -230,7 +240,7 @@ def resume(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
     """Go on from the current stage; its clock and the failure count restart."""
     _require_live(status, "resume")
     if not status.paused and status.phase != names.Phase.PAUSED:
-        return _decision(spec, names.Action.HOLD, "not paused", status, status.last_analysis)
+        return _already(spec, status, "not paused: already progressing")
     resumed = dataclasses.replace(status, phase=names.Phase.PROGRESSING, paused=False,
                                   stage_started_at=now, consecutive_failures=0)
     return _decision(spec, names.Action.RESUME, "resumed by hand", resumed,
@@ -241,6 +251,9 @@ def promote(spec: TieredModel, status: RolloutStatus, now: float,
             full: bool = False) -> Decision:
     """Skip the analysis: on to the next stage, or (full, or from the last
     stage) make the canary the stable version."""
+    if status.phase == names.Phase.PROMOTED:
+        return _already(spec, status, f"already promoted: version {status.stable_version} "
+                        "is stable")
     _require_live(status, "promote")
     index, _ = _current_stage(spec, status)
     stages = spec.rollout.stages
@@ -253,8 +266,38 @@ def promote(spec: TieredModel, status: RolloutStatus, now: float,
 
 def abort(spec: TieredModel, status: RolloutStatus, now: float) -> Decision:
     """Send all traffic back to stable and stop; the canary version stays on record."""
+    if status.phase == names.Phase.ABORTED:
+        return _already(spec, status, f"already aborted: all traffic on version "
+                        f"{status.stable_version}")
     _require_live(status, "abort")
     return _decision(spec, names.Action.ABORT, f"aborted by hand; all traffic to version "
                      f"{status.stable_version}",
                      dataclasses.replace(status, phase=names.Phase.ABORTED, paused=False),
                      status.last_analysis)
+
+
+def retry(spec: TieredModel, status: RolloutStatus, now: float, target: int) -> Decision:
+    """Roll a rolled-back or aborted canary out again, from stage 1 (Argo
+    Rollouts' `retry`). `target` is the version the spec names: only that
+    version can be retried, or the next pass would abort it again.
+
+    The canary is set aside (canary_version none, phase Progressing), so the
+    next pass starts the rollout exactly as for a newly applied version: once
+    its agents are up again on every tier (they may have been retired since),
+    with fresh samples, a fresh failure count and the stage clock at zero."""
+    if status.phase in (names.Phase.PROGRESSING, names.Phase.PAUSED) and (
+            status.canary_version == target or status.canary_version is None):
+        return _already(spec, status, f"version {target} is already being rolled out")
+    if status.phase not in (names.Phase.ROLLED_BACK, names.Phase.ABORTED) \
+            or status.canary_version is None:
+        raise InvalidArgument(f"phase: the rollout is {status.phase}; only a rolled-back or "
+                              "aborted rollout can be retried")
+    if target != status.canary_version:
+        raise InvalidArgument(
+            f"artifact: the spec names version {target}, not the {status.phase.lower()} "
+            f"canary version {status.canary_version}; apply its artifact (or `rollout undo "
+            f"--to-version {status.canary_version}`) to roll it out again")
+    again = RolloutStatus(stable_version=status.stable_version, canary_version=None,
+                          phase=names.Phase.PROGRESSING, stage_started_at=now)
+    return _decision(spec, names.Action.RETRY, f"retrying version {target} by hand: it "
+                     "starts again at stage 1 once its agents are up", again, None, 0.0)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tiered import names
+from tiered.controller import desired
 from tiered.controller.crd import PLURAL
 from tiered.controller.kube.render import status_body
 from tiered.controller.reconciler import decode_status
@@ -23,6 +25,8 @@ from tiered.controller.verbs import (
     manual_decision,
     read_documents,
     row_of,
+    undo_of,
+    with_artifact,
     with_decision,
 )
 from tiered.errors import ConfigError, Conflict, NotFound
@@ -143,14 +147,31 @@ class ClusterVerbs:
         for _ in range(CONFLICT_RETRIES):
             obj = self._call("get", name)
             status = decode_status(name, obj.get("status"))
-            decision = manual_decision(name, load_tiered_model(obj, name), status.rollout, verb,
+            decision = manual_decision(name, load_tiered_model(obj, name), status, verb,
                                        full=full, now=now())
+            if decision.action == names.Action.HOLD:  # already in effect: nothing to write
+                return decision
             try:
                 self._call("replace_status", name,
                            status_body(obj, with_decision(status, decision)))
             except Conflict:
                 continue
             return decision
+        raise Conflict(f"{name}: the controller kept writing; try again")
+
+    def rollout_undo(self, name: str, to_version: int | None = None) -> desired.Undo:
+        """Point the TieredModel's spec at an earlier version's artifact."""
+        for _ in range(CONFLICT_RETRIES):
+            obj = self._call("get", name)
+            found = undo_of(name, load_tiered_model(obj, name),
+                            decode_status(name, obj.get("status")), to_version)
+            if found.unchanged:
+                return found
+            try:
+                self._call("replace", name, with_artifact(obj, found.artifact))
+            except Conflict:
+                continue
+            return found
         raise Conflict(f"{name}: the controller kept writing; try again")
 
 

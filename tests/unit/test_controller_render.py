@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
+import kubernetes_validate
 import pytest
 
 from tiered.controller.desired import ArtifactVersion
 from tiered.controller.kube import render
+from tiered.errors import ConfigError
 from tiered.protocol.verdict import BuildVerdict
 from tiered.rollout.spec import load_tiered_model
 
@@ -38,7 +42,8 @@ def test_the_build_reports_its_failure_through_its_logs():
 def test_the_pod_selector_selects_the_workload_pods():
     labels = workload()["spec"]["template"]["metadata"]["labels"]
     selector = dict(pair.split("=") for pair in render.pod_selector("digits", "edge", 3).split(","))
-    assert selector == labels
+    assert selector.items() <= labels.items()
+    assert workload()["spec"]["selector"]["matchLabels"] == selector
 
 
 def pod(*init_statuses):
@@ -74,3 +79,136 @@ def terminated(code, message=None, reason="Error"):
 ])
 def test_build_failure(pods, failure):
     assert render.build_failure(pods) == failure
+
+
+# ---- the settings of the agent pods (the chart's, through --agent-pods) --------------
+
+STANDARD = {"app.kubernetes.io/name": "tiered", "app.kubernetes.io/part-of": "tiered",
+            "app.kubernetes.io/component": "agent",
+            "app.kubernetes.io/managed-by": "tiered-controller"}
+CHART_PODS = """
+labels:
+  app.kubernetes.io/name: tiered
+  app.kubernetes.io/instance: prod
+  app.kubernetes.io/part-of: tiered
+httpPort: 8000
+tiers:
+  edge: {}
+  datacenter:
+    priorityClassName: gpu-critical
+    runtimeClassName: nvidia
+    topologySpreadConstraints:
+      - {maxSkew: 1, topologyKey: kubernetes.io/hostname, whenUnsatisfiable: DoNotSchedule}
+      - maxSkew: 2
+        topologyKey: topology.kubernetes.io/zone
+        whenUnsatisfiable: ScheduleAnyway
+        labelSelector: {matchLabels: {team: ml}}
+    extraArgs: [--log-level, debug]
+    extraEnv:
+      - {name: HTTPS_PROXY, value: "http://proxy:3128"}
+      - name: NODE
+        valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
+"""
+
+
+def two_tier_spec():
+    return load_tiered_model({
+        "name": "digits", "artifact": {"uri": "https://models.example/digits.onnx", "sha256": SHA},
+        "tiers": {"edge": {}, "datacenter": {}},
+        "rollout": {"stages": [{"name": "all", "weights": {"edge": 50, "datacenter": 50}}]}})
+
+
+def rendered(pods: render.AgentPods, tier: str):
+    settings = render.ClusterSettings("models", agent_pods=pods)
+    owner = render.Owner("digits", "uid-1")
+    return (render.agent_workload(two_tier_spec(), tier,
+                                  ArtifactVersion(3, spec().artifact.uri, SHA), owner, settings),
+            render.agent_service(two_tier_spec(), tier, 3, owner, settings))
+
+
+def chart_pods(tmp_path, text=CHART_PODS) -> render.AgentPods:
+    path = tmp_path / "agent-pods.yaml"
+    path.write_text(text)
+    return render.load_agent_pods(path)
+
+
+def agent_container(workload):
+    (agent,) = workload["spec"]["template"]["spec"]["containers"]
+    return agent
+
+
+def test_every_object_carries_the_standard_labels_and_selects_by_its_own(tmp_path):
+    for pods, extra in [(render.AgentPods(), {}),
+                        (chart_pods(tmp_path), {"app.kubernetes.io/instance": "prod"})]:
+        for tier in ("edge", "datacenter"):
+            workload, service = rendered(pods, tier)
+            selector = dict(pair.split("=")
+                            for pair in render.pod_selector("digits", tier, 3).split(","))
+            assert workload["spec"]["selector"]["matchLabels"] == selector
+            assert service["spec"]["selector"] == selector
+            for labels in (workload["metadata"]["labels"], service["metadata"]["labels"],
+                           workload["spec"]["template"]["metadata"]["labels"]):
+                assert labels == {**STANDARD, **extra, **selector}
+
+
+def test_by_default_agents_serve_rest_on_8000_and_get_nothing_else():
+    workload, service = rendered(render.AgentPods(), "datacenter")
+    pod = workload["spec"]["template"]["spec"]
+    agent = agent_container(workload)
+    assert agent["command"][agent["command"].index("--http-port") + 1] == "8000"
+    assert {"name": "http", "containerPort": 8000} in agent["ports"]
+    assert {"name": "http", "port": 8000, "targetPort": "http"} in service["spec"]["ports"]
+    assert not {"priorityClassName", "runtimeClassName", "topologySpreadConstraints"} & set(pod)
+    assert all("env" not in c for c in [*pod["initContainers"], *pod["containers"]])
+    assert agent["command"][-1] == "--insecure"
+
+
+def test_a_tiers_settings_reach_its_pods_only(tmp_path):
+    pods = chart_pods(tmp_path)
+    workload, _ = rendered(pods, "datacenter")
+    pod = workload["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == "gpu-critical"
+    assert pod["runtimeClassName"] == "nvidia"
+    own, zone = pod["topologySpreadConstraints"]
+    # A constraint without a labelSelector spreads this workload's own pods.
+    assert own["labelSelector"] == {"matchLabels": workload["spec"]["selector"]["matchLabels"]}
+    assert zone["labelSelector"] == {"matchLabels": {"team": "ml"}}
+    agent = agent_container(workload)
+    assert agent["command"][-2:] == ["--log-level", "debug"]
+    env = [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"},
+           {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    (build,) = pod["initContainers"]
+    assert agent["env"] == env and build["env"] == env
+    edge, _ = rendered(pods, "edge")
+    assert not {"priorityClassName", "runtimeClassName", "topologySpreadConstraints"} & set(
+        edge["spec"]["template"]["spec"])
+    assert "--log-level" not in agent_container(edge)["command"]
+
+
+def test_rest_can_be_turned_off(tmp_path):
+    workload, service = rendered(chart_pods(tmp_path, "httpPort: null\n"), "edge")
+    agent = agent_container(workload)
+    assert "--http-port" not in agent["command"]
+    assert "http" not in {p["name"] for p in agent["ports"]}
+    assert "http" not in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_rendered_agents_validate_strictly_against_kubernetes(tmp_path):
+    for pods in (render.AgentPods(), chart_pods(tmp_path)):
+        for tier in ("edge", "datacenter"):
+            for obj in rendered(pods, tier):
+                kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("tiers: {gpu: {}}\n", "tiers: unknown tier 'gpu'"),
+    ("tiers: {edge: {priorityClass: x}}\n", "tiers.edge: unknown key 'priorityClass'"),
+    ("labels: {app.kubernetes.io/managed-by: helm}\n", "is the controller's own selector label"),
+    ("httpPort: 8001\n", "httpPort: expected a free port"),
+    ("httpPort: '8000'\n", "httpPort: expected an integer"),
+    ("tiers: {edge: {extraArgs: --debug}}\n", "tiers.edge.extraArgs: expected a list"),
+])
+def test_agent_pod_settings_name_what_is_wrong(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+        chart_pods(tmp_path, text)
+    assert str(tmp_path / "agent-pods.yaml") in str(caught.value)

@@ -72,6 +72,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                             help="Kubernetes: a kubernetes.io/tls Secret (with ca.crt) the "
                             "agents serve mTLS with; the controller then needs --tls-* flags "
                             "(default: agents run --insecure)")
+    controller.add_argument("--agent-pods", type=Path, metavar="FILE",
+                            help="Kubernetes: YAML settings of the agent pods it creates "
+                            "(labels, httpPort, per tier: priorityClassName, "
+                            "runtimeClassName, topologySpreadConstraints, extraArgs, "
+                            "extraEnv); the chart writes it (default: REST on 8000, no more)")
     controller.add_argument("--agent-addresses", type=Path, metavar="FILE",
                             help="Kubernetes: JSON {service: host:port} for agents reached "
                             "under other names (port-forwarding, tests)")
@@ -152,7 +157,7 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
     import socket
 
     from tiered.controller.kube.controller import ControllerOptions, KubeController
-    from tiered.controller.kube.render import ClusterSettings
+    from tiered.controller.kube.render import AgentPods, ClusterSettings, load_agent_pods
     from tiered.controller.kube.verbs import api_client, current_namespace
 
     try:
@@ -162,7 +167,8 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
         settings = ClusterSettings(
             namespace=args.namespace, agent_image=args.agent_image,
             agent_gpu_image=args.agent_gpu_image, routing_configmap=args.routing_configmap,
-            router=args.router, tls_secret=args.agent_tls_secret)
+            router=args.router, tls_secret=args.agent_tls_secret,
+            agent_pods=load_agent_pods(args.agent_pods) if args.agent_pods else AgentPods())
         options = ControllerOptions(
             identity=args.identity or socket.gethostname(), leader_elect=args.leader_elect,
             lease_name=args.lease_name, lease_duration_s=args.lease_duration,

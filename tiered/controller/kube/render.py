@@ -16,12 +16,14 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from tiered import names
 from tiered.controller import desired, plan
+from tiered.errors import ConfigError
 from tiered.protocol import routing
 from tiered.protocol.verdict import read_verdict
 from tiered.rollout.spec import (
@@ -33,9 +35,11 @@ from tiered.rollout.spec import (
     TieredModelStatus,
     to_plain,
 )
+from tiered.settings import load_dataclass, read_yaml
 
 AGENT_PORT = 8001
 AGENT_METRICS_PORT = 8002
+AGENT_HTTP_PORT = 8000  # KServe v2 REST
 MODELS_DIR = "/models"
 TLS_DIR = "/etc/tiered/tls"
 ROUTING_KEY = "routing.yaml"
@@ -46,10 +50,63 @@ LABEL_TIER = f"{API_GROUP}/tier"
 LABEL_VERSION = f"{API_GROUP}/version"
 LABEL_MANAGED = "app.kubernetes.io/managed-by"
 MANAGER = "tiered-controller"
+# Kubernetes' recommended labels on every object the controller makes, beside
+# the selector's; AgentPods.labels adds the release's (instance, a renamed name).
+STANDARD_LABELS = {"app.kubernetes.io/name": "tiered", "app.kubernetes.io/part-of": "tiered",
+                   "app.kubernetes.io/component": "agent"}
 SPEC_HASH = f"{API_GROUP}/spec-hash"
 FINALIZER = f"{API_GROUP}/routing"
 BUILD_CONTAINER = "build"  # the init container that verifies and builds the artifact
 TERMINATION_LOG = "/dev/termination-log"
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """What the agent pods of one tier get beside what the TieredModel asks for."""
+
+    priority_class_name: str = ""
+    runtime_class_name: str = ""  # e.g. "nvidia" for a GPU tier
+    # Kubernetes TopologySpreadConstraints; one without a labelSelector spreads
+    # its own workload's pods.
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
+    extra_args: tuple[str, ...] = ()  # appended to `tiered agent`
+    extra_env: tuple[Mapping[str, Any], ...] = ()  # EnvVars of the agent and its build
+
+
+@dataclass(frozen=True)
+class AgentPods:
+    """Settings of every agent pod, read from a YAML file (camelCase keys; the
+    chart writes it into a ConfigMap): labels, the REST port, per-tier settings."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)  # e.g. app.kubernetes.io/instance
+    http_port: int | None = AGENT_HTTP_PORT  # None: gRPC only
+    tiers: Mapping[str, PodSettings] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.tiers) - set(names.TIERS))
+        if unknown:
+            raise ConfigError(f"tiers: unknown tier {unknown[0]!r}; expected one of "
+                              f"{', '.join(names.TIERS)}")
+        taken = sorted(set(self.labels) & {LABEL_MODEL, LABEL_TIER, LABEL_VERSION, LABEL_MANAGED})
+        if taken:
+            raise ConfigError(f"labels: {taken[0]!r} is the controller's own selector label")
+        port = self.http_port
+        if port is not None and (not 0 < port < 65536 or port in (AGENT_PORT, AGENT_METRICS_PORT)):
+            raise ConfigError(f"httpPort: expected a free port in 1..65535 (not {AGENT_PORT} "
+                              f"or {AGENT_METRICS_PORT}), got {self.http_port}")
+
+    def tier(self, tier: str) -> PodSettings:
+        return self.tiers.get(tier) or PodSettings()
+
+
+def load_agent_pods(path: Path) -> AgentPods:
+    """AgentPods from a YAML file; errors name the file and the key."""
+    return load_dataclass(AgentPods, read_yaml(path), str(path), _camel)
 
 
 @dataclass(frozen=True)
@@ -65,6 +122,7 @@ class ClusterSettings:
     # A kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt) the agents serve with,
     # requiring client certificates from the same CA; None: plaintext (--insecure).
     tls_secret: str | None = None
+    agent_pods: AgentPods = field(default_factory=AgentPods)
 
 
 @dataclass(frozen=True)
@@ -97,6 +155,12 @@ def _labels(model: str, tier: str, version: int) -> dict[str, str]:
             LABEL_MANAGED: MANAGER}
 
 
+def _object_labels(model: str, tier: str, version: int, settings: ClusterSettings
+                   ) -> dict[str, str]:
+    """The selector's labels and the standard ones, on each object and pod."""
+    return {**STANDARD_LABELS, **settings.agent_pods.labels, **_labels(model, tier, version)}
+
+
 def pod_selector(model: str, tier: str, version: int) -> str:
     """The label selector of one (tier, version)'s agent pods."""
     return ",".join(f"{k}={v}" for k, v in _labels(model, tier, version).items())
@@ -124,7 +188,12 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
                    settings: ClusterSettings) -> dict[str, Any]:
     """The Deployment (or DaemonSet) serving `artifact`'s version on `tier`."""
     tier_spec = spec.tiers[tier]
-    labels = _labels(spec.name, tier, artifact.version)
+    pods = settings.agent_pods
+    extra = pods.tier(tier)
+    selector = _labels(spec.name, tier, artifact.version)
+    labels = _object_labels(spec.name, tier, artifact.version, settings)
+    http = (["--http-port", str(pods.http_port)] if pods.http_port is not None else [])
+    env = {"env": [dict(e) for e in extra.extra_env]} if extra.extra_env else {}
     image = settings.agent_gpu_image if tier in GPU_TIERS else settings.agent_image
     volumes = [{"name": "models", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "models", "mountPath": MODELS_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
@@ -148,7 +217,7 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
             "imagePullPolicy": settings.image_pull_policy,
             "command": ["tiered", *desired.build_args(spec, tier, artifact, MODELS_DIR),
                         "--termination-log", TERMINATION_LOG],
-            "volumeMounts": mounts,
+            "volumeMounts": mounts, **env,
             "securityContext": SECURITY_CONTEXT, "resources": resources,
             # The build writes its JSON verdict where the kubelet reads the
             # termination message (its last log lines when it could not).
@@ -159,9 +228,12 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
             "name": "agent", "image": image, "imagePullPolicy": settings.image_pull_policy,
             "command": ["tiered", "agent", "--tier", tier, "--model-repository", MODELS_DIR,
                         "--host", "0.0.0.0", "--port", str(AGENT_PORT),
-                        "--metrics-port", str(AGENT_METRICS_PORT), *security],
+                        "--metrics-port", str(AGENT_METRICS_PORT), *http, *security,
+                        *extra.extra_args],
             "ports": [{"name": "grpc", "containerPort": AGENT_PORT},
-                      {"name": "metrics", "containerPort": AGENT_METRICS_PORT}],
+                      {"name": "metrics", "containerPort": AGENT_METRICS_PORT},
+                      *([{"name": "http", "containerPort": pods.http_port}] if http else [])],
+            **env,
             "readinessProbe": {**probe, "periodSeconds": 5},
             "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
             "volumeMounts": agent_mounts, "securityContext": SECURITY_CONTEXT,
@@ -176,8 +248,16 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
         pod["tolerations"] = [{k: v for k, v in (("key", t.key), ("operator", t.operator),
                                                  ("value", t.value), ("effect", t.effect)) if v}
                               for t in tier_spec.tolerations]
+    if extra.priority_class_name:
+        pod["priorityClassName"] = extra.priority_class_name
+    if extra.runtime_class_name:
+        pod["runtimeClassName"] = extra.runtime_class_name
+    if extra.topology_spread_constraints:
+        pod["topologySpreadConstraints"] = [
+            {"labelSelector": {"matchLabels": selector}, **c}
+            for c in extra.topology_spread_constraints]
     template = {"metadata": {"labels": labels}, "spec": pod}
-    workload_spec: dict[str, Any] = {"selector": {"matchLabels": labels}, "template": template}
+    workload_spec: dict[str, Any] = {"selector": {"matchLabels": selector}, "template": template}
     if not tier_spec.per_node:
         workload_spec["replicas"] = tier_spec.replicas
     return _with_hash({
@@ -192,16 +272,19 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
 def agent_service(spec: TieredModel, tier: str, version: int, owner: Owner,
                   settings: ClusterSettings) -> dict[str, Any]:
     """A headless Service: the router resolves every agent pod behind it."""
-    labels = _labels(spec.name, tier, version)
+    http_port = settings.agent_pods.http_port
     return _with_hash({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": workload_name(spec.name, tier, version),
-                     "namespace": settings.namespace, "labels": labels,
+                     "namespace": settings.namespace,
+                     "labels": _object_labels(spec.name, tier, version, settings),
                      "ownerReferences": [_owner_reference(owner)]},
-        "spec": {"clusterIP": "None", "selector": labels,
+        "spec": {"clusterIP": "None", "selector": _labels(spec.name, tier, version),
                  "ports": [{"name": "grpc", "port": AGENT_PORT, "targetPort": "grpc"},
                            {"name": "metrics", "port": AGENT_METRICS_PORT,
-                            "targetPort": "metrics"}]},
+                            "targetPort": "metrics"},
+                           *([{"name": "http", "port": http_port, "targetPort": "http"}]
+                             if http_port is not None else [])]},
     })
 
 

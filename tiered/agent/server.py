@@ -2,11 +2,12 @@
 
 On one port: the v2 inference service, `tiered.v1.Telemetry`,
 `grpc.health.v1` (SERVING once the repository is loaded, NOT_SERVING while
-shutting down) and server reflection; Prometheus `/metrics` on another.
+shutting down) and server reflection; KServe v2 REST (`tiered.protocol.rest`) on a second port and
+Prometheus `/metrics` on a third.
 Tracing is set up here when an OTLP endpoint is configured. With the
 profile's `front_ends: N`, this process keeps the engines and serves those
 services on a private unix socket, and N front-end processes share the port
-(`front_end.py`).
+(`front_end.py`); REST is served by this process.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tiered.agent.servicer import InferenceServicer
 from tiered.agent.telemetry import TelemetryHub, TelemetryServicer
 from tiered.errors import ConfigError
 from tiered.profiles import MiB, TierProfile
-from tiered.protocol import descriptors
+from tiered.protocol import descriptors, rest
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.handlers import GenericOnly
@@ -60,6 +61,7 @@ class AgentSettings:
     host: str = "127.0.0.1"
     port: int = 8001
     metrics_port: int | None = 8002  # Prometheus /metrics; None: off, 0: any free port
+    http_port: int | None = 8000  # KServe v2 REST; None: off, 0: any free port
     telemetry: bool = True  # per-version windows and energy (tiered.v1.Telemetry)
     tracing: TracingSettings = TracingSettings()  # off unless an OTLP endpoint is set
     allow_failed_models: bool = False  # else a model that fails to load stops start-up
@@ -118,6 +120,10 @@ async def serve(settings: AgentSettings) -> None:
     # With front ends, they check credentials; this process's socket trusts them.
     authorizer = TRUST_FRONT_ENDS if processes else settings.authorizer
     servicer = InferenceServicer(repository, tracer, authorizer)
+    # REST callers reach this process directly, front ends or not: their
+    # credentials are checked here, by a servicer over the same models.
+    http_servicer = servicer if not processes else InferenceServicer(
+        repository, tracer, settings.authorizer, servicer.shared_memory)
     hub = TelemetryHub.for_this_machine(repository)
     health_servicer = health.aio.HealthServicer()
     server = _grpc_server(limits, servicer, hub, health_servicer)
@@ -157,6 +163,21 @@ async def serve(settings: AgentSettings) -> None:
         except RuntimeError as error:
             raise ConfigError(f"cannot listen on {address}: {error}") from error
         await server.start()
+    rest_server = None
+    if settings.http_port is not None:
+        door = rest.RestFrontDoor(http_servicer, max_body_bytes=limits.max_message_bytes,
+                                  max_in_flight=limits.max_concurrent_rpcs)
+        try:
+            rest_server = await rest.serve(door, settings.host, settings.http_port,
+                                           settings.security.server_ssl_context(),
+                                           limits.drain_timeout_s)
+        except ConfigError:
+            if front_ends is not None:
+                await front_ends.stop()
+                await _close_feed(feed, held, private)
+            await server.stop(0)
+            await repository.close()
+            raise
     hub.start()
     metrics = ""
     if settings.metrics_port is not None:
@@ -166,17 +187,21 @@ async def serve(settings: AgentSettings) -> None:
             if front_ends is not None:
                 await front_ends.stop()
                 await _close_feed(feed, held, private)
+            if rest_server is not None:
+                await rest_server.stop()
             await server.stop(0)
             raise ConfigError(
                 f"cannot serve /metrics on {settings.host}:{settings.metrics_port}: {error}"
             ) from error
         metrics = f"; metrics on http://{settings.host}:{bound}/metrics"
 
-    servicer.ready = True
+    servicer.ready = http_servicer.ready = True
     for service in ("", descriptors.INFERENCE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     models = ", ".join(sorted({v.config.name for v in repository.all_versions()})) or "none"
     fronted = f"; {processes} front-end processes" if processes else ""
+    if rest_server is not None:
+        metrics = f"; REST on {rest_server.scheme}://{settings.host}:{rest_server.port}{metrics}"
     # Tests and supervisors read this line to learn the port when --port 0.
     print(
         f"tiered agent ({profile.tier}) listening on {settings.host}:{port}; "
@@ -191,12 +216,16 @@ async def serve(settings: AgentSettings) -> None:
     await stop.wait()
 
     log.info("shutting down: refusing new requests, draining in-flight ones")
-    servicer.ready = False
+    servicer.ready = http_servicer.ready = False
     await health_servicer.enter_graceful_shutdown()
+    # REST drains beside gRPC: both answer their in-flight calls from here.
+    rest_stopped = asyncio.ensure_future(rest_server.stop()) if rest_server else None
     if front_ends is not None:
         await front_ends.stop()  # each drains its calls, answered from here
         await _close_feed(feed, held, private)
     await server.stop(grace=limits.drain_timeout_s)
+    if rest_stopped is not None:
+        await rest_stopped
     await hub.stop()
     await repository.close()
     log.info("stopped")

@@ -15,7 +15,7 @@ from tiered.errors import ConfigError
 def register(commands: argparse._SubParsersAction) -> None:
     agent = commands.add_parser(
         "agent",
-        help="serve a model repository over v2 gRPC on one tier",
+        help="serve a model repository over v2 gRPC and REST on one tier",
         description="Serve every model in a repository over the v2 inference protocol "
         "(tritonclient, perf_analyzer and KServe v2 clients work unchanged). Layout: "
         "DIR/<model>/config.yaml and DIR/<model>/<version>/model.onnx. The tier's profile "
@@ -36,6 +36,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     agent.add_argument("--metrics-port", type=int, default=8002,
                        help="Prometheus /metrics port (default 8002; 0 picks a free one)")
     agent.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
+    agent.add_argument("--http-port", type=int, default=8000,
+                       help="KServe v2 REST port, HTTPS under --tls-cert (default 8000; "
+                       "0 picks a free one and prints it)")
+    agent.add_argument("--no-http", action="store_true", help="serve no REST, gRPC only")
     agent.add_argument("--no-telemetry", action="store_true",
                        help="keep only Triton's cumulative statistics: no latency windows, "
                        "energy attribution or tiered.v1.Telemetry figures")
@@ -100,6 +104,7 @@ def _run_agent(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         metrics_port=None if args.no_metrics else args.metrics_port,
+        http_port=None if args.no_http else args.http_port,
         telemetry=not args.no_telemetry,
         tracing=TracingSettings(base_rate=args.trace_base_rate, otlp_endpoint=args.otlp_endpoint),
         allow_failed_models=args.allow_failed_models,

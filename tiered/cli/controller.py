@@ -104,7 +104,8 @@ def _run_up(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     try:
         running = local.start()
-        print(f"up: router on {running.router}; state in {local.layout.root}. "
+        rest = f" (REST http://{local.router.http_address})" if local.router.http_port else ""
+        print(f"up: router on {running.router}{rest}; state in {local.layout.root}. "
               "Ctrl-C stops everything.", flush=True)
         local.supervise(stop)
     except (TieredError, AgentError) as error:

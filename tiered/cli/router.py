@@ -14,7 +14,7 @@ from tiered.errors import ConfigError
 def register(commands: argparse._SubParsersAction) -> None:
     router = commands.add_parser(
         "router",
-        help="serve v2 gRPC in front of the tier agents and route each request",
+        help="serve v2 gRPC and REST in front of the tier agents and route each request",
         description="A v2 inference server (tritonclient and perf_analyzer work unchanged) "
         "that forwards each request to a tier agent named in the routing table: pinned by "
         "the tiered-tier hint, else by the model's policy (slo-energy or cascade), with "
@@ -30,6 +30,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     router.add_argument("--metrics-port", type=int, default=8003,
                         help="Prometheus /metrics port (default 8003; 0 picks a free one)")
     router.add_argument("--no-metrics", action="store_true", help="serve no /metrics")
+    router.add_argument("--http-port", type=int, default=8000,
+                        help="KServe v2 REST port, HTTPS under --tls-cert (default 8000; "
+                        "0 picks a free one and prints it)")
+    router.add_argument("--no-http", action="store_true", help="serve no REST, gRPC only")
     router.add_argument("--seed", type=int, default=None,
                         help="seed of the split for requests without a tiered-key")
     flags.add_tls_flags(router)
@@ -47,6 +51,7 @@ def _run_router(args: argparse.Namespace) -> int:
     transport.warn_if_plaintext("tiered router")
     return router_server.run(router_server.RouterSettings(
         routing_table=args.routing_table, host=args.host, port=args.port,
-        metrics_port=None if args.no_metrics else args.metrics_port, seed=args.seed,
+        metrics_port=None if args.no_metrics else args.metrics_port,
+        http_port=None if args.no_http else args.http_port, seed=args.seed,
         security=transport,
     ))

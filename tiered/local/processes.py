@@ -21,6 +21,7 @@ from pathlib import Path
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _METRICS = re.compile(r"metrics on (http://\S+/metrics)")
+_REST = re.compile(r"REST on https?://(\S+):(\d+)")
 
 
 class AgentError(RuntimeError):
@@ -37,6 +38,7 @@ class ServerProcess:
         self.env = env
         self.port: int | None = None
         self.metrics_url: str | None = None  # when the server prints one
+        self.http_port: int | None = None  # KServe v2 REST, when the server serves it
         self._process: subprocess.Popen | None = None
         self._log_offset = 0
         # A log directory of our own is removed on exit; a given one is kept.
@@ -48,6 +50,13 @@ class ServerProcess:
         if self.port is None:
             raise AgentError(f"the {self.name} has not started")
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_address(self) -> str:
+        """HOST:PORT of its REST endpoints (tritonclient.http's url)."""
+        if self.http_port is None:
+            raise AgentError(f"the {self.name} serves no REST")
+        return f"127.0.0.1:{self.http_port}"
 
     @property
     def pid(self) -> int:
@@ -71,6 +80,8 @@ class ServerProcess:
                 self.port = int(match.group(2))
                 metrics = _METRICS.search(log)
                 self.metrics_url = metrics.group(1) if metrics else None
+                rest = _REST.search(log)
+                self.http_port = int(rest.group(2)) if rest else None
                 return self
             if self._process.poll() is not None:
                 raise AgentError(
@@ -148,6 +159,7 @@ class AgentProcess(ServerProcess):
             "--host", "127.0.0.1",
             "--port", str(port),
             "--metrics-port", "0",
+            "--http-port", "0",
             *security_args,
             *(["--admin-token-file", str(admin_token_file)] if admin_token_file else []),
             *extra_args,
@@ -164,6 +176,7 @@ class RouterProcess(ServerProcess):
         *,
         port: int = 0,
         metrics_port: int | None = 0,  # None: no /metrics
+        http_port: int | None = 0,  # None: no REST
         security_args: Sequence[str] = ("--insecure",),
         extra_args: Sequence[str] = (),
         log_dir: Path | None = None,
@@ -175,6 +188,7 @@ class RouterProcess(ServerProcess):
             "--host", "127.0.0.1",
             "--port", str(port),
             *(["--no-metrics"] if metrics_port is None else ["--metrics-port", str(metrics_port)]),
+            *(["--no-http"] if http_port is None else ["--http-port", str(http_port)]),
             *security_args,
             *extra_args,
         ]

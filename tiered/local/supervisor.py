@@ -12,7 +12,7 @@ child does.
     # examples/local.yaml
     state_dir: .tiered                # relative to the working directory
     tiers: [edge, regional, datacenter]
-    router: {port: 8000, metrics_port: 0}
+    router: {port: 8000, http_port: 8080, metrics_port: 0}
     controller: {interval_s: 2, metrics_port: 0}
     sample_models: ../build/models    # train the sample digits models here when missing
     apply: [digits.yaml]              # TieredModels, relative to this file
@@ -49,6 +49,7 @@ SAMPLE_VARIANTS = ("v1", "v2", "heavy")
 @dataclass(frozen=True)
 class RouterPorts:
     port: int = 8000
+    http_port: int | None = 0  # KServe v2 REST; 0: any free port (printed); None: off
     metrics_port: int = 0  # 0: any free port, for Prometheus (the router logs it)
 
 
@@ -138,10 +139,12 @@ class LocalUp:
                                              admin_token_file=admin_token)
         self.router = RouterProcess(layout.routing_table, port=self.system.router.port,
                                     metrics_port=self.system.router.metrics_port,
+                                    http_port=self.system.router.http_port,
                                     log_dir=layout.logs)
         for name, process in [*self.agents.items(), ("router", self.router)]:
             process.start()
-            self.progress(f"{name}: pid {process.pid}, {process.address} "
+            rest = f", REST http://{process.http_address}" if process.http_port else ""
+            self.progress(f"{name}: pid {process.pid}, {process.address}{rest} "
                           f"(log {process.log_path})")
         running = self.running()
         running.write(layout.system)
@@ -212,9 +215,10 @@ class LocalUp:
                 continue
             if not self._due(name, process.stop()):
                 continue
-            port = process.port
-            if port is not None:  # come back where clients and the table expect it
-                process.command[process.command.index("--port") + 1] = str(port)
+            # Come back where clients and the table expect it.
+            for flag, port in (("--port", process.port), ("--http-port", process.http_port)):
+                if port is not None and flag in process.command:
+                    process.command[process.command.index(flag) + 1] = str(port)
             try:
                 process.start()
                 self.progress(f"{name}: restarted, pid {process.pid}")

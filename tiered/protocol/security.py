@@ -1,4 +1,4 @@
-"""Transport security for every gRPC hop, and who may call what.
+"""Transport security for every gRPC hop and the REST port, and who may call what.
 
 TLS on every server and channel (client -> router, router -> agent,
 controller -> agent), mutual when the server asks for client certificates.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,23 @@ class TransportSecurity:
         return grpc.ssl_server_credentials(
             [(self._read(self.key), self._read(self.cert))],
             root_certificates=self._read(self.ca), require_client_auth=self.client_auth)
+
+    def server_ssl_context(self) -> ssl.SSLContext | None:
+        """The same certificate, key and client checks as `server_credentials`,
+        for an HTTPS server; None for plaintext."""
+        if self.insecure:
+            return None
+        if not (self.cert and self.key):
+            raise ConfigError("--tls-cert and --tls-key: a server needs its own certificate")
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self.cert, self.key)
+            if self.client_auth:
+                context.load_verify_locations(cafile=self.ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+        except (ssl.SSLError, OSError) as error:
+            raise ConfigError(f"--tls-cert, --tls-key, --tls-ca: {error}") from error
+        return context
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         """None for plaintext; else the CA to trust and, for mTLS, our certificate."""

@@ -1,4 +1,5 @@
-"""The one place that maps tiered's domain errors to gRPC status codes.
+"""The one place that maps tiered's domain errors to gRPC status codes, and
+gRPC status codes to HTTP ones (for the REST front door, `rest.py`).
 
 Servicer methods raise `TieredError`s; `translate_errors` turns them into
 statuses. Anything else is a bug: it is logged with its traceback and answered
@@ -38,6 +39,32 @@ _CODES: dict[type[errors.TieredError], grpc.StatusCode] = {
 _ERRORS: dict[grpc.StatusCode, type[errors.TieredError]] = {}
 for _kind, _code in _CODES.items():
     _ERRORS.setdefault(_code, _kind)
+
+
+# What each status is over HTTP: the same message, this code.
+_HTTP: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.OK: 200,
+    grpc.StatusCode.CANCELLED: 499,  # the client went away
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DATA_LOSS: 500,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    return _HTTP.get(code, 500)
 
 
 def error_from_status(code: grpc.StatusCode, details: str) -> errors.TieredError:

@@ -1,6 +1,7 @@
 """The router process: settings, the routing table's reload loop, and the
 gRPC server (the v2 inference service, tiered.v1.Telemetry, health and
-reflection) with its /metrics endpoint.
+reflection) with KServe v2 REST over the same servicer and its /metrics
+endpoint.
 
 Everything per request lives below it (`servicer`, `dataplane`, `forward`).
 The one place that reads the table file and starts and stops the process; it
@@ -24,7 +25,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import start_http_server
 
 from tiered import errors
-from tiered.protocol import descriptors, routing, security
+from tiered.protocol import descriptors, rest, routing, security
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.handlers import GenericOnly
 from tiered.protocol.security import PLAINTEXT, TransportSecurity
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 MAX_CONCURRENT_RPCS = 8192
 TABLE_POLL_S = 1.0
 STATS_LOG_S = 30.0
+DRAIN_S = 10.0  # on shutdown, in-flight calls get this long to finish
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class RouterSettings:
     host: str = "127.0.0.1"
     port: int = 8001
     metrics_port: int | None = None  # None: off, 0: any free port
+    http_port: int | None = None  # KServe v2 REST; None: off, 0: any free port
     seed: int | None = None  # rng seed for reproducible splits without keys
     security: TransportSecurity = PLAINTEXT  # the router's port and its channels to agents
 
@@ -125,16 +128,31 @@ async def serve(settings: RouterSettings) -> None:
     except RuntimeError as error:
         raise errors.ConfigError(f"cannot listen on {address}: {error}") from error
     await server.start()
+    rest_server = None
+    if settings.http_port is not None:
+        door = rest.RestFrontDoor(inference, max_body_bytes=forward.MAX_MESSAGE_BYTES,
+                                  max_in_flight=MAX_CONCURRENT_RPCS,
+                                  infer=rest.over_bytes(inference.ModelInfer))
+        try:
+            rest_server = await rest.serve(door, settings.host, settings.http_port,
+                                           settings.security.server_ssl_context(), DRAIN_S)
+        except errors.ConfigError:
+            await server.stop(0)
+            raise
     metrics = ""
     if settings.metrics_port is not None:
         try:
             http, _ = start_http_server(settings.metrics_port, settings.host,
                                         registry=router.metrics.registry)
         except OSError as error:
+            if rest_server is not None:
+                await rest_server.stop()
             await server.stop(0)
             raise errors.ConfigError(f"cannot serve /metrics on port {settings.metrics_port}: "
                                      f"{error}") from error
         metrics = f"; metrics on http://{settings.host}:{http.server_port}/metrics"
+    if rest_server is not None:
+        metrics = f"; REST on {rest_server.scheme}://{settings.host}:{rest_server.port}{metrics}"
     poller = observations.TelemetryPoller(router.observer, router.pool.dial,
                                           lambda: router.table.agents())
     background = [asyncio.create_task(poller.run()),
@@ -152,7 +170,8 @@ async def serve(settings: RouterSettings) -> None:
     await stop.wait()
     inference.serving = False
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=10)
+    await asyncio.gather(server.stop(grace=DRAIN_S),
+                         *([rest_server.stop()] if rest_server else []))
     for task in background:
         task.cancel()
     await poller.close()

@@ -60,17 +60,23 @@ def register(commands: argparse._SubParsersAction) -> None:
         "version, which aborts the canary at once; otherwise the stable version before the "
         "current one, or --to-version N, which is rolled out in stages and judged like any "
         "new version (calibration and eval data stay the spec's). "
+        "report: write report.html (self-contained, opens offline) and report.json: "
+        "p95 and J/inference per tier with the canary's limits drawn, energy with its "
+        "source, canary weights, agreement, every decision with its numbers, a table per "
+        "tier and version, and (local) the tier builds' accuracy. "
         "A verb already in effect (pause when paused, abort when aborted, ...) changes "
         "nothing, says so and exits 0. "
         f"status exits 0 when the rollout of the spec's version is promoted or still going, "
         f"{EXIT_DEGRADED} when it was rolled back or aborted, {EXIT_TIMED_OUT} when "
         "--timeout passed first.")
     rollout.add_argument("verb", choices=("status", "pause", "resume", "promote", "abort",
-                                          "retry", "undo"))
+                                          "retry", "undo", "report"))
     rollout.add_argument("name", help="the TieredModel")
     rollout.add_argument("--full", action="store_true", help="promote: all the way")
     rollout.add_argument("--to-version", type=int, metavar="N",
                          help="undo: go back to version N (default: the previous stable)")
+    rollout.add_argument("--out", type=Path, metavar="DIR",
+                         help="report: where to write it (default: NAME-report)")
     rollout.add_argument("--watch", "-w", action="store_true",
                          help="status: follow the rollout until it is promoted, rolled back "
                          "or aborted")
@@ -205,6 +211,8 @@ def _rollout(args: argparse.Namespace) -> int:
         return _rollout_status(args)
     if args.verb == "undo":
         return _rollout_undo(args)
+    if args.verb == "report":
+        return _rollout_report(args)
     if args.kubernetes:
         decision = _cluster(args).rollout_verb(args.name, args.verb, full=args.full)
     else:
@@ -225,6 +233,65 @@ def _rollout_undo(args: argparse.Namespace) -> int:
     print(f"{args.name}: {'unchanged' if found.unchanged else 'undo'}: {found.reason}"
           + ("; nothing to do" if found.unchanged else ""))
     return 0
+
+
+def _rollout_report(args: argparse.Namespace) -> int:
+    """The rollout report from what the backend keeps: the local store's
+    snapshot of every pass (and the tier builds' reports), or the steps the
+    TieredModel's status keeps on Kubernetes."""
+    import time
+
+    from tiered.controller import verbs
+    from tiered.controller.reconciler import decode_status
+    from tiered.demo.report import write_report
+    from tiered.rollout.spec import load_tiered_model
+
+    builds: list[dict] = []
+    if args.kubernetes:
+        obj = _cluster(args).get(args.name)
+        spec, status = load_tiered_model(obj, args.name), decode_status(args.name,
+                                                                       obj.get("status"))
+        history = verbs.snapshots_of(spec, status)
+        where = f"Kubernetes, namespace {obj['metadata'].get('namespace', '')}"
+    else:
+        with _store(args) as store:
+            record = store.get(args.name)
+            spec, status = verbs.spec_of(record), decode_status(args.name, record.status)
+            history = [dict(snap, t=t) for _, t, snap in store.history(args.name)]
+        builds = _build_reports(args.state, spec, status)
+        where = f"local, {args.state}"
+    rollout = status.rollout
+    extra = {"backend": where, "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+             "phase": rollout.phase if rollout else "Pending",
+             "stable version": rollout.stable_version if rollout else None,
+             "steps": len(history)}
+    t0 = history[0]["t"] if history else 0.0
+    html, data = write_report([dict(s, t=s["t"] - t0) for s in history],
+                              args.out or Path(f"{args.name}-report"),
+                              f"Rollouts of {args.name}", extra,
+                              verbs.report_thresholds(spec), builds)
+    print(f"{args.name}: wrote {html} and {data}")
+    return 0
+
+
+def _build_reports(state: Path, spec, status) -> list[dict]:
+    """The tier builds' reports (build.json) of every version still in the
+    local tier repositories."""
+    import json
+
+    from tiered.controller.local import StateLayout
+    from tiered.engines.build.report import REPORT_FILE
+
+    found = []
+    for tier in (t for t in names.TIERS if t in spec.tiers):
+        for artifact in status.artifacts:
+            path = (StateLayout(state).repository(tier) / spec.name / str(artifact.version)
+                    / REPORT_FILE)
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+    return found
 
 
 def _rollout_status(args: argparse.Namespace) -> int:

@@ -193,7 +193,8 @@ class StageAccumulator:
     def summary(self, stable_version: int, tiers: Iterable[str]
                 ) -> dict[str, float | str | None]:
         """The headline numbers for progress lines and history snapshots, and
-        the source of each version's J/inference (nvml, rapl, model)."""
+        the source of each version's J/inference (nvml, rapl, model); the same
+        per tier that served the canary, as 'edge.p95_canary_ms'."""
         m = self.measurements(stable_version, tiers)
         stable, canary = m.pooled("stable"), m.pooled("canary")
 
@@ -213,6 +214,15 @@ class StageAccumulator:
             "energy_source_canary": canary.energy_source,
             "agreement": (m.shadow_agreed / m.shadow_compared if m.shadow_compared else None),
             "agreement_compared": m.shadow_compared,
+            # Each tier on its own, as the analysis judges it (the report's per-tier charts).
+            **{f"{tier}.{key}": value for tier, samples in m.tiers.items()
+               for key, value in (("stable_requests", samples.stable.requests),
+                                  ("canary_requests", samples.canary.requests),
+                                  ("p95_stable_ms", p95(samples.stable)),
+                                  ("p95_canary_ms", p95(samples.canary)),
+                                  ("jpi_stable", jpi(samples.stable)),
+                                  ("jpi_canary", jpi(samples.canary)))
+               if samples.canary.requests and value is not None},
         }
 
 

@@ -184,6 +184,39 @@ def ended(spec: TieredModel, status: TieredModelStatus, generation: int) -> bool
     return target == rollout.canary_version and rollout.phase in engine.FINISHED
 
 
+def report_thresholds(spec: TieredModel) -> dict[str, float | None]:
+    """The canary limits the report draws, from the spec's analysis."""
+    analysis = spec.rollout.analysis
+    latency, energy = analysis.latency_p95, analysis.energy_per_inference
+    return {"latency_p95_max_ratio": latency.max_ratio if latency else None,
+            "latency_p95_max_ms": latency.max_ms if latency else None,
+            "energy_max_ratio": energy.max_ratio if energy else None}
+
+
+def snapshots_of(spec: TieredModel, status: TieredModelStatus) -> list[dict[str, Any]]:
+    """The status's history steps as report snapshots (what the local store
+    records every pass, Kubernetes keeps for each step in the status)."""
+    stages = spec.rollout.stages
+    snapshots = []
+    for step in status.history:
+        label = step.stage.split(" ", 1)
+        index = next((i for i, stage in enumerate(stages)
+                      if len(label) == 2 and stage.name == label[1]), 0)
+        live = step.canary_version is not None and step.phase in (
+            names.Phase.PROGRESSING, names.Phase.PAUSED)
+        snapshots.append({
+            "t": step.t, "model": spec.name, "stable_version": step.stable_version,
+            "canary_version": step.canary_version, "phase": step.phase,
+            "stage_index": index, "stage_name": stages[index].name, "stages": len(stages),
+            "weights": {tier: float(stages[index].weights.get(tier, 0.0)) if live else 0.0
+                        for tier in names.TIERS if tier in spec.tiers},
+            "action": step.action, "reason": step.reason, **step.numbers,
+            **{source: step.sources[figure] for figure, source in
+               (("jpi_stable", "energy_source_stable"), ("jpi_canary", "energy_source_canary"))
+               if figure in step.sources}})
+    return snapshots
+
+
 def spec_of(record: Record) -> TieredModel:
     return load_tiered_model(record.spec, record.name)
 

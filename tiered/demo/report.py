@@ -1,8 +1,14 @@
 """The rollout report: one self-contained HTML page and its JSON twin.
 
 Renders the snapshots the controller recorded during rollouts (plain dicts in
-time order) as summary tables, one SVG chart per metric with a marker at every
-decision, and a table of decisions. A pure renderer: it never reads a clock or
+time order) as summary tables, SVG charts with a marker at every decision,
+and a table of decisions. Latency and energy are judged per tier, so where
+the snapshots carry per-tier figures ('edge.p95_canary_ms') each tier gets
+its own p95 and J/inference charts with the canary's limit drawn (the
+spec's max_ratio times stable's figure, and max_ms), and a table of p95 and
+J/inference per tier and version; energy always names its source (nvml,
+rapl, or model: an estimate). The builds' accuracy reports, where the caller
+has them, get a table of their own. A pure renderer: it never reads a clock or
 talks to a backend, and the page never loads anything — CSS and SVG are inline,
 there is no JavaScript and no external URL, so it opens offline from disk.
 Every string from the history or `extra` is escaped.
@@ -26,7 +32,7 @@ W, H = 760, 250
 LEFT, RIGHT, TOP, BOTTOM = 60, 32, 34, 40  # plot margins inside the SVG
 CENTER_X, CENTER_Y = (LEFT + W - RIGHT) / 2, (TOP + H - BOTTOM) / 2
 MIDDLE = ' text-anchor="middle"'
-STABLE, CANARY = "#64748b", "#ea580c"
+STABLE, CANARY, LIMIT = "#64748b", "#ea580c", "#dc2626"
 TIER_COLORS = {"edge": "#0891b2", "regional": "#7c3aed", "datacenter": "#16a34a"}
 MARK_COLORS = {"promote": "#16a34a", "rollback": "#dc2626", "abort": "#dc2626"}
 FINAL_METRICS = ("p95_stable_ms", "p95_canary_ms", "jpi_stable", "jpi_canary",
@@ -131,11 +137,13 @@ def _summary(group: Sequence[Mapping]) -> dict[str, Any]:
             "final": final}
 
 
-def report_json(history: Sequence[Mapping], title: str, extra: Mapping) -> dict[str, Any]:
-    """The report as JSON data: title, extra, one summary per rollout, and the history."""
-    return _plain({"title": title, "extra": extra,
-                   "rollouts": [_summary(g) for g in _rollouts(history)],
-                   "history": list(history)})
+def report_json(history: Sequence[Mapping], title: str, extra: Mapping,
+                builds: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """The report as JSON data: title, extra, one summary per rollout, the
+    history, and the build reports when there are any."""
+    data = {"title": title, "extra": extra,
+            "rollouts": [_summary(g) for g in _rollouts(history)], "history": list(history)}
+    return _plain({**data, "builds": list(builds)} if builds else data)
 
 
 def _scale(lo: float, hi: float, a: float, b: float) -> Callable[[float], float]:
@@ -231,7 +239,8 @@ def _chart(title: str, unit: str, history: Sequence[Mapping], lines: Sequence[Li
     if not values:
         parts.append(_text(CENTER_X, CENTER_Y, "no data", f'{MIDDLE} fill="#94a3b8"'))
     parts += ['<g fill="none" stroke-width="2" stroke-linecap="round" stroke-linejoin="round">',
-              *(f'<path d="{_path(list(zip(ts, ys)), sx, sy, step)}" stroke="{color}"/>'
+              *(f'<path d="{_path(list(zip(ts, ys)), sx, sy, step)}" stroke="{color}"'
+                + (' stroke-dasharray="6 4"' if color == LIMIT else "") + "/>"
                 for color, ys in series), "</g>"]
     parts += [_marker(sx(t), label, MARK_COLORS.get(s.get("action"), "#475569"))
               for s, label in marks if (t := _num(s.get("t"))) is not None]
@@ -251,19 +260,86 @@ def _pair(stable: str, canary: str) -> list[Line]:
     return [("stable", STABLE, _field(stable)), ("canary", CANARY, _field(canary))]
 
 
-def _charts(history: Sequence[Mapping], marks: Sequence[Mark]) -> str:
-    """The four charts of one model's snapshots; energy's title names the
-    sources of its latest figures."""
+def _tiers_in(history: Sequence[Mapping]) -> list[str]:
+    """The tiers the snapshots carry figures of their own for, cheapest first."""
+    return [tier for tier in names.TIERS
+            if any(str(key).startswith(f"{tier}.") for s in history for key in s)]
+
+
+def _limit(key: str, ratio: float | None) -> Getter:
+    """The canary's limit at each snapshot: `ratio` times stable's figure."""
+    def get(s: Mapping) -> float | None:
+        value = _num(s.get(key))
+        return None if value is None or ratio is None else value * ratio
+    return get
+
+
+def _charts(history: Sequence[Mapping], marks: Sequence[Mark],
+            thresholds: Mapping[str, Any]) -> str:
+    """One model's charts: p95 and J/inference per tier where the snapshots
+    have per-tier figures (pooled otherwise), each with the canary's limit;
+    canary weight per tier; agreement. Energy's title names its sources."""
     sources = next((label for s in reversed(history) if (label := energy_sources(s))), "")
+    energy_title = "Energy per inference" + (f" ({sources})" if sources else "")
+    p95_ratio, p95_max = thresholds.get("latency_p95_max_ratio"), thresholds.get(
+        "latency_p95_max_ms")
+    energy_ratio = thresholds.get("energy_max_ratio")
+    charts = []
+    for tier in _tiers_in(history) or [None]:
+        prefix, where = (f"{tier}.", f" on {tier}") if tier else ("", "")
+        latency = _pair(f"{prefix}p95_stable_ms", f"{prefix}p95_canary_ms")
+        if p95_ratio is not None:
+            latency.append((f"limit ({p95_ratio:g} x stable)", LIMIT,
+                            _limit(f"{prefix}p95_stable_ms", p95_ratio)))
+        if p95_max is not None:
+            latency.append((f"max {p95_max:g} ms", LIMIT, lambda s, v=p95_max: v))
+        energy = _pair(f"{prefix}jpi_stable", f"{prefix}jpi_canary")
+        if energy_ratio is not None:
+            energy.append((f"limit ({energy_ratio:g} x stable)", LIMIT,
+                           _limit(f"{prefix}jpi_stable", energy_ratio)))
+        charts += [_chart(f"p95 latency{where}", "ms", history, latency, [0], marks),
+                   _chart(energy_title + where, "J / inference", history, energy, [0], marks)]
     return "".join([
-        _chart("p95 latency", "ms", history, _pair("p95_stable_ms", "p95_canary_ms"), [0], marks),
-        _chart("Energy per inference" + (f" ({sources})" if sources else ""), "J / inference",
-               history, _pair("jpi_stable", "jpi_canary"), [0], marks),
+        *charts,
         _chart("Canary weight per tier", "%", history,
                [(tier, TIER_COLORS[tier], _weight(tier)) for tier in names.TIERS], [0, 100], marks,
                step=True),
         _chart("Agreement with stable", "fraction", history,
                [("agreement", CANARY, _field("agreement"))], [1], marks)])
+
+
+def _per_tier_rows(summaries_groups: Sequence[Sequence[Mapping]]) -> list[tuple]:
+    """Per rollout, tier and version: the latest p95 and J/inference, the way
+    operators publish edge/regional/datacenter figures."""
+    rows = []
+    for group in summaries_groups:
+        first = group[0]
+        canary = _canary(group)
+        source = next((label for s in reversed(group) if (label := energy_sources(s))), "-")
+        for tier in _tiers_in(group):
+            for who, version in (("stable", first.get("stable_version")), ("canary", canary)):
+                def latest(key: str, tier=tier, who=who) -> Any:
+                    return next((s[f"{tier}.{key}"] for s in reversed(group)
+                                 if s.get(f"{tier}.{key}") is not None), None)
+                jpi = _num(latest(f"jpi_{who}"))
+                rows.append((first.get("model"), tier, f"v{version} ({who})",
+                             latest(f"{who}_requests"), latest(f"p95_{who}_ms"),
+                             None if jpi is None else jpi * 1000, source))
+    return rows
+
+
+BUILD_COLUMNS = ("tier", "version", "backend", "precision", "eval data", "samples",
+                 "top-1 agreement", "accuracy", "accuracy drop", "gate")
+
+
+def build_row(report: Mapping[str, Any]) -> tuple:
+    """One build report (`build.json`) as a row of the builds table."""
+    accuracy = report.get("accuracy") or {}
+    evaluation = report.get("eval") or {}
+    return (report.get("tier"), report.get("version"), report.get("backend"),
+            report.get("precision"), evaluation.get("data"), evaluation.get("samples"),
+            accuracy.get("top1_agreement"), accuracy.get("build_accuracy"),
+            accuracy.get("accuracy_drop"), (report.get("gate") or {}).get("verdict"))
 
 
 class _Html(str):
@@ -290,11 +366,16 @@ def _versions(stable: Any, canary: Any) -> str:
     return f"v{stable}" if canary is None else f"v{stable} → v{canary}"
 
 
-def render_html(history: Sequence[Mapping], title: str, extra: Mapping) -> str:
-    """The report as one self-contained HTML page."""
+def render_html(history: Sequence[Mapping], title: str, extra: Mapping,
+                thresholds: Mapping[str, Any] | None = None,
+                builds: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The report as one self-contained HTML page. `thresholds`: the limits the
+    charts draw (latency_p95_max_ratio, latency_p95_max_ms, energy_max_ratio);
+    `builds`: the tier builds' reports (build.json), for their accuracy."""
     facts = [(k, json.dumps(_plain(v)) if isinstance(v, (Mapping, list, tuple)) else v)
              for k, v in extra.items()]
-    summaries = [_summary(g) for g in _rollouts(history)]
+    groups = _rollouts(history)
+    summaries = [_summary(g) for g in groups]
     rollouts = [(r["model"], _versions(r["stable_version"], r["canary_version"]),
                  _badge(r["outcome"]),
                  r["duration_s"], f'{r["stages_reached"]}/{tables.cell(r["stages"])}',
@@ -314,23 +395,33 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping) -> str:
             ["model", "versions", "outcome", "duration (s)", "stages", "p95 stable (ms)",
              "p95 canary (ms)", "J/inf stable", "J/inf canary", "energy source", "agreement"],
             rollouts)]
+        per_tier = _per_tier_rows(groups)
+        if per_tier:
+            sections += ["<h2>Per tier: p95 and energy per inference</h2>", _table(
+                ["model", "tier", "version", "requests", "p95 (ms)", "J/inference (mJ)",
+                 "energy source"], per_tier)]
         for model in dict.fromkeys(s.get("model") for s in history):
             sections += [f"<h2>{_e(model)}</h2>", _charts(
                 [s for s in history if s.get("model") == model],
-                [m for m in marks if m[0].get("model") == model])]
+                [m for m in marks if m[0].get("model") == model], thresholds or {})]
         sections += ["<h2>Decisions</h2>", _table(
             ["t (s)", "model", "versions", "stage", "action", "reason"], decisions)]
+    if builds:
+        sections += ["<h2>Tier builds: accuracy against the FP32 artifact</h2>",
+                     _table(BUILD_COLUMNS, [build_row(b) for b in builds])]
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f"<title>{_e(title)}</title><style>{CSS}</style></head><body>\n"
             + "\n".join(sections) + "\n</body></html>\n")
 
 
 def write_report(history: Sequence[Mapping], out_dir: Path, title: str,
-                 extra: Mapping) -> tuple[Path, Path]:
+                 extra: Mapping, thresholds: Mapping[str, Any] | None = None,
+                 builds: Sequence[Mapping[str, Any]] = ()) -> tuple[Path, Path]:
     """Write report.html and report.json into out_dir (created if missing); return both paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     html_path, json_path = out_dir / "report.html", out_dir / "report.json"
-    write_atomically(html_path, render_html(history, title, extra))
-    write_atomically(json_path, json.dumps(report_json(history, title, extra), indent=2) + "\n")
+    write_atomically(html_path, render_html(history, title, extra, thresholds, builds))
+    write_atomically(json_path, json.dumps(report_json(history, title, extra, builds),
+                                           indent=2) + "\n")
     return html_path, json_path

@@ -2,7 +2,7 @@
 that runs it.
 
 `agent` (agent, top), `router`, `demo`, `build`, `models`, `controller` (up,
-controller) and `verbs` (apply, get, rollout, crds) each add their parsers
+controller), `verbs` (apply, get, rollout, crds) and `load` each add their parsers
 and handlers with `register(commands)`; `flags` holds the flags several
 commands share. Arguments are parsed in `main()`, never at import, and a
 handler imports what it runs only when it runs, so `tiered --help` stays
@@ -16,16 +16,16 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from tiered.cli import agent, build, controller, demo, models, router, verbs
+from tiered.cli import agent, build, controller, demo, load, models, router, verbs
 
 __all__ = ["build_parser", "kubectl_main", "main"]
 
 # In the order `tiered --help` lists the commands.
-_COMMANDS = (agent, router, demo, build, models, controller, verbs)
+_COMMANDS = (agent, router, demo, build, models, controller, verbs, load)
 # The commands that act on a cluster with --kubernetes (as `kubectl tiered` does).
 CLUSTER_VERBS = ("apply", "get", "rollout")
 _COMMAND_NAMES = frozenset(("agent", "top", "router", "demo", "build", "models", "up",
-                            "controller", *CLUSTER_VERBS, "crds"))
+                            "controller", *CLUSTER_VERBS, "crds", "load"))
 
 
 def build_parser() -> argparse.ArgumentParser:

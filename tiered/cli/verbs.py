@@ -180,10 +180,10 @@ def _get(args: argparse.Namespace) -> int:
                     shown = text
                 time.sleep(max(args.interval, 0.1))
 
-        return _until_closed(watch)
+        return until_closed(watch)
 
 
-def _until_closed(follow: Callable[[], int]) -> int:
+def until_closed(follow: Callable[[], int]) -> int:
     """Run a --watch loop; a closed pipe (`| head`) ends it quietly with 0, Ctrl-C
     with EXIT_INTERRUPTED, neither with a traceback."""
     import os
@@ -320,7 +320,7 @@ def _rollout_status(args: argparse.Namespace) -> int:
                     return EXIT_TIMED_OUT
                 time.sleep(WATCH_INTERVAL_S)
 
-        return _until_closed(steps)
+        return until_closed(steps)
 
 
 def _summary_line(row: dict[str, str]) -> str:

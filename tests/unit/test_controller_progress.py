@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiered.cli.progress import progress_line
+from tiered.cli.progress import ProgressLines, progress_line, weights_label
 from tiered.controller.plan import make_snapshot
 from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, load_tiered_model
 
@@ -31,15 +31,16 @@ def test_a_hold_names_what_keeps_the_analysis_from_passing():
     snap = make_snapshot(SPEC, live(run), "hold", "stage 2/2 'wide': analysis inconclusive", NUMBERS)
     assert snap["pending"] == ["latency_p95 on regional", "agreement"]
     line = progress_line(0.0, snap)
-    assert "stage 2/2 wide" in line and "[edg 50% reg 50%]" in line
-    assert line.endswith("| hold (Inconclusive: latency_p95 on regional, agreement)")
+    assert "stage 2/2 wide [all tiers 50%]" in line
+    assert "stable n 400 p95 1.50 ms 200.000 mJ/inf  canary n 120 p95 1.70 ms" in line
+    assert line.endswith("| hold: stage 2/2 'wide': analysis inconclusive")
 
 
 def test_a_hold_with_a_passing_analysis_and_other_decisions_read_plainly():
     passing = AnalysisRun(5, "Successful", (MetricResult("latency_p95", "Successful", "ok",
                                                           tier="edge"),))
     held = progress_line(0.0, make_snapshot(SPEC, live(passing), "hold", "too short", NUMBERS))
-    assert held.endswith("| hold (Successful)")
+    assert held.endswith("| hold: too short")
     advanced = progress_line(0.0, make_snapshot(SPEC, live(passing), "advance", "stage 1 passed",
                                            NUMBERS))
     assert advanced.endswith("| advance: stage 1 passed")
@@ -48,17 +49,42 @@ def test_a_hold_with_a_passing_analysis_and_other_decisions_read_plainly():
 
 @pytest.mark.parametrize("sources, shown", [
     ({"energy_source_stable": "model", "energy_source_canary": "model"},
-     "J/inf 200.000/210.000 mJ (model, estimate)  "),
+     "210.000 mJ/inf (model, estimate)  agree"),
     ({"energy_source_stable": "nvml", "energy_source_canary": "nvml"},
-     "J/inf 200.000/210.000 mJ (nvml)  "),
+     "210.000 mJ/inf (nvml)  agree"),
     ({"energy_source_stable": "nvml", "energy_source_canary": "model"},
-     "J/inf 200.000/210.000 mJ (stable nvml, canary model, estimate)  "),
-    ({}, "J/inf 200.000/210.000 mJ  "),
+     "210.000 mJ/inf (stable nvml, canary model, estimate)  agree"),
+    ({}, "210.000 mJ/inf  agree"),
     ({"energy_source_stable": "nvml", "energy_source_canary": "nvml", "jpi_stable": None,
-      "jpi_canary": None}, "J/inf -/- mJ  "),
+      "jpi_canary": None}, "p95 1.70 ms - mJ/inf  agree"),
 ])
 def test_j_per_inference_shows_its_source_when_the_snapshot_has_one(sources, shown):
     passing = AnalysisRun(5, "Successful", ())
     line = progress_line(0.0, make_snapshot(SPEC, live(passing), "hold", "too short",
                                             {**NUMBERS, **sources}))
     assert shown in line
+
+
+@pytest.mark.parametrize(("weights", "label"), [
+    ({"datacenter": 50, "edge": 50, "regional": 50}, "all tiers 50%"),
+    ({"regional": 5, "edge": 20, "datacenter": 0}, "edge 20%, regional 5%"),
+    ({"datacenter": 10, "edge": 10, "regional": 0}, "edge 10%, datacenter 10%"),
+    ({"edge": 20}, "edge 20%"),
+    ({"edge": 0, "regional": 0}, "no canary traffic"),
+])
+def test_weights_read_in_tier_order_with_full_names(weights, label):
+    assert weights_label(weights) == label
+
+
+def test_a_hold_is_shown_again_only_when_its_reason_changes():
+    run = AnalysisRun(5, "Inconclusive", ())
+    lines = ProgressLines()
+
+    def shown(action, reason):
+        return lines.line(0.0, make_snapshot(SPEC, live(run), action, reason, NUMBERS))
+
+    assert shown("hold", "too little data: 35 of 40 canary requests") is not None
+    assert shown("hold", "too little data: 38 of 40 canary requests") is None  # counts only
+    assert shown("hold", "too short: 5 of 10 s") is not None  # another reason
+    assert shown("advance", "stage 1 passed") is not None  # a decision always shows
+    assert shown("hold", "too short: 6 of 10 s") is not None  # after it, shown again

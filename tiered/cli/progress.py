@@ -1,10 +1,12 @@
-"""One terminal line per rollout snapshot: stage, weights, samples, p95s,
-J/inference with its source, agreement and the decision, for `tiered
-rollout status` and the demo's live progress. Formatting only: it reads no
-store and no clock."""
+"""One terminal line per rollout snapshot: stage, weights, stable's and the
+canary's samples, p95s and J/inference (with its source), agreement and the
+decision with its reason, for `tiered rollout status` and the demo's live
+progress; `ProgressLines` leaves out a hold whose reason has not changed.
+Formatting only: it reads no store and no clock."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,17 +30,23 @@ def energy_sources(snap: Mapping[str, Any]) -> str:
     return "" if stable is None and canary is None else names.energy_sources_label(stable, canary)
 
 
-def _energy(snap: Mapping[str, Any]) -> str:
-    def mj(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1000:.3f}"
-    sources = energy_sources(snap)
-    return (f"J/inf {mj(snap['jpi_stable'])}/{mj(snap['jpi_canary'])} mJ"
-            + (f" ({sources})" if sources else ""))
+def _mj(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.3f}"
+
+
+def weights_label(weights: Mapping[str, float]) -> str:
+    """Canary percent per tier, cheapest tier first: 'all tiers 50%' when every
+    tier has the same, else 'edge 20%, regional 5%' (tiers at 0 left out)."""
+    ordered = [(tier, weights[tier]) for tier in names.TIERS if tier in weights]
+    shown = [(tier, w) for tier, w in ordered if w]
+    if not shown:
+        return "no canary traffic"
+    if len(ordered) > 1 and len(shown) == len(ordered) and len({w for _, w in shown}) == 1:
+        return f"all tiers {shown[0][1]:g}%"
+    return ", ".join(f"{tier} {w:g}%" for tier, w in shown)
 
 
 def progress_line(t: float, snap: Mapping[str, Any]) -> str:
-    weights = " ".join(f"{tier[:3]} {w:g}%" for tier, w in (snap.get("weights") or {}).items()
-                       if w) or "no canary traffic"
     versions = f"v{snap['stable_version']}"
     if snap.get("canary_version") is not None:
         versions += f"->v{snap['canary_version']}"
@@ -46,19 +54,42 @@ def progress_line(t: float, snap: Mapping[str, Any]) -> str:
             f"{snap['phase']:<11}")
     if snap.get("canary_version") is not None:
         head += (f" stage {snap['stage_index'] + 1}/{snap['stages']} "
-                 f"{snap['stage_name']!s:<8} [{weights}]")
+                 f"{snap['stage_name']!s} [{weights_label(snap.get('weights') or {})}]")
+    decision = f"{snap['action']}: {snap['reason']}"
     if snap.get("canary_requests") is None:
-        return f"{head} | {snap['action']}: {snap['reason']}"
+        return f"{head} | {decision}"
     agreement = snap.get("agreement")
-    numbers = (f"n {snap['stable_requests']}/{snap['canary_requests']}  "
-               f"p95 {_number(snap['p95_stable_ms'])}/{_number(snap['p95_canary_ms'])} ms  "
-               f"{_energy(snap)}  "
-               f"agree {'-' if agreement is None else f'{agreement:.1%}'}"
-               f" ({snap.get('agreement_compared', 0)})")
-    pending = ", ".join(snap.get("pending") or ())
-    decision = snap["action"] if snap["action"] != names.Action.HOLD else \
-        f"hold ({snap.get('verdict')}{': ' + pending if pending else ''})"
-    line = f"{head} | {numbers} | {decision}"
-    if snap["action"] != names.Action.HOLD:
-        line += f": {snap['reason']}"
-    return line
+    sources = energy_sources(snap)
+    numbers = "  ".join(
+        f"{who} n {snap[f'{who}_requests']} p95 {_number(snap[f'p95_{who}_ms'])} ms "
+        f"{_mj(snap[f'jpi_{who}'])} mJ/inf" for who in ("stable", "canary"))
+    numbers += ((f" ({sources})" if sources else "") + "  agree "
+                + ("-" if agreement is None else f"{agreement:.1%}")
+                + f" ({snap.get('agreement_compared', 0)})")
+    return f"{head} | {numbers} | {decision}"
+
+
+_FIGURES = re.compile(r"\d+(\.\d+)?")
+
+
+def hold_key(snap: Mapping[str, Any]) -> tuple:
+    """What makes a hold worth another line: where the rollout stands and the
+    reason, its running counts aside ('35 of 40 requests', '12 s in')."""
+    return (snap.get("model"), snap.get("phase"), snap.get("canary_version"),
+            snap.get("stage_index"), _FIGURES.sub("#", str(snap.get("reason"))))
+
+
+class ProgressLines:
+    """Progress lines of a stream of snapshots, a hold only when its reason
+    changed since the last line of its model."""
+
+    def __init__(self) -> None:
+        self._last: dict[Any, tuple] = {}
+
+    def line(self, t: float, snap: Mapping[str, Any]) -> str | None:
+        key = hold_key(snap)
+        model = snap.get("model")
+        if snap.get("action") == names.Action.HOLD and self._last.get(model) == key:
+            return None
+        self._last[model] = key
+        return progress_line(t, snap)

@@ -331,11 +331,12 @@ def _summary_line(row: dict[str, str]) -> str:
 def _store_steps(store, name: str):
     """A poll of the local store: (phase, lines to print); the first call
     prints the summary, the analysis and the last steps, later ones new steps."""
-    from tiered.cli.progress import progress_line
+    from tiered.cli.progress import ProgressLines
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
 
     last = None
+    shown = ProgressLines()
 
     def poll() -> tuple[str, bool, list[str]]:
         nonlocal last
@@ -352,7 +353,9 @@ def _store_steps(store, name: str):
         else:
             history = store.history(name, after_id=last)
         for entry_id, t, snap in history:
-            lines.append(progress_line(t, snap))
+            line = shown.line(t, snap)
+            if line is not None:
+                lines.append(line)
             last = entry_id
         ended = verbs.ended(verbs.spec_of(record), status, record.generation)
         return (rollout.phase if rollout else ""), ended, lines

@@ -79,6 +79,11 @@ class StateLayout:
         return self.root / "logs"
 
     @property
+    def up_lock(self) -> Path:
+        """Locked by the `tiered up` running on this directory (it holds its pid)."""
+        return self.root / "up.lock"
+
+    @property
     def admin_token(self) -> Path:
         """The token the agents accept for load and unload (mode 0600)."""
         return self.root / "admin.token"

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from tiered import names
-from tiered.cli.progress import progress_line
+from tiered.cli.progress import ProgressLines
 from tiered.controller.local import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
@@ -135,11 +135,14 @@ def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None
     """Print new rollout snapshots until `done(status)` or the timeout; returns the
     last history id shown."""
     deadline = time.monotonic() + timeout_s
+    shown = ProgressLines()
     while time.monotonic() < deadline:
         up.restart_dead()
         up.echo_controller()
         for entry_id, t, snap in store.history(MODEL, after_id=last_id):
-            say(progress_line(t, snap))
+            line = shown.line(t, snap)
+            if line is not None:
+                say(line)
             last_id = entry_id
         if done(_status(store)):
             return last_id

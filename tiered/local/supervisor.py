@@ -120,11 +120,13 @@ class LocalUp:
         self._controller_log_offset = 0
         self._restarts: dict[str, int] = {}
         self._next_start: dict[str, float] = {}
+        self._lock: int | None = None  # the state directory's lock, while this runs
 
     # -- start / stop ---------------------------------------------------------
 
     def start(self) -> RunningSystem:
         layout = self.layout.create()
+        self._take_lock()  # before anything starts: one system per state directory
         layout.logs.mkdir(parents=True, exist_ok=True)
         if self.system.sample_models:
             prepare_sample_models((self.base / self.system.sample_models).resolve(),
@@ -172,7 +174,29 @@ class LocalUp:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self.progress(f"controller: pid {self.controller.pid} (log {log_path})")
 
+    def _take_lock(self) -> None:
+        """Lock the state directory for as long as this system runs (the kernel
+        lets go when the process ends, however it ends); ConfigError naming the
+        holder when another `tiered up` has it."""
+        import fcntl
+        import os
+
+        fd = os.open(self.layout.up_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"a system is already running on {self.layout.root} (tiered up, "
+                              f"pid {holder}); stop it first, or pass --state DIR for "
+                              "another") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock = fd
+
     def stop(self) -> None:
+        if self._lock is None:
+            return  # never started (another system holds the directory): nothing is ours
         if self.controller is not None and self.controller.poll() is None:
             self.controller.terminate()
             try:
@@ -183,6 +207,11 @@ class LocalUp:
             if process is not None:
                 process.stop()
         self.echo_controller()
+        if self._lock is not None:
+            import os
+
+            os.close(self._lock)  # closing lets the lock go
+            self._lock = None
 
     # -- supervision ----------------------------------------------------------
 

@@ -314,6 +314,11 @@ def json_tensor_bytes(data: Any, datatype: str, shape: list[int], where: str) ->
             raise InvalidArgument(f"{where}.data: expected strings for BYTES")
         return codec.serialize_bytes(values)
     kinds, what = _ACCEPTS[dtype.kind]
+    if dtype.kind in "iu" and values.dtype.kind in "fO":
+        # Integers beyond int64 beside smaller ones read as floats: look at each.
+        exact = np.array(data, dtype=object).reshape(-1)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in exact):
+            values, kinds = exact, "O"
     if values.size and values.dtype.kind not in kinds:
         raise InvalidArgument(f"{where}.data: expected {what} for {datatype}")
     if dtype.kind in "iu" and values.size:
@@ -342,7 +347,13 @@ def infer_response(response: pb.ModelInferResponse, binary: BinaryOutputs
         item: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
                                 "shape": list(tensor.shape)}
         parameters = codec.parameters_of(tensor.parameters)
-        if codec.SHARED_MEMORY_REGION not in parameters:  # else its data is in the region
+        if codec.SHARED_MEMORY_REGION in parameters:
+            # Its data is in the region; as Triton, no parameters (a client
+            # reading `parameters` expects binary_data_size there).
+            for key in (codec.SHARED_MEMORY_REGION, codec.SHARED_MEMORY_BYTE_SIZE,
+                        codec.SHARED_MEMORY_OFFSET):
+                parameters.pop(key, None)
+        else:
             where = f"outputs {tensor.name!r}"
             if typed:
                 array = codec.from_contents(tensor.contents, tensor.datatype, tensor.shape,

@@ -1,0 +1,194 @@
+"""The REST adapter's conversions (pure) and its bounds, on an in-process server
+over a stand-in servicer; the real servers are tests/integration/test_rest.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from tiered import errors
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import model_config_pb2 as mc
+from tiered.protocol import rest, status
+
+
+@pytest.mark.parametrize("error, code", [
+    (errors.InvalidArgument("x"), 400), (errors.ConfigError("x"), 400),
+    (errors.NotFound("x"), 404), (errors.AlreadyExists("x"), 409),
+    (errors.Unavailable("x"), 503), (errors.ResourceExhausted("x"), 429),
+    (errors.DeadlineExceeded("x"), 504), (errors.EngineError("x"), 500),
+    (errors.Conflict("x"), 409), (errors.Unauthenticated("x"), 401),
+    (errors.PermissionDenied("x"), 403), (ValueError("a bug"), 500),
+])
+def test_each_domain_error_has_one_http_code(error, code):
+    assert status.http_status(status.status_code(error)) == code
+
+
+def test_unimplemented_is_501():
+    assert status.http_status(grpc.StatusCode.UNIMPLEMENTED) == 501
+
+
+def test_message_json_writes_64_bit_integers_as_numbers_and_only_the_set_oneof():
+    config = mc.ModelConfig(name="m", max_batch_size=4)
+    config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[3, 224])
+    config.version_policy.latest.num_versions = 2
+    config.dynamic_batching.max_queue_delay_microseconds = 2000
+    config.parameters["tier"].string_value = "edge"
+    out = rest.message_json(config)
+    assert out["input"][0]["dims"] == [3, 224] and out["input"][0]["data_type"] == "TYPE_FP32"
+    assert out["version_policy"] == {"latest": {"num_versions": 2}}
+    assert out["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    assert out["parameters"] == {"tier": {"string_value": "edge"}}
+    assert "sequence_batching" not in out  # unset sub-messages are left out
+    assert json.loads(json.dumps(out)) == out
+
+
+def binary_request(*buffers: bytes, **document) -> tuple[bytes, int]:
+    header = json.dumps(document).encode()
+    return header + b"".join(buffers), len(header)
+
+
+def test_binary_inputs_are_cut_from_the_body_in_order_and_rest_parameters_dropped():
+    a, b = np.arange(4, dtype="<f4").tobytes(), np.arange(2, dtype="<i8").tobytes()
+    body, length = binary_request(a, b, id="r", parameters={"binary_data_output": True,
+                                                            "priority": 2}, inputs=[
+        {"name": "a", "datatype": "FP32", "shape": [4], "parameters": {"binary_data_size": 16}},
+        {"name": "c", "datatype": "INT32", "shape": [2], "data": [7, 8]},
+        {"name": "b", "datatype": "INT64", "shape": [2], "parameters": {"binary_data_size": 16}},
+    ], outputs=[{"name": "y", "parameters": {"binary_data": False}}, {"name": "z"}])
+    request, binary = rest.infer_request("m", "2", body, length)
+    assert (request.model_name, request.model_version, request.id) == ("m", "2", "r")
+    assert list(request.raw_input_contents) == [a, np.array([7, 8], "<i4").tobytes(), b]
+    assert dict(request.parameters).keys() == {"priority"}
+    assert all(not t.parameters for t in request.inputs)
+    assert [o.name for o in request.outputs] == ["y", "z"]
+    assert all(not o.parameters for o in request.outputs)
+    assert (binary.wanted("y"), binary.wanted("z"), binary.wanted("other")) == \
+        (False, True, True)
+
+
+def test_shared_memory_inputs_keep_their_parameters_and_take_no_buffer():
+    body, length = binary_request(inputs=[
+        {"name": "a", "datatype": "FP32", "shape": [4],
+         "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 16}}])
+    request, _ = rest.infer_request("m", "", body, length)
+    assert not request.raw_input_contents
+    assert request.inputs[0].parameters["shared_memory_region"].string_param == "r"
+
+
+@pytest.mark.parametrize("data, datatype, shape, expected", [
+    ([[1, 2], [3, 4]], "INT32", [2, 2], np.array([1, 2, 3, 4], "<i4")),
+    ([5, 2**64 - 1], "UINT64", [2], np.array([5, 2**64 - 1], "<u8")),
+    ([True, False], "BOOL", [2], np.array([True, False])),
+    ([1, 2.5], "FP64", [2], np.array([1.0, 2.5], "<f8")),
+    ([], "FP32", [0, 3], np.array([], "<f4")),
+])
+def test_json_data_becomes_the_bytes_grpc_carries(data, datatype, shape, expected):
+    assert rest.json_tensor_bytes(data, datatype, shape, "t") == expected.tobytes()
+
+
+def test_json_strings_become_length_prefixed_bytes():
+    assert rest.json_tensor_bytes(["ab", "é"], "BYTES", [2], "t") == \
+        b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xc3\xa9"
+
+
+@pytest.mark.parametrize("data, datatype, words", [
+    ([-1], "UINT8", "outside the range of UINT8"),
+    ([2**70], "INT64", "outside the range of INT64"),
+    ([1.5], "INT32", "expected integers for INT32"),
+    ([1], "BOOL", "expected booleans for BOOL"),
+    ([True], "FP32", "expected numbers for FP32"),
+    ([1], "BYTES", "expected strings for BYTES"),
+    ([1.0], "FP16", "FP16 has no JSON form"),
+    ({"a": 1}, "FP32", "expected a list, got an object"),
+])
+def test_json_data_of_the_wrong_kind_names_the_tensor(data, datatype, words):
+    with pytest.raises(errors.InvalidArgument) as caught:
+        rest.json_tensor_bytes(data, datatype, [1], "inputs[0] 'x'")
+    assert str(caught.value).startswith("inputs[0] 'x'.") and words in str(caught.value)
+
+
+def response_with(*tensors: tuple[str, str, list[int], bytes], **parameters):
+    response = pb.ModelInferResponse(model_name="m", model_version="1")
+    for name, datatype, shape, raw in tensors:
+        tensor = response.outputs.add(name=name, datatype=datatype, shape=shape)
+        for key, value in parameters.get(name, {}).items():
+            tensor.parameters[key].string_param = value
+        response.raw_output_contents.append(raw)
+    return response
+
+
+def test_binary_outputs_follow_the_json_in_order():
+    a, b = np.ones(2, "<f4").tobytes(), np.zeros(3, "<f2").tobytes()
+    body, length = rest.infer_response(
+        response_with(("a", "FP32", [2], a), ("j", "INT8", [1], b"\x05"), ("b", "FP16", [3], b)),
+        rest.BinaryOutputs(True, {"j": False}))
+    header = json.loads(body[:length])
+    assert [o.get("parameters") for o in header["outputs"]] == [
+        {"binary_data_size": 8}, None, {"binary_data_size": 6}]
+    assert header["outputs"][1]["data"] == [5]
+    assert body[length:] == a + b
+
+
+def test_all_json_answers_carry_no_header_length_and_fp16_as_numbers():
+    body, length = rest.infer_response(
+        response_with(("h", "FP16", [2], np.array([0.5, -2], "<f2").tobytes())),
+        rest.BinaryOutputs(False, {}))
+    assert length is None and json.loads(body)["outputs"][0]["data"] == [0.5, -2.0]
+
+
+def test_an_output_in_shared_memory_has_neither_data_nor_parameters():
+    body, length = rest.infer_response(
+        response_with(("s", "FP32", [4], b""), s={"shared_memory_region": "out"}),
+        rest.BinaryOutputs(True, {}))
+    assert length is None and json.loads(body)["outputs"] == [
+        {"name": "s", "datatype": "FP32", "shape": [4]}]
+
+
+def test_bytes_that_are_not_text_are_refused_as_json_and_sent_as_binary():
+    raw = b"\x01\x00\x00\x00\xff"
+    with pytest.raises(errors.InvalidArgument, match="not UTF-8 text"):
+        rest.infer_response(response_with(("s", "BYTES", [1], raw)), rest.BinaryOutputs(False, {}))
+    body, length = rest.infer_response(response_with(("s", "BYTES", [1], raw)),
+                                       rest.BinaryOutputs(True, {}))
+    assert body[length:] == raw
+
+
+class Stalled:
+    """A servicer whose ModelInfer waits until released."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def ModelInfer(self, request, context):
+        self.entered.set()
+        await self.release.wait()
+        if request.model_name == "refuse":
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such model")
+        return pb.ModelInferResponse(model_name=request.model_name, model_version="1")
+
+
+def test_requests_beyond_the_in_flight_limit_get_429_and_errors_keep_their_message():
+    async def scenario():
+        servicer = Stalled()
+        door = rest.RestFrontDoor(servicer, max_body_bytes=1024, max_in_flight=1)
+        async with TestClient(TestServer(door.application())) as client:
+            body = json.dumps({"inputs": []})
+            first = asyncio.ensure_future(client.post("/v2/models/m/infer", data=body))
+            await servicer.entered.wait()
+            second = await client.post("/v2/models/m/infer", data=body)
+            assert second.status == 429 and "at most 1" in (await second.json())["error"]
+            servicer.release.set()
+            assert (await first).status == 200
+            refused = await client.post("/v2/models/refuse/infer", data=body)
+            assert (refused.status, await refused.json()) == (404, {"error": "no such model"})
+            large = await client.post("/v2/models/m/infer", data=b"x" * 2048)
+            assert large.status == 413 and "1024 bytes" in (await large.json())["error"]
+
+    asyncio.run(scenario())

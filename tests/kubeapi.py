@@ -2,33 +2,71 @@
 
 `FakeKubeAPI` speaks the Kubernetes REST and watch protocol over real HTTP/1.1
 on 127.0.0.1, so the controller is exercised through the official `kubernetes`
-client exactly as against a cluster::
+client, and the real `kubectl` (apply, get, describe, wait, api-resources,
+explain) runs against it, exactly as against a cluster::
 
     with FakeKubeAPI() as api:
         config.load_kube_config(config_file=str(api.kubeconfig(tmp_path / "kc")))
         ...
 
 Implemented, following the real API server:
-- Kinds (all namespaced): tiered.dev/v1alpha1 tieredmodels, apps/v1 deployments
-  and daemonsets, v1 services, pods, configmaps and events,
-  coordination.k8s.io/v1 leases. Paths /api/v1/namespaces/{ns}/{plural}[/{name}[/status]],
+- Kinds (all namespaced): every served version of the CRD in `crd` (by default
+  helm/tiered/crds/tieredmodels.tiered.dev.yaml; group, versions, names, status
+  subresource and printer columns read from it), apps/v1 deployments and
+  daemonsets, v1 services, pods, configmaps and events, coordination.k8s.io/v1
+  leases, discovery.k8s.io/v1 endpointslices. Paths
+  /api/v1/namespaces/{ns}/{plural}[/{name}[/status]],
   /apis/{group}/{version}/namespaces/{ns}/..., the all-namespaces collections
   /api/v1/{plural} and /apis/{g}/{v}/{plural}, and /version.
+- Discovery: /api, /apis, /api/v1, /apis/{g}, /apis/{g}/{v} (APIVersions,
+  APIGroupList, APIGroup, APIResourceList with singularName, shortNames,
+  categories, verbs, namespaced, kind, and the status subresources), and the
+  aggregated form (APIGroupDiscoveryList, apidiscovery.k8s.io v2 or v2beta1)
+  when the Accept header asks for it first, as kubectl 1.33 does. Versions are
+  ordered by Kubernetes' version priority (v1 > v1beta1 > v1alpha2 > v1alpha1).
+- OpenAPI v3 for the custom resource: /openapi/v3 lists one document per
+  served version; each has the paths with their operations (PATCH taking
+  json-patch, merge-patch and apply-patch, no strategic merge), query
+  parameters (fieldValidation, fieldManager, dryRun), x-kubernetes-group-
+  version-kind, and the version's schema. That is what kubectl apply checks
+  before sending fieldValidation=Strict instead of validating client-side.
+- Custom resource versions (conversion strategy None): all versions share one
+  store; a write is validated, pruned and defaulted by its request version's
+  schema, then stored at the storage version (only apiVersion changes) and
+  pruned by that version's schema; a read, list or watch event is converted
+  to the request version and pruned and defaulted by its schema. A request at
+  a deprecated version gets its deprecationWarning as a `Warning: 299` header.
+- Server-side field validation (fieldValidation=Strict|Warn|Ignore, Warn when
+  absent) for custom resources: unknown fields are a 400 "strict decoding
+  error: unknown field ..." under Strict and a Warning header each under Warn.
+  A request body's integral numbers (2.0) are stored as integers, as Go's
+  decoding into unstructured does.
+- Tables: a GET, list or watch of custom resources whose Accept header asks
+  first for `application/json;as=Table;v=v1;g=meta.k8s.io` (or v1beta1) gets a
+  meta.k8s.io Table: Name, then the version's additionalPrinterColumns (Age
+  only when it declares none) with cells typed as the CRD table convertor types
+  them (JSONPath subset: fields, ['key'], [n], [*], filters [?(@.f == "x")];
+  dates as ages like "5m"); rows carry PartialObjectMetadata, the object or
+  nothing per includeObject=Metadata|Object|None; a watch sends each event's
+  object as a one-row Table.
 - Server-set metadata: uid, creationTimestamp, namespace, resourceVersion (one
   global counter, bumped on every write, deletions included), generation (kinds
   with a spec generation: tieredmodels, deployments, daemonsets; 1 at create,
   +1 when anything outside metadata/status changes, +1 when deletionTimestamp is
   set). A no-op update writes nothing and keeps the resourceVersion.
 - get, list (labelSelector: =, ==, !=, in, notin, exists, !exists; fieldSelector
-  on metadata.name / metadata.namespace), create (generateName, 409
-  AlreadyExists, 422 on a missing/invalid name), replace (409 Conflict on a stale
+  with =, ==, != and \\, \\= escapes on metadata.name / metadata.namespace, and
+  for events also involvedObject.{kind,namespace,name,uid,apiVersion,
+  resourceVersion,fieldPath}, reason, reportingComponent, type and source (its
+  component, else reportingComponent), as kubectl describe lists them), create
+  (generateName, 409 AlreadyExists, 422 on a missing/invalid name), replace (409 Conflict on a stale
   resourceVersion; custom resources require one, 422 otherwise), patch
   (merge-patch; json-patch add/remove/replace/move/copy/test; strategic merge
   for built-in kinds with list merge keys for containers, env, volumes,
   volumeMounts, ports, ownerReferences, conditions, union for finalizers and
   $patch/$deleteFromPrimitiveList directives; 415 for strategic merge on custom
   resources as the real server), delete and deletecollection.
-- Status subresource (tieredmodels, deployments, daemonsets, services, pods):
+- Status subresource (the CRD's, deployments, daemonsets, services, pods):
   writes to the main resource keep the stored status; writes to /status change
   only status. Status is dropped on create.
 - Finalizers: delete sets deletionTimestamp and deletionGracePeriodSeconds=0
@@ -47,10 +85,10 @@ Implemented, following the real API server:
   ADDED/DELETED when an object enters/leaves the selection. timeoutSeconds ends
   the stream; allowWatchBookmarks sends BOOKMARK events every
   `bookmark_interval` seconds. `drop_watches()` and `stop()` end every stream.
-- tieredmodels are pruned, defaulted and validated against the CRD's
-  openAPIV3Schema (helm/tiered/crds/tieredmodels.tiered.dev.yaml): type,
-  nullable, required, enum, minimum/maximum (+exclusive), minLength/maxLength,
-  pattern, minItems/maxItems, additionalProperties, preserve-unknown-fields.
+- Custom resources are pruned, defaulted and validated against their version's
+  openAPIV3Schema in the CRD: type, nullable, required, enum, minimum/maximum
+  (+exclusive), minLength/maxLength, pattern, minItems/maxItems,
+  additionalProperties, preserve-unknown-fields.
   Not validated: formats, x-kubernetes-validations (CEL), int-or-string,
   list-type/map-type, embedded resources.
 - Built-in kinds get the server defaults a spec comparison would trip over
@@ -61,15 +99,22 @@ Implemented, following the real API server:
 - Errors are v1 Status objects with the real reasons, messages and details.
 
 Left out: authentication/authorization (any token works), namespaces as
-objects (no existence check), discovery (/api, /apis), server-side apply
-(415), managedFields, dryRun, list paging (limit is ignored, which the API
-allows), resourceVersionMatch, "too large resource version" waits, the
-deprecated /watch/ paths, sendInitialEvents, admission, validation of built-in
-kinds and their full defaulting, other field selectors (e.g. involvedObject.*),
-graceful pod-style deletion, the "orphan"/"foregroundDeletion" finalizers, and
-asynchronous GC timing (here dependents go in the same request).
+objects (no existence check), server-side apply (415), managedFields, dryRun,
+list paging (limit is ignored, which the API allows), resourceVersionMatch,
+"too large resource version" waits, the deprecated /watch/ paths,
+sendInitialEvents, admission, validation of built-in kinds and their full
+defaulting, field selectors of other kinds (e.g. pods' spec.nodeName) and the
+CRD's selectableFields, conversion webhooks, cluster-scoped custom resources,
+graceful pod-style deletion, the "orphan"/"foregroundDeletion" finalizers,
+asynchronous GC timing (here dependents go in the same request), protobuf and
+CBOR, PartialObjectMetadata answers (`as=PartialObjectMetadata`), Tables for
+built-in kinds (they answer plain JSON, which kubectl prints as NAME and AGE),
+/openapi/v2 (404) and OpenAPI for built-in kinds (so `kubectl apply` of a
+built-in kind needs --validate=false), and field validation of built-in kinds
+and of duplicate fields.
 
-Test hooks: `objects(plural)` (snapshot), `events` (Write(verb, path,
+Test hooks: `objects(plural)` (snapshot, custom resources at the version each
+is stored at), `set_storage_version(v)` (a CRD update moving storage), `events` (Write(verb, path,
 resource_version) per write; GC writes have verb "gc"; a no-op update is logged
 with the unchanged version), `requests` (method, path, query, content_type),
 `fail_next(method, path_regex, code)`, `compact()`, `drop_watches()`,
@@ -80,7 +125,9 @@ from __future__ import annotations
 
 import copy
 import datetime
+import decimal
 import functools
+import hashlib
 import json
 import random
 import re
@@ -103,6 +150,19 @@ CRD_PATH = Path(__file__).resolve().parents[1] / "helm/tiered/crds/tieredmodels.
 TOKEN = "fake-kube-token"
 
 
+class Column(NamedTuple):
+    """An additionalPrinterColumn of a custom resource version."""
+    name: str
+    type: str
+    json_path: str
+    description: str = ""
+    priority: int = 0
+    format: str = ""
+
+
+AGE = Column("Age", "date", ".metadata.creationTimestamp")  # what a CRD without columns gets
+
+
 @dataclass(frozen=True)
 class Kind:
     group: str
@@ -112,6 +172,11 @@ class Kind:
     status: bool = False  # has a status subresource
     generation: bool = False  # metadata.generation tracks spec
     custom: bool = False
+    singular: str = ""
+    short_names: tuple[str, ...] = ()
+    categories: tuple[str, ...] = ()
+    columns: tuple[Column, ...] = ()  # custom resources: the version's printer columns
+    deprecation: str | None = None  # the Warning every request at this version gets
 
     @property
     def api_version(self) -> str:
@@ -126,17 +191,57 @@ class Kind:
         return f"{self.kind}.{self.group}" if self.group else self.kind
 
 
-KINDS = {(k.group, k.version, k.plural): k for k in (
-    Kind("tiered.dev", "v1alpha1", "tieredmodels", "TieredModel", True, True, True),
-    Kind("apps", "v1", "deployments", "Deployment", True, True),
-    Kind("apps", "v1", "daemonsets", "DaemonSet", True, True),
-    Kind("", "v1", "services", "Service", True),
-    Kind("", "v1", "pods", "Pod", True),  # written by tests as a kubelet would report them
-    Kind("", "v1", "configmaps", "ConfigMap"),
-    Kind("", "v1", "events", "Event"),
-    Kind("coordination.k8s.io", "v1", "leases", "Lease"),
-    Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice"),  # written by tests
-)}
+BUILTIN_KINDS = (
+    Kind("apps", "v1", "deployments", "Deployment", True, True, singular="deployment",
+         short_names=("deploy",), categories=("all",)),
+    Kind("apps", "v1", "daemonsets", "DaemonSet", True, True, singular="daemonset",
+         short_names=("ds",), categories=("all",)),
+    Kind("", "v1", "services", "Service", True, singular="service", short_names=("svc",),
+         categories=("all",)),
+    Kind("", "v1", "pods", "Pod", True, singular="pod", short_names=("po",),
+         categories=("all",)),  # written by tests as a kubelet would report them
+    Kind("", "v1", "configmaps", "ConfigMap", singular="configmap", short_names=("cm",)),
+    Kind("", "v1", "events", "Event", singular="event", short_names=("ev",)),
+    Kind("coordination.k8s.io", "v1", "leases", "Lease", singular="lease"),
+    Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice",
+         singular="endpointslice"),  # written by tests
+)
+
+
+def crd_kinds(crd: dict) -> tuple[list[Kind], dict[str, dict | None], str]:
+    """A CustomResourceDefinition's served versions as Kinds, each version's
+    openAPIV3Schema, and the storage version."""
+    spec, names = crd["spec"], crd["spec"]["names"]
+    if spec.get("scope", "Namespaced") != "Namespaced":
+        raise ValueError("the double serves namespaced custom resources only")
+    kinds, schemas = [], {}
+    for v in spec["versions"]:
+        if not v.get("served"):
+            continue
+        columns = tuple(Column(c["name"], c["type"], c["jsonPath"], c.get("description", ""),
+                               c.get("priority", 0), c.get("format", ""))
+                        for c in v.get("additionalPrinterColumns") or ()) or (AGE,)
+        warning = v.get("deprecationWarning") or (
+            f"{spec['group']}/{v['name']} {names['kind']} is deprecated"
+            if v.get("deprecated") else None)
+        kinds.append(Kind(spec["group"], v["name"], names["plural"], names["kind"],
+                          "status" in (v.get("subresources") or {}), True, True,
+                          names.get("singular") or names["kind"].lower(),
+                          tuple(names.get("shortNames") or ()),
+                          tuple(names.get("categories") or ()), columns, warning))
+        schemas[v["name"]] = (v.get("schema") or {}).get("openAPIV3Schema")
+    storage = next(v["name"] for v in spec["versions"] if v.get("storage"))
+    return kinds, schemas, storage
+
+
+def version_priority(version: str) -> tuple:
+    """Kubernetes' ordering of versions (v2 > v1 > v1beta2 > v1beta1 > v1alpha1 >
+    anything else), as a sort key: the highest sorts first."""
+    m = re.fullmatch(r"v(\d+)(?:(alpha|beta)(\d+))?", version)
+    if not m:
+        return (1, 0, 0, 0, version)
+    stage = {"alpha": 1, "beta": 2, None: 3}[m[2]]
+    return (0, -stage, -int(m[1]), -int(m[3] or 0), version)
 
 
 class Write(NamedTuple):
@@ -348,15 +453,65 @@ def parse_label_selector(text: str):
     return lambda labels: all(r(labels or {}) for r in reqs)
 
 
-def parse_field_selector(text: str):
+# Every kind selects on metadata.name and metadata.namespace; events also on
+# these (the real registry's event field set; a missing value reads as "").
+EVENT_FIELDS = ("involvedObject.kind", "involvedObject.namespace", "involvedObject.name",
+                "involvedObject.uid", "involvedObject.apiVersion",
+                "involvedObject.resourceVersion", "involvedObject.fieldPath", "reason",
+                "reportingComponent", "source", "type")
+
+
+def _field_value(obj: dict, field: str) -> str:
+    if field == "source":  # the component, else the reporting controller
+        return (obj.get("source") or {}).get("component") or obj.get("reportingComponent") or ""
+    node = obj
+    for part in field.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return "" if node is None else str(node)
+
+
+def _split_unescaped(text: str, sep: str) -> list[str]:
+    parts, current, i = [], "", 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text):
+            current, i = current + text[i:i + 2], i + 2
+            continue
+        if text[i] == sep:
+            parts.append(current)
+            current = ""
+        else:
+            current += text[i]
+        i += 1
+    return [*parts, current]
+
+
+def _unescape_field_value(value: str) -> str:
+    out, i = "", 0
+    while i < len(value):
+        if value[i] == "\\":
+            if i + 1 >= len(value) or value[i + 1] not in "\\,=":
+                raise ValueError(f"invalid field selector value: {value!r}")
+            out, i = out + value[i + 1], i + 2
+        else:
+            out, i = out + value[i], i + 1
+    return out
+
+
+def parse_field_selector(text: str, plural: str = ""):
+    """A predicate over whole objects of `plural`; raises ValueError on a field
+    the kind does not select on. Terms are comma-separated `f=v`, `f==v`, `f!=v`;
+    `\\,`, `\\=` and `\\\\` escape inside values."""
+    allowed = {"metadata.name", "metadata.namespace"}
+    if plural == "events":
+        allowed |= set(EVENT_FIELDS)
     reqs = []
-    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+    for part in filter(None, (p.strip() for p in _split_unescaped(text or "", ","))):
         m = re.fullmatch(r"([^!=]+)(==|=|!=)(.*)", part)
-        if not m or m.group(1) not in ("metadata.name", "metadata.namespace"):
+        if not m or m.group(1) not in allowed:
             raise ValueError(f'field label not supported: {m.group(1) if m else part}')
         field, op, value = m.groups()
-        reqs.append((field.split(".")[1], op == "!=", value))
-    return lambda meta: all((meta.get(f) == v) != neg for f, neg, v in reqs)
+        reqs.append((field, op == "!=", _unescape_field_value(value)))
+    return lambda obj: all((_field_value(obj, f) == v) != neg for f, neg, v in reqs)
 
 
 # ---------------------------------------------------------------- CRD schema
@@ -366,37 +521,37 @@ def _read_crd(path: Path, mtime: float) -> dict:
     return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
-def load_crd_schema(path: Path = CRD_PATH) -> dict | None:
-    if not path.exists():
-        return None
-    crd = copy.deepcopy(_read_crd(path, path.stat().st_mtime))
-    for version in crd["spec"]["versions"]:
-        if version["name"] == "v1alpha1":
-            return version["schema"]["openAPIV3Schema"]
-    return None
+def load_crd(path: Path = CRD_PATH) -> dict:
+    """The CustomResourceDefinition in `path` (a copy: callers may change it)."""
+    return copy.deepcopy(_read_crd(path, path.stat().st_mtime))
 
 
-def prune_and_default(value, s: dict):
-    """Structural pruning of unknown fields, dropping of non-nullable nulls, defaulting."""
+def prune_and_default(value, s: dict, unknown: list | None = None, path: str = ""):
+    """Structural pruning of unknown fields, dropping of non-nullable nulls, defaulting.
+    The paths of pruned fields (`spec.foo`) go into `unknown`."""
     if isinstance(value, dict) and s.get("type") == "object":
         props, extra = s.get("properties"), s.get("additionalProperties")
         keep = s.get("x-kubernetes-preserve-unknown-fields") or extra is True
         out = {}
         for k, v in value.items():
             sub = (props or {}).get(k) or (extra if isinstance(extra, dict) else None)
+            where = f"{path}.{k}" if path else k
             if sub is None:
                 if keep:
                     out[k] = v
+                elif unknown is not None:
+                    unknown.append(where)
                 continue
             if v is None and not sub.get("nullable"):
                 continue
-            out[k] = prune_and_default(v, sub)
+            out[k] = prune_and_default(v, sub, unknown, where)
         for k, sub in (props or {}).items():
             if k not in out and "default" in sub:
                 out[k] = prune_and_default(copy.deepcopy(sub["default"]), sub)
         return out
     if isinstance(value, list) and "items" in s:
-        return [prune_and_default(x, s["items"]) for x in value]
+        return [prune_and_default(x, s["items"], unknown, f"{path}[{i}]")
+                for i, x in enumerate(value)]
     return value
 
 
@@ -460,6 +615,293 @@ def validate(value, s: dict, path: str, errs: list) -> None:
                 validate(v, sub, f"{path}.{k}".lstrip("."), errs)
 
 
+# ---------------------------------------------------------------- printer columns
+
+_JSONPATH_TOKEN = re.compile(
+    r"\.\*|\[\*\]|\.((?:[^.\[\]\\]|\\.)+)|\[(-?\d+)\]|\['([^']*)'\]|\[\"([^\"]*)\"\]"
+    r"|\[\?\(@((?:\.[^.\s=!<>()]+)+)\s*(?:(==|!=|<=|>=|<|>)\s*(\"[^\"]*\"|'[^']*'|[^\s)]+))?\s*\)\]")
+
+
+def jsonpath(obj, path: str) -> list:
+    """The values `path` finds in `obj`, in order; missing keys find nothing.
+    The subset printer columns use: `.a.b`, `['a']`, `[0]`, `[-1]`, `[*]`, `.*`
+    and filters `[?(@.a.b == "x")]` (==, !=, <, <=, >, >=, or bare existence)."""
+    path = path.strip()
+    if path.startswith("{") and path.endswith("}"):
+        path = path[1:-1]
+    path = path.removeprefix("$")
+    nodes, at = [obj], 0
+    while at < len(path):
+        m = _JSONPATH_TOKEN.match(path, at)
+        if not m:
+            raise ValueError(f"unsupported JSONPath {path!r} at {path[at:]!r}")
+        at = m.end()
+        key = m[1].replace("\\", "") if m[1] else m[3] if m[3] is not None else m[4]
+        found = []
+        for node in nodes:
+            if m[0] in (".*", "[*]"):
+                found += list(node.values()) if isinstance(node, dict) else \
+                    list(node) if isinstance(node, list) else []
+            elif key is not None:
+                if isinstance(node, dict) and key in node:
+                    found.append(node[key])
+            elif m[2] is not None:
+                i = int(m[2])
+                if isinstance(node, list) and -len(node) <= i < len(node):
+                    found.append(node[i])
+            elif isinstance(node, list):  # a filter keeps the items that pass it
+                found += [x for x in node if _passes(x, m[5], m[6], m[7])]
+        nodes = found
+    return nodes
+
+
+def _passes(item, field: str, op: str | None, literal: str | None) -> bool:
+    values = jsonpath(item, field)
+    if op is None:
+        return bool(values)
+    if not values:
+        return False
+    value = values[0]
+    if literal[0] in "'\"":
+        want = literal[1:-1]
+    else:
+        want = {"true": True, "false": False}.get(literal)
+        if want is None:
+            want = float(literal)
+    if op in ("==", "!="):
+        same = value == want and type(value) is not bool or value is want
+        return same if op == "==" else not same
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not isinstance(want, float):
+        return False
+    return {"<": value < want, "<=": value <= want, ">": value > want, ">=": value >= want}[op]
+
+
+def _go_float(value: float) -> str:
+    """%v of a float64: the shortest digits, in e-notation below 1e-4 and from 1e6."""
+    if value == 0 or value != value or value in (float("inf"), float("-inf")):
+        return {0: "0"}.get(value, "NaN" if value != value else "+Inf" if value > 0 else "-Inf")
+    _, raw, exponent = decimal.Decimal(repr(abs(value))).as_tuple()
+    point = len(raw) + exponent  # where the decimal point falls after the digits' start
+    digits = "".join(map(str, raw)).rstrip("0")
+    sign, exp = "-" if value < 0 else "", point - 1
+    if exp < -4 or exp >= 6:
+        mantissa = digits[0] + ("." + digits[1:] if len(digits) > 1 else "")
+        return f"{sign}{mantissa}e{exp:+03d}"
+    if point <= 0:
+        return f"{sign}0.{'0' * -point}{digits}"
+    if point >= len(digits):
+        return sign + digits + "0" * (point - len(digits))
+    return f"{sign}{digits[:point]}.{digits[point:]}"
+
+
+def go_text(value) -> str:
+    """A JSON value as Go's fmt prints the decoded interface{} (as kubectl's
+    JSONPath output does): maps as map[k:v], lists as [a b], floats as %v."""
+    if value is None:
+        return "<nil>"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return _go_float(value)
+    if isinstance(value, dict):
+        return "map[" + " ".join(f"{k}:{go_text(v)}" for k, v in sorted(value.items())) + "]"
+    if isinstance(value, list):
+        return "[" + " ".join(go_text(v) for v in value) + "]"
+    return str(value)
+
+
+def human_duration(seconds: float) -> str:
+    """kubectl's short ages: 45s, 5m30s, 12m, 3h20m, 10h, 3d4h, 30d, 2y45d."""
+    s = int(seconds)
+    if s < -1:
+        return "<invalid>"
+    if s < 0:
+        return "0s"
+    if s < 120:
+        return f"{s}s"
+    minutes = s // 60
+    if minutes < 10:
+        return f"{minutes}m{s % 60}s" if s % 60 else f"{minutes}m"
+    if minutes < 180:
+        return f"{minutes}m"
+    hours = minutes // 60
+    if hours < 8:
+        return f"{hours}h{minutes % 60}m" if minutes % 60 else f"{hours}h"
+    if hours < 48:
+        return f"{hours}h"
+    days = hours // 24
+    if hours < 24 * 8:
+        return f"{days}d{hours % 24}h" if hours % 24 else f"{days}d"
+    if hours < 24 * 365 * 2:
+        return f"{days}d"
+    if hours < 24 * 365 * 8:
+        return f"{days // 365}y{days % 365}d" if days % 365 else f"{days // 365}y"
+    return f"{days // 365}y"
+
+
+def printer_cell(column: Column, obj: dict, now: float | None = None):
+    """One Table cell as the CRD table convertor makes it: the first value the
+    column's JSONPath finds, typed by the column (None when nothing is found)."""
+    found = jsonpath(obj, column.json_path)
+    value = found[0] if found else None
+    if value is None:
+        return None
+    if column.type == "string":
+        return go_text(value)
+    if column.type == "integer" and isinstance(value, (int, float)) and \
+            not isinstance(value, bool):
+        return int(value)
+    if column.type == "number" and isinstance(value, (int, float)) and \
+            not isinstance(value, bool):
+        return float(value)
+    if column.type == "boolean" and isinstance(value, bool):
+        return value
+    if column.type == "date" and isinstance(value, str):
+        try:
+            stamp = datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(
+                tzinfo=datetime.timezone.utc).timestamp()
+        except ValueError:
+            return "<invalid>"
+        return human_duration((time.time() if now is None else now) - stamp)
+    return None
+
+
+NAME_COLUMN = {"name": "Name", "type": "string", "format": "name", "priority": 0,
+               "description": "Name must be unique within a namespace."}
+
+
+def table(kind: Kind, objects: list[dict], resource_version: str, version: str = "v1",
+          include: str = "Metadata") -> dict:
+    """A meta.k8s.io Table of custom resources: Name, then the version's printer
+    columns; each row carries the object as `include` says (None, Metadata, Object)."""
+    columns = [NAME_COLUMN] + [
+        {"name": c.name, "type": c.type, "format": c.format, "priority": c.priority,
+         "description": c.description or
+         f"Custom resource definition column (in JSONPath format): {c.json_path}"}
+        for c in kind.columns]
+    rows = []
+    for obj in objects:
+        row: dict = {"cells": [obj["metadata"]["name"],
+                               *(printer_cell(c, obj) for c in kind.columns)]}
+        if include == "Object":
+            row["object"] = obj
+        elif include != "None":
+            row["object"] = {"kind": "PartialObjectMetadata",
+                             "apiVersion": f"meta.k8s.io/{version}",
+                             "metadata": obj["metadata"]}
+        rows.append(row)
+    return {"kind": "Table", "apiVersion": f"meta.k8s.io/{version}",
+            "metadata": {"resourceVersion": resource_version},
+            "columnDefinitions": columns, "rows": rows}
+
+
+def _media_types(accept: str) -> list[tuple[str, dict]]:
+    out = []
+    for part in (accept or "").split(","):
+        fields = [f.strip() for f in part.split(";")]
+        params = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
+        out.append((fields[0], params))
+    return out
+
+
+def _negotiate(accept: str, kind: str, group: str, versions: tuple[str, ...]) -> str | None:
+    """The version of `kind` (as=) in `group` (g=) the Accept header asks for
+    before any plain JSON, or None for plain JSON."""
+    for media, params in _media_types(accept):
+        if media not in ("application/json", "*/*", "application/*"):
+            continue
+        if "as" not in params:
+            return None
+        if params.get("as") == kind and params.get("g") == group and \
+                params.get("v") in versions:
+            return params["v"]
+    return None
+
+
+# ---------------------------------------------------------------- discovery, OpenAPI
+
+_VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+
+
+def _api_group(group: str, versions: list[str]) -> dict:
+    listed = [{"groupVersion": f"{group}/{v}", "version": v} for v in versions]
+    return {"name": group, "versions": listed, "preferredVersion": listed[0]}
+
+
+def _digest(doc: dict) -> str:
+    return hashlib.sha512(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32].upper()
+
+
+def _query_param(name: str, text: str) -> dict:
+    return {"name": name, "in": "query", "description": text,
+            "schema": {"type": "string", "uniqueItems": True}}
+
+
+_WRITE_PARAMS = [
+    _query_param("dryRun", "When present, modifications are not persisted."),
+    _query_param("fieldManager", "The name of the actor or entity making the change."),
+    _query_param("fieldValidation", "What to do with unknown or duplicate fields in the "
+                 "request body: Ignore, Warn (the default) or Strict (fail the request)."),
+]
+
+
+def _openapi_document(kind: Kind, schema: dict | None) -> dict:
+    """One custom resource version's OpenAPI v3 document, shaped as the real
+    server publishes it for a CRD (no strategic merge patch)."""
+    gvk = {"group": kind.group, "version": kind.version, "kind": kind.kind}
+    name = ".".join([*reversed(kind.group.split(".")), kind.version, kind.kind])
+    ref = {"$ref": f"#/components/schemas/{name}"}
+    json_body = {"content": {"application/json": {"schema": ref}}, "required": True}
+    patch_body = {"content": {t: {"schema": {"type": "object"}} for t in (
+        "application/json-patch+json", "application/merge-patch+json",
+        "application/apply-patch+yaml")}, "required": True}
+
+    def op(action: str, what: str, body=None, params=(), result=ref) -> dict:
+        out = {"operationId": f"{action}{kind.kind}{what}",
+               "parameters": list(params),
+               "responses": {"200": {"description": "OK", "content": {
+                   "application/json": {"schema": result}}}},
+               "x-kubernetes-action": action, "x-kubernetes-group-version-kind": gvk}
+        if body:
+            out["requestBody"] = body
+        return out
+
+    name_param = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    ns_param = {"name": "namespace", "in": "path", "required": True,
+                "schema": {"type": "string"}}
+    list_ref = {"$ref": f"#/components/schemas/{name}List"}
+    base = f"/apis/{kind.group}/{kind.version}/namespaces/{{namespace}}/{kind.plural}"
+    item = {"get": op("get", ""), "put": op("put", "", json_body, _WRITE_PARAMS),
+            "patch": op("patch", "", patch_body, [
+                *_WRITE_PARAMS, _query_param("force", "Force an apply.")]),
+            "delete": op("delete", ""), "parameters": [name_param, ns_param]}
+    paths = {
+        f"/apis/{kind.group}/{kind.version}/{kind.plural}": {
+            "get": op("list", "ForAllNamespaces", result=list_ref)},
+        base: {"get": op("list", "", result=list_ref),
+               "post": op("post", "", json_body, _WRITE_PARAMS),
+               "delete": op("deletecollection", ""), "parameters": [ns_param]},
+        base + "/{name}": item,
+    }
+    if kind.status:
+        paths[base + "/{name}/status"] = {
+            "get": op("get", "Status"), "put": op("put", "Status", json_body, _WRITE_PARAMS),
+            "patch": op("patch", "Status", patch_body, _WRITE_PARAMS),
+            "parameters": [name_param, ns_param]}
+    resource = copy.deepcopy(schema) if schema else {
+        "type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    resource["x-kubernetes-group-version-kind"] = [gvk]
+    listing = {"type": "object", "required": ["items"], "properties": {
+        "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+        "metadata": {"type": "object"}, "items": {"type": "array", "items": ref}},
+        "x-kubernetes-group-version-kind": [{**gvk, "kind": f"{kind.kind}List"}]}
+    return {"openapi": "3.0.0", "info": {"title": "Kubernetes CRD Swagger",
+                                         "version": "v0.1.0"},
+            "paths": paths,
+            "components": {"schemas": {name: resource, f"{name}List": listing}}}
+
+
 # ---------------------------------------------------------------- the server
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
@@ -495,9 +937,27 @@ class _Handler(BaseHTTPRequestHandler):
 class FakeKubeAPI:
     def __init__(self, history: int = 1000, crd: Path | None = CRD_PATH,
                  bookmark_interval: float = 1.0):
+        """`crd`: the CustomResourceDefinition whose resources are served (None: none)."""
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._store: dict[Kind, dict[tuple[str, str], dict]] = {k: {} for k in KINDS.values()}
+        self.kinds: dict[tuple[str, str, str], Kind] = {
+            (k.group, k.version, k.plural): k for k in BUILTIN_KINDS}
+        # Every version of a custom resource shares one store, keyed by its "home"
+        # Kind; `_storage` says at which version a write is stored now.
+        self._home: dict[Kind, Kind] = {k: k for k in BUILTIN_KINDS}
+        self._storage: dict[Kind, Kind] = {}
+        self._schemas: dict[Kind, dict | None] = {}
+        if crd is not None:
+            served, schemas, storage = crd_kinds(load_crd(crd))
+            home = next(k for k in served if k.version == storage)
+            for k in served:
+                self.kinds[(k.group, k.version, k.plural)] = k
+                self._home[k], self._schemas[k] = home, schemas[k.version]
+            self._storage[home] = home
+        # in this order garbage collection visits dependents: custom resources first
+        self._store: dict[Kind, dict[tuple[str, str], dict]] = {
+            k: {} for k in [*self._storage, *BUILTIN_KINDS]}
+        self._local = threading.local()  # per request: the Warning headers to send
         self._rv = 1000
         self._history: deque = deque()  # (rv, kind, type, obj, previous)
         self._history_max = history
@@ -508,7 +968,6 @@ class FakeKubeAPI:
         self._failures: list[tuple[str, re.Pattern, int]] = []
         self._cut_off: set[str] = set()  # lease holders whose writes fail
         self._connections: set[socket.socket] = set()
-        self._schema = load_crd_schema(crd) if crd else None
         self.bookmark_interval = bookmark_interval
         self.events: list[Write] = []
         self.requests: list[Request] = []
@@ -565,9 +1024,19 @@ class FakeKubeAPI:
 
     # ---- test hooks
     def objects(self, plural: str) -> list[dict]:
-        kind = next(k for k in KINDS.values() if k.plural == plural)
+        """The stored objects of `plural` (custom resources as stored, at the
+        version each was written in)."""
+        kind = next(k for k in self._store if k.plural == plural)
         with self._lock:
             return [copy.deepcopy(o) for _, o in sorted(self._store[kind].items())]
+
+    def set_storage_version(self, version: str) -> None:
+        """As a CRD update moving `storage: true` to `version` does: later writes
+        of the custom resource are stored at `version`; stored objects keep theirs
+        until written again."""
+        with self._lock:
+            home = next(iter(self._storage))
+            self._storage[home] = self.kinds[(home.group, version, home.plural)]
 
     def fail_next(self, method: str, path_regex: str, code: int) -> None:
         """The next `method` request whose path matches gets a `code` Status error."""
@@ -617,6 +1086,9 @@ class FakeKubeAPI:
         url = urlsplit(h.path)
         query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
         raw = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        accept = h.headers.get("Accept", "")
+        self._local.warnings = []
+        ctype = "application/json"
         with self._lock:
             self.requests.append(Request(method, url.path, query,
                                          h.headers.get("Content-Type", "")))
@@ -626,32 +1098,154 @@ class FakeKubeAPI:
             if url.path == "/version":
                 return self._send(h, 200, {"major": "1", "minor": "30",
                                            "gitVersion": "v1.30.0-fake"})
+            if method == "GET" and (found := self._discovery(url.path, accept)):
+                return self._send(h, 200, found[1], found[0])
+            if method == "GET" and url.path.startswith("/openapi/"):
+                return self._send(h, 200, self._openapi(url.path))
             m = _PATH.match(url.path)
-            kind = m and KINDS.get((m["g"] or "", m["gv"] or m["v"], m["plural"]))
+            kind = m and self.kinds.get((m["g"] or "", m["gv"] or m["v"], m["plural"]))
             if not kind or (m["sub"] and m["sub"] != "status") or (m["name"] and not m["ns"]):
                 raise ApiError(404, "the server could not find the requested resource",
                                "NotFound", {})
             if m["sub"] and not kind.status:
                 raise ApiError(404, "the server could not find the requested resource",
                                "NotFound", {})
+            if kind.deprecation:
+                self._warn(kind.deprecation)
             ns, name, sub = m["ns"], m["name"], m["sub"]
+            # kubectl get asks for a Table; custom resources print their columns
+            as_table = kind.custom and method == "GET" and _negotiate(
+                accept, "Table", "meta.k8s.io", ("v1", "v1beta1"))
             if method == "GET" and not name and query.get("watch") in ("true", "1", "True"):
-                return self._watch(h, kind, ns, query)
+                return self._watch(h, kind, ns, query, as_table)
             code, body = self._dispatch(method, kind, ns, name, sub, query, raw,
                                         h.headers.get("Content-Type", ""), url.path)
+            if code < 300:
+                body = self._present(kind, body)
+                if as_table:
+                    items = body["items"] if "items" in body else [body]
+                    body = table(kind, items, body["metadata"].get("resourceVersion", ""),
+                                 as_table, query.get("includeObject", "Metadata"))
+                    ctype = f"application/json;as=Table;v={as_table};g=meta.k8s.io"
         except ApiError as e:
             code, body = e.code, e.status()
         except Exception as e:  # noqa: BLE001 - a bug in the double answers 500, as a server
             code, body = 500, ApiError(500, f"fake API server error: {e!r}").status()
-        self._send(h, code, body)
+        self._send(h, code, body, ctype)
 
-    def _send(self, h: _Handler, code: int, body: dict) -> None:
+    def _send(self, h: _Handler, code: int, body: dict,
+              ctype: str = "application/json") -> None:
         data = json.dumps(body).encode()
         h.send_response(code)
-        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Type", ctype)
         h.send_header("Content-Length", str(len(data)))
+        self._send_warnings(h)
         h.end_headers()
         h.wfile.write(data)
+
+    def _send_warnings(self, h: _Handler) -> None:
+        for text in getattr(self._local, "warnings", ()):
+            escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+            h.send_header("Warning", f'299 - "{escaped}"')
+
+    def _warn(self, text: str) -> None:
+        if text not in self._local.warnings:
+            self._local.warnings.append(text)
+
+    # ---- discovery and OpenAPI
+    def _groups(self) -> dict[str, list[str]]:
+        """Group -> its versions, the preferred first (built-in groups first)."""
+        groups: dict[str, set[str]] = {}
+        for k in self.kinds.values():
+            groups.setdefault(k.group, set()).add(k.version)
+        return {g: sorted(vs, key=version_priority) for g, vs in groups.items()}
+
+    def _discovery(self, path: str, accept: str) -> tuple[str, dict] | None:
+        """(content type, document) for a discovery path, else None. The
+        aggregated form (apidiscovery.k8s.io v2 or v2beta1) when the Accept
+        header asks for it first, else the legacy documents."""
+        groups = self._groups()
+        if path in ("/api", "/apis"):
+            aggregated = _negotiate(accept, "APIGroupDiscoveryList", "apidiscovery.k8s.io",
+                                    ("v2", "v2beta1"))
+            if aggregated:
+                items = [self._group_discovery(g, vs) for g, vs in groups.items()
+                         if (g == "") == (path == "/api")]
+                return (f"application/json;g=apidiscovery.k8s.io;v={aggregated};"
+                        "as=APIGroupDiscoveryList",
+                        {"kind": "APIGroupDiscoveryList",
+                         "apiVersion": f"apidiscovery.k8s.io/{aggregated}", "metadata": {},
+                         "items": items})
+            if path == "/api":
+                host = "%s:%s" % self._server.server_address[:2]
+                return "application/json", {
+                    "kind": "APIVersions", "versions": groups[""],
+                    "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0",
+                                                    "serverAddress": host}]}
+            return "application/json", {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+                _api_group(g, vs) for g, vs in groups.items() if g]}
+        if path == "/api/v1":
+            return "application/json", self._resource_list("", "v1")
+        m = re.fullmatch(r"/apis/([^/]+)(?:/([^/]+))?", path)
+        if m and m[1] in groups and m[1]:
+            if m[2] is None:
+                return "application/json", {"kind": "APIGroup", "apiVersion": "v1",
+                                            **_api_group(m[1], groups[m[1]])}
+            if m[2] in groups[m[1]]:
+                return "application/json", self._resource_list(m[1], m[2])
+        return None
+
+    def _resource_list(self, group: str, version: str) -> dict:
+        resources = []
+        for k in self.kinds.values():
+            if (k.group, k.version) != (group, version):
+                continue
+            entry = {"name": k.plural, "singularName": k.singular, "namespaced": True,
+                     "kind": k.kind, "verbs": _VERBS}
+            entry.update({key: list(value) for key, value in (
+                ("shortNames", k.short_names), ("categories", k.categories)) if value})
+            resources.append(entry)
+            if k.status:
+                resources.append({"name": f"{k.plural}/status", "singularName": "",
+                                  "namespaced": True, "kind": k.kind,
+                                  "verbs": ["get", "patch", "update"]})
+        return {"kind": "APIResourceList", "apiVersion": "v1",
+                "groupVersion": f"{group}/{version}" if group else version,
+                "resources": resources}
+
+    def _group_discovery(self, group: str, versions: list[str]) -> dict:
+        out = []
+        for version in versions:
+            resources = []
+            for k in self.kinds.values():
+                if (k.group, k.version) != (group, version):
+                    continue
+                gvk = {"group": k.group, "version": k.version, "kind": k.kind}
+                entry = {"resource": k.plural, "responseKind": gvk, "scope": "Namespaced",
+                         "singularResource": k.singular, "verbs": _VERBS}
+                entry.update({key: list(value) for key, value in (
+                    ("shortNames", k.short_names), ("categories", k.categories)) if value})
+                if k.status:
+                    entry["subresources"] = [{"subresource": "status", "responseKind": gvk,
+                                              "verbs": ["get", "patch", "update"]}]
+                resources.append(entry)
+            out.append({"version": version, "resources": resources, "freshness": "Current"})
+        return {"metadata": {"name": group} if group else {}, "versions": out}
+
+    def _openapi(self, path: str) -> dict:
+        """OpenAPI v3 for the custom resource's versions: the index at
+        /openapi/v3 and one document per group version (paths with their
+        operations, parameters and group-version-kind; the version's schema)."""
+        docs = {f"apis/{k.group}/{k.version}": k for k in self.kinds.values() if k.custom}
+        if path == "/openapi/v3":
+            return {"paths": {gv: {"serverRelativeURL": f"/openapi/v3/{gv}?hash="
+                                   + _digest(_openapi_document(k, self._schemas.get(k)))}
+                              for gv, k in docs.items()}}
+        kind = docs.get(path.removeprefix("/openapi/v3/"))
+        if not kind:
+            raise ApiError(404, "the server could not find the requested resource",
+                           "NotFound", {})
+        return _openapi_document(kind, self._schemas.get(kind))
 
     def _refuse_cut_off(self, method: str, path: str, raw: bytes) -> None:
         if method not in ("POST", "PUT", "PATCH") or "/leases" not in path or not raw:
@@ -673,9 +1267,11 @@ class FakeKubeAPI:
 
     def _dispatch(self, method, kind, ns, name, sub, query, raw, ctype, path):
         try:
-            body = json.loads(raw) if raw else None
+            # as Go's decoding into unstructured: an integral number (2.0) is an integer
+            body = json.loads(raw, parse_float=_json_number) if raw else None
         except ValueError as e:
             raise ApiError(400, f"error decoding request body: {e}") from e
+        self._local.directive = query.get("fieldValidation") or "Warn"
         with self._cond:
             if method == "GET":
                 return 200, self._get(kind, ns, name) if name else self._list(kind, ns, query)
@@ -691,7 +1287,7 @@ class FakeKubeAPI:
                 items = []
                 for obj in self._select(kind, ns, query):
                     name = obj["metadata"]["name"]
-                    if (ns, name) in self._store[kind]:  # GC may have taken it already
+                    if (ns, name) in self._objs(kind):  # GC may have taken it already
                         items.append(self._delete_request(kind, ns, name, query,
                                                           f"{path}/{name}")[1])
                 return 200, {"kind": f"{kind.kind}List", "apiVersion": kind.api_version,
@@ -700,8 +1296,11 @@ class FakeKubeAPI:
                        "MethodNotAllowed", {})
 
     # ---- verbs (lock held)
+    def _objs(self, kind: Kind) -> dict[tuple[str, str], dict]:
+        return self._store[self._home[kind]]
+
     def _get(self, kind: Kind, ns: str, name: str) -> dict:
-        obj = self._store[kind].get((ns, name))
+        obj = self._objs(kind).get((ns, name))
         if obj is None:
             raise _not_found(kind, name)
         return obj
@@ -709,12 +1308,12 @@ class FakeKubeAPI:
     def _select(self, kind: Kind, ns: str | None, query: dict) -> list[dict]:
         try:
             labels = parse_label_selector(query.get("labelSelector", ""))
-            fields = parse_field_selector(query.get("fieldSelector", ""))
+            fields = parse_field_selector(query.get("fieldSelector", ""), kind.plural)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-        return [o for (ons, _), o in sorted(self._store[kind].items())
+        return [o for (ons, _), o in sorted(self._objs(kind).items())
                 if (ns is None or ons == ns) and labels(o["metadata"].get("labels"))
-                and fields(o["metadata"])]
+                and fields(o)]
 
     def _list(self, kind: Kind, ns: str | None, query: dict) -> dict:
         items = self._select(kind, ns, query)
@@ -753,7 +1352,7 @@ class FakeKubeAPI:
                                          (f'Invalid value: "{name}": a lowercase RFC 1123 '
                                          "subdomain must consist of lower case alphanumeric "
                                          "characters, '-' or '.'"))])
-        if (ns, name) in self._store[kind]:
+        if (ns, name) in self._objs(kind):
             raise ApiError(409, f'{kind.resource} "{name}" already exists', "AlreadyExists",
                            {"name": name, "group": kind.group, "kind": kind.plural})
         for key in ("deletionTimestamp", "deletionGracePeriodSeconds", "resourceVersion"):
@@ -781,7 +1380,7 @@ class FakeKubeAPI:
 
     def _patch(self, kind, ns, name, sub, patch, ctype, path) -> dict:
         old = self._get(kind, ns, name)
-        current = copy.deepcopy(old)
+        current = copy.deepcopy(self._convert(kind, old))  # patched at the request version
         if ctype == "application/merge-patch+json":
             if not isinstance(patch, dict):
                 raise ApiError(400, "merge patch must be a JSON object")
@@ -814,10 +1413,10 @@ class FakeKubeAPI:
         return self._update(kind, old, new, sub, "PATCH", path)
 
     def _update(self, kind: Kind, old: dict, new: dict, sub: str | None, verb, path) -> dict:
-        name = old["metadata"]["name"]
+        name, seen = old["metadata"]["name"], self._convert(kind, old)
         if sub == "status":
             body_status = new.get("status")
-            new = copy.deepcopy(old)
+            new = copy.deepcopy(seen)
             new.pop("status", None)
             if body_status is not None:
                 new["status"] = body_status
@@ -829,8 +1428,8 @@ class FakeKubeAPI:
                     meta[key] = old["metadata"][key]
             if kind.status:
                 new.pop("status", None)
-                if "status" in old:
-                    new["status"] = copy.deepcopy(old["status"])
+                if "status" in seen:
+                    new["status"] = copy.deepcopy(seen["status"])
             if old["metadata"].get("deletionTimestamp"):
                 added = set(meta.get("finalizers") or []) - set(
                     old["metadata"].get("finalizers") or [])
@@ -850,18 +1449,58 @@ class FakeKubeAPI:
         return self._write(kind, "MODIFIED", new, old, verb, path)
 
     def _admit(self, kind: Kind, obj: dict) -> dict:
+        """A written object as stored: at the request version, unknown fields
+        reported (fieldValidation) and pruned, defaults filled and the schema
+        checked; then converted to the storage version (conversion strategy
+        None: only apiVersion changes) and pruned by that version's schema."""
         obj["apiVersion"], obj["kind"] = kind.api_version, kind.kind
         _default_builtin(kind, obj)
-        if kind.custom and self._schema:
-            meta = obj.get("metadata")
-            obj = prune_and_default({k: v for k, v in obj.items() if k != "metadata"},
-                                    self._schema)
-            obj["metadata"] = meta
+        if not kind.custom:
+            return obj
+        unknown: list[str] = []
+        obj = self._coerce(kind, obj, unknown)
+        directive = getattr(self._local, "directive", "Warn")
+        if unknown and directive == "Strict":
+            raise ApiError(400, f'{kind.kind} in version "{kind.version}" cannot be handled '
+                           f"as a {kind.kind}: strict decoding error: "
+                           + ", ".join(f'unknown field "{f}"' for f in unknown), "BadRequest")
+        if directive == "Warn":
+            for field in unknown:
+                self._warn(f'unknown field "{field}"')
+        if self._schemas.get(kind):
             errs: list = []
-            validate(obj, self._schema, "", errs)
+            validate(obj, self._schemas[kind], "", errs)
             if errs:
-                raise _invalid(kind, meta.get("name", ""), errs)
+                raise _invalid(kind, obj["metadata"].get("name", ""), errs)
+        return self._convert(self._storage[self._home[kind]], obj)
+
+    def _coerce(self, kind: Kind, obj: dict, unknown: list | None = None) -> dict:
+        """`obj` pruned and defaulted by `kind`'s schema (metadata kept as it is)."""
+        schema = self._schemas.get(kind)
+        if not schema:
+            return obj
+        meta = obj.get("metadata")
+        obj = prune_and_default({k: v for k, v in obj.items() if k != "metadata"}, schema,
+                                unknown)
+        obj["metadata"] = meta
         return obj
+
+    def _convert(self, kind: Kind, obj: dict) -> dict:
+        """A custom resource at `kind`'s version: apiVersion set, then pruned and
+        defaulted by that version's schema (as the real converter does); the
+        object itself when it is at that version already."""
+        if not kind.custom or obj.get("apiVersion") == kind.api_version:
+            return obj
+        return self._coerce(kind, {**copy.deepcopy(obj), "apiVersion": kind.api_version})
+
+    def _present(self, kind: Kind, body: dict) -> dict:
+        """A response body (object or list) at the request's version."""
+        if not kind.custom:
+            return body
+        if "items" in body and body.get("kind", "").endswith("List"):
+            return {**body, "apiVersion": kind.api_version,
+                    "items": [self._convert(kind, o) for o in body["items"]]}
+        return self._convert(kind, body) if body.get("kind") == kind.kind else body
 
     def _delete_request(self, kind, ns, name, opts: dict, path) -> tuple[int, dict]:
         obj = self._get(kind, ns, name)
@@ -921,21 +1560,23 @@ class FakeKubeAPI:
         obj["metadata"]["resourceVersion"] = str(self._rv)
         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
         if etype == "DELETED":
-            self._store[kind].pop(key, None)
+            self._objs(kind).pop(key, None)
         else:
-            self._store[kind][key] = obj
+            self._objs(kind)[key] = obj
         if len(self._history) >= self._history_max:
             self._oldest = self._history.popleft()[0]
-        self._history.append((self._rv, kind, etype, obj, previous))
+        self._history.append((self._rv, self._home[kind], etype, obj, previous))
         self.events.append(Write(verb, path, str(self._rv)))
         self._cond.notify_all()
         return obj
 
     # ---- watch
-    def _watch(self, h: _Handler, kind: Kind, ns: str | None, query: dict) -> None:
+    def _watch(self, h: _Handler, kind: Kind, ns: str | None, query: dict,
+               as_table: str | None = None) -> None:
+        home = self._home[kind]
         try:
             labels = parse_label_selector(query.get("labelSelector", ""))
-            fields = parse_field_selector(query.get("fieldSelector", ""))
+            fields = parse_field_selector(query.get("fieldSelector", ""), kind.plural)
             timeout = float(query.get("timeoutSeconds") or 1800)
             since = int(query.get("resourceVersion") or 0)
         except ValueError as e:
@@ -943,7 +1584,7 @@ class FakeKubeAPI:
 
         def selected(obj):
             return (obj is not None and (ns is None or obj["metadata"]["namespace"] == ns)
-                    and labels(obj["metadata"].get("labels")) and fields(obj["metadata"]))
+                    and labels(obj["metadata"].get("labels")) and fields(obj))
 
         bookmarks = query.get("allowWatchBookmarks") in ("true", "1", "True")
         deadline = time.monotonic() + timeout
@@ -959,9 +1600,15 @@ class FakeKubeAPI:
             h.send_response(200)
             h.send_header("Content-Type", "application/json")
             h.send_header("Transfer-Encoding", "chunked")
+            self._send_warnings(h)
             h.end_headers()
             while True:
                 for etype, obj in pending:
+                    if etype != "ERROR":
+                        obj = self._convert(kind, obj)
+                        if as_table:  # each event a Table of its one row
+                            obj = table(kind, [obj], obj["metadata"]["resourceVersion"],
+                                        as_table, query.get("includeObject", "Metadata"))
                     self._chunk(h, {"type": etype, "object": obj})
                 if pending and pending[-1][0] == "ERROR":
                     break
@@ -988,7 +1635,7 @@ class FakeKubeAPI:
                             "Expired").status())]
                         continue
                     for rv, k, etype, obj, prev in self._history:
-                        if rv <= last or k is not kind:
+                        if rv <= last or k is not home:
                             continue
                         now_in, was_in = selected(obj), selected(prev)
                         if etype == "MODIFIED" and now_in != was_in:  # entered/left selection
@@ -1008,6 +1655,11 @@ class FakeKubeAPI:
     def _chunk(h: _Handler, event: dict) -> None:
         data = json.dumps(event).encode() + b"\n"
         h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+
+def _json_number(text: str) -> int | float:
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2 ** 63 else value
 
 
 def _peer_closed(conn: socket.socket) -> bool:
@@ -1068,7 +1720,8 @@ def _default_builtin(kind: Kind, obj: dict) -> None:
 
 
 def _spec_of(obj: dict) -> dict:
-    return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+    return {k: v for k, v in obj.items()
+            if k not in ("metadata", "status", "apiVersion", "kind")}
 
 
 def _path_of(kind: Kind, obj: dict) -> str:

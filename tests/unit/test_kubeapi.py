@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
+import yaml
 from kubernetes import client, config, watch
 
-from tests.kubeapi import FakeKubeAPI
+from tests.kubeapi import FakeKubeAPI, go_text, human_duration, jsonpath
+from tiered.rollout.spec import API_GROUP, API_VERSION
 
 NS = "default"
-GROUP, VERSION, PLURAL = "tiered.dev", "v1alpha1", "tieredmodels"
+GROUP, VERSION, PLURAL = API_GROUP, API_VERSION, "tieredmodels"
 CR = (GROUP, VERSION, NS, PLURAL)
 
 
@@ -471,11 +475,286 @@ def test_crd_schema_is_validated_defaulted_and_pruned(api, k8s):
     body["spec"]["unknown"] = {"dropped": True}
     obj = custom.create_namespaced_custom_object(*CR, body)
     assert "unknown" not in obj["spec"]
-    assert obj["spec"]["rollout"]["on_failure"] == "rollback"
-    assert obj["spec"]["tiers"]["edge"]["batching"] == {"max_batch_size": 8,
-                                                        "max_queue_delay_us": 1000}
+    assert set(obj["spec"]["tiers"]["edge"]) > {"replicas"}  # the CRD's defaults filled in
     code, status = api_error(custom.patch_namespaced_custom_object_status, *CR, "m",
                              {"status": {"rollout": {"phase": "Sideways"}}})
     assert code == 422
-    assert {c["field"] for c in status["details"]["causes"]} == {
-        "status.rollout.phase", "status.rollout.stable_version"}
+    assert "status.rollout.phase" in {c["field"] for c in status["details"]["causes"]}
+
+
+# ---- kubectl's needs, on a CRD of the tests' own (spellings independent of tiered's spec)
+
+def widget_schema(spec: dict) -> dict:
+    return {"openAPIV3Schema": {"type": "object", "properties": {
+        "apiVersion": {"type": "string"}, "kind": {"type": "string"},
+        "metadata": {"type": "object"},
+        "spec": {"type": "object", "properties": spec},
+        "status": {"type": "object", "properties": {
+            "phase": {"type": "string"}, "ratio": {"type": "number"},
+            "conditions": {"type": "array", "items": {
+                "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}}}}}
+
+
+WIDGETS = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "widgets.example.dev"},
+    "spec": {"group": "example.dev", "scope": "Namespaced",
+             "names": {"plural": "widgets", "singular": "widget", "kind": "Widget",
+                       "shortNames": ["wd"], "categories": ["toys"]},
+             "versions": [
+                 {"name": "v1beta1", "served": True, "storage": False, "deprecated": True,
+                  "schema": widget_schema({"size": {"type": "integer"},
+                                           "legacy": {"type": "string", "default": "x"}}),
+                  "subresources": {"status": {}}},
+                 {"name": "v1", "served": True, "storage": True,
+                  "schema": widget_schema({
+                      "size": {"type": "integer", "minimum": 1},
+                      "colour": {"type": "string", "enum": ["red", "blue"],
+                                 "default": "red"}}),
+                  "subresources": {"status": {}},
+                  "additionalPrinterColumns": [
+                      {"name": "Ready", "type": "string",
+                       "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                      {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
+                      {"name": "Ratio", "type": "number", "jsonPath": ".status.ratio",
+                       "priority": 1, "description": "how much"},
+                      {"name": "Age", "type": "date",
+                       "jsonPath": ".metadata.creationTimestamp"}]},
+                 {"name": "v1alpha1", "served": False, "storage": False,
+                  "schema": widget_schema({})}]}}
+TABLE = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"
+AGGREGATED = ("application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,"
+              "application/json")
+
+
+@pytest.fixture
+def widgets(tmp_path):
+    path = tmp_path / "widgets.yaml"
+    path.write_text(yaml.safe_dump(WIDGETS))
+    with FakeKubeAPI(crd=path) as server:
+        yield server
+
+
+def http(api, method: str, path: str, body=None, accept: str = "application/json",
+         ctype: str = "application/json") -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of one plain HTTP request; headers by lower-case
+    name, repeated ones joined by newlines."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(api.url + path, data=data, method=method, headers={
+        "Accept": accept, "Content-Type": ctype})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            code, headers, raw = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as e:
+        code, headers, raw = e.code, e.headers, e.read()
+    merged = {k.lower(): "\n".join(headers.get_all(k)) for k in set(headers.keys())}
+    return code, merged, json.loads(raw)
+
+
+def widget(name="w", size=3, **spec):
+    return {"apiVersion": "example.dev/v1", "kind": "Widget", "metadata": {"name": name},
+            "spec": {"size": size, **spec}}
+
+
+W = "/apis/example.dev/v1/namespaces/default/widgets"
+W1B1 = "/apis/example.dev/v1beta1/namespaces/default/widgets"
+
+
+def test_discovery_legacy_and_aggregated(widgets):
+    code, headers, versions = http(widgets, "GET", "/api")
+    assert (code, versions["kind"], versions["versions"]) == (200, "APIVersions", ["v1"])
+    _, _, groups = http(widgets, "GET", "/apis")
+    listed = {g["name"]: g for g in groups["groups"]}
+    assert listed["example.dev"]["preferredVersion"]["version"] == "v1"
+    assert [v["version"] for v in listed["example.dev"]["versions"]] == ["v1", "v1beta1"]
+    assert {"apps", "coordination.k8s.io", "discovery.k8s.io"} <= set(listed)
+    _, _, group = http(widgets, "GET", "/apis/example.dev")
+    assert (group["kind"], group["name"]) == ("APIGroup", "example.dev")
+    _, _, resources = http(widgets, "GET", "/apis/example.dev/v1")
+    assert resources["groupVersion"] == "example.dev/v1"
+    by_name = {r["name"]: r for r in resources["resources"]}
+    assert by_name["widgets"] == {
+        "name": "widgets", "singularName": "widget", "namespaced": True, "kind": "Widget",
+        "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update",
+                  "watch"], "shortNames": ["wd"], "categories": ["toys"]}
+    assert by_name["widgets/status"]["verbs"] == ["get", "patch", "update"]
+    _, _, core = http(widgets, "GET", "/api/v1")
+    assert {r["name"]: r.get("shortNames") for r in core["resources"]}["services"] == ["svc"]
+    assert http(widgets, "GET", "/apis/example.dev/v1alpha1")[0] == 404  # not served
+
+    code, headers, aggregated = http(widgets, "GET", "/apis", accept=AGGREGATED)
+    assert headers["content-type"] == (
+        "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList")
+    assert aggregated["kind"] == "APIGroupDiscoveryList"
+    entry = next(i for i in aggregated["items"] if i["metadata"].get("name") == "example.dev")
+    assert [v["version"] for v in entry["versions"]] == ["v1", "v1beta1"]
+    resource = entry["versions"][0]["resources"][0]
+    assert (resource["resource"], resource["scope"], resource["shortNames"],
+            resource["responseKind"]) == ("widgets", "Namespaced", ["wd"], {
+                "group": "example.dev", "version": "v1", "kind": "Widget"})
+    assert resource["subresources"][0]["subresource"] == "status"
+    _, _, core = http(widgets, "GET", "/api", accept=AGGREGATED)
+    assert [i["metadata"] for i in core["items"]] == [{}]
+    assert "pods" in {r["resource"] for r in core["items"][0]["versions"][0]["resources"]}
+
+
+def test_openapi_v3_names_field_validation_for_each_served_version(widgets):
+    _, _, index = http(widgets, "GET", "/openapi/v3")
+    assert set(index["paths"]) == {"apis/example.dev/v1", "apis/example.dev/v1beta1"}
+    url = index["paths"]["apis/example.dev/v1"]["serverRelativeURL"]
+    assert url.startswith("/openapi/v3/apis/example.dev/v1?hash=")
+    _, _, doc = http(widgets, "GET", url)
+    patch = doc["paths"]["/apis/example.dev/v1/namespaces/{namespace}/widgets/{name}"]["patch"]
+    assert patch["x-kubernetes-group-version-kind"] == {
+        "group": "example.dev", "version": "v1", "kind": "Widget"}
+    assert "fieldValidation" in {p["name"] for p in patch["parameters"] if p["in"] == "query"}
+    assert "application/strategic-merge-patch+json" not in patch["requestBody"]["content"]
+    schema = doc["components"]["schemas"]["dev.example.v1.Widget"]
+    assert schema["properties"]["spec"]["properties"]["colour"]["enum"] == ["red", "blue"]
+    assert http(widgets, "GET", "/openapi/v3/apis/apps/v1")[0] == 404
+
+
+def test_crd_schema_of_the_request_version_validates_prunes_and_defaults(widgets):
+    code, _, status = http(widgets, "POST", W, widget(size=0, colour="green"))
+    assert (code, status["reason"]) == (422, "Invalid")
+    assert sorted(c["field"] for c in status["details"]["causes"]) == ["spec.colour",
+                                                                       "spec.size"]
+    code, _, obj = http(widgets, "POST", W, widget(size=3.0, extra=1))  # 3.0 is an integer
+    assert code == 201 and obj["spec"] == {"size": 3, "colour": "red"}
+
+
+def test_field_validation_strict_warn_and_ignore(widgets):
+    code, headers, status = http(widgets, "POST", W + "?fieldValidation=Strict",
+                                 widget(extra=1, more={"a": 1}))
+    assert (code, status["reason"]) == (400, "BadRequest")
+    assert status["message"] == (
+        'Widget in version "v1" cannot be handled as a Widget: strict decoding error: '
+        'unknown field "spec.extra", unknown field "spec.more"')
+    assert not widgets.objects("widgets")
+    code, headers, obj = http(widgets, "POST", W, widget(extra=1))  # Warn by default
+    assert code == 201 and "extra" not in obj["spec"]
+    assert headers["warning"] == '299 - "unknown field \\"spec.extra\\""'
+    code, headers, _ = http(widgets, "PATCH", W + "/w?fieldValidation=Ignore",
+                            {"spec": {"other": 2}}, ctype="application/merge-patch+json")
+    assert code == 200 and "warning" not in headers
+    code, _, status = http(widgets, "PATCH", W + "/w?fieldValidation=Strict",
+                           {"spec": {"other": 2}}, ctype="application/merge-patch+json")
+    assert code == 400 and 'unknown field "spec.other"' in status["message"]
+
+
+def test_served_versions_share_one_store_converted_on_the_way(widgets):
+    # written at the deprecated version: a Warning; stored at v1, pruned by v1's schema
+    code, headers, obj = http(widgets, "POST", W1B1, {
+        "apiVersion": "example.dev/v1beta1", "kind": "Widget", "metadata": {"name": "w"},
+        "spec": {"size": 2, "legacy": "kept?"}})
+    assert code == 201
+    assert headers["warning"] == '299 - "example.dev/v1beta1 Widget is deprecated"'
+    [stored] = widgets.objects("widgets")
+    assert stored["apiVersion"] == "example.dev/v1"
+    assert stored["spec"] == {"size": 2, "colour": "red"}
+    # read at v1beta1: pruned and defaulted by v1beta1's schema
+    assert obj["apiVersion"] == "example.dev/v1beta1"
+    assert obj["spec"] == {"size": 2, "legacy": "x"}
+    _, _, listed = http(widgets, "GET", W1B1)
+    assert listed["apiVersion"] == "example.dev/v1beta1"
+    assert [i["apiVersion"] for i in listed["items"]] == ["example.dev/v1beta1"]
+    code, _, status = http(widgets, "POST", W1B1, widget("v"))  # apiVersion not the URL's
+    assert code == 400
+    assert http(widgets, "GET", "/apis/example.dev/v1alpha1/namespaces/default/widgets")[0] \
+        == 404
+    # a CRD update moving storage to v1beta1: later writes are stored there
+    widgets.set_storage_version("v1beta1")
+    http(widgets, "PATCH", W1B1 + "/w", {"spec": {"legacy": "now kept"}},
+         ctype="application/merge-patch+json")
+    [stored] = widgets.objects("widgets")
+    assert stored["apiVersion"] == "example.dev/v1beta1"
+    assert stored["spec"] == {"size": 2, "legacy": "now kept"}
+    assert http(widgets, "GET", W + "/w")[2]["spec"] == {"size": 2, "colour": "red"}
+
+
+def test_tables_from_the_printer_columns(widgets):
+    http(widgets, "POST", W, widget("a", 3))
+    http(widgets, "POST", W, widget("b", 5))
+    http(widgets, "PATCH", W + "/a/status", {"status": {"ratio": 0.5, "conditions": [
+        {"type": "Other", "status": "False"}, {"type": "Ready", "status": "True"}]}},
+        ctype="application/merge-patch+json")
+    code, headers, table = http(widgets, "GET", W, accept=TABLE)
+    assert headers["content-type"] == "application/json;as=Table;v=v1;g=meta.k8s.io"
+    assert (table["kind"], table["apiVersion"]) == ("Table", "meta.k8s.io/v1")
+    assert [(c["name"], c["type"], c["priority"]) for c in table["columnDefinitions"]] == [
+        ("Name", "string", 0), ("Ready", "string", 0), ("Size", "integer", 0),
+        ("Ratio", "number", 1), ("Age", "date", 0)]
+    assert table["columnDefinitions"][3]["description"] == "how much"
+    assert [r["cells"][:4] for r in table["rows"]] == [["a", "True", 3, 0.5],
+                                                       ["b", None, 5, None]]
+    assert table["rows"][0]["cells"][4] in ("0s", "1s", "2s")
+    assert table["rows"][0]["object"]["kind"] == "PartialObjectMetadata"
+    assert table["rows"][0]["object"]["metadata"]["name"] == "a"
+    _, _, table = http(widgets, "GET", W + "?includeObject=None", accept=TABLE)
+    assert "object" not in table["rows"][0]
+    _, _, table = http(widgets, "GET", W + "/b?includeObject=Object", accept=TABLE)
+    assert [r["object"]["spec"]["size"] for r in table["rows"]] == [5]
+    # a version without columns: Name and Age; built-in kinds answer plain JSON
+    _, _, table = http(widgets, "GET", W1B1, accept=TABLE)
+    assert [c["name"] for c in table["columnDefinitions"]] == ["Name", "Age"]
+    code, headers, listed = http(widgets, "GET", "/api/v1/namespaces/default/pods",
+                                 accept=TABLE)
+    assert listed["kind"] == "PodList" and headers["content-type"] == "application/json"
+    # kubectl get -w: every event a Table of its row
+    request = urllib.request.Request(widgets.url + W + "?watch=true&timeoutSeconds=1",
+                                     headers={"Accept": TABLE})
+    with urllib.request.urlopen(request, timeout=10) as stream:
+        events = [json.loads(line) for line in stream.read().splitlines() if line]
+    assert [(e["type"], e["object"]["kind"], e["object"]["rows"][0]["cells"][0])
+            for e in events] == [("ADDED", "Table", "a"), ("ADDED", "Table", "b")]
+
+
+def test_jsonpath_and_what_kubectl_prints():
+    obj = {"status": {"conditions": [{"type": "A", "status": "x", "n": 1},
+                                     {"type": "Ready", "status": "True", "n": 2}]},
+           "metadata": {"labels": {"a.b/c": "d"}}}
+    assert jsonpath(obj, '.status.conditions[?(@.type=="Ready")].status') == ["True"]
+    assert jsonpath(obj, ".status.conditions[?(@.type!='Ready')].status") == ["x"]
+    assert jsonpath(obj, ".status.conditions[?(@.n > 1)].type") == ["Ready"]
+    assert jsonpath(obj, ".status.conditions[*].type") == ["A", "Ready"]
+    assert jsonpath(obj, ".status.conditions[-1].n") == [2]
+    assert jsonpath(obj, "{.metadata.labels['a.b/c']}") == ["d"]
+    assert jsonpath(obj, ".status.missing.deeper") == []
+    with pytest.raises(ValueError):
+        jsonpath(obj, ".status..type")
+    assert [go_text(v) for v in (1e6, 0.5, 5.0, 1234567.0, 1e-5, True, None,
+                                 {"b": 1, "a": [1, "x"]})] == [
+        "1e+06", "0.5", "5", "1.234567e+06", "1e-05", "true", "<nil>", "map[a:[1 x] b:1]"]
+    assert [human_duration(s) for s in (5, 119, 130, 600, 7260, 40000, 200000, 800000,
+                                        -5)] == [
+        "5s", "119s", "2m10s", "10m", "121m", "11h", "2d7h", "9d", "<invalid>"]
+
+
+def test_events_select_on_their_involved_object(api, k8s):
+    core = client.CoreV1Api(k8s)
+    for name, about, uid, reason in (("e1", "m", "u1", "Started"), ("e2", "m", "u2", "Old"),
+                                     ("e3", "n", "u3", "Started"),
+                                     ("e4", "a,b=c", "u4", "Odd")):
+        core.create_namespaced_event(NS, {
+            "metadata": {"name": name}, "reason": reason, "type": "Normal",
+            "source": {"component": "ctl"} if name != "e2" else {},
+            "reportingComponent": "rc",
+            "involvedObject": {"kind": "TieredModel", "name": about, "namespace": NS,
+                               "uid": uid}})
+
+    def names(selector: str) -> list[str]:
+        return [e.metadata.name for e in core.list_namespaced_event(
+            NS, field_selector=selector).items]
+
+    assert names("involvedObject.name=m,involvedObject.namespace=default,"
+                 "involvedObject.kind=TieredModel,involvedObject.uid=u1") == ["e1"]
+    assert names("involvedObject.name=m") == ["e1", "e2"]
+    assert names("reason!=Started") == ["e2", "e4"]
+    assert names("source=rc") == ["e2"]  # no source component: the reporting one
+    assert names(r"involvedObject.name=a\,b\=c") == ["e4"]
+    assert names("involvedObject.fieldPath=") == ["e1", "e2", "e3", "e4"]
+    code, status = api_error(core.list_namespaced_config_map, NS,
+                             field_selector="involvedObject.name=m")
+    assert (code, status["message"]) == (400, "field label not supported: involvedObject.name")
+    events = take(1, core.list_namespaced_event, NS, field_selector="involvedObject.uid=u3")
+    assert [e["object"].metadata.name for e in events] == ["e3"]

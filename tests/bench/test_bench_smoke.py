@@ -97,6 +97,20 @@ def test_router_bench_measures_direct_routed_and_passthrough(tmp_path):
     assert_header(stdout, "model", "c", "direct", "req/s")
 
 
+def test_rest_bench_measures_grpc_rest_binary_and_rest_json_against_one_agent(tmp_path):
+    result, stdout = run_smoke("rest", tmp_path)
+    assert [(r["model"], r["concurrency"]) for r in result["rows"]] == [("mlp", 1), ("sized", 1)]
+    for row in result["rows"]:
+        for arm in ("grpc", "rest_binary", "rest_json"):
+            assert_window(row[arm])
+            assert positive(row[arm]["agent_cpu_ms_per_request"])
+        assert positive(row["rest_binary_throughput_ratio"])
+        assert positive(row["rest_json_throughput_ratio"])
+    assert_targets(result["targets"], {"mlp REST binary throughput at c=8",
+                                       "sized REST binary throughput at c=8"})
+    assert_header(stdout, "model", "c", "protocol", "req/s")
+
+
 def test_telemetry_bench_alternates_agents_with_and_without_telemetry(tmp_path):
     result, stdout = run_smoke("telemetry", tmp_path)
     assert sorted((r["model"], r["telemetry"]) for r in result["rows"]) == [

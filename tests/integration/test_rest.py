@@ -20,7 +20,7 @@ import tritonclient.http.aio as aiohttpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import EITHER_AGENT, IDENTITY_DATATYPES, either_agent
-from tiered.local.processes import AgentProcess, RouterProcess
+from tiered.local.processes import AgentError, AgentProcess, RouterProcess
 from tiered.protocol import codec
 
 rng = np.random.default_rng(0)
@@ -548,3 +548,14 @@ def test_tls_serves_https_with_the_same_certificate(shared_repository, tmp_path)
                     cafile=str(tmp_path / "ca.crt"))) as client:
             assert client.is_server_ready()
             assert client.infer("mlp", mlp_inputs()).as_numpy("probabilities").shape == (1, 4)
+
+
+def test_a_taken_rest_port_stops_the_agent_and_its_front_ends(agent_in_one_process,
+                                                                shared_repository):
+    taken = agent_in_one_process.http_port
+    second = AgentProcess("edge", shared_repository,
+                          extra_args=["--front-ends", "1", "--http-port", str(taken)])
+    with pytest.raises(AgentError):
+        second.start(timeout_s=60)
+    assert second.stop() == 2
+    assert f"cannot serve REST on 127.0.0.1:{taken}" in second.log()

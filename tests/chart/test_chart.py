@@ -166,7 +166,9 @@ def test_values_schema_describes_every_value():
 def test_values_schema_closes_the_charts_own_objects():
     # Unknown keys (typos) in our own sections are errors, not silently ignored.
     schema = _schema()
-    for path in [(), ("images",), ("tls",), ("controller",), ("router",)]:
+    for path in [(), ("images",), ("tls",), ("controller",), ("router",),
+                 ("router", "http"), ("router", "podDisruptionBudget"), ("agents",),
+                 ("agents", "http"), ("agents", "tiers"), ("agents", "tiers", "datacenter")]:
         node = _schema_for(path, schema)
         assert node is not None and node.get("additionalProperties") is False, path
 
@@ -181,6 +183,17 @@ def test_values_schema_closes_the_charts_own_objects():
     "tls.enabled=true",                      # without tls.secretName
     "router.service.type=LoadBalancer",
     "router.tolerations[0].operator=Maybe",
+    "router.http.enable=false",
+    "router.podDisruptionBudget.maxUnavailable=most",
+    "router.priorityClassName=Not_A_Class",
+    "router.extraEnv[0].value=x",                        # an EnvVar without a name
+    "controller.extraArgs=--debug",                      # a string, not a list
+    "controller.topologySpreadConstraints[0].maxSkew=1",  # no topologyKey
+    "agents.tier.edge.priorityClassName=high",
+    "agents.tiers.gpu.priorityClassName=high",
+    "agents.tiers.edge.priorityClass=high",
+    "agents.gpuRuntimeClassName=Not_A_Class",
+    "agents.tiers.datacenter.topologySpreadConstraints[0].whenUnsatisfiable=Always",
 ])
 def test_invalid_values_are_rejected_by_the_schema(setting, tmp_path, helm_binary):
     result = helm.run_helm([*helm.template_args(), "--set", setting], None, tmp_path)
@@ -364,6 +377,7 @@ def test_controller_arguments_name_objects_the_chart_renders(any_render):
         "--router", f"{fullname()}-router.{helm.NAMESPACE}.svc:8001",
         "--agent-image", image("tiered-agent"),
         "--agent-gpu-image", image("tiered-agent-cuda"),
+        "--agent-pods", "/etc/tiered/agent-pods/agent-pods.yaml",
         "--leader-elect", "--metrics-port", "8080", *security_args(c, server=False),
         *(["--agent-tls-secret", "tiered-tls"] if "/etc/tiered/tls" in mounts(c) else []),
     ]
@@ -380,6 +394,11 @@ def test_controller_arguments_name_objects_the_chart_renders(any_render):
     assert int(port) in {p["port"] for p in service["spec"]["ports"]}
     (router,) = selected_workloads(any_render, service)
     assert router["metadata"]["name"] == f"{fullname()}-router"
+    # The agent pod settings it reads are the chart's ConfigMap, mounted read-only.
+    settings = mounts(c)["/etc/tiered/agent-pods"]
+    assert settings["readOnly"] is True and "subPath" not in settings
+    config_map = volumes(deployment)[settings["name"]]["configMap"]["name"]
+    assert "agent-pods.yaml" in one(any_render, "ConfigMap", config_map)["data"]
 
 
 def test_controller_knows_its_pod_and_serves_metrics_on_8080(any_render):
@@ -401,7 +420,7 @@ def test_router_reads_the_routing_configmap_and_probes_grpc_health(any_render):
     c = container(router, "router")
     assert c["args"] == ["router", "--routing-table", "/etc/tiered/routing/routing.yaml",
                          "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8003",
-                         *security_args(c, server=True)]
+                         "--http-port", "8000", *security_args(c, server=True)]
     routing = mounts(c)["/etc/tiered/routing"]
     # A subPath mount would never see the controller's rewrites.
     assert "subPath" not in routing and routing["readOnly"] is True
@@ -411,11 +430,12 @@ def test_router_reads_the_routing_configmap_and_probes_grpc_health(any_render):
                 else {"grpc": {"port": 8001}})
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe] == {**c[probe], **probe_of}
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 8001, "metrics": 8003}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
+        "grpc": 8001, "metrics": 8003, "http": 8000}
     service = one(any_render, "Service", f"{fullname()}-router")
     assert service["spec"]["type"] == "ClusterIP"
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"grpc": 8001,
-                                                                        "metrics": 8003}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        "grpc": 8001, "metrics": 8003, "http": 8000}
 
 
 # ---- selectors and Services --------------------------------------------------------

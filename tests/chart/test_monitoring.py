@@ -48,10 +48,20 @@ def test_monitors_select_the_router_the_controller_and_the_agents(monitored):
     service = one(monitored, "Service", f"{fullname}-router")
     assert router["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert router["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    controller = one(monitored, "ServiceMonitor", f"{fullname}-controller")
+    service = one(monitored, "Service", f"{fullname}-controller-metrics")
+    assert controller["spec"]["selector"]["matchLabels"].items() <= \
+        service["metadata"]["labels"].items()
+    assert controller["spec"]["endpoints"][0]["port"] in {
+        p["name"] for p in service["spec"]["ports"]}
+    # The agents of this release only: what the controller labels its agent pods
+    # with, given the chart's agent-pods ConfigMap (tests/chart/test_pod_settings.py).
     agents = one(monitored, "PodMonitor", f"{fullname}-agents")
-    # What the controller labels its agent pods with (tiered.controller.kube.render).
     from tiered.controller.kube.render import LABEL_MANAGED, MANAGER
-    assert agents["spec"]["selector"]["matchLabels"] == {LABEL_MANAGED: MANAGER}
+    assert agents["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "tiered", "app.kubernetes.io/instance": helm.RELEASE,
+        "app.kubernetes.io/component": "agent", LABEL_MANAGED: MANAGER}
+    assert objects(monitored, "PodMonitor") == [agents]
     rule = one(monitored, "PrometheusRule", fullname)
     alerts = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
     assert set(alerts) == {"TieredRolloutRolledBack", "TieredErrorRateHigh", "TieredAgentDown"}

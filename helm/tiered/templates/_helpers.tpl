@@ -155,3 +155,70 @@ grpc:
   port: 8001
 {{- end }}
 {{- end }}
+
+{{/*
+TopologySpreadConstraints of one component's pods: a constraint without a
+labelSelector gets the component's selector labels. Call with
+(dict "ctx" $ "component" "router" "constraints" .Values.router.topologySpreadConstraints).
+*/}}
+{{- define "tiered.topologySpreadConstraints" -}}
+{{- $selector := include "tiered.selectorLabels" . | fromYaml }}
+{{- $constraints := list }}
+{{- range .constraints }}
+{{- $constraint := deepCopy . }}
+{{- if not (hasKey $constraint "labelSelector") }}
+{{- $_ := set $constraint "labelSelector" (dict "matchLabels" $selector) }}
+{{- end }}
+{{- $constraints = append $constraints $constraint }}
+{{- end }}
+{{- toYaml $constraints }}
+{{- end }}
+
+{{/*
+The pod settings of one component: priorityClassName and topologySpreadConstraints.
+Call with (dict "ctx" $ "component" "router" "values" .Values.router).
+*/}}
+{{- define "tiered.podPlacement" -}}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .values.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- include "tiered.topologySpreadConstraints" (dict "ctx" $.ctx "component" $.component "constraints" .) | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "tiered.agentPodsConfigMap" -}}
+{{- printf "%s-agent-pods" (include "tiered.fullname" .) }}
+{{- end }}
+
+{{/*
+The controller's settings of the agent pods it creates (`tiered controller
+--agent-pods`, tiered.controller.kube.render.AgentPods): the release's labels,
+the REST port, and each tier's settings with tiers.<tier> resolved over the
+common ones (a key set for the tier replaces the common value).
+*/}}
+{{- define "tiered.agentPods" -}}
+{{- $agents := .Values.agents -}}
+labels:
+  app.kubernetes.io/name: {{ include "tiered.name" . }}
+  app.kubernetes.io/instance: {{ .Release.Name }}
+  app.kubernetes.io/part-of: tiered
+httpPort: {{ if $agents.http.enabled }}8000{{ else }}null{{ end }}
+tiers:
+{{- range $tier := list "edge" "regional" "datacenter" }}
+{{- $override := index ($agents.tiers | default dict) $tier | default dict }}
+{{- $common := dict
+      "priorityClassName" $agents.priorityClassName
+      "runtimeClassName" (has $tier (list "regional" "datacenter") | ternary $agents.gpuRuntimeClassName "")
+      "topologySpreadConstraints" $agents.topologySpreadConstraints
+      "extraArgs" $agents.extraArgs
+      "extraEnv" $agents.extraEnv }}
+{{- $resolved := dict }}
+{{- range $key, $value := $common }}
+{{- $_ := set $resolved $key (hasKey $override $key | ternary (index $override $key) $value) }}
+{{- end }}
+  {{ $tier }}:
+    {{- toYaml $resolved | nindent 4 }}
+{{- end }}
+{{- end }}

@@ -125,7 +125,7 @@ def test_min_available_replaces_max_unavailable(configured):
 def test_the_routers_rest_port_and_budget_can_be_switched_off(switched_off):
     assert objects(switched_off, "PodDisruptionBudget") == []
     c = container(router(switched_off), "router")
-    assert "--http-port" not in c["args"]
+    assert "--http-port" not in c["args"] and "--no-http" in c["args"]
     assert "http" not in {p["name"] for p in c["ports"]}
     service = one(switched_off, "Service", f"{fullname()}-router")
     assert "http" not in {p["name"] for p in service["spec"]["ports"]}

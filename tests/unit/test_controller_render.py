@@ -188,7 +188,7 @@ def test_a_tiers_settings_reach_its_pods_only(tmp_path):
 def test_rest_can_be_turned_off(tmp_path):
     workload, service = rendered(chart_pods(tmp_path, "httpPort: null\n"), "edge")
     agent = agent_container(workload)
-    assert "--http-port" not in agent["command"]
+    assert "--http-port" not in agent["command"] and "--no-http" in agent["command"]
     assert "http" not in {p["name"] for p in agent["ports"]}
     assert "http" not in {p["name"] for p in service["spec"]["ports"]}
 

@@ -84,7 +84,7 @@ class AgentPods:
     chart writes it into a ConfigMap): labels, the REST port, per-tier settings."""
 
     labels: Mapping[str, str] = field(default_factory=dict)  # e.g. app.kubernetes.io/instance
-    http_port: int | None = AGENT_HTTP_PORT  # None: gRPC only
+    http_port: int | None = AGENT_HTTP_PORT  # None: gRPC only (--no-http)
     tiers: Mapping[str, PodSettings] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -192,7 +192,7 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
     extra = pods.tier(tier)
     selector = _labels(spec.name, tier, artifact.version)
     labels = _object_labels(spec.name, tier, artifact.version, settings)
-    http = (["--http-port", str(pods.http_port)] if pods.http_port is not None else [])
+    http = ["--http-port", str(pods.http_port)] if pods.http_port is not None else ["--no-http"]
     env = {"env": [dict(e) for e in extra.extra_env]} if extra.extra_env else {}
     image = settings.agent_gpu_image if tier in GPU_TIERS else settings.agent_image
     volumes = [{"name": "models", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
@@ -232,7 +232,8 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
                         *extra.extra_args],
             "ports": [{"name": "grpc", "containerPort": AGENT_PORT},
                       {"name": "metrics", "containerPort": AGENT_METRICS_PORT},
-                      *([{"name": "http", "containerPort": pods.http_port}] if http else [])],
+                      *([{"name": "http", "containerPort": pods.http_port}]
+                        if pods.http_port is not None else [])],
             **env,
             "readinessProbe": {**probe, "periodSeconds": 5},
             "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},

@@ -139,10 +139,10 @@ _TAIL_Z = 1.2815515655446004  # standard normal 0.9 quantile: the slowest 10% st
 
 
 def profiles() -> dict[str, dict[str, Any]]:
-    """The settings users run, as TieredModel documents."""
+    """The settings users run, as flat TieredModel documents (Python field names)."""
     def example(path: str) -> dict[str, Any]:
         document = yaml.safe_load((REPO_ROOT / "examples" / path).read_text())
-        return {"name": "digits", **document["spec"]}
+        return to_plain(load_tiered_model(document), spell=None)
 
     defaults = {
         "name": "digits", "artifact": {"uri": "digits.onnx", "sha256": "0" * 64},

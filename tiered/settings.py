@@ -12,7 +12,8 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,30 +42,47 @@ def read_yaml(path: Path | Traversable) -> Mapping[str, Any]:
     return data
 
 
-def load_dataclass(cls: type[T], data: Any, where: str) -> T:
-    """Build dataclass `cls` from `data`, checking keys and types recursively."""
+def load_dataclass(cls: type[T], data: Any, where: str,
+                   spelling: Callable[[str], str] | None = None) -> T:
+    """Build dataclass `cls` from `data`, checking keys and types recursively.
+
+    `spelling` turns a field's name into its key as written (the TieredModel's
+    camelCase); by default keys are the field names."""
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    spell = spelling or _as_is
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {spell(f.name): f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ConfigError(
             f"{where}: unknown key {unknown[0]!r}; expected one of {', '.join(sorted(fields))}"
         )
     values = {
-        name: _convert(hints[name], value, f"{where}.{name}") for name, value in data.items()
+        fields[key]: _convert(hints[fields[key]], value, f"{where}.{key}", spelling)
+        for key, value in data.items()
     }
     try:
         return cls(**values)
     except TypeError as error:  # a required field is missing
+        missing = re.search(r"argument: '(\w+)'", str(error))
+        if missing:
+            raise ConfigError(f"{where}.{spell(missing[1])}: required") from error
         raise ConfigError(f"{where}: {error}") from error
     except ConfigError as error:  # raised by the dataclass's own checks
         message = str(error)
-        names_a_field = re.match(r"^[a-z_][a-z0-9_]*(\[[^\]]+\])?: ", message)
-        raise ConfigError(f"{where}{'.' if names_a_field else ': '}{message}") from error
+        named = re.match(r"^([A-Za-z_][A-Za-z0-9_]*)(\[[^\]]+\])?: ", message)
+        if not named:
+            raise ConfigError(f"{where}: {message}") from error
+        field = spell(named[1]) if named[1] in {f.name for f in dataclasses.fields(cls)} \
+            else named[1]  # a check names its field in Python; say it as the data does
+        raise ConfigError(f"{where}.{field}{message[len(named[1]):]}") from error
+
+
+def _as_is(name: str) -> str:
+    return name
 
 
 class Quantity(str):
@@ -72,26 +90,39 @@ class Quantity(str):
     `memory: 4Gi`); kept as its string."""
 
 
-def _convert(hint: Any, value: Any, where: str) -> Any:
+class Timestamp(float):
+    """A point in time: seconds since the epoch in Python, an RFC 3339 string
+    (`2026-12-01T18:13:39.25Z`) as written; a bare number is read as seconds."""
+
+
+def rfc3339(seconds: float) -> str:
+    """`seconds` since the epoch as an RFC 3339 UTC time, to the microsecond."""
+    text = datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="microseconds")
+    return text.replace("+00:00", "Z")
+
+
+def _convert(hint: Any, value: Any, where: str,
+             spelling: Callable[[str], str] | None = None) -> Any:
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, where)
+        return _convert(inner, value, where, spelling)
     if dataclasses.is_dataclass(hint):
-        return load_dataclass(hint, value, where)
+        return load_dataclass(hint, value, where, spelling)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
         item = args[0]
-        return tuple(_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(_convert(item, v, f"{where}[{i}]", spelling) for i, v in enumerate(value))
     if origin in (Mapping, dict, typing.Mapping) or hint is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
         value_hint = args[1] if len(args) == 2 else Any
-        return {str(k): _convert(value_hint, v, f"{where}.{k}") for k, v in value.items()}
+        return {str(k): _convert(value_hint, v, f"{where}.{k}", spelling)
+                for k, v in value.items()}
     if hint is Any:
         return value
     if hint is bool:
@@ -105,7 +136,16 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a 64-bit integer, got one of "
                               f"{value.bit_length()} bits")
         return value
-    if hint is float:
+    if hint is Timestamp and isinstance(value, str):
+        try:
+            when = datetime.fromisoformat(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an RFC 3339 time such as "
+                              f"2026-12-01T18:13:39Z, got {value!r}") from None
+        if when.tzinfo is None:
+            raise ConfigError(f"{where}: {value!r} has no time zone (end it with Z)")
+        return when.timestamp()
+    if hint in (float, Timestamp):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         try:

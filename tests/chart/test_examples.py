@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from tests.chart import helm, openapi
+from tiered.rollout.spec import API_GROUP, API_VERSION
 
 EXAMPLES = helm.ROOT / "examples"
 CRD = helm.CHART / "crds" / "tieredmodels.tiered.dev.yaml"
@@ -17,7 +18,7 @@ EXAMPLE_FILES = sorted([*EXAMPLES.glob("digits*.yaml"), *EXAMPLES.glob("kubernet
 
 @pytest.fixture(scope="module")
 def validator():
-    return openapi.crd_validator(openapi.load_crd(CRD), "v1alpha1")
+    return openapi.crd_validator(openapi.load_crd(CRD), API_VERSION)
 
 
 def tiered_models(path: Path) -> list[dict[str, Any]]:
@@ -35,7 +36,7 @@ def test_example_is_a_valid_tiered_model(path, validator):
     models = tiered_models(path)
     assert models, f"{path} holds no TieredModel"
     for model in models:
-        assert model["apiVersion"] == "tiered.dev/v1alpha1"
+        assert model["apiVersion"] == f"{API_GROUP}/{API_VERSION}"
         assert openapi.errors(validator, model) == []
 
 
@@ -46,9 +47,9 @@ def test_kubernetes_example_places_every_tier(validator):
     assert len(spec["artifact"]["sha256"]) == 64
     for tier in ("edge", "regional", "datacenter"):
         placement = spec["tiers"][tier]
-        assert placement["node_selector"] and placement["tolerations"], tier
+        assert placement["nodeSelector"] and placement["tolerations"], tier
         assert placement["resources"]["limits"], tier
-    assert spec["tiers"]["edge"]["per_node"] is True
+    assert spec["tiers"]["edge"]["perNode"] is True
     assert spec["tiers"]["datacenter"]["engine"] == "torch"
     assert spec["tiers"]["datacenter"]["precision"] == "fp16"
 
@@ -60,9 +61,9 @@ def _model(**spec_changes: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("changes,path", [
     ({"tiers": {"edge": {"precision": "fp64"}}}, "spec.tiers.edge.precision"),
-    ({"tiers": {"edge": {"nodeSelector": {"a": "b"}}}}, "spec.tiers.edge"),
+    ({"tiers": {"edge": {"node_selector": {"a": "b"}}}}, "spec.tiers.edge"),  # v1alpha1's
     ({"artifact": {"sha256": "not-a-digest"}}, "spec.artifact.sha256"),
-    ({"routing": {"slo_ms": 0}}, "spec.routing.slo_ms"),
+    ({"routing": {"sloMilliseconds": 0}}, "spec.routing.sloMilliseconds"),
     ({"rollout": {"stages": []}}, "spec.rollout.stages"),
 ], ids=["bad-enum", "unknown-field", "bad-digest", "exclusive-minimum", "min-items"])
 def test_schema_rejects_invalid_models(validator, changes, path):
@@ -73,5 +74,5 @@ def test_schema_rejects_invalid_models(validator, changes, path):
 def test_nullable_fields_accept_null(validator):
     model = _model(tiers={"regional": {"engine": None, "precision": None}},
                    artifact={"sha256": None},
-                   rollout={"analysis": {"latency_p95": None}})
+                   rollout={"analysis": {"latencyP95": None}})
     assert openapi.errors(validator, model) == []

@@ -47,6 +47,7 @@ from tiered.protocol import routing  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
 from tiered.protocol.security import ChannelCache  # noqa: E402
+from tiered.rollout.spec import API_GROUP, API_VERSION, as_resource  # noqa: E402
 
 NAME, NAMESPACE = "digits", "both"
 TIERS = ("edge", "regional")
@@ -144,7 +145,7 @@ class Local:
         return {v for tier in TIERS for v in self.loaded(tier)}
 
     def apply(self, document: dict) -> None:
-        self.store.apply(NAME, {"name": NAME, **document})
+        self.store.apply(NAME, as_resource({"name": NAME, **document}))
 
     def status(self):
         return decode_status(NAME, self.store.get(NAME).status)
@@ -153,7 +154,7 @@ class Local:
         """The status as a controller without stage samples in it would have left it."""
         record = self.store.get(NAME)
         self.store.write_status(NAME, record.revision,
-                                status={**record.status, "stage_samples": None})
+                                status={**record.status, "stageSamples": None})
 
     def kubelet(self) -> None:
         """Local agents are up already."""
@@ -188,30 +189,30 @@ class Kube:
         self.raw = api
 
     def apply(self, document: dict) -> None:
-        body = {"apiVersion": "tiered.dev/v1alpha1", "kind": "TieredModel",
-                "metadata": {"name": NAME, "namespace": self.namespace}, "spec": document}
+        body = as_resource({"name": NAME, **document})
+        body["metadata"]["namespace"] = self.namespace
         try:
             current = self.custom.get_namespaced_custom_object(
-                "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME)
+                API_GROUP, API_VERSION, self.namespace, "tieredmodels", NAME)
         except client.exceptions.ApiException:
             self.custom.create_namespaced_custom_object(
-                "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", body)
+                API_GROUP, API_VERSION, self.namespace, "tieredmodels", body)
             return
-        current["spec"] = document
+        current["spec"] = body["spec"]
         self.custom.replace_namespaced_custom_object(
-            "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME, current)
+            API_GROUP, API_VERSION, self.namespace, "tieredmodels", NAME, current)
 
     def status(self):
         obj = self.custom.get_namespaced_custom_object(
-            "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME)
+            API_GROUP, API_VERSION, self.namespace, "tieredmodels", NAME)
         return decode_status(NAME, obj.get("status"))
 
     def drop_stage_samples(self) -> None:
         obj = self.custom.get_namespaced_custom_object(
-            "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME)
-        obj["status"]["stage_samples"] = None
+            API_GROUP, API_VERSION, self.namespace, "tieredmodels", NAME)
+        obj["status"]["stageSamples"] = None
         self.custom.replace_namespaced_custom_object_status(
-            "tiered.dev", "v1alpha1", self.namespace, "tieredmodels", NAME, obj)
+            API_GROUP, API_VERSION, self.namespace, "tieredmodels", NAME, obj)
 
     def kubelet(self) -> None:
         """Every workload of the namespace has an available pod."""

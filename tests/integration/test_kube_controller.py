@@ -37,12 +37,14 @@ from kubernetes import client  # noqa: E402
 
 from tests.kubeapi import FakeKubeAPI  # noqa: E402
 from tiered.controller.kube import render  # noqa: E402
+from tiered.controller.reconciler import decode_status  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
 from tiered.protocol.verdict import BuildVerdict  # noqa: E402
+from tiered.rollout.spec import API_GROUP, API_VERSION, to_plain  # noqa: E402
 
 NAMESPACE = "models"
-GROUP, VERSION, PLURAL = "tiered.dev", "v1alpha1", "tieredmodels"
+GROUP, VERSION, PLURAL = API_GROUP, API_VERSION, "tieredmodels"
 TIERS = ("edge", "regional")
 SHAS = {1: "a" * 64, 2: "b" * 64, 3: "c" * 64, 4: "d" * 64}  # artifacts by their name
 # version -> (median latency ms, J/inference) the fake agents report
@@ -113,14 +115,14 @@ def start_controller(api, agents, tmp_path, identity: str) -> subprocess.Popen:
 
 
 def model(version: int) -> dict:
-    stage = {"min_requests": 60, "min_duration_s": 1.5, "max_duration_s": 60}
+    stage = {"minRequests": 60, "minDurationSeconds": 1.5, "maxDurationSeconds": 60}
     return {
         "apiVersion": f"{GROUP}/{VERSION}", "kind": "TieredModel",
         "metadata": {"name": "digits", "namespace": NAMESPACE},
         "spec": {
             "artifact": {"uri": f"https://models.example/digits-{version}.onnx",
                          "sha256": SHAS[version]},
-            "tiers": {"edge": {"replicas": 2, "node_selector": {"tier": "edge"},
+            "tiers": {"edge": {"replicas": 2, "nodeSelector": {"tier": "edge"},
                                "tolerations": [{"key": "edge", "operator": "Exists",
                                                 "effect": "NoSchedule"}]},
                       "regional": {"resources": {"limits": {"nvidia.com/gpu": "1"}}}},
@@ -128,10 +130,10 @@ def model(version: int) -> dict:
                 "stages": [{"name": "edge", "weights": {"edge": 20}, **stage},
                            {"name": "region", "weights": {"edge": 50, "regional": 50},
                             **stage}],
-                "analysis": {"latency_p95": {"max_ratio": 1.2},
-                             "energy_per_inference": {"max_ratio": 1.3, "min_windows": 3},
-                             "agreement": None, "min_samples": 30, "interval_s": 0.5,
-                             "consecutive_failure_limit": 2},
+                "analysis": {"latencyP95": {"maxRatio": 1.2},
+                             "energyPerInference": {"maxRatio": 1.3, "minWindows": 3},
+                             "agreement": None, "minSamples": 30, "intervalSeconds": 0.5,
+                             "consecutiveFailureLimit": 2},
             },
         },
     }
@@ -153,7 +155,9 @@ def tiered_model(kube) -> dict:
 
 
 def rollout(kube) -> dict:
-    return (tiered_model(kube).get("status") or {}).get("rollout") or {}
+    """The rollout's status, decoded, with the Python field names."""
+    return to_plain(decode_status("digits", tiered_model(kube).get("status")).rollout,
+                    spell=None) or {}
 
 
 def workloads(api, version: int) -> list[dict]:
@@ -199,7 +203,7 @@ def test_first_version_serves_with_its_objects(kube, api, controllers):
 
     obj = tiered_model(kube)
     assert render.FINALIZER in obj["metadata"]["finalizers"]
-    assert obj["status"]["observed_generation"] == obj["metadata"]["generation"] == 1
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"] == 1
     assert [a["sha256"] for a in obj["status"]["artifacts"]] == [SHAS[1]]
     edge = next(d for d in workloads(api, 1) if d["metadata"]["name"] == "digits-edge-v1")
     assert edge["spec"]["replicas"] == 2
@@ -268,7 +272,7 @@ def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controll
          lambda: "canary" not in routing_table(kube)["models"]["digits"]["tiers"]["edge"])
     wait("v3 retired", lambda: not workloads(api, 3), 30)
     status = tiered_model(kube)["status"]
-    assert status["stage"] == "" and status["weights_summary"] == ""
+    assert status["stage"] == "" and status["weightsSummary"] == ""
     assert "rolling back to version 2" in status["message"]
     # The verdict, per metric and tier; rolled back: exit code 3, at once even when watching.
     shown = cli(api, tmp_path, "rollout", "status", "digits", code=3)
@@ -434,8 +438,8 @@ def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
     def state() -> tuple:
         item = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "digits")
         r = (item.get("status") or {}).get("rollout") or {}
-        return (r.get("phase"), r.get("stable_version"), r.get("canary_version"),
-                r.get("stage_index"))
+        return (r.get("phase"), r.get("stableVersion"), r.get("canaryVersion"),
+                r.get("stageIndex"))
 
     def mark_available(version: int) -> None:
         names = {render.workload_name("digits", tier, version) for tier in TIERS}

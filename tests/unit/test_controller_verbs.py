@@ -180,6 +180,8 @@ def test_apply_file_created_unchanged_configured(base, store):
     assert stored["spec"]["artifact"] == {"uri": str((base / "models/m.onnx").resolve()),
                                           "sha256": MODEL_SHA}
     assert stored["metadata"]["labels"] == {"team": "ml"}
+    # Stored in the current API version: the v1alpha1 and flat documents converted.
+    assert stored["apiVersion"] == store.get("alpha").spec["apiVersion"] == "tiered.dev/v1alpha2"
     assert apply_file(store, path) == [("alpha", "unchanged"), ("beta", "unchanged")]
     assert store.get("alpha").generation == 1
     changed = flat("alpha", artifact={"uri": "models/m.onnx"})
@@ -187,7 +189,7 @@ def test_apply_file_created_unchanged_configured(base, store):
     write_yaml(path, changed, kube("beta", artifact={"uri": "models/m.onnx"}))
     assert apply_file(store, path) == [("alpha", "configured"), ("beta", "unchanged")]
     assert store.get("alpha").generation == 2
-    assert store.get("alpha").spec["tiers"]["edge"] == {"replicas": 2}
+    assert store.get("alpha").spec["spec"]["tiers"]["edge"] == {"replicas": 2}
 
 
 @pytest.mark.parametrize(("second", "match"), [

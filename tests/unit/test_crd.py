@@ -18,11 +18,13 @@ def test_the_chart_crd_is_not_stale():
 
 
 def test_the_crd_has_a_status_subresource_and_printer_columns():
-    version, = crd.custom_resource_definition()["spec"]["versions"]
+    version, *old = crd.custom_resource_definition()["spec"]["versions"]
+    assert version["name"] == "v1alpha2" and version["storage"] and version["served"]
+    assert [(v["name"], v["storage"]) for v in old] == [("v1alpha1", False)]
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Phase"] == ".status.rollout.phase"
-    assert columns["Weights"] == ".status.weights_summary"
+    assert columns["Weights"] == ".status.weightsSummary"
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     for column in crd.PRINTER_COLUMNS:  # every column names a field the schema has
         node = {"properties": {"status": {"properties": status}}}

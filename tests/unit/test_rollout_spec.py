@@ -57,12 +57,68 @@ def test_a_full_document_loads_into_frozen_dataclasses():
         model.rollout.stages[0].weights["edge"] = 50
 
 
-def test_a_kubernetes_object_loads_with_the_name_from_metadata():
+def test_a_v1alpha1_object_loads_with_the_name_from_metadata():
     data = document()
     name = data.pop("name")
     obj = {"apiVersion": "tiered.dev/v1alpha1", "kind": "TieredModel",
            "metadata": {"name": name}, "spec": data}
     assert s.load_tiered_model(obj) == s.load_tiered_model(document())
+
+
+def test_the_current_version_is_camel_case_with_units_spelled_out():
+    obj = s.as_resource(document())
+    assert obj["apiVersion"] == "tiered.dev/v1alpha2" and obj["metadata"] == {"name": "digits"}
+    stage = obj["spec"]["rollout"]["stages"][0]
+    assert stage == {"name": "edge-5", "weights": {"edge": 5}, "minRequests": 300,
+                     "minDurationSeconds": 60, "maxDurationSeconds": 600}
+    assert obj["spec"]["tiers"]["edge"]["batching"] == {"maxBatchSize": 4,
+                                                        "maxQueueDelayMicroseconds": 500}
+    assert obj["spec"]["rollout"]["analysis"]["latencyP95"] == {"maxRatio": 1.05,
+                                                                "maxMilliseconds": 80}
+    assert obj["spec"]["rollout"]["onFailure"] == "pause"
+    assert s.load_tiered_model(obj) == s.load_tiered_model(document())
+    # A v1alpha1 object converts to the same; a current one is left as it is.
+    old = {"apiVersion": "tiered.dev/v1alpha1", "kind": "TieredModel",
+           "metadata": {"name": "digits", "labels": {"a": "b"}},
+           "spec": {k: v for k, v in document().items() if k != "name"}}
+    assert s.as_resource(old) == {**obj, "metadata": {"name": "digits", "labels": {"a": "b"}}}
+    assert s.as_resource(obj) == obj
+    # Written as the current version, the old spelling is an unknown key, named.
+    obj["spec"]["routing"]["slo_ms"] = 20
+    with pytest.raises(ConfigError, match=r"spec\.routing: unknown key 'slo_ms'; expected "
+                       r"one of cascade, policy, sloMilliseconds"):
+        s.load_tiered_model(obj)
+
+
+def test_errors_name_the_field_as_the_document_writes_it():
+    obj = s.as_resource(document())
+    obj["spec"]["rollout"]["analysis"]["minSamples"] = 0
+    with pytest.raises(ConfigError, match=r"spec\.rollout\.analysis\.minSamples: must be >= 1"):
+        s.load_tiered_model(obj)
+    flat = document()
+    flat["rollout"]["analysis"]["min_samples"] = 0
+    with pytest.raises(ConfigError, match=r"rollout\.analysis\.min_samples: must be >= 1"):
+        s.load_tiered_model(flat)
+
+
+def test_status_times_are_rfc3339_and_read_back_to_the_microsecond():
+    status = s.TieredModelStatus(
+        rollout=s.RolloutStatus(stable_version=1, stage_started_at=1796148819.25),
+        retiring=(s.Retirement(version=1, after=1796148820.5),))
+    plain = s.to_plain(status)
+    assert plain["rollout"]["stageStartedAt"] == "2026-12-01T18:13:39.250000Z"
+    assert plain["retiring"] == [{"version": 1, "after": "2026-12-01T18:13:40.500000Z"}]
+    assert "observedGeneration" in plain and "stageSamples" in plain
+    assert s.load_status(plain, "status") == status
+    # v1alpha1 wrote seconds and snake_case; it still reads.
+    assert s.load_status(s.to_plain(status, spell=None), "status", "v1alpha1") == status
+    plain["rollout"]["stageStartedAt"] = "yesterday"
+    with pytest.raises(ConfigError, match=r"status\.rollout\.stageStartedAt: expected an RFC "
+                       r"3339 time"):
+        s.load_status(plain, "status")
+    plain["rollout"]["stageStartedAt"] = "2026-12-01T18:13:39"
+    with pytest.raises(ConfigError, match="has no time zone"):
+        s.load_status(plain, "status")
 
 
 def test_a_metric_set_to_null_is_not_judged():
@@ -98,7 +154,7 @@ INVALID = {
         _set("rollout.stages.0.weights", {"regional": 5}),
         "rollout.stages[0].weights: tier 'regional' is not one the model runs on"),
     "min duration above max": (_set("rollout.stages.0.min_duration_s", 900),
-                               "stages[0].max_duration_s: must be >= min_duration_s"),
+                               "stages[0].max_duration_s: must be at least the minimum duration"),
     "unknown tier": (_set("tiers.moon", {}), "TieredModel.tiers: unknown key 'moon'"),
     "unknown engine": (_set("tiers.edge.engine", "tflite"),
                        "TieredModel.tiers.edge.engine: 'tflite' is not one of"),
@@ -171,24 +227,24 @@ def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
     assert set(items["required"]) == {"name", "weights"}
     assert items["properties"]["weights"]["properties"]["edge"] == {
         "type": "number", "minimum": 0.0, "maximum": 100.0}
-    assert items["properties"]["min_requests"] == {
+    assert items["properties"]["minRequests"] == {
         "type": "integer", "minimum": 1, "default": 1000,
         "description": "canary requests needed before the stage can pass"}
     edge = spec["properties"]["tiers"]["properties"]["edge"]
     assert edge["properties"]["engine"]["enum"] == ["onnxruntime", "torch", "tensorrt"]
-    assert edge["properties"]["batching"]["default"] == {"max_batch_size": 8,
-                                                         "max_queue_delay_us": 1000}
+    assert edge["properties"]["batching"]["default"] == {"maxBatchSize": 8,
+                                                         "maxQueueDelayMicroseconds": 1000}
     analysis = spec["properties"]["rollout"]["properties"]["analysis"]["properties"]
-    assert analysis["latency_p95"]["properties"]["max_ms"]["nullable"] is True
+    assert analysis["latencyP95"]["properties"]["maxMilliseconds"]["nullable"] is True
     assert analysis["confidence"]["exclusiveMaximum"] is True
-    assert spec["properties"]["rollout"]["properties"]["on_failure"]["enum"] == [
+    assert spec["properties"]["rollout"]["properties"]["onFailure"]["enum"] == [
         "rollback", "pause"]
     assert spec["properties"]["artifact"]["properties"]["sha256"]["pattern"].startswith("^")
     status = root["properties"]["status"]["properties"]
     assert status["artifacts"]["items"]["properties"]["version"]["minimum"] == 1
     status = status["rollout"]["properties"]
     assert status["phase"]["enum"] == list(names.Phase)
-    assert status["last_analysis"]["properties"]["verdict"]["enum"] == list(names.Outcome)
+    assert status["lastAnalysis"]["properties"]["verdict"]["enum"] == list(names.Outcome)
     # Structural: every node has a type (or preserves unknown fields, or is a
     # quantity: int-or-string, as Kubernetes declares its own).
     for path, node in _walk(root):

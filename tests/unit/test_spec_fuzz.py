@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file, read_documents
 from tiered.errors import ConfigError
-from tiered.rollout.spec import TieredModel, load_tiered_model
+from tiered.rollout.spec import TieredModel, load_tiered_model, to_plain
 
 BASE = yaml.safe_load((Path(__file__).parents[2] / "examples" / "digits.yaml").read_text())
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
@@ -84,8 +84,8 @@ def documents(draw, base=BASE):
     document = copy.deepcopy(base)
     if draw(st.integers(0, 9)) == 0:  # not a mapping at all
         return draw(st.one_of(junk, st.lists(junk))), None
-    if draw(st.booleans()):  # the flat form: name beside the spec keys
-        document = {"name": document["metadata"]["name"], **document["spec"]}
+    if draw(st.booleans()):  # the flat form: name beside the spec keys, as in Python
+        document = to_plain(load_tiered_model(document), spell=None)
     touched = None
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(list(paths(document))))

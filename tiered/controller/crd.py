@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from tiered.rollout.spec import API_GROUP, API_VERSION, KIND, crd_validation
+from tiered.rollout.spec import API_GROUP, API_VERSION, KIND, OLD_VERSIONS, crd_validation
 
 PLURAL = "tieredmodels"
 SINGULAR = "tieredmodel"
@@ -24,16 +24,24 @@ PRINTER_COLUMNS = (
      "whether a version serves"),
     ("Phase", "string", ".status.rollout.phase", "where the rollout stands"),
     ("Stage", "string", ".status.stage", "the live stage"),
-    ("Stable", "integer", ".status.rollout.stable_version", "version serving the rest"),
-    ("Canary", "integer", ".status.rollout.canary_version", "version being rolled out"),
-    ("Weights", "string", ".status.weights_summary", "canary percent per tier"),
+    ("Stable", "integer", ".status.rollout.stableVersion", "version serving the rest"),
+    ("Canary", "integer", ".status.rollout.canaryVersion", "version being rolled out"),
+    ("Weights", "string", ".status.weightsSummary", "canary percent per tier"),
 )
 
 
 def custom_resource_definition() -> dict[str, Any]:
+    """The CRD: the current version, served and stored, and the older ones,
+    still served so that objects written in them can be read and migrated
+    (`tiered.controller.kube.migrate`)."""
     columns = [{"name": name, "type": kind, "jsonPath": path, "description": doc}
                for name, kind, path, doc in PRINTER_COLUMNS]
     columns.append({"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"})
+    old = [{"name": version, "served": True, "storage": False, "deprecated": True,
+            "deprecationWarning": f"{API_GROUP}/{version} {KIND} is deprecated; the controller "
+            f"rewrites such objects as {API_GROUP}/{API_VERSION}",
+            "schema": crd_validation(version), "subresources": {"status": {}}}
+           for version in OLD_VERSIONS]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -50,7 +58,7 @@ def custom_resource_definition() -> dict[str, Any]:
                 "schema": crd_validation(),
                 "subresources": {"status": {}},
                 "additionalPrinterColumns": columns,
-            }],
+            }, *old],
         },
     }
 

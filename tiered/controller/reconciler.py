@@ -30,10 +30,10 @@ from tiered.rollout.spec import (
     RolloutStatus,
     TieredModel,
     TieredModelStatus,
+    load_status,
     load_tiered_model,
     to_plain,
 )
-from tiered.settings import load_dataclass
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Stored:
 
 def decode_status(name: str, plain: Mapping[str, Any] | None) -> TieredModelStatus:
     """A stored status; ConfigError naming the field when it is malformed."""
-    return load_dataclass(TieredModelStatus, plain or {}, f"{name}.status")
+    return load_status(plain, f"{name}.status")
 
 
 def readable_status(stored: Stored) -> TieredModelStatus:

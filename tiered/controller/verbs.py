@@ -32,6 +32,7 @@ from tiered.rollout.spec import (
     RolloutStatus,
     TieredModel,
     TieredModelStatus,
+    as_resource,
     load_tiered_model,
     to_plain,
 )
@@ -63,12 +64,14 @@ def read_documents(path: Path) -> list[Mapping[str, Any]]:
 
 def checked(document: Mapping[str, Any], base: Path, where: str
             ) -> tuple[TieredModel, dict[str, Any]]:
-    """A document's TieredModel and the document with its artifact pinned. The
-    schema is checked first, so a mistyped field is named as such, not taken
-    for a missing digest."""
+    """A document's TieredModel and the resource to store: the document with its
+    artifact pinned, in the current API version (an older version's document
+    and a flat one are converted; see `as_resource`). The schema is
+    checked first, so a mistyped field is named as such, not taken for a
+    missing digest."""
     load_tiered_model(_with_digest(document, UNPINNED), where)
     pinned = pin_artifact(document, base, where)
-    return load_tiered_model(pinned, where), pinned
+    return load_tiered_model(pinned, where), as_resource(pinned)
 
 
 UNPINNED = "0" * 64  # a digest that stands in while only the schema is checked

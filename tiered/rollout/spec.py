@@ -8,8 +8,12 @@ count, allowed mapping keys) are declared once in the field's metadata with
 Cross-field rules (durations, stage tiers) live in `__post_init__`.
 
 Pure data: no I/O here (`load_tiered_model` takes an already-parsed mapping).
-Keys are snake_case in YAML and in the CRD alike, so one document drives the
-local backend and Kubernetes.
+One document drives the local backend and Kubernetes. As written (API version
+v1alpha2) keys are camelCase, Kubernetes' convention, with units spelled out
+(`interval_s` is `intervalSeconds`, `slo_ms` is `sloMilliseconds`; `wire_key`
+is the one rule), and times are RFC 3339 strings. The fields keep their
+snake_case names in Python. Documents of v1alpha1 (the same fields in
+snake_case) are still read; `to_document` writes the current version.
 """
 
 # spec_field returns dataclasses.field(...) with metadata; ruff cannot tell.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import re
 import types
@@ -29,11 +34,25 @@ from typing import Any
 
 from tiered import names
 from tiered.errors import ConfigError
-from tiered.settings import Quantity, load_dataclass
+from tiered.settings import Quantity, Timestamp, load_dataclass, rfc3339
 
 API_GROUP = "tiered.dev"
-API_VERSION = "v1alpha1"
+API_VERSION = "v1alpha2"
+OLD_VERSIONS = ("v1alpha1",)  # read and converted; keys are the Python field names
 KIND = "TieredModel"
+_UNITS = {"s": "Seconds", "ms": "Milliseconds", "us": "Microseconds"}
+_RENAMED = {"t": "time"}
+
+
+def wire_key(name: str) -> str:
+    """A field's key as written: camelCase with its unit spelled out
+    (`max_duration_s` -> `maxDurationSeconds`)."""
+    if name in _RENAMED:
+        return _RENAMED[name]
+    first, *rest = name.split("_")
+    if rest and rest[-1] in _UNITS:
+        rest[-1] = _UNITS[rest[-1]]
+    return first + "".join(part[:1].upper() + part[1:] for part in rest)
 
 _CONSTRAINTS = frozenset({
     "minimum", "maximum", "exclusive_minimum", "exclusive_maximum", "enum",
@@ -110,8 +129,8 @@ def check_fields(instance: Any) -> None:
         elif isinstance(value, Mapping):
             for key, item in value.items():
                 if "keys" in meta and key not in meta["keys"]:
-                    raise ConfigError(f"{f.name}: unknown key {key!r}; expected one of "
-                                      f"{', '.join(meta['keys'])}")
+                    raise ConfigError(f"{f.name}: unknown key {key!r}; expected one "
+                                      f"of {', '.join(meta['keys'])}")
                 _check_scalar(f"{f.name}[{key!r}]", item, meta)
         else:
             _check_scalar(f.name, value, meta)
@@ -241,14 +260,14 @@ class Stage(_Checked):
     min_duration_s: float = spec_field(
         600.0, doc="seconds the stage runs at least before it can pass", minimum=0.0)
     max_duration_s: float = spec_field(
-        3600.0, doc="seconds after which a stage still undecided follows on_failure",
+        3600.0, doc="seconds after which a stage still undecided follows onFailure",
         minimum=0.0, exclusive_minimum=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.min_duration_s > self.max_duration_s:
-            raise ConfigError(f"max_duration_s: must be >= min_duration_s "
-                              f"({self.min_duration_s:g}), got {self.max_duration_s:g}")
+            raise ConfigError(f"max_duration_s: must be at least the minimum duration "
+                              f"({self.min_duration_s:g} s), got {self.max_duration_s:g}")
 
 
 @dataclass(frozen=True)
@@ -325,7 +344,7 @@ class AnalysisSpec(_Checked):
     min_samples: int = spec_field(
         50, doc="samples per version below which a metric is inconclusive", minimum=1)
     consecutive_failure_limit: int = spec_field(
-        1, doc="failed analyses in a row before on_failure", minimum=1, maximum=100)
+        1, doc="failed analyses in a row before onFailure", minimum=1, maximum=100)
     interval_s: float = spec_field(
         10.0, doc="seconds between analyses: the stage is judged once per interval, so "
         "failures in a row are failures of distinct looks at growing data", minimum=0.1)
@@ -386,13 +405,11 @@ class TieredModel(_Checked):
 
 
 def load_tiered_model(data: Any, where: str = KIND) -> TieredModel:
-    """A TieredModel from a parsed YAML mapping: flat (`name:` beside the spec
-    keys) or a Kubernetes object (apiVersion, kind, metadata.name, spec)."""
+    """A TieredModel from a parsed mapping: a Kubernetes object (apiVersion,
+    kind, metadata.name, spec), or flat (`name:` beside the spec keys, which are
+    the Python field names: the form code and tests build)."""
     if isinstance(data, Mapping) and "spec" in data:
-        api_version = f"{API_GROUP}/{API_VERSION}"
-        if data.get("apiVersion") != api_version:
-            raise ConfigError(f"{where}.apiVersion: expected {api_version}, "
-                              f"got {data.get('apiVersion')!r}")
+        version = _api_version(data, where)
         if data.get("kind") != KIND:
             raise ConfigError(f"{where}.kind: expected {KIND}, got {data.get('kind')!r}")
         metadata = data.get("metadata")
@@ -404,13 +421,65 @@ def load_tiered_model(data: Any, where: str = KIND) -> TieredModel:
         if "name" in spec:
             raise ConfigError(f"{where}.spec: unknown key 'name'; the name is metadata.name")
         try:
-            return load_dataclass(TieredModel, {"name": metadata["name"], **spec}, f"{where}.spec")
+            return load_dataclass(TieredModel, {"name": metadata["name"], **spec},
+                                  f"{where}.spec", spelling(version))
         except ConfigError as error:  # the name came from metadata.name: say so
             prefix = f"{where}.spec.name: "
             if str(error).startswith(prefix):
                 raise ConfigError(f"{where}.metadata.name: {str(error)[len(prefix):]}") from error
             raise
     return load_dataclass(TieredModel, data, where)
+
+
+def load_status(data: Any, where: str, version: str = API_VERSION) -> TieredModelStatus:
+    """A stored status, as `to_plain` wrote it (or as v1alpha1 did)."""
+    return load_dataclass(TieredModelStatus, data or {}, where, spelling(version))
+
+
+def _api_version(data: Mapping[str, Any], where: str) -> str:
+    group, _, version = str(data.get("apiVersion", "")).partition("/")
+    if group != API_GROUP or version not in (API_VERSION, *OLD_VERSIONS):
+        raise ConfigError(f"{where}.apiVersion: expected {API_GROUP}/{API_VERSION}, "
+                          f"got {data.get('apiVersion')!r}")
+    return version
+
+
+def spelling(version: str):
+    """How the fields of `version` of the API are written."""
+    return wire_key if version == API_VERSION else None
+
+
+def as_resource(document: Mapping[str, Any]) -> dict[str, Any]:
+    """A TieredModel document as a Kubernetes object of the current API
+    version, keeping what it says as written: a flat or v1alpha1 document's
+    keys are respelled, the rest (metadata, unset fields) left as they were."""
+    if "spec" in document:
+        resource = dict(document)
+        if _api_version(document, KIND) == API_VERSION:
+            return resource
+        resource["spec"] = _respell(TieredModel, document["spec"])
+    else:
+        spec = {k: v for k, v in document.items() if k != "name"}
+        resource = {"kind": KIND, "metadata": {"name": document.get("name")},
+                    "spec": _respell(TieredModel, spec)}
+    resource["apiVersion"] = f"{API_GROUP}/{API_VERSION}"
+    return resource
+
+
+def _respell(hint: Any, value: Any) -> Any:
+    """`value`, read as `hint` with Python field names, with its keys as written now."""
+    hint, _ = _strip_optional(hint)
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+        hints, known = _hints(hint), {f.name for f in dataclasses.fields(hint)}
+        return {(wire_key(k) if k in known else k):
+                (_respell(hints[k], v) if k in known else v) for k, v in value.items()}
+    if origin is tuple and isinstance(value, (list, tuple)):
+        return [_respell(typing.get_args(hint)[0], v) for v in value]
+    if origin in (Mapping, dict) and isinstance(value, Mapping):
+        inner = typing.get_args(hint)[1]
+        return {k: _respell(inner, v) for k, v in value.items()}
+    return value
 
 
 # --- status -----------------------------------------------------------------
@@ -458,9 +527,9 @@ class RolloutStatus:
     stage_index: int = spec_field(0, doc="current stage of spec.rollout.stages", minimum=0)
     phase: str = spec_field(names.Phase.PROGRESSING, doc="where the rollout stands",
                             enum=tuple(names.Phase))
-    stage_started_at: float = spec_field(0.0, doc="when the current stage began (seconds)")
+    stage_started_at: Timestamp = spec_field(0.0, doc="when the current stage began")
     consecutive_failures: int = spec_field(0, doc="failed analyses in a row", minimum=0)
-    paused: bool = spec_field(False, doc="true while paused (by hand or by on_failure)")
+    paused: bool = spec_field(False, doc="true while paused (by hand or by onFailure)")
     last_analysis: AnalysisRun | None = spec_field(None, doc="the latest analysis")
     message: str = spec_field("", doc="the latest decision's reason")
 
@@ -498,7 +567,7 @@ class HistoryEntry:
     """One step of the rollout (a start, advance, promotion, rollback, pause,
     abort), with the numbers it was taken on."""
 
-    t: float = spec_field(doc="when (seconds since the epoch)")
+    t: Timestamp = spec_field(doc="when")
     action: str = spec_field(doc="start, advance, promote, rollback, pause, resume, abort")
     reason: str = spec_field(doc="the decision in words, with its numbers")
     phase: str = spec_field(doc="the rollout's phase after it", enum=tuple(names.Phase))
@@ -519,7 +588,7 @@ class Retirement:
     read a routing table without it."""
 
     version: int = spec_field(doc="the version", minimum=1)
-    after: float = spec_field(doc="when it may go (seconds since the epoch)")
+    after: Timestamp = spec_field(doc="when it may go")
 
 
 @dataclass(frozen=True)
@@ -555,16 +624,34 @@ class TieredModelStatus:
 _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
-def to_plain(value: Any) -> Any:
+def to_plain(value: Any, spell: Any = wire_key) -> Any:
+    """A spec or status as plain data, written as API version `spell` writes
+    keys (the current one by default; None: the Python field names, as
+    v1alpha1 did, with times as seconds)."""
     if isinstance(value, enum.Enum):  # a tiered.names member: its plain string
         return value.value
     if dataclasses.is_dataclass(value):
-        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        hints = _hints(type(value))
+        plain = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if spell is None:
+                plain[f.name] = to_plain(item, spell)
+            elif hints[f.name] is Timestamp:
+                plain[spell(f.name)] = rfc3339(item)
+            else:
+                plain[spell(f.name)] = to_plain(item, spell)
+        return plain
     if isinstance(value, tuple):
-        return [to_plain(v) for v in value]
+        return [to_plain(v, spell) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): to_plain(v) for k, v in value.items()}
+        return {str(k): to_plain(v, spell) for k, v in value.items()}
     return value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _bounds(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -582,13 +669,14 @@ def _bounds(meta: Mapping[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def _type_schema(hint: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+def _type_schema(hint: Any, meta: Mapping[str, Any], spell: Any) -> dict[str, Any]:
     hint, optional = _strip_optional(hint)
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
-        schema = openapi_schema(hint)
+        schema = openapi_schema(hint, spell=spell)
     elif origin is tuple:
-        schema = {"type": "array", "items": _type_schema(typing.get_args(hint)[0], meta)}
+        schema = {"type": "array",
+                  "items": _type_schema(typing.get_args(hint)[0], meta, spell)}
         if "min_items" in meta:
             schema["minItems"] = meta["min_items"]
         if "max_items" in meta:
@@ -596,7 +684,7 @@ def _type_schema(hint: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
         return _nullable(schema, optional)
     elif origin in (Mapping, dict) or hint is dict:
         args = typing.get_args(hint)
-        value_schema = _type_schema(args[1] if len(args) == 2 else Any, meta)
+        value_schema = _type_schema(args[1] if len(args) == 2 else Any, meta, spell)
         if "keys" in meta:  # known keys: one property each, so the API server checks them
             schema = {"type": "object",
                       "properties": {to_plain(key): dict(value_schema) for key in meta["keys"]}}
@@ -608,6 +696,9 @@ def _type_schema(hint: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
     elif hint is Quantity:  # as Kubernetes's own quantities are declared
         schema = {"anyOf": [{"type": "integer"}, {"type": "string"}],
                   "x-kubernetes-int-or-string": True}
+    elif hint is Timestamp:
+        schema = ({"type": "string", "format": "date-time"} if spell is not None
+                  else {"type": "number"})
     elif hint in _SCALARS:
         schema = {"type": _SCALARS[hint], **_bounds(meta)}
     else:
@@ -621,27 +712,29 @@ def _nullable(schema: dict[str, Any], optional: bool) -> dict[str, Any]:
     return schema
 
 
-def openapi_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+def openapi_schema(cls: type, exclude: tuple[str, ...] = (),
+                   spell: Any = wire_key) -> dict[str, Any]:
     """The OpenAPI v3 (Kubernetes structural) schema of a spec dataclass: types,
     required fields, defaults, enums and bounds, from the same declarations
-    `check_fields` enforces."""
-    hints = typing.get_type_hints(cls)
+    `check_fields` enforces; keys written as `spell` writes them (see `to_plain`)."""
+    hints = _hints(cls)
     properties: dict[str, Any] = {}
     required: list[str] = []
     for f in dataclasses.fields(cls):
         if f.name in exclude:
             continue
-        schema = _type_schema(hints[f.name], f.metadata)
+        key = f.name if spell is None else spell(f.name)
+        schema = _type_schema(hints[f.name], f.metadata, spell)
         if f.metadata.get("doc"):
             schema["description"] = f.metadata["doc"]
         if f.default is not dataclasses.MISSING:
-            if f.default is not None:
-                schema["default"] = to_plain(f.default)
+            if f.default is not None and not (hints[f.name] is Timestamp and spell):
+                schema["default"] = to_plain(f.default, spell)
         elif f.default_factory is not dataclasses.MISSING:
-            schema["default"] = to_plain(f.default_factory())
+            schema["default"] = to_plain(f.default_factory(), spell)
         else:
-            required.append(f.name)
-        properties[f.name] = schema
+            required.append(key)
+        properties[key] = schema
     result: dict[str, Any] = {"type": "object", "properties": properties}
     if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):
         result["description"] = " ".join(cls.__doc__.split())
@@ -650,16 +743,17 @@ def openapi_schema(cls: type, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     return result
 
 
-def crd_validation() -> dict[str, Any]:
-    """The `validation` block of the TieredModel CRD version (spec and status)."""
+def crd_validation(version: str = API_VERSION) -> dict[str, Any]:
+    """The `validation` block of a version of the TieredModel CRD (spec and status)."""
+    spell = spelling(version)
     return {"openAPIV3Schema": {
         "type": "object",
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
-            "spec": openapi_schema(TieredModel, exclude=("name",)),
-            "status": openapi_schema(TieredModelStatus),
+            "spec": openapi_schema(TieredModel, exclude=("name",), spell=spell),
+            "status": openapi_schema(TieredModelStatus, spell=spell),
         },
         "required": ["spec"],
     }}

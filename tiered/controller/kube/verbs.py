@@ -34,7 +34,6 @@ from tiered.rollout import engine
 from tiered.rollout.spec import (
     API_GROUP,
     API_VERSION,
-    KIND,
     load_tiered_model,
     to_plain,
 )
@@ -108,9 +107,7 @@ class ClusterVerbs:
         documents, spec_of = [], {}
         for index, document in enumerate(read_documents(path)):
             where = f"{path}[{index}]" if index else str(path)
-            spec, pinned = checked(document, Path(path).parent, where)
-            body = dict(pinned) if "spec" in pinned else _resource(pinned)
-            body.setdefault("metadata", {}).setdefault("name", spec.name)
+            spec, body = checked(document, Path(path).parent, where)
             documents.append((spec.name, body))
             spec_of[spec.name] = spec
         results = []
@@ -173,11 +170,3 @@ class ClusterVerbs:
                 continue
             return found
         raise Conflict(f"{name}: the controller kept writing; try again")
-
-
-def _resource(flat: dict[str, Any]) -> dict[str, Any]:
-    """A flat TieredModel document (name beside the spec keys) as a resource."""
-    spec = {k: v for k, v in flat.items() if k != "name"}
-    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
-            "metadata": {"name": flat["name"]}, "spec": spec}
-

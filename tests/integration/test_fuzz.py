@@ -69,7 +69,7 @@ class RouterProcess(ServerProcess):
     def __init__(self, table: Path) -> None:
         super().__init__([sys.executable, "-m", "tiered", "router", "--routing-table",
                           str(table), "--port", "0", "--metrics-port", "0", "--seed", "0",
-                          "--insecure"], "router-fuzz")
+                          "--http-port", "0", "--insecure"], "router-fuzz")
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import http.client
 import json
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -559,3 +561,28 @@ def test_a_taken_rest_port_stops_the_agent_and_its_front_ends(agent_in_one_proce
         second.start(timeout_s=60)
     assert second.stop() == 2
     assert f"cannot serve REST on 127.0.0.1:{taken}" in second.log()
+
+
+def test_sigterm_drains_rest_requests_in_flight(tmp_path):
+    from tiered.agent.repository import model_file, write_config
+    from tiered.models import zoo
+
+    zoo.resnet18(model_file(tmp_path, "slow", 1), image_size=128, num_classes=10)
+    write_config(tmp_path, "slow", {"max_batch_size": 1})
+    image = np.zeros((1, 3, 128, 128), np.float32)
+    agent = AgentProcess("edge", tmp_path).start()
+    outcomes: list = []
+
+    async def many() -> None:
+        async with aiohttpclient.InferenceServerClient(agent.http_address) as client:
+            outcomes.extend(await asyncio.gather(
+                *(client.infer("slow", [http_input("input", image)]) for _ in range(24)),
+                return_exceptions=True))
+
+    sender = threading.Thread(target=asyncio.run, args=(many(),))
+    sender.start()
+    time.sleep(0.15)  # let them arrive, then ask the agent to stop
+    code = agent.stop()
+    sender.join(30)
+    assert code == 0, agent.log_tail()
+    assert len(outcomes) == 24 and not [o for o in outcomes if isinstance(o, Exception)], outcomes

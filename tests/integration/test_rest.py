@@ -586,3 +586,28 @@ def test_sigterm_drains_rest_requests_in_flight(tmp_path):
     sender.join(30)
     assert code == 0, agent.log_tail()
     assert len(outcomes) == 24 and not [o for o in outcomes if isinstance(o, Exception)], outcomes
+
+
+def test_the_local_systems_router_serves_rest_and_comes_back_on_its_port(tmp_path):
+    from tiered.local.supervisor import LocalSystem, LocalUp, RouterPorts
+
+    lines: list[str] = []
+    local = LocalUp(LocalSystem(state_dir=str(tmp_path / "state"), tiers=("edge",),
+                                router=RouterPorts(port=0, http_port=0)),
+                    tmp_path, progress=lines.append)
+    try:
+        local.start()
+        router = local.router
+        port = router.http_port
+        assert any(f"router: pid {router.pid}, {router.address}, REST http://127.0.0.1:{port}"
+                   in line for line in lines), lines
+        router.kill()
+        deadline = time.monotonic() + 30
+        while not router.alive() and time.monotonic() < deadline:
+            local.restart_dead()
+            time.sleep(0.2)
+        assert router.http_port == port
+        with httpclient.InferenceServerClient(router.http_address) as client:
+            assert client.is_server_live()
+    finally:
+        local.stop()

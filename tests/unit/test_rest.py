@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import grpc
 import numpy as np
@@ -79,6 +80,20 @@ def test_shared_memory_inputs_keep_their_parameters_and_take_no_buffer():
     request, _ = rest.infer_request("m", "", body, length)
     assert not request.raw_input_contents
     assert request.inputs[0].parameters["shared_memory_region"].string_param == "r"
+
+
+@pytest.mark.parametrize("document, words", [
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2**70], "data": []}]},
+     "inputs[0] 'x': shape [1180591620717411303424] has a dimension above 2**40"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1], "data": []}]},
+     "inputs[0] 'x': shape [-1] has a negative dimension"),
+    ({"inputs": [], "parameters": {"timeout": 2**64}},
+     "parameters.timeout: 18446744073709551616 does not fit in 64 bits"),
+])
+def test_numbers_beyond_the_message_fields_are_refused_naming_them(document, words):
+    body = json.dumps(document).encode()
+    with pytest.raises(errors.InvalidArgument, match=re.escape(words)):
+        rest.infer_request("m", "", body, len(body))
 
 
 @pytest.mark.parametrize("data, datatype, shape, expected", [

@@ -178,6 +178,8 @@ def _scalars(value: Any, where: str) -> dict[str, Any]:
                                                        and not math.isfinite(item)):
             raise InvalidArgument(f"{where}.{key}: expected a string, number or boolean, "
                                   f"got {_kind(item)}")
+        if isinstance(item, int) and not -2**63 <= item < 2**64:
+            raise InvalidArgument(f"{where}.{key}: {item} does not fit in 64 bits")
     return parameters
 
 
@@ -237,6 +239,7 @@ def infer_request(model: str, version: str, body: bytes, json_length: int
         if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) for d in shape):
             raise InvalidArgument(f"{where}.shape: expected a list of integers, got {shape!r}")
+        codec.element_count(shape, field=where)  # bounded before it reaches a message
         tensor_parameters = dict(_scalars(tensor.get("parameters", {}), f"{where}.parameters"))
         size = tensor_parameters.pop(BINARY_DATA_SIZE, None)
         message = request.inputs.add(name=name, datatype=datatype, shape=shape)
@@ -264,11 +267,12 @@ def infer_request(model: str, version: str, body: bytes, json_length: int
         raise InvalidArgument(f"{HEADER_LENGTH}: {len(body) - json_length} bytes of binary "
                               f"data follow the JSON, but the inputs' {BINARY_DATA_SIZE} add "
                               f"up to {offset - json_length}")
-    return request, _binary_outputs(document, default_binary, request)
+    return request, _add_outputs(document, default_binary, request)
 
 
-def _binary_outputs(document: Mapping[str, Any], default: bool,
-                    request: pb.ModelInferRequest) -> BinaryOutputs:
+def _add_outputs(document: Mapping[str, Any], default: bool,
+                 request: pb.ModelInferRequest) -> BinaryOutputs:
+    """The requested outputs into `request`; which of them go back binary."""
     outputs = document.get("outputs", [])
     if not isinstance(outputs, list):
         raise InvalidArgument(f"outputs: expected a list, got {_kind(outputs)}")

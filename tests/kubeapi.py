@@ -88,7 +88,10 @@ Implemented, following the real API server:
 - Custom resources are pruned, defaulted and validated against their version's
   openAPIV3Schema in the CRD: type, nullable, required, enum, minimum/maximum
   (+exclusive), minLength/maxLength, pattern, minItems/maxItems,
-  additionalProperties, preserve-unknown-fields.
+  additionalProperties, preserve-unknown-fields. An update is ratcheted (as
+  since Kubernetes 1.30): an error where the update changes nothing (the
+  value, or for a missing field the object holding it, equal to the old
+  object's at the request version) is let through.
   Not validated: formats, x-kubernetes-validations (CEL), int-or-string,
   list-type/map-type, embedded resources.
 - Built-in kinds get the server defaults a spec comparison would trip over
@@ -557,6 +560,23 @@ def prune_and_default(value, s: dict, unknown: list | None = None, path: str = "
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool,
           "integer": int, "number": (int, float)}
+
+
+def _unchanged(old: dict, new: dict, path: str) -> bool:
+    """Whether the value at an error's `path` (or, for a missing field, the
+    deepest part of it that is there) is the same in `old` and `new`."""
+    steps = [int(t) if t.isdigit() else t for t in re.findall(r"[^.\[\]]+", path)]
+    for depth in range(len(steps), -1, -1):
+        here, there, found = new, old, True
+        for step in steps[:depth]:
+            try:
+                here, there = here[step], there[step]
+            except (KeyError, IndexError, TypeError):
+                found = False
+                break
+        if found:
+            return here == there
+    return False
 
 
 def validate(value, s: dict, path: str, errs: list) -> None:
@@ -1438,7 +1458,7 @@ class FakeKubeAPI:
                                                  ("Forbidden: no new finalizers can be added if "
                                                  "the object is being deleted"))])
         new.setdefault("metadata", {})["resourceVersion"] = old["metadata"]["resourceVersion"]
-        new = self._admit(kind, new)
+        new = self._admit(kind, new, seen)
         if kind.generation and _spec_of(new) != _spec_of(old):
             new["metadata"]["generation"] = old["metadata"].get("generation", 0) + 1
         if new == old:  # the real server skips no-op writes
@@ -1448,10 +1468,12 @@ class FakeKubeAPI:
             return self._remove(kind, old, verb, path)
         return self._write(kind, "MODIFIED", new, old, verb, path)
 
-    def _admit(self, kind: Kind, obj: dict) -> dict:
+    def _admit(self, kind: Kind, obj: dict, old: dict | None = None) -> dict:
         """A written object as stored: at the request version, unknown fields
         reported (fieldValidation) and pruned, defaults filled and the schema
-        checked; then converted to the storage version (conversion strategy
+        checked (on an update, `old` at the request version: an error in a part
+        the update leaves unchanged is let through, as validation ratcheting,
+        on by default since Kubernetes 1.30, does); then converted to the storage version (conversion strategy
         None: only apiVersion changes) and pruned by that version's schema."""
         obj["apiVersion"], obj["kind"] = kind.api_version, kind.kind
         _default_builtin(kind, obj)
@@ -1470,6 +1492,8 @@ class FakeKubeAPI:
         if self._schemas.get(kind):
             errs: list = []
             validate(obj, self._schemas[kind], "", errs)
+            if old is not None:  # ratcheting: what the update leaves as it was may stay
+                errs = [e for e in errs if not _unchanged(old, obj, e[0])]
             if errs:
                 raise _invalid(kind, obj["metadata"].get("name", ""), errs)
         return self._convert(self._storage[self._home[kind]], obj)

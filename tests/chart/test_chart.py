@@ -99,6 +99,29 @@ def test_crd_in_the_chart_is_the_one_tiered_crds_writes():
     assert crd["spec"]["scope"] == "Namespaced"
 
 
+def test_the_crd_upgrade_path_keeps_every_released_version(tmp_path, helm_binary):
+    """Helm installs crds/ but never upgrades it: the README's upgrade applies
+    `helm show crds` first. An API server refuses a CRD that drops a version
+    objects are stored at, so every released version stays, served read-only;
+    `helm template --include-crds` renders the same CRD."""
+    shown = helm.run_helm(["show", "crds"], None, tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    (crd,) = [d for d in yaml.safe_load_all(shown.stdout) if d]
+    rendered = [d for d in helm.render(None, tmp_path)
+                if d["kind"] == "CustomResourceDefinition"]
+    assert rendered == [crd]
+    versions = {v["name"]: v for v in crd["spec"]["versions"]}
+    assert set(versions) == {"v1alpha1", "v1alpha2"}  # every version a release stored
+    assert [name for name, v in versions.items() if v["storage"]] == ["v1alpha2"]
+    old = versions["v1alpha1"]
+    assert old["served"] and old["deprecated"]
+    (rule,) = old["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]
+    assert rule["rule"] == "false" and "read-only" in rule["message"]
+    assert "x-kubernetes-validations" not in versions["v1alpha2"]["schema"]["openAPIV3Schema"]
+    # Conversion None: the API server only relabels, and the controller rewrites.
+    assert crd["spec"].get("conversion", {"strategy": "None"}) == {"strategy": "None"}
+
+
 @pytest.mark.parametrize("values", [None, FULL_VALUES], ids=["default", "full"])
 @pytest.mark.parametrize("strict", [False, True], ids=["lint", "lint-strict"])
 def test_helm_lint_passes(values, strict, tmp_path, helm_binary):

@@ -32,15 +32,18 @@ PRINTER_COLUMNS = (
 
 def custom_resource_definition() -> dict[str, Any]:
     """The CRD: the current version, served and stored, and the older ones,
-    still served so that objects written in them can be read and migrated
-    (`tiered.controller.kube.migrate`)."""
+    served read-only so that objects stored at them can be read and rewritten
+    (the Kubernetes backend does on its first read of each: `KubeBackend.read`).
+    Every version a release has stored stays listed: an API server refuses a
+    CRD update that drops one of its `status.storedVersions`."""
     columns = [{"name": name, "type": kind, "jsonPath": path, "description": doc}
                for name, kind, path, doc in PRINTER_COLUMNS]
     columns.append({"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"})
     old = [{"name": version, "served": True, "storage": False, "deprecated": True,
             "deprecationWarning": f"{API_GROUP}/{version} {KIND} is deprecated; the controller "
             f"rewrites such objects as {API_GROUP}/{API_VERSION}",
-            "schema": crd_validation(version), "subresources": {"status": {}}}
+            "schema": _read_only(crd_validation(version), version),
+            "subresources": {"status": {}}}
            for version in OLD_VERSIONS]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -61,6 +64,18 @@ def custom_resource_definition() -> dict[str, Any]:
             }, *old],
         },
     }
+
+
+def _read_only(validation: dict[str, Any], version: str) -> dict[str, Any]:
+    """An older version's schema, served so that objects stored at it can be
+    read (and rewritten at the current version), refusing writes: with
+    conversion None a write at it would be stored with its renamed fields
+    pruned."""
+    validation["openAPIV3Schema"]["x-kubernetes-validations"] = [{
+        "rule": "false",
+        "message": f"{API_GROUP}/{version} is read-only; write {API_GROUP}/{API_VERSION} "
+                   f"(`tiered apply` converts a {version} file)"}]
+    return validation
 
 
 class _NoAliases(yaml.SafeDumper):

@@ -33,7 +33,16 @@ from tiered.controller.kube import render
 from tiered.controller.reconciler import Stored, routed
 from tiered.errors import ConfigError, Conflict
 from tiered.protocol import routing
-from tiered.rollout.spec import API_GROUP, API_VERSION, RolloutStatus, TieredModel
+from tiered.rollout.spec import (
+    API_GROUP,
+    API_VERSION,
+    OLD_VERSIONS,
+    RolloutStatus,
+    TieredModel,
+    as_resource,
+    load_status,
+    to_plain,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +70,7 @@ class KubeBackend:
 
     def read(self, name: str) -> Stored | None:
         try:
-            obj = self._custom("get", name)
+            obj = self._migrated(self._custom("get", name))
         except ApiException as error:
             if error.status == 404:
                 return None
@@ -73,6 +82,32 @@ class KubeBackend:
             obj = self._replace_model(obj)
         self._uids[name] = metadata["uid"]
         return _stored(obj)
+
+    def _migrated(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """The object, rewritten at the current API version first if it is stored
+        at an older one. Conversion between the versions is None (the API server
+        only relabels), so before any other write (which would store the pruned
+        view) its spec, then its status, are written again from the older view."""
+        if _rollout(obj) is not None or not obj.get("status"):
+            return obj
+        name = obj["metadata"]["name"]
+        for version in OLD_VERSIONS:
+            try:
+                older = self.custom.get_namespaced_custom_object(
+                    API_GROUP, version, self.namespace, PLURAL, name)
+            except ApiException as error:
+                if error.status == 404:  # that version is no longer served
+                    continue
+                raise
+            body = upgraded(obj, older)
+            if body is None:
+                continue
+            status = body.pop("status")
+            obj = self._replace_model(body)
+            obj = self._custom("replace_status", name, {**obj, "status": status})
+            self.progress(f"{name}: rewritten from {API_GROUP}/{version} as {API_VERSION}")
+            break
+        return obj
 
     def finalize(self, stored: Stored) -> None:
         self.write_routing(without=stored.name)
@@ -278,3 +313,30 @@ def _stored(obj: Mapping[str, Any]) -> Stored:
     metadata = obj["metadata"]
     return Stored(metadata["name"], obj, obj.get("status"), metadata.get("generation", 0),
                   metadata.get("resourceVersion"), bool(metadata.get("deletionTimestamp")))
+
+
+def _rollout(obj: Mapping[str, Any]) -> RolloutStatus | None:
+    """The rollout in a TieredModel's status, read at the object's apiVersion;
+    None when there is none or it does not read."""
+    try:
+        return load_status(obj.get("status"), "status",
+                           obj["apiVersion"].partition("/")[2]).rollout
+    except ConfigError:
+        return None
+
+
+def upgraded(current: Mapping[str, Any], older: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The object to write at the current API version when `older` (the same
+    object read at an older version) is what is stored; None otherwise.
+
+    Only a controller writes a status, and a status stored at one version never
+    reads as a rollout at the other (the renamed `stableVersion` is required):
+    so the object is stored at the older version when its rollout reads there
+    and not here. The status goes under "status", for a separate write."""
+    if _rollout(current) is not None or _rollout(older) is None:
+        return None
+    version = older["apiVersion"].partition("/")[2]
+    body = as_resource({k: v for k, v in older.items() if k != "status"})
+    body["metadata"] = dict(current["metadata"])  # its resourceVersion guards the write
+    body["status"] = to_plain(load_status(older["status"], "status", version))
+    return body

@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) bench/agent.py
 	$(PY) bench/telemetry.py
 	$(PY) bench/router.py
+	$(PY) bench/rest.py
 	$(PY) bench/soak.py
 	$(PY) bench/judge.py
 

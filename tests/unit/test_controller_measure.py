@@ -172,7 +172,8 @@ def test_summary_numbers():
     acc.add([reading("edge", STABLE, 100, 0, (), 2.0)])
     acc.set_shadow({("edge", "agree"): 23.0, ("edge", "disagree"): 2.0})
     summary = acc.summary(STABLE, ["edge"])
-    assert summary == {
+    pooled = {k: v for k, v in summary.items() if "." not in k}
+    assert pooled == {
         "stable_requests": 300, "canary_requests": 8,
         "p95_stable_ms": pytest.approx(float(np.percentile([1000 * s for s in stable_s], 95))),
         "p95_canary_ms": pytest.approx(float(np.percentile([2.0, 4.0, 6.0, 100.0], 95))),
@@ -181,6 +182,10 @@ def test_summary_numbers():
         "agreement": pytest.approx(18 / 20), "agreement_compared": 20,
     }
     assert summary["p95_stable_ms"] == pytest.approx(95.05)
+    # The one tier judged (regional is not in `tiers`) has the pooled figures as its own.
+    per_tier = {k.partition(".")[2]: v for k, v in summary.items() if k.startswith("edge.")}
+    assert per_tier and all(per_tier[k] == pooled[k] for k in per_tier)
+    assert not any(k.startswith("regional.") for k in summary)
 
 
 def test_summary_with_nothing_measured():

@@ -6,12 +6,12 @@ Formatting only: it reads no store and no clock."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from tiered import names
+from tiered.rollout.engine import reason_gist
 
 
 def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
@@ -69,14 +69,11 @@ def progress_line(t: float, snap: Mapping[str, Any]) -> str:
     return f"{head} | {numbers} | {decision}"
 
 
-_FIGURES = re.compile(r"\d+(\.\d+)?")
-
-
 def hold_key(snap: Mapping[str, Any]) -> tuple:
     """What makes a hold worth another line: where the rollout stands and the
     reason, its running counts aside ('35 of 40 requests', '12 s in')."""
     return (snap.get("model"), snap.get("phase"), snap.get("canary_version"),
-            snap.get("stage_index"), _FIGURES.sub("#", str(snap.get("reason"))))
+            snap.get("stage_index"), reason_gist(str(snap.get("reason"))))
 
 
 class ProgressLines:

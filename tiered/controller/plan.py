@@ -176,10 +176,15 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
             if desired.live(rollout):  # judged from the next pass on
                 requeue = spec.rollout.analysis.interval_s
         elif desired.live(rollout):
+            held = rollout.message  # the reason of the last decision
             decision, numbers = _judge(spec, rollout, observed.reading, now)
             rollout = decision.status
             snapshot = make_snapshot(spec, rollout, decision.action, decision.reason, numbers)
-            if decision.action != names.Action.HOLD:
+            if decision.action == names.Action.HOLD:
+                if engine.reason_gist(decision.reason) != engine.reason_gist(held):
+                    events.append(Event(_REASONS[decision.action],
+                                        f"{decision.action}: {decision.reason}"))
+            else:
                 events.append(Event(_REASONS[decision.action],
                                     f"{decision.action}: {decision.reason}",
                                     warning=decision.action in (names.Action.ROLLBACK,

@@ -147,6 +147,23 @@ def wait_for(local: LocalUp, store: StateStore, done, timeout_s: float):
     raise AssertionError(f"timed out; status {status_of(store)}")
 
 
+def test_ready_means_the_router_routes_it(system, store, traffic):
+    """Ready turns True from the router's own answer (Telemetry.Routes) that
+    the table it uses routes the model, and `tiered get` shows it."""
+    local, _, state = system
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ready = next(c for c in status_of(store).conditions if c.type == "Ready")
+        if ready.reason == "Routed":
+            break
+        time.sleep(0.2)
+    assert (ready.status, ready.reason) == ("True", "Routed"), ready
+    assert "the routers route it" in ready.message
+    header, _, row = tiered(state, "get").stdout.splitlines()[:3]
+    assert header.split()[:3] == ["NAME", "READY", "PHASE"] and row.split()[:2] == [
+        "digits", "True"]
+
+
 def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store, traffic,
                                                                      digits_models):
     local, _, state = system

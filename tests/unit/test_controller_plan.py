@@ -9,6 +9,7 @@ from tiered.rollout.spec import (
     RolloutStatus,
     TieredModelStatus,
     load_tiered_model,
+    to_plain,
 )
 
 SHA = {1: "1" * 64, 2: "2" * 64}
@@ -50,3 +51,36 @@ def test_a_hold_is_an_event_only_when_its_reason_changes():
     assert same == again == still == []
     assert changed == [("Holding", changed[0][1])] and "edge-0" in changed[0][1]
     assert len(back) == 1 and "unreadable" not in back[0][1]
+
+
+def ready_after(routed, conditions=()):
+    status = TieredModelStatus(
+        rollout=RolloutStatus(stable_version=1, phase=names.Phase.PROMOTED, message="serving"),
+        artifacts=ARTIFACTS[:1], conditions=conditions)
+    spec = load_tiered_model({**to_plain(SPEC, spell=None),
+                              "artifact": {"uri": "/m/digits-1.onnx", "sha256": SHA[1]}})
+    made = plan.plan(spec, status, plan.Observation(1, READY, frozenset({1}), None, routed),
+                     2000.0)
+    (ready,) = [c for c in made.status.conditions if c.type == "Ready"]
+    return ready, made
+
+
+def test_ready_means_the_routers_route_the_model():
+    ready, made = ready_after((("r0:1", True), ("r1:1", False)))
+    assert (ready.status, ready.reason) == ("False", "NotRouted")
+    assert "r1:1" in ready.message and "r0:1" not in ready.message
+    assert made.requeue_after_s is not None and made.requeue_after_s <= plan.WAIT_S
+    assert plan.asks_routers(made.status)
+
+    ready, made = ready_after((("r0:1", True), ("r1:1", None)))
+    assert (ready.status, ready.reason) == ("True", "Routed") and "r1:1" in ready.message
+    assert not plan.asks_routers(made.status)  # routed once: not asked again
+    # Not asked: Routed stays, with its message and time.
+    again, _ = ready_after(None, made.status.conditions)
+    assert again == ready
+
+    ready, _ = ready_after((("r0:1", None),))
+    assert (ready.status, ready.reason) == ("Unknown", "RoutersUnreachable")
+    ready, _ = ready_after(())  # a backend with no router to ask
+    assert (ready.status, ready.reason) == ("True", "Serving")
+    assert "no router to ask" in ready.message

@@ -256,8 +256,9 @@ SPEC = load_tiered_model(flat())
 
 def test_summary_row_pending(store):
     row = summary_row(applied(store, message="building version 1"))
-    assert row == {"NAME": "digits", "PHASE": "Pending", "STAGE": "-", "STABLE": "-",
-                   "CANARY": "-", "WEIGHTS": "-", "MESSAGE": "building version 1"}
+    assert row == {"NAME": "digits", "READY": "-", "PHASE": "Pending", "STAGE": "-",
+                   "STABLE": "-", "CANARY": "-", "WEIGHTS": "-",
+                   "MESSAGE": "building version 1"}
 
 
 @pytest.mark.parametrize(("status", "stage", "canary", "weights", "phase"), [

@@ -4,7 +4,8 @@ Shared by both backends. Each pass reads every agent's Telemetry.Stats since
 its cursor and the router's shadow-agreement counters, adds them to the
 current stage's samples (`StageAccumulator`) and hands the plan a
 `StageReading`; the rollout engine's decision is made there
-(`tiered.controller.plan`).
+(`tiered.controller.plan`). `routed` asks the routers whether their tables
+route a model, which the plan's Ready condition is made of.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from tiered.controller import plan
 from tiered.controller.measure import StageAccumulator, VersionReading
 from tiered.controller.plan import StageReading
 from tiered.protocol import telemetry_pb2 as tpb
@@ -107,6 +109,21 @@ class RolloutJudge:
                                    v.energy.source if v.has_energy else "")
                     for v in reply.versions if v.model_version.isdigit())
         return readings, unreadable
+
+    def routed(self, model: str, routers: Sequence[str]) -> plan.Routed:
+        """Whether the routing table each router uses routes `model` (None
+        where the router could not be asked)."""
+        answers = []
+        for router in routers:
+            try:
+                reply = tpb_grpc.TelemetryStub(self._channel(router)).Routes(
+                    tpb.RoutesRequest(model_name=model), timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as error:
+                log.warning("routes of %s unreadable: %s", router, error.code().name)
+                answers.append((router, None))
+                continue
+            answers.append((router, any(r.model_name == model for r in reply.routes)))
+        return tuple(answers)
 
     def _agreement(self, model: str, version: int, routers: Sequence[str]
                    ) -> dict[tuple[str, str, str], float]:

@@ -58,7 +58,7 @@ class VersionState:
     """One version's agents on one tier, as the backend sees them."""
 
     state: str  # Ready | Pending | Refused
-    why: str = ""  # for Refused: the build's verdict
+    why: str = ""  # Refused: the build's verdict; Pending: what it waits for, if told
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,11 @@ class StageReading:
     state: Mapping[str, Any] | None = None  # the stage's samples, kept in the status
 
 
+# Each router asked, and whether the routing table it uses routes the model
+# (None: it could not be asked).
+Routed = tuple[tuple[str, bool | None], ...]
+
+
 @dataclass(frozen=True)
 class Observation:
     """What a backend saw before planning."""
@@ -90,6 +95,7 @@ class Observation:
     states: Mapping[tuple[str, int], VersionState]  # (tier, version) of the wanted versions
     present: frozenset[int] = frozenset()  # versions with agents in place now
     reading: StageReading | None = None  # the live stage's, when it was judged
+    routed: Routed | None = None  # None: not asked (see `asks_routers`)
 
 
 @dataclass(frozen=True)
@@ -132,19 +138,25 @@ def refusals(spec: TieredModel, wanted: Versions,
 def waiting(spec: TieredModel, rollout: RolloutStatus | None, wanted: Versions,
             states: Mapping[tuple[str, int], VersionState]) -> str | None:
     """Why the spec's version cannot start yet, or None when nothing waits:
-    a version still to be rolled out starts once its agents are up on every tier."""
+    a version still to be rolled out starts once its agents are up on every tier.
+    Each tier says what it waits for where the backend told ("edge (building,
+    12 s)"), else "(building and starting)" covers them all."""
     if wanted.target not in wanted.wanted or wanted.target in desired.served_versions(rollout):
         return None
     refused = refusals(spec, wanted, states)
     if refused:
         return f"version {wanted.target} refused: " + "; ".join(
             f"{tier}: {why}" for tier, why in refused.items())
-    coming = [tier for tier in _tiers(spec)
-              if states.get((tier, wanted.target), VersionState(PENDING)).state != READY]
-    if coming:
+    pending = {tier: states.get((tier, wanted.target), VersionState(PENDING))
+               for tier in _tiers(spec)}
+    coming = {tier: state.why for tier, state in pending.items() if state.state != READY}
+    if not coming:
+        return None
+    if not any(coming.values()):
         return (f"version {wanted.target}: waiting for its agents on {', '.join(coming)} "
                 "(building and starting)")
-    return None
+    return f"version {wanted.target}: waiting for its agents on " + ", ".join(
+        f"{tier} ({why})" if why else tier for tier, why in coming.items())
 
 
 def judging(spec: TieredModel, status: TieredModelStatus, wanted: Versions,
@@ -152,6 +164,14 @@ def judging(spec: TieredModel, status: TieredModelStatus, wanted: Versions,
     """Whether this pass judges the stored rollout (so its telemetry is read)."""
     return desired.live(status.rollout) and waiting(spec, status.rollout, wanted,
                                                     states) is None
+
+
+def asks_routers(status: TieredModelStatus) -> bool:
+    """Whether this pass asks the routers if they route the model: until they
+    were seen routing it (a table once loaded keeps the model; a restarted
+    router loads the table before it serves)."""
+    ready = next((c for c in status.conditions if c.type == "Ready"), None)
+    return not (ready is not None and ready.status == "True" and ready.reason == ROUTED)
 
 
 def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, now: float,
@@ -207,10 +227,12 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
         rollout=rollout, artifacts=wanted.artifacts, **status_fields(spec, rollout),
         observed_generation=observed.generation, message=message,
         conditions=conditions(status.conditions, rollout, blocked, refused, unreadable,
-                              observed.generation, now),
+                              observed.generation, now, observed.routed),
         history=(*status.history, *steps)[-HISTORY_LIMIT:], retiring=retiring,
         stage_samples=_stage_samples(status, rollout, observed.reading))
     keep = tuple(sorted({*still, *(r.version for r in retiring if r.version not in due)}))
+    if rollout is not None and asks_routers(written):  # look again soon until routed
+        requeue = min(v for v in (requeue, WAIT_S) if v is not None)
     return Plan(written, keep, due, tuple(events), snapshot, requeue)
 
 
@@ -277,13 +299,16 @@ def status_fields(spec: TieredModel, rollout: RolloutStatus | None) -> Mapping[s
 
 def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
                blocked: str | None, refused: Mapping[str, str], unreadable: Sequence[str],
-               generation: int, now: float) -> tuple[Condition, ...]:
+               generation: int, now: float, routed: Routed | None = None
+               ) -> tuple[Condition, ...]:
     """Ready, Progressing and Degraded, each keeping its lastTransitionTime
-    while its status stays the same."""
+    while its status stays the same. Ready means routable: a version serves
+    and the routers' tables route the model."""
+    before = {c.type: c for c in previous}
     if rollout is None:
         ready = ("False", "NoVersionServing", blocked or "no version serves yet")
     else:
-        ready = ("True", "Serving", f"version {rollout.stable_version} serves on every tier")
+        ready = _ready(rollout, routed, before.get("Ready"))
     if refused:
         progressing = ("False", "BuildRefused", blocked or "")
     elif blocked is not None:
@@ -305,7 +330,6 @@ def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
         degraded = ("True", "RolledBack", rollout.message)
     else:
         degraded = ("False", "AsExpected", "")
-    before = {c.type: c for c in previous}
     stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     result = []
     for kind, (state, reason, message) in (("Ready", ready), ("Progressing", progressing),
@@ -315,6 +339,30 @@ def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
         result.append(Condition(type=kind, status=state, reason=reason, message=message,
                                 observedGeneration=generation, lastTransitionTime=since))
     return tuple(result)
+
+
+ROUTED = "Routed"  # Ready's reason once the routers route the model
+
+
+def _ready(rollout: RolloutStatus, routed: Routed | None,
+           before: Condition | None) -> tuple[str, str, str]:
+    serving = f"version {rollout.stable_version} serves on every tier"
+    if routed is None:  # not asked this pass: routed before, or no router to ask
+        if before is not None and before.reason == ROUTED and before.status == "True":
+            return "True", ROUTED, before.message
+        return "True", "Serving", f"{serving}; no router to ask"
+    if not routed:
+        return "True", "Serving", f"{serving}; no router to ask"
+    unasked = [router for router, routes in routed if routes is None]
+    waiting = [router for router, routes in routed if routes is False]
+    if waiting:
+        return "False", "NotRouted", (f"{serving}; routers not routing it yet: "
+                                      f"{', '.join(waiting)}")
+    if len(unasked) == len(routed):
+        return "Unknown", "RoutersUnreachable", (f"{serving}; no router answered: "
+                                                 f"{', '.join(unasked)}")
+    return "True", ROUTED, f"{serving} and the routers route it" + (
+        f" ({', '.join(unasked)} did not answer)" if unasked else "")
 
 
 # Each energy figure of the headline numbers, and the number naming its source.

@@ -154,8 +154,11 @@ class Reconciler:
                                       self.backend.routers(), now, status.stage_samples)
         elif not desired.live(status.rollout):
             self.judge.forget(name)
+        routed = (self.judge.routed(name, self.backend.routers())
+                  if plan.asks_routers(status) else None)
         made = plan.plan(spec, status, plan.Observation(stored.generation, states, present,
-                                                        reading), now, self.retire_grace_s)
+                                                        reading, routed),
+                         now, self.retire_grace_s)
         self.backend.apply(spec, made)
         self._write(stored, made.status)
         self.backend.record(spec, made, now)

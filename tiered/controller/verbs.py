@@ -225,25 +225,30 @@ def spec_of(record: Record) -> TieredModel:
 
 
 def summary_row(record: Record) -> dict[str, str]:
-    """One line of `tiered get`: name, phase, stage, versions, canary weights."""
-    status = decode_status(record.name, record.status)
-    return row_of(record.name, spec_of(record), status.rollout, status.message)
+    """One line of `tiered get`: name, readiness, phase, stage, versions, weights."""
+    return row_of(record.name, spec_of(record), decode_status(record.name, record.status))
 
 
-def row_of(name: str, spec: TieredModel, status: RolloutStatus | None,
-           message: str) -> dict[str, str]:
-    """The `tiered get` line of one model, whichever backend keeps it."""
-    if status is None:
-        return {"NAME": name, "PHASE": "Pending", "STAGE": "-", "STABLE": "-",
-                "CANARY": "-", "WEIGHTS": "-", "MESSAGE": message}
-    stage = (desired.stage_label(spec, status)
-             if status.canary_version is not None and status.phase != names.Phase.PROMOTED else "-")
+def row_of(name: str, spec: TieredModel, status: TieredModelStatus) -> dict[str, str]:
+    """The `tiered get` line of one model, whichever backend keeps it. READY is
+    the Ready condition (routable: a version serves and the routers route it);
+    while it is not True, MESSAGE says why."""
+    ready = next((c for c in status.conditions if c.type == "Ready"), None)
+    rollout, message = status.rollout, status.message
+    if ready is not None and ready.status != "True" and rollout is not None:
+        message = ready.message
+    if rollout is None:
+        return {"NAME": name, "READY": ready.status if ready else "-", "PHASE": "Pending",
+                "STAGE": "-", "STABLE": "-", "CANARY": "-", "WEIGHTS": "-",
+                "MESSAGE": message}
+    stage = (desired.stage_label(spec, rollout) if rollout.canary_version is not None
+             and rollout.phase != names.Phase.PROMOTED else "-")
     return {
-        "NAME": name, "PHASE": status.phase, "STAGE": stage,
-        "STABLE": f"v{status.stable_version}",
-        "CANARY": f"v{status.canary_version}" if status.canary_version else "-",
-        "WEIGHTS": desired.weights_summary(engine.canary_weights(spec, status)) or "-",
-        "MESSAGE": message or status.message,
+        "NAME": name, "READY": ready.status if ready else "-", "PHASE": rollout.phase,
+        "STAGE": stage, "STABLE": f"v{rollout.stable_version}",
+        "CANARY": f"v{rollout.canary_version}" if rollout.canary_version else "-",
+        "WEIGHTS": desired.weights_summary(engine.canary_weights(spec, rollout)) or "-",
+        "MESSAGE": message or rollout.message,
     }
 
 

@@ -122,3 +122,29 @@ class AgreementResponse(_message.Message):
     instance: str
     tiers: _containers.RepeatedCompositeFieldContainer[TierAgreement]
     def __init__(self, instance: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierAgreement, _Mapping]]] = ...) -> None: ...
+
+class RoutesRequest(_message.Message):
+    __slots__ = ("model_name",)
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    def __init__(self, model_name: _Optional[str] = ...) -> None: ...
+
+class TierRoute(_message.Message):
+    __slots__ = ("model_name", "tier", "stable", "canary")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    STABLE_FIELD_NUMBER: _ClassVar[int]
+    CANARY_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    tier: str
+    stable: int
+    canary: int
+    def __init__(self, model_name: _Optional[str] = ..., tier: _Optional[str] = ..., stable: _Optional[int] = ..., canary: _Optional[int] = ...) -> None: ...
+
+class RoutesResponse(_message.Message):
+    __slots__ = ("table_version", "routes")
+    TABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    table_version: int
+    routes: _containers.RepeatedCompositeFieldContainer[TierRoute]
+    def __init__(self, table_version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[TierRoute, _Mapping]]] = ...) -> None: ...

@@ -45,6 +45,11 @@ class TelemetryStub:
                 request_serializer=telemetry__pb2.AgreementRequest.SerializeToString,
                 response_deserializer=telemetry__pb2.AgreementResponse.FromString,
                 _registered_method=True)
+        self.Routes = channel.unary_unary(
+                '/tiered.v1.Telemetry/Routes',
+                request_serializer=telemetry__pb2.RoutesRequest.SerializeToString,
+                response_deserializer=telemetry__pb2.RoutesResponse.FromString,
+                _registered_method=True)
 
 
 class TelemetryServicer:
@@ -62,6 +67,12 @@ class TelemetryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Routes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TelemetryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +85,11 @@ def add_TelemetryServicer_to_server(servicer, server):
                     servicer.Agreement,
                     request_deserializer=telemetry__pb2.AgreementRequest.FromString,
                     response_serializer=telemetry__pb2.AgreementResponse.SerializeToString,
+            ),
+            'Routes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Routes,
+                    request_deserializer=telemetry__pb2.RoutesRequest.FromString,
+                    response_serializer=telemetry__pb2.RoutesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +146,33 @@ class Telemetry:
             '/tiered.v1.Telemetry/Agreement',
             telemetry__pb2.AgreementRequest.SerializeToString,
             telemetry__pb2.AgreementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Routes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiered.v1.Telemetry/Routes',
+            telemetry__pb2.RoutesRequest.SerializeToString,
+            telemetry__pb2.RoutesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -142,7 +142,8 @@ def add_to_server(inference: RouterServicer, server) -> None:
 
 
 class TelemetryServicer(tpb_grpc.TelemetryServicer):
-    """Agreement from the router's shadow tally; Stats is the agents' to answer."""
+    """Agreement from the router's shadow tally, Routes from the table in use;
+    Stats is the agents' to answer."""
 
     def __init__(self, router: dataplane.Router) -> None:
         self.router = router
@@ -157,3 +158,13 @@ class TelemetryServicer(tpb_grpc.TelemetryServicer):
         return tpb.AgreementResponse(instance=agreement.instance, tiers=[
             tpb.TierAgreement(tier=row.tier, agreed=row.agreed, disagreed=row.disagreed)
             for row in agreement.tiers(request.model_name, request.model_version)])
+
+    @translate_errors
+    async def Routes(self, request, context):
+        table = self.router.table  # one table for the whole answer
+        return tpb.RoutesResponse(table_version=table.version, routes=[
+            tpb.TierRoute(model_name=model, tier=tier, stable=route.stable,
+                          canary=route.canary or 0)
+            for model, routes in table.models.items()
+            if not request.model_name or model == request.model_name
+            for tier, route in routes.tiers.items()])

@@ -133,7 +133,7 @@ class ClusterVerbs:
         for item in items:
             status = decode_status(item["metadata"]["name"], item.get("status"))
             spec = load_tiered_model(item, item["metadata"]["name"])
-            rows.append(row_of(spec.name, spec, status.rollout, status.message))
+            rows.append(row_of(spec.name, spec, status))
         return rows
 
     def get(self, name: str) -> dict[str, Any]:

@@ -526,7 +526,9 @@ def test_notes_say_how_to_apply_watch_and_reach_the_router(tmp_path, helm_binary
     for expected in ("kubectl apply", "kubectl get tieredmodels", "tiered get --kubernetes",
                      f"{fullname()}-router.{helm.NAMESPACE}.svc:8001",
                      f"kubectl port-forward -n {helm.NAMESPACE} svc/{fullname()}-router",
-                     "every gRPC hop uses Secret", "/etc/tiered/tls"):
+                     "every gRPC hop uses Secret", "/etc/tiered/tls",
+                     "--for=condition=Ready tm/<name>", "kubectl tiered rollout report",
+                     "tiered load <name>"):
         assert expected in notes, f"{expected!r} missing from NOTES:\n{notes}"
 
 

@@ -3,7 +3,9 @@
 Agents, routers and builds read files other processes write (config.yaml,
 the routing table, build reports, TensorRT plans). Each is written to a
 temporary file beside its place and renamed into it, so a reader sees the
-old file or the new one, never a part of either.
+old file or the new one, never a part of either; the file is fsynced before
+the rename and its directory after it, so after a power loss the place holds
+the old file or the whole new one.
 """
 
 from __future__ import annotations
@@ -15,19 +17,34 @@ from pathlib import Path
 
 
 def write_atomically(path: Path, data: str | bytes, mode: int = 0o644) -> None:
-    """Replace `path` with `data` in one rename; readable by `mode` (the
-    temporary file would otherwise keep mkstemp's private 0600)."""
+    """Replace `path` with `data` in one rename, durably; readable by `mode`
+    (the temporary file would otherwise keep mkstemp's private 0600)."""
     path = Path(path)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
                                          suffix=".partial")
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data.encode() if isinstance(data, str) else data)
-        os.chmod(temporary, mode)
+            file.flush()
+            os.chmod(temporary, mode)
+            os.fsync(file.fileno())  # bytes and mode on disk before the name points at them
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+    sync_directory(path.parent)
+
+
+def sync_directory(directory: Path) -> None:
+    """fsync a directory: what makes a rename (or a new name) in it survive a
+    power loss. Where directories cannot be opened (Windows) there is nothing to do."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    handle = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:

@@ -204,3 +204,9 @@ def test_the_state_directory_is_private_to_its_user(tmp_path):
     assert shared.stat().st_mode & 0o777 == 0o700
     token = StateLayout(tmp_path / "new").ensure_admin_token()
     assert (token.stat().st_mode & 0o777, token.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+
+
+def test_a_committed_write_survives_power_loss(store):
+    # WAL with synchronous=FULL fsyncs the log at every commit (NORMAL would not).
+    assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL

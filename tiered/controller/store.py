@@ -7,6 +7,11 @@ that a stale write is refused (`Conflict`) instead of lost, as a
 resourceVersion does. A bounded history of rollout snapshots feeds
 `tiered rollout status` and the report. Everything a restarted controller
 needs is here.
+
+Durability: write-ahead logging with `synchronous=FULL`, so each commit
+fsyncs the log before it returns and a committed write survives a power loss
+(NORMAL, SQLite's cheaper WAL setting, may lose the last commits; some builds
+default to it, so it is set on every connection).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class StateStore:
             self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S,
                                        isolation_level=None)  # explicit transactions
             self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # per connection; see the docstring
             self._db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as error:
             raise ConfigError(f"state store {self.path}: cannot open: {error}") from error

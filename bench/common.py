@@ -773,6 +773,32 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     return args
 
 
+W = TypeVar("W")
+
+
+def parse_windows(argv: Sequence[str] | None, name: str, description: str, defaults: W,
+                  smoke: W, rounds_help: str) -> tuple[argparse.Namespace, W]:
+    """The command line of a bench measured in windows (settings with seconds,
+    warmup_s, rounds and concurrency): the smoke or default settings, with what
+    the flags give in their place."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seconds", type=float, help=f"measured seconds per window "
+                        f"(default {defaults.seconds})")
+    parser.add_argument("--warmup", type=float, help=f"warm-up seconds per window "
+                        f"(default {defaults.warmup_s})")
+    parser.add_argument("--rounds", type=int, help=f"{rounds_help} "
+                        f"(default {defaults.rounds})")
+    parser.add_argument("--concurrency", type=int, nargs="+",
+                        help=f"levels (default {' '.join(map(str, defaults.concurrency))})")
+    add_arguments(parser, name)
+    args = parse(parser, argv, name)
+    given = {"seconds": args.seconds, "warmup_s": args.warmup, "rounds": args.rounds,
+             "concurrency": tuple(args.concurrency) if args.concurrency else None}
+    settings = dataclasses.replace(smoke if args.smoke else defaults,
+                                   **{k: v for k, v in given.items() if v is not None})
+    return args, settings
+
+
 def record(name: str, smoke: bool, *, with_gpu: bool = False) -> dict[str, Any]:
     """The head every result starts with; `with_gpu` adds GPU 0 to the machine."""
     return {

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -215,23 +215,8 @@ def report(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Settings]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = Settings()
-    parser.add_argument("--seconds", type=float, help=f"measured seconds per window "
-                        f"(default {defaults.seconds})")
-    parser.add_argument("--warmup", type=float, help=f"warm-up seconds per window "
-                        f"(default {defaults.warmup_s})")
-    parser.add_argument("--rounds", type=int, help=f"alternations of the arms "
-                        f"(default {defaults.rounds})")
-    parser.add_argument("--concurrency", type=int, nargs="+",
-                        help=f"levels (default {' '.join(map(str, defaults.concurrency))})")
-    common.add_arguments(parser, "rest")
-    args = common.parse(parser, argv, "rest")
-    given = {"seconds": args.seconds, "warmup_s": args.warmup, "rounds": args.rounds,
-             "concurrency": tuple(args.concurrency) if args.concurrency else None}
-    settings = replace(SMOKE if args.smoke else defaults,
-                       **{k: v for k, v in given.items() if v is not None})
-    return args, settings
+    return common.parse_windows(argv, "rest", __doc__.split("\n\n")[0], Settings(), SMOKE,
+                                "alternations of the arms")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,8 +24,13 @@ AGENT_ONLY = ("onnx", "onnxruntime", "onnxruntime-gpu", "opentelemetry-api",
               "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc", "torch")
 
 
+# Packages that bring one ONNX Runtime build with them.
+BRINGS = {"onnxruntime-genai": "onnxruntime", "onnxruntime-genai-cuda": "onnxruntime-gpu"}
+
+
 def resolved(*extras: str) -> dict[str, list[Requirement]]:
-    """Every requirement an install of tiered[extras] names, by package."""
+    """Every requirement an install of tiered[extras] names, by package (and
+    the ONNX Runtime build each of `BRINGS` pulls in)."""
     found: dict[str, list[Requirement]] = {}
     pending, seen = [*PROJECT["dependencies"]], set()
     for extra in extras:
@@ -41,6 +46,8 @@ def resolved(*extras: str) -> dict[str, list[Requirement]]:
                 pending += EXTRAS[extra]
             continue
         found.setdefault(name, []).append(requirement)
+        if name in BRINGS:
+            pending.append(BRINGS[name])
     return found
 
 

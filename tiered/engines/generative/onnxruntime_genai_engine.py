@@ -1,0 +1,102 @@
+"""A generative model made by onnxruntime-genai's builder (a directory with
+`genai_config.json`, the ONNX model and the tokenizer), run with
+onnxruntime-genai: INT4 on the edge's CPUs, FP16 where its CUDA provider runs.
+
+onnxruntime-genai decodes one `Generator` per sequence, so a step advances
+each running sequence in turn; sequences still join and leave between steps.
+Its own search picks each token (greedy, or sampled with the sequence's
+temperature, top-p and seed); the log-probability of the token comes from the
+step's logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime_genai as og
+
+from tiered.engines.generative.base import GenerativeEngine, Sampling, Token
+from tiered.errors import ConfigError
+
+
+class OrtGenAIEngine(GenerativeEngine):
+    def __init__(self, model_dir: Path, max_sequences: int = 16) -> None:
+        try:
+            self._model = og.Model(str(model_dir))
+        except Exception as error:  # noqa: BLE001 -- its errors are plain RuntimeErrors
+            raise ConfigError(f"{model_dir}: not an onnxruntime-genai model: {error}") from error
+        self._tokenizer = og.Tokenizer(self._model)
+        config = _config(model_dir)
+        self.max_context = int(config["model"]["context_length"])
+        self.max_sequences = max_sequences
+        self.device = "cuda" if "cuda" in _providers(config) else "cpu"
+        self._generators: dict[int, og.Generator] = {}
+        self._ids = itertools.count(1)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self._tokenizer.encode(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(np.asarray(ids, dtype=np.int32))
+
+    def start(self, prompt: Sequence[int], sampling: Sampling) -> int:
+        self.check_fits(prompt, sampling)
+        params = og.GeneratorParams(self._model)
+        options = {"max_length": len(prompt) + sampling.max_tokens,
+                   "do_sample": not sampling.greedy}
+        if not sampling.greedy:
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p,
+                           random_seed=sampling.seed)
+        params.set_search_options(**options)
+        generator = og.Generator(self._model, params)
+        generator.append_tokens(np.asarray(prompt, dtype=np.int32))
+        sequence = next(self._ids)
+        self._generators[sequence] = generator
+        return sequence
+
+    def step(self) -> list[Token]:
+        tokens = []
+        for sequence, generator in list(self._generators.items()):
+            generator.generate_next_token()
+            token = int(generator.get_next_tokens()[0])
+            logits = np.asarray(generator.get_output("logits"))
+            row = logits.reshape(-1, logits.shape[-1])[-1].astype(np.float64)
+            top = row.max()
+            logprob = float(row[token] - top - math.log(np.exp(row - top).sum()))
+            last = generator.is_done()
+            if last:
+                del self._generators[sequence]
+            tokens.append(Token(sequence, token, logprob, last))
+        return tokens
+
+    def stop(self, sequence: int) -> None:
+        self._generators.pop(sequence, None)
+
+    @property
+    def running(self) -> int:
+        return len(self._generators)
+
+    def describe(self) -> dict[str, str]:
+        return {"engine": "onnxruntime-genai", "device": self.device,
+                "context": str(self.max_context)}
+
+    def close(self) -> None:
+        self._generators.clear()
+
+
+def _config(model_dir: Path) -> dict:
+    import json
+
+    try:
+        return json.loads((Path(model_dir) / "genai_config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{model_dir}/genai_config.json: {error}") from error
+
+
+def _providers(config: dict) -> list[str]:
+    options = config["model"]["decoder"].get("session_options", {}).get("provider_options", [])
+    return [name.lower() for entry in options for name in entry]

@@ -70,6 +70,35 @@ EITHER_AGENT = ("one process", "front ends")
 
 
 @pytest.fixture(scope="session")
+def generative_model(tmp_path_factory) -> Path:
+    """A tiny Llama (context 4096, so a long generation holds its slot for
+    seconds) built by onnxruntime-genai's builder, INT4 on CPU, once per session."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("onnxruntime_genai")
+    from tiered.models.tinyllama import TinyLlama, write_checkpoint
+
+    out = tmp_path_factory.mktemp("generative")
+    checkpoint = write_checkpoint(out / "checkpoint", TinyLlama(context=4096))
+    built = subprocess.run(
+        [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint),
+         "-i", str(checkpoint), "-o", str(out / "model"), "-p", "int4", "-e", "cpu",
+         "-c", str(out / "cache")], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    return out / "model"
+
+
+def add_generative(root: Path, name: str, model_dir: Path, config: dict) -> Path:
+    """Version 1 of generative model `name` in repository `root`: a copy of `model_dir`."""
+    import shutil
+
+    shutil.copytree(model_dir, root / name / "1")
+    write_config(root, name, {"backend": "onnxruntime-genai", **config})
+    return root
+
+
+@pytest.fixture(scope="session")
 def digits_models(tmp_path_factory) -> Path:
     """The trained digits variants (v1, v2, heavy) and their data files, once per session."""
     from tiered.local.supervisor import prepare_sample_models

@@ -5,9 +5,12 @@
 
 Keys (all optional; `inputs`/`outputs` are filled from the model when left
 out): backend, max_batch_size, inputs, outputs, dynamic_batching,
-version_policy, instance_count, engine. `backend` defaults to the tier
-profile's engine; `engine` (that backend's settings) and `dynamic_batching`
-are laid over the profile's defaults.
+version_policy, instance_count, engine, generation. `backend` defaults to the
+tier profile's engine; `engine` (that backend's settings) and
+`dynamic_batching` are laid over the profile's defaults. A generative backend
+(`onnxruntime-genai`) makes the model decoupled: its tensors are fixed
+(`generation.py`), `engine.max_sequences` bounds its running batch and
+`generation` its wait for a sequence slot.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class TensorConfig:
     name: str
     datatype: str
     dims: tuple[int, ...]
+    optional: bool = False  # a request may leave it out
 
     def __post_init__(self) -> None:
         if self.datatype not in codec.DATATYPES:
@@ -65,6 +69,20 @@ class DynamicBatching:
         if any(size < 1 for size in self.preferred_batch_sizes):
             raise ConfigError("preferred_batch_sizes: sizes must be >= 1")
 
+
+
+GENERATIVE_BACKENDS = ("onnxruntime-genai",)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How a generative (decoupled) model admits requests."""
+
+    max_queue_wait_ms: int = 30_000  # a request waits this long for a sequence slot
+
+    def __post_init__(self) -> None:
+        if self.max_queue_wait_ms < 0:
+            raise ConfigError(f"max_queue_wait_ms: must be >= 0, got {self.max_queue_wait_ms}")
 
 
 @dataclass(frozen=True)
@@ -103,9 +121,16 @@ class ModelConfig:
     instance_count: int = 1
     max_queue_size: int = 256  # the bound when requests are not batched
     engine: Mapping[str, Any] = field(default_factory=dict)
+    generation: Generation | None = None  # set for a generative backend (decoupled)
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
+        if (self.generation is not None) != (self.backend in GENERATIVE_BACKENDS):
+            raise ConfigError(f"generation: only for the generative backends "
+                              f"({', '.join(GENERATIVE_BACKENDS)})")
+        if self.generation is not None and (self.max_batch_size or self.dynamic_batching):
+            raise ConfigError("max_batch_size, dynamic_batching: a generative model batches "
+                              "its sequences itself (engine.max_sequences); leave them out")
         if self.max_batch_size < 0:
             raise ConfigError(f"max_batch_size: must be >= 0, got {self.max_batch_size}")
         if self.dynamic_batching is not None:
@@ -124,6 +149,11 @@ class ModelConfig:
             names = [t.name for t in getattr(self, kind)]
             if len(names) != len(set(names)):
                 raise ConfigError(f"{kind}: tensor names must be unique, got {names}")
+
+    @property
+    def decoupled(self) -> bool:
+        """Answers a request with a stream of responses (Triton's decoupled)."""
+        return self.generation is not None
 
     def batch_shape(self, tensor: TensorConfig) -> tuple[int, ...]:
         """The full shape a request carries: -1 leads when the model batches."""
@@ -147,6 +177,8 @@ def parse_model_config(
         data["engine"] = {**defaults, **data.get("engine", {})}
     data.setdefault("instance_count", profile.instance_count)
     data.setdefault("max_queue_size", profile.limits.max_queue_size)
+    if backend in GENERATIVE_BACKENDS:
+        data.setdefault("generation", {})
     return load_dataclass(ModelConfig, data, where)
 
 

@@ -26,6 +26,7 @@ from tiered.agent.config import (
     complete_with_engine,
     parse_model_config,
 )
+from tiered.agent.generative import GenerativeVersion, open_generative, with_tensors
 from tiered.agent.model import ModelVersion
 from tiered.engines import Engine, open_engine
 from tiered.engines import build as build_report
@@ -55,7 +56,7 @@ class ModelEntry:
     name: str
     state: ModelState = ModelState.UNAVAILABLE
     reason: str = ""
-    versions: dict[int, ModelVersion] = field(default_factory=dict)
+    versions: dict[int, Served] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -68,6 +69,7 @@ class IndexEntry:
 
 
 EngineFactory = Callable[[str, Path, dict, str], Engine]  # backend, file, settings, where
+Served = ModelVersion | GenerativeVersion
 
 
 def versions_on_disk(model_dir: Path) -> dict[int, Path]:
@@ -109,7 +111,7 @@ class ModelRepository:
 
     # -- lookups ---------------------------------------------------------------
 
-    def get(self, name: str, version: str = "") -> ModelVersion:
+    def get(self, name: str, version: str = "") -> Served:
         """The version to answer a request; the newest served one when unset."""
         entry = self._models.get(name)
         if entry is None or not entry.versions:
@@ -138,7 +140,7 @@ class ModelRepository:
             return False
         return True
 
-    def all_versions(self) -> list[ModelVersion]:
+    def all_versions(self) -> list[Served]:
         return [v for entry in self._models.values() for v in entry.versions.values()]
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
@@ -242,16 +244,19 @@ class ModelRepository:
         return config, wanted
 
     async def _build(
-        self, config: ModelConfig, wanted: dict[int, Path], current: dict[int, ModelVersion]
-    ) -> dict[int, ModelVersion]:
+        self, config: ModelConfig, wanted: dict[int, Path], current: dict[int, Served]
+    ) -> dict[int, Served]:
         where = f"{config.name}/config.yaml.engine"
-        built: dict[int, ModelVersion] = {}
+        built: dict[int, Served] = {}
         try:
             for version, path in sorted(wanted.items()):
                 source = (path.stat().st_mtime_ns, config)
                 old = current.get(version)
                 if old is not None and old.built_from == source:
                     built[version] = old  # unchanged on disk: keep serving it
+                    continue
+                if config.decoupled:
+                    built[version] = await self._build_generative(config, version, path, source)
                     continue
                 engine = await asyncio.to_thread(
                     self._engine_factory, config.backend, path, config.engine, where
@@ -277,7 +282,18 @@ class ModelRepository:
             raise
         return built
 
-    def _drain_later(self, version: ModelVersion) -> None:
+    async def _build_generative(self, config: ModelConfig, version: int, path: Path,
+                                source: tuple) -> GenerativeVersion:
+        where = f"{config.name}/config.yaml (version {version})"
+        completed = with_tensors(config, where)
+        engine = await asyncio.to_thread(
+            open_generative, config.backend, path, config.engine, f"{where}.engine")
+        return GenerativeVersion(
+            completed, version, engine, built_from=source,
+            recorder=VersionRecorder(time.monotonic) if self._telemetry else None,
+            build=_build_facts(path.parent))
+
+    def _drain_later(self, version: Served) -> None:
         task = asyncio.get_running_loop().create_task(
             version.drain(self.profile.limits.drain_timeout_s)
         )

@@ -3,21 +3,29 @@
 Every unary method goes through `translate_errors`, the one mapping of domain
 errors to gRPC codes. Streamed requests run concurrently (bounded per stream)
 and each answer or error travels back as its own stream message, so one bad
-request never ends the stream.
+request never ends the stream. A generative (decoupled) model answers a
+streamed request with one response per token, each flagged
+`triton_final_response` (true on the last), and ModelInfer with the whole
+text; a client that goes away stops its sequence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
 
+import numpy as np
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 import tiered
+from tiered.agent.generation import TEXT_OUTPUT, TOKEN_IDS, GenerationRequest
+from tiered.agent.generative import GenerativeVersion
 from tiered.agent.model import ModelVersion
 from tiered.agent.repository import ModelRepository
+from tiered.agent.scheduler import Piece
 from tiered.agent.shared_memory import SharedMemory
 from tiered.errors import InvalidArgument, TieredError
 from tiered.protocol import grpc_service_pb2 as pb
@@ -31,7 +39,7 @@ from tiered.telemetry.tracing import context_from_metadata
 
 # Triton's platform names, which some clients and dashboards key on.
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
-             "tensorrt": "tensorrt_plan"}
+             "tensorrt": "tensorrt_plan", "onnxruntime-genai": "onnxruntime_genai"}
 MAX_STREAM_IN_FLIGHT = 256  # requests of one stream being answered at once
 
 
@@ -92,7 +100,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         def infer(request: pb.ModelInferRequest):
             self.authorizer.require_inference(context)  # refused in the stream, per request
-            return self.answer(request, seconds_left(context), metadata)
+            return self.answer_streamed(request, seconds_left(context), metadata)
 
         # grpc.aio wants the handler itself to be an async generator.
         async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):
@@ -113,6 +121,65 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         ):
             return await self._infer(request, seconds_left, raw)
 
+    async def answer_streamed(self, request: pb.ModelInferRequest, seconds_left: float,
+                              metadata=()):
+        """A request of a stream: one response, or a generative model's
+        responses as they come (an async iterator)."""
+        model = self.repository.get(request.model_name, request.model_version)
+        if not isinstance(model, GenerativeVersion):
+            return await self.answer(request, seconds_left, metadata)
+        call, generation = self._generation(model, request)
+        deadline = time.monotonic() + min(call.timeout_s, seconds_left)
+        return self._token_responses(model, call, generation, deadline)
+
+    def _generation(self, model: GenerativeVersion, request: pb.ModelInferRequest,
+                    raw: list | None = None) -> tuple[messages.InferCall, GenerationRequest]:
+        try:
+            call = messages.decode_infer_request(request, self.shared_memory, raw)
+            if call.output_regions:
+                raise InvalidArgument("outputs: a generative model answers in the message, "
+                                      "not in shared memory")
+            outputs = call.outputs or (TEXT_OUTPUT, TOKEN_IDS)
+            for name in outputs:
+                if name not in (TEXT_OUTPUT, TOKEN_IDS):
+                    raise InvalidArgument(f"outputs: unknown output {name!r}; model "
+                                          f"{model.config.name!r} has {TEXT_OUTPUT}, {TOKEN_IDS}")
+        except TieredError:
+            model.count_rejected()
+            raise
+        return call, model.parse(call.inputs, call.parameters)
+
+    def _text_response(self, call: messages.InferCall, model: GenerativeVersion, text: str,
+                       ids: list[int]) -> pb.ModelInferResponse:
+        outputs = {TEXT_OUTPUT: np.array([text.encode()], dtype=object),
+                   TOKEN_IDS: np.array(ids, dtype=np.int64)}
+        wanted = call.outputs or tuple(outputs)
+        return messages.encode_infer_response(
+            call, model.config.name, model.version, {name: outputs[name] for name in wanted})
+
+    async def _token_responses(self, model: GenerativeVersion, call: messages.InferCall,
+                               generation: GenerationRequest, deadline: float):
+        empty_final = generation.empty_final_response
+        async with contextlib.aclosing(model.generate(generation, deadline)) as pieces:
+            async for piece in pieces:
+                response = self._text_response(call, model, piece.text, [piece.token_id])
+                yield messages.stream_response(response, piece.last and not empty_final)
+        if empty_final:
+            yield messages.stream_response(pb.ModelInferResponse(
+                model_name=model.config.name, model_version=str(model.version), id=call.id),
+                True)
+
+    async def _generate_whole(self, model: GenerativeVersion, request: pb.ModelInferRequest,
+                              seconds_left: float, raw: list | None) -> pb.ModelInferResponse:
+        call, generation = self._generation(model, request, raw)
+        deadline = time.monotonic() + min(call.timeout_s, seconds_left)
+        pieces: list[Piece] = []
+        async with contextlib.aclosing(model.generate(generation, deadline)) as stream:
+            async for piece in stream:
+                pieces.append(piece)
+        return self._text_response(call, model, "".join(p.text for p in pieces),
+                                   [p.token_id for p in pieces])
+
     async def answer_fed(self, body: bytes, raw: list, seconds_left: float) -> bytes:
         """A front end's request (`feed.Answer`); authorized by the front end."""
         try:
@@ -124,6 +191,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, request: pb.ModelInferRequest, seconds_left: float,
                      raw: list | None) -> pb.ModelInferResponse:
         model = self.repository.get(request.model_name, request.model_version)
+        if isinstance(model, GenerativeVersion):
+            return await self._generate_whole(model, request, seconds_left, raw)
         try:
             call = messages.decode_infer_request(request, self.shared_memory, raw)
         except TieredError:

@@ -22,6 +22,9 @@ from tiered.protocol import model_config_pb2 as mc
 SERVER_EXTENSIONS = ("model_configuration", "model_repository", "statistics", "parameters",
                      "system_shared_memory", "cuda_shared_memory")
 
+# Triton's response parameter: the last response of a decoupled model's request.
+FINAL_RESPONSE = "triton_final_response"
+
 # Output parameters with a meaning here; any other is refused.
 _SUPPORTED_OUTPUT_PARAMETERS = {"binary_data", codec.SHARED_MEMORY_REGION,
                                 codec.SHARED_MEMORY_BYTE_SIZE, codec.SHARED_MEMORY_OFFSET}
@@ -100,6 +103,13 @@ def encode_infer_response(
     return response
 
 
+def stream_response(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferResponse:
+    """Flag one response of a decoupled model's stream as Triton does: every
+    response says whether it is the request's last."""
+    response.parameters[FINAL_RESPONSE].bool_param = final
+    return response
+
+
 def tensor_metadata(
     message: pb.ModelMetadataResponse.TensorMetadata, name: str, datatype: str,
     shape: Sequence[int],
@@ -131,7 +141,8 @@ def model_config(
         name=config.name, platform=platform, backend=backend, max_batch_size=config.max_batch_size
     )
     for tensor in config.inputs:
-        message.input.add(name=tensor.name, data_type=_data_type(tensor.datatype), dims=tensor.dims)
+        message.input.add(name=tensor.name, data_type=_data_type(tensor.datatype), dims=tensor.dims,
+                          optional=tensor.optional)
     for tensor in config.outputs:
         message.output.add(name=tensor.name, data_type=_data_type(tensor.datatype), dims=tensor.dims)
     policy = config.version_policy
@@ -146,6 +157,8 @@ def model_config(
         kind=mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU,
         count=config.instance_count,
     )
+    if config.decoupled:
+        message.model_transaction_policy.decoupled = True
     batching = config.dynamic_batching
     if batching is not None:
         message.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)

@@ -3,18 +3,23 @@
 Each request of a stream is answered on its own task, at most `limit` at
 once; every answer or error goes back as its own stream message, in the order
 answers finish, so one bad request never ends the stream. Used by the agent
-and the router alike; `infer` is their unary path.
+and the router alike; `infer` is their unary path, or, for a decoupled
+model, gives an async iterator of the request's responses, relayed in order.
+When the stream ends early (the client went away), the requests still being
+answered are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol.status import describe
 
-Infer = Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]]
+Infer = Callable[[pb.ModelInferRequest],
+                 Awaitable[pb.ModelInferResponse | AsyncIterator[pb.ModelInferResponse]]]
 
 
 async def answer_stream(
@@ -25,19 +30,25 @@ async def answer_stream(
 
     async def answer(request: pb.ModelInferRequest) -> None:
         try:
-            response = pb.ModelStreamInferResponse(infer_response=await infer(request))
+            answered = await infer(request)
+            if isinstance(answered, pb.ModelInferResponse):
+                answers.put_nowait(pb.ModelStreamInferResponse(infer_response=answered))
+            else:
+                async with contextlib.aclosing(answered):
+                    async for response in answered:
+                        answers.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
         except Exception as error:  # reported in the stream; the stream goes on
-            response = pb.ModelStreamInferResponse(
+            answers.put_nowait(pb.ModelStreamInferResponse(
                 error_message=describe(error),
                 infer_response=pb.ModelInferResponse(model_name=request.model_name,
                                                      id=request.id),
-            )
+            ))
         finally:
             slots.release()
-        answers.put_nowait(response)
+
+    tasks: set[asyncio.Task] = set()
 
     async def read() -> None:
-        tasks: set[asyncio.Task] = set()
         try:
             async for request in requests:
                 await slots.acquire()
@@ -55,3 +66,5 @@ async def answer_stream(
             yield response
     finally:
         reader.cancel()
+        for task in list(tasks):
+            task.cancel()

@@ -44,6 +44,10 @@ class Slot:
     failure: int = 0
     inferences: int = 0
     busy_s: float = 0.0
+    # Generative versions: output tokens, time to first token, time per output token.
+    output_tokens: int = 0
+    first_token: Histogram = field(default_factory=Histogram)
+    per_token: Histogram = field(default_factory=Histogram)
 
 
 @dataclass
@@ -60,6 +64,9 @@ class Summary:
     failure: int = 0
     inferences: int = 0
     busy_s: float = 0.0
+    output_tokens: int = 0
+    first_token: Histogram = field(default_factory=Histogram)
+    per_token: Histogram = field(default_factory=Histogram)
 
     def add(self, slot: Slot) -> None:
         self.latency.merge(slot.latency)
@@ -70,6 +77,9 @@ class Summary:
         self.failure += slot.failure
         self.inferences += slot.inferences
         self.busy_s += slot.busy_s
+        self.output_tokens += slot.output_tokens
+        self.first_token.merge(slot.first_token)
+        self.per_token.merge(slot.per_token)
 
 
 def slot_start(now: float, slot_s: float = SLOT_S) -> float:
@@ -110,6 +120,13 @@ class VersionRecorder:
 
     def request_failed(self, latency_s: float) -> None:
         self._slot().failure += 1
+
+    def token(self, seconds_since_previous: float, first: bool) -> None:
+        """One output token of a generative version; for the first, the time
+        since its request arrived, else since the sequence's previous token."""
+        slot = self._slot()
+        slot.output_tokens += 1
+        (slot.first_token if first else slot.per_token).record(seconds_since_previous)
 
     def batch_ran(self, compute_s: float) -> None:
         """The engine was busy this long on one batch (for energy attribution)."""

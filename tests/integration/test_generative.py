@@ -1,0 +1,233 @@
+"""A generative model on a real agent, driven by the unmodified tritonclient:
+tokens streamed one per response with Triton's final flag, the whole text
+from ModelInfer and REST, in-flight batching, cancellation, bounded admission
+and parameter errors."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import add_generative
+from tiered.local.processes import AgentProcess
+
+PROMPT = "the quick brown fox"
+WAIT_MS = 1500  # model "one": how long a request waits for its single slot
+
+
+@pytest.fixture(scope="module")
+def agent(generative_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("generative-repository")
+    add_generative(root, "tiny", generative_model, {"engine": {"max_sequences": 4}})
+    add_generative(root, "one", generative_model, {
+        "engine": {"max_sequences": 1}, "max_queue_size": 1,
+        "generation": {"max_queue_wait_ms": WAIT_MS}})
+    with AgentProcess("edge", root) as process:
+        yield process
+        assert process.alive(), f"the agent died:\n{process.log_tail()}"
+
+
+@pytest.fixture()
+def client(agent):
+    with grpcclient.InferenceServerClient(agent.address) as c:
+        yield c
+
+
+def prompt_input(text: str = PROMPT) -> grpcclient.InferInput:
+    item = grpcclient.InferInput("text_input", [1], "BYTES")
+    item.set_data_from_numpy(np.array([text.encode()], dtype=object))
+    return item
+
+
+class Stream:
+    """A tritonclient stream whose responses land in a queue."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient) -> None:
+        self.client = client
+        self.responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def send(self, model: str = "tiny", request_id: str = "", text: str = PROMPT,
+             **parameters) -> None:
+        self.client.async_stream_infer(model, [prompt_input(text)], request_id=request_id,
+                                       parameters=parameters or None)
+
+    def next(self, timeout: float = 60.0):
+        result, error = self.responses.get(timeout=timeout)
+        if error is not None:
+            raise error
+        return result
+
+    def until_final(self, timeout: float = 60.0) -> list:
+        results = []
+        while True:
+            results.append(self.next(timeout))
+            if is_final(results[-1]):
+                return results
+
+
+def is_final(result) -> bool:
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
+def text_of(result) -> str:
+    return result.as_numpy("text_output")[0].decode()
+
+
+def generate(client, model: str = "tiny", text: str = PROMPT, **parameters):
+    return client.infer(model, [prompt_input(text)], parameters=parameters or None)
+
+
+def status_of(call) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as caught:
+        call()
+    return caught.value.status(), caught.value.message()
+
+
+def test_model_config_says_decoupled_and_names_the_tensors(client):
+    config = client.get_model_config("tiny").config
+    assert config.model_transaction_policy.decoupled
+    assert config.backend == "onnxruntime-genai"
+    inputs = {t.name: t.optional for t in config.input}
+    assert inputs["text_input"] is False and inputs["max_tokens"] and inputs["stop"]
+    assert [t.name for t in config.output] == ["text_output", "token_ids"]
+
+
+def test_tokens_stream_one_per_response_and_match_model_infer(client):
+    stream = Stream(client)
+    try:
+        stream.send(request_id="r1", max_tokens=24)
+        results = stream.until_final()
+    finally:
+        client.stop_stream()
+    assert len(results) == 24
+    assert all(len(r.as_numpy("token_ids")) == 1 for r in results)
+    assert [is_final(r) for r in results] == [False] * 23 + [True]
+    assert {r.get_response().id for r in results} == {"r1"}
+    whole = generate(client, max_tokens=24)
+    assert "".join(text_of(r) for r in results) == text_of(whole)
+    assert [int(r.as_numpy("token_ids")[0]) for r in results] == \
+        whole.as_numpy("token_ids").tolist()
+    assert text_of(whole)  # greedy decoding of the tiny model says something
+
+
+def test_empty_final_response_when_the_client_asks_for_it(client):
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer("tiny", [prompt_input()], enable_empty_final_response=True,
+                                  parameters={"max_tokens": 5})
+        results = []
+        while not results or not is_final(results[-1]):
+            result, error = responses.get(timeout=60)
+            assert error is None
+            results.append(result)
+    finally:
+        client.stop_stream()
+    assert len(results) == 6
+    assert not results[-1].get_response().outputs
+    assert not any(is_final(r) for r in results[:-1])
+
+
+def test_stop_string_ends_the_text_before_it(client):
+    whole = text_of(generate(client, max_tokens=40))
+    stop = whole[5:8]
+    assert len(stop) == 3
+    cut = generate(client, max_tokens=40, stop=stop)
+    assert text_of(cut) == whole[:whole.find(stop)]
+    assert len(cut.as_numpy("token_ids")) < 40
+
+
+def test_concurrent_streams_run_in_one_batch(client):
+    stream = Stream(client)
+    try:
+        for index in range(4):
+            stream.send(request_id=f"s{index}", max_tokens=300)
+        finished = set()
+        while len(finished) < 4:
+            result = stream.next()
+            if is_final(result):
+                finished.add(result.get_response().id)
+    finally:
+        client.stop_stream()
+    batches = client.get_inference_statistics("tiny").model_stats[0].batch_stats
+    assert max(b.batch_size for b in batches if b.compute_infer.count) > 1
+
+
+def test_cancelled_stream_frees_its_slot_at_once(client):
+    stream = Stream(client)
+    stream.send("one", max_tokens=4000)  # seconds of work on this model
+    stream.next()  # it is running
+    client.stop_stream(cancel_requests=True)
+    started = time.monotonic()
+    answer = generate(client, "one", max_tokens=3)  # waits WAIT_MS at most, then fails
+    assert len(answer.as_numpy("token_ids")) == 3
+    assert time.monotonic() - started < WAIT_MS / 1e3
+
+
+def test_admission_waits_for_a_slot_then_is_refused(agent, client):
+    stream = Stream(client)
+    try:
+        stream.send("one", max_tokens=4000)
+        stream.next()
+        outcome: dict = {}
+
+        def waiter() -> None:
+            with grpcclient.InferenceServerClient(agent.address) as other:
+                started = time.monotonic()
+                outcome["status"] = status_of(lambda: generate(other, "one", max_tokens=3))
+                outcome["waited"] = time.monotonic() - started
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.3)  # the waiter holds the one queue place
+        code, message = status_of(lambda: generate(client, "one", max_tokens=3))
+        assert code == "StatusCode.RESOURCE_EXHAUSTED" and "max_queue_size" in message
+        thread.join(30)
+        code, message = outcome["status"]
+        assert code == "StatusCode.RESOURCE_EXHAUSTED" and "no sequence slot" in message
+        assert outcome["waited"] >= WAIT_MS / 1e3 * 0.9
+    finally:
+        client.stop_stream(cancel_requests=True)
+
+
+@pytest.mark.parametrize(("parameters", "text", "named"), [
+    ({"max_tokens": 0}, PROMPT, "max_tokens"),
+    ({"temperature": -1.0}, PROMPT, "temperature"),
+    ({"top_p": 0.0}, PROMPT, "top_p"),
+    ({"max_tokens": "many"}, PROMPT, "max_tokens"),
+    ({"max_tokens": 8}, "fox " * 5000, "text_input"),
+])
+def test_bad_parameters_are_invalid_argument_naming_the_field(client, parameters, text, named):
+    code, message = status_of(lambda: generate(client, text=text, **parameters))
+    assert code == "StatusCode.INVALID_ARGUMENT"
+    assert message.startswith(named) or f"{named}:" in message, message
+
+
+def test_bad_parameters_in_a_stream_come_back_as_stream_errors(client):
+    stream = Stream(client)
+    try:
+        stream.send(max_tokens=0)
+        with pytest.raises(InferenceServerException, match="max_tokens"):
+            stream.next()
+        stream.send(max_tokens=2)  # the stream goes on
+        assert len(stream.until_final()) == 2
+    finally:
+        client.stop_stream()
+
+
+def test_rest_infer_returns_the_whole_text(agent, client):
+    whole = generate(client, max_tokens=12)
+    with httpclient.InferenceServerClient(agent.http_address) as rest:
+        item = httpclient.InferInput("text_input", [1], "BYTES")
+        item.set_data_from_numpy(np.array([PROMPT.encode()], dtype=object))
+        answer = rest.infer("tiny", [item], parameters={"max_tokens": 12})
+    assert answer.as_numpy("text_output")[0].decode() == text_of(whole)
+    assert answer.as_numpy("token_ids").tolist() == whole.as_numpy("token_ids").tolist()

@@ -1,0 +1,208 @@
+"""What a generation request asks for, and how its tokens become text. Pure.
+
+`parse_request` reads a v2 request to a generative model (`text_input`, and
+`max_tokens`, `temperature`, `top_p`, `seed`, `stop` as request parameters or
+as optional one-element input tensors) into a `GenerationRequest`, naming the
+field that is wrong. `Detokenizer` turns token ids into text pieces that are
+safe to send one by one (a character split across tokens waits for its last
+byte); `StopText` holds back text that may be the start of a stop string and
+cuts the text where one appears. Nothing here touches an engine, a thread or
+the wire: the scheduler (`scheduler.py`) drives these on its worker thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tiered.engines.generative.base import Sampling
+from tiered.errors import InvalidArgument
+
+TEXT_INPUT, TEXT_OUTPUT, TOKEN_IDS = "text_input", "text_output", "token_ids"
+# Request parameters (or optional input tensors) a generative model reads.
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
+STOP = "stop"
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+MAX_PROMPT_BYTES = 1 << 20  # a prompt's text; its tokens are bounded by the context
+DEFAULT_MAX_TOKENS = 64
+# Triton's request parameter asking for an empty response that only says "final".
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+# Held text that does not become valid UTF-8 within this many tokens is sent as is.
+MAX_HELD_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    empty_final_response: bool = False  # the client asked for Triton's empty final response
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
+                  model: str) -> GenerationRequest:
+    """A generation request from decoded v2 inputs and request parameters."""
+    for name in inputs:
+        if name != TEXT_INPUT and name not in SAMPLING_FIELDS and name != STOP:
+            raise InvalidArgument(
+                f"inputs: unknown input {name!r}; model {model!r} takes {TEXT_INPUT} "
+                f"(and optional {', '.join((*SAMPLING_FIELDS, STOP))})")
+    if TEXT_INPUT not in inputs:
+        raise InvalidArgument(f"inputs: missing input {TEXT_INPUT!r} of model {model!r}")
+    prompt = _text(inputs[TEXT_INPUT], TEXT_INPUT)
+    if len(prompt.encode()) > MAX_PROMPT_BYTES:
+        raise InvalidArgument(f"{TEXT_INPUT}: the prompt exceeds {MAX_PROMPT_BYTES} bytes")
+    values = {name: _value(name, inputs, parameters) for name in (*SAMPLING_FIELDS, STOP)}
+    max_tokens = _integer(values["max_tokens"], "max_tokens", DEFAULT_MAX_TOKENS)
+    seed = _integer(values["seed"], "seed", 0)
+    if not 0 <= seed < 2**63:
+        raise InvalidArgument(f"seed: expected 0..2^63-1, got {seed}")
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=_number(values["temperature"], "temperature", 0.0),
+        top_p=_number(values["top_p"], "top_p", 1.0),
+        seed=seed,
+    )
+    empty_final = parameters.get(EMPTY_FINAL_RESPONSE, False)
+    if not isinstance(empty_final, bool):
+        raise InvalidArgument(f"parameters.{EMPTY_FINAL_RESPONSE}: expected a bool")
+    return GenerationRequest(prompt, sampling, _stops(values[STOP]), empty_final)
+
+
+def _value(name: str, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> Any:
+    if name in inputs and name in parameters:
+        raise InvalidArgument(f"{name}: given both as an input and as a parameter; give one")
+    if name not in inputs:
+        return parameters.get(name)
+    array = inputs[name]
+    if name == STOP:
+        return [_element(item, name) for item in array.reshape(-1)]
+    if array.size != 1:
+        raise InvalidArgument(f"input {name!r}: expected one element, got shape "
+                              f"{list(array.shape)}")
+    item = array.reshape(-1)[0]
+    return _element(item, name) if array.dtype == object else item.item()
+
+
+def _element(item: Any, name: str) -> str:
+    if isinstance(item, bytes):
+        try:
+            return item.decode()
+        except UnicodeDecodeError as error:
+            raise InvalidArgument(f"{name}: not UTF-8 text ({error})") from error
+    return str(item)
+
+
+def _text(array: np.ndarray, name: str) -> str:
+    if array.dtype != object:
+        raise InvalidArgument(f"input {name!r}: expected BYTES text")
+    if array.size != 1:
+        raise InvalidArgument(f"input {name!r}: expected one prompt, got shape "
+                              f"{list(array.shape)}")
+    return _element(array.reshape(-1)[0], name)
+
+
+def _integer(value: Any, name: str, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name}: expected an integer, got {value!r}")
+    return value
+
+
+def _number(value: Any, name: str, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{name}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidArgument(f"{name}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _stops(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise InvalidArgument(f"stop: expected a string or strings, got {value!r}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    for stop in stops:
+        if not 0 < len(stop) <= MAX_STOP_CHARS:
+            raise InvalidArgument(f"stop: each string needs 1..{MAX_STOP_CHARS} characters, "
+                                  f"got {len(stop)}")
+    return tuple(stops)
+
+
+class Detokenizer:
+    """Text of a growing list of token ids, one safe piece per token.
+
+    A piece is the text the newest tokens added, decoded together with the
+    token before them (so a tokenizer that drops a word's leading space when
+    a token is decoded alone still spaces it); while that text ends in an
+    incomplete character the tokens wait, at most MAX_HELD_TOKENS, after which
+    they are sent as the tokenizer decodes them.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix = 0  # ids[_prefix:_read] were sent; decoded again for context
+        self._read = 0
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        held = len(self.ids) - self._read
+        if (len(after) > len(before) and not after.endswith("\ufffd")
+                and after.startswith(before)):
+            return self._sent(after[len(before):])
+        if held >= MAX_HELD_TOKENS:
+            return self._sent("".join(self._decode([t]) for t in self.ids[self._read:]))
+        return ""
+
+    def flush(self) -> str:
+        """What is still held, as the tokenizer decodes it (the sequence ended)."""
+        if self._read == len(self.ids):
+            return ""
+        return self._sent("".join(self._decode([t]) for t in self.ids[self._read:]))
+
+    def _sent(self, text: str) -> str:
+        self._prefix, self._read = self._read, len(self.ids)
+        return text
+
+
+class StopText:
+    """Text as it may be sent, given stop strings: the part that cannot be the
+    start of a stop string goes out; a stop string ends the text before it."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._held = ""
+        self.stopped = False
+
+    def add(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        pending = self._held + text
+        found = [(pending.find(s), s) for s in self.stops if s in pending]
+        if found:
+            self.stopped, self._held = True, ""
+            return pending[:min(found)[0]]
+        keep = max((k for s in self.stops for k in range(1, len(s))
+                    if pending.endswith(s[:k])), default=0)
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return pending[:len(pending) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held

@@ -1,0 +1,203 @@
+"""One served generative model version: its engine driven by a scheduler,
+its statistics, token telemetry and drain.
+
+The agent's counterpart of `model.ModelVersion` for decoupled models: the
+repository, servicer, telemetry and metrics read the same attributes
+(`config`, `version`, `engine`, `stats`, `recorder`, `queue_depth`,
+`in_flight`, `drain`). A request becomes a stream of `Piece`s, one per token;
+leaving the stream early (the client went away) frees its sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Hashable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tiered.agent.config import ModelConfig, TensorConfig
+from tiered.agent.generation import (
+    STOP,
+    TEXT_INPUT,
+    TEXT_OUTPUT,
+    TOKEN_IDS,
+    GenerationRequest,
+    parse_request,
+)
+from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
+from tiered.engines.generative.base import GenerativeEngine
+from tiered.errors import ConfigError, TieredError, Unavailable
+from tiered.settings import load_dataclass
+from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
+from tiered.telemetry.recorder import VersionRecorder
+from tiered.telemetry.token_stats import TokenStats
+
+log = logging.getLogger(__name__)
+
+INPUTS = (
+    TensorConfig(TEXT_INPUT, "BYTES", (1,)),
+    TensorConfig("max_tokens", "INT32", (1,), optional=True),
+    TensorConfig("temperature", "FP32", (1,), optional=True),
+    TensorConfig("top_p", "FP32", (1,), optional=True),
+    TensorConfig("seed", "UINT64", (1,), optional=True),
+    TensorConfig(STOP, "BYTES", (-1,), optional=True),
+)
+OUTPUTS = (TensorConfig(TEXT_OUTPUT, "BYTES", (1,)), TensorConfig(TOKEN_IDS, "INT64", (-1,)))
+
+
+def with_tensors(config: ModelConfig, where: str) -> ModelConfig:
+    """A generative model's config with its fixed tensors; declared ones must match."""
+    for kind, fixed in (("inputs", INPUTS), ("outputs", OUTPUTS)):
+        declared = {t.name for t in getattr(config, kind)}
+        if declared and declared - {t.name for t in fixed}:
+            raise ConfigError(
+                f"{where}.{kind}: a generative model's {kind} are "
+                f"{', '.join(t.name for t in fixed)}; it has no "
+                f"{', '.join(sorted(declared - {t.name for t in fixed}))}")
+    return replace(config, inputs=INPUTS, outputs=OUTPUTS)
+
+
+@dataclass(frozen=True)
+class GenAISettings:
+    max_sequences: int = 8  # sequences in the running batch (KV cache slots)
+
+
+def open_generative(backend: str, path: Path, settings: Mapping[str, Any],
+                    where: str = "engine") -> GenerativeEngine:
+    """Load the generative model in `path`'s directory on `backend`."""
+    if backend != "onnxruntime-genai":
+        raise ConfigError(f"backend: {backend!r} is not a generative backend")
+    chosen = load_dataclass(GenAISettings, settings, where)
+    if chosen.max_sequences < 1:
+        raise ConfigError(f"{where}.max_sequences: must be >= 1, got {chosen.max_sequences}")
+    try:
+        from tiered.engines.generative.onnxruntime_genai_engine import OrtGenAIEngine
+    except ModuleNotFoundError as error:
+        raise ConfigError(f"backend: onnxruntime-genai needs the generative extra "
+                          f"(pip install 'tiered[generative]'): {error}") from error
+    return OrtGenAIEngine(Path(path).parent, chosen.max_sequences)
+
+
+class GenerativeVersion:
+    """Created and used on the agent's event loop."""
+
+    def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine,
+                 built_from: Hashable = None, recorder: VersionRecorder | None = None,
+                 build: Mapping[str, str] | None = None) -> None:
+        assert config.generation is not None
+        self.config = config
+        self.version = version
+        self.engine = engine
+        self.built_from = built_from
+        self.stats = InferenceStats()  # Triton's shape: a step is an execution
+        self.tokens = TokenStats()
+        self.recorder = recorder
+        self.build = dict(build or {})
+        self.scheduler = Scheduler(
+            engine,
+            SchedulerLimits(config.max_queue_size, config.generation.max_queue_wait_ms / 1e3),
+            asyncio.get_running_loop(), on_step=self._stepped,
+            name=f"{config.name}-v{version}")
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closing = False
+
+    @property
+    def queue_depth(self) -> int:
+        return self.scheduler.waiting
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def running(self) -> int:
+        """Sequences in the engine's batch after its last step."""
+        return self.scheduler.running
+
+    def parse(self, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
+              ) -> GenerationRequest:
+        try:
+            return parse_request(inputs, parameters, self.config.name)
+        except TieredError:
+            self.count_rejected()
+            raise
+
+    def count_rejected(self) -> None:
+        self._failed(0)
+
+    def _failed(self, elapsed_ns: int) -> None:
+        self.stats.request_failed(elapsed_ns, _now_ms())
+        if self.recorder is not None:
+            self.recorder.request_failed(elapsed_ns / 1e9)
+
+    def _stepped(self, seconds: float, sequences: int) -> None:
+        self.stats.batch_executed(sequences, BatchTiming(0, int(seconds * 1e9), 0))
+        if self.recorder is not None:
+            self.recorder.batch_ran(seconds)
+
+    async def generate(self, request: GenerationRequest, deadline: float = math.inf
+                       ) -> AsyncIterator[Piece]:
+        """The request's tokens as they come; the last is flagged. Closing the
+        iterator early stops its sequence."""
+        if self._closing:
+            raise Unavailable(f"model {self.config.name!r} version {self.version} is unloading")
+        started = time.perf_counter_ns()
+        self._in_flight += 1
+        self._idle.clear()
+        job, finished, previous = None, False, 0.0
+        try:
+            job = self.scheduler.submit(request, deadline)
+            while not finished:
+                event = await job.queue.get()
+                if isinstance(event, TieredError):
+                    raise event
+                first = previous == 0.0
+                gap = event.at - (job.arrived if first else previous)
+                previous, finished = event.at, event.last
+                self.tokens.token(gap, first)
+                if first and job.admitted is not None:
+                    self.tokens.queue_seconds.observe(job.admitted - job.arrived)
+                if self.recorder is not None:
+                    self.recorder.token(gap, first)
+                yield event
+        except TieredError:
+            self._failed(time.perf_counter_ns() - started)
+            raise
+        finally:
+            if job is not None and not finished:
+                self.scheduler.cancel(job)
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+        assert job is not None and job.admitted is not None
+        elapsed_ns = time.perf_counter_ns() - started
+        queue_s = job.admitted - job.arrived
+        compute_ns = int((previous - job.admitted) * 1e9)
+        self.stats.request_succeeded(elapsed_ns, int(queue_s * 1e9),
+                                     BatchTiming(0, compute_ns, 0), _now_ms())
+        if self.recorder is not None:
+            # Busy time comes from the steps (batch_ran), not from here.
+            self.recorder.request_succeeded(elapsed_ns / 1e9, queue_s, compute_ns / 1e9, 1)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests, let running ones finish, then release the engine."""
+        self._closing = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s v%d: %d generations still running after %.0f s; closing anyway",
+                        self.config.name, self.version, self._in_flight, timeout_s)
+        await asyncio.to_thread(self.scheduler.close)
+        self.engine.close()
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000

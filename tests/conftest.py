@@ -106,3 +106,16 @@ def digits_models(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("digits-models")
     prepare_sample_models(out, lambda line: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def tinyllama_models(tmp_path_factory) -> Path:
+    """The trained tiny Llama checkpoints (v1, v2, v3) and tinyllama-eval.json,
+    once per session."""
+    pytest.importorskip("transformers")
+    from tiered.models import tinyllama
+
+    out = tmp_path_factory.mktemp("tinyllama-models")
+    for variant in tinyllama.VARIANTS:
+        tinyllama.write_tinyllama(out, variant)
+    return out

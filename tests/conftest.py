@@ -71,8 +71,9 @@ EITHER_AGENT = ("one process", "front ends")
 
 @pytest.fixture(scope="session")
 def generative_model(tmp_path_factory) -> Path:
-    """A tiny Llama (context 4096, so a long generation holds its slot for
-    seconds) built by onnxruntime-genai's builder, INT4 on CPU, once per session."""
+    """A tiny Llama with random weights (it rarely ends a sequence early, and
+    4000 tokens of it take seconds, so a long generation holds its slot),
+    built by onnxruntime-genai's builder, INT4 on CPU, once per session."""
     import subprocess
     import sys
 
@@ -80,7 +81,9 @@ def generative_model(tmp_path_factory) -> Path:
     from tiered.models.tinyllama import TinyLlama, write_checkpoint
 
     out = tmp_path_factory.mktemp("generative")
-    checkpoint = write_checkpoint(out / "checkpoint", TinyLlama(context=4096))
+    untrained = {"train_steps": 0} if "train_steps" in TinyLlama.__dataclass_fields__ else {}
+    shape = TinyLlama(context=4096, layers=4, hidden=256, intermediate=512, **untrained)
+    checkpoint = write_checkpoint(out / "checkpoint", shape)
     built = subprocess.run(
         [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint),
          "-i", str(checkpoint), "-o", str(out / "model"), "-p", "int4", "-e", "cpu",

@@ -19,17 +19,23 @@ from tests.conftest import add_generative
 from tiered.local.processes import AgentProcess
 
 PROMPT = "the quick brown fox"
-WAIT_MS = 1500  # model "one": how long a request waits for its single slot
+WAIT_MS = 1000  # model "one": how long a request waits for its single slot (4000
+# tokens hold it for seconds)
 
 
 @pytest.fixture(scope="module")
-def agent(generative_model, tmp_path_factory):
+def repository(generative_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("generative-repository")
     add_generative(root, "tiny", generative_model, {"engine": {"max_sequences": 4}})
     add_generative(root, "one", generative_model, {
         "engine": {"max_sequences": 1}, "max_queue_size": 1,
         "generation": {"max_queue_wait_ms": WAIT_MS}})
-    with AgentProcess("edge", root) as process:
+    return root
+
+
+@pytest.fixture(scope="module")
+def agent(repository):
+    with AgentProcess("edge", repository) as process:
         yield process
         assert process.alive(), f"the agent died:\n{process.log_tail()}"
 
@@ -231,3 +237,23 @@ def test_rest_infer_returns_the_whole_text(agent, client):
         answer = rest.infer("tiny", [item], parameters={"max_tokens": 12})
     assert answer.as_numpy("text_output")[0].decode() == text_of(whole)
     assert answer.as_numpy("token_ids").tolist() == whole.as_numpy("token_ids").tolist()
+
+
+def test_front_end_processes_relay_streams_and_cancellation(repository, client):
+    expected = [int(i) for i in generate(client, max_tokens=10).as_numpy("token_ids")]
+    with AgentProcess("edge", repository, extra_args=["--front-ends", "2"]) as process, \
+            grpcclient.InferenceServerClient(process.address) as fronted:
+        stream = Stream(fronted)
+        try:
+            stream.send(max_tokens=10, request_id="f")
+            results = stream.until_final()
+            assert [int(r.as_numpy("token_ids")[0]) for r in results] == expected
+            assert [is_final(r) for r in results] == [False] * 9 + [True]
+            stream.send("one", max_tokens=4000)
+            stream.next()
+        finally:
+            fronted.stop_stream(cancel_requests=True)
+        started = time.monotonic()
+        assert len(generate(fronted, "one", max_tokens=3).as_numpy("token_ids")) == 3
+        assert time.monotonic() - started < WAIT_MS / 1e3
+        assert process.alive(), process.log_tail()

@@ -8,7 +8,10 @@ process) and starts N front ends that bind the agent's port together
 answers ModelInfer and ModelStreamInfer through the feed (`feed.py`: input
 bytes in shared memory, one small frame each way) and passes every other
 call, bytes untouched, to the engine process's own gRPC server on a unix
-socket, so each behaves exactly as with one process. A front end checks
+socket, so each behaves exactly as with one process; a streamed request to
+a decoupled (generative) model goes there too, on a stream of its own, so
+its responses come back one by one and its cancellation reaches the engine
+process. A front end checks
 who may call what (it alone sees the client's token and certificate); the
 engine's socket lives in a private directory and trusts its front ends.
 
@@ -50,6 +53,8 @@ RESTART_DELAY_S = 1.0
 PORT_WAIT_S = 5.0
 MIN_CORES = 4  # below this a profile's front ends are not started
 MAX_STREAM_IN_FLIGHT = 256
+DECOUPLED_TTL_S = 5.0  # how long a front end trusts what it learned of a model
+DECOUPLED_MODELS = 1024  # models it remembers at most
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
 # Calls that need an inference or an admin credential (checked here, where
@@ -213,9 +218,50 @@ class _Handlers(grpc.GenericRpcHandler):
                 if path not in self._handlers:
                     self._handlers[path] = self._forwarder(
                         path, method.client_streaming, method.server_streaming)
+        self._decoupled: dict[tuple[str, str], tuple[bool, float]] = {}
 
     def service(self, handler_call_details):
         return self._handlers.get(handler_call_details.method)
+
+    async def _is_decoupled(self, request: pb.ModelInferRequest) -> bool:
+        """Whether the model answers a streamed request with a stream of
+        responses, as the engine process's ModelConfig says (remembered for
+        DECOUPLED_TTL_S; a model it cannot describe is not)."""
+        key, now = (request.model_name, request.model_version), time.monotonic()
+        known = self._decoupled.get(key)
+        if known is not None and now - known[1] < DECOUPLED_TTL_S:
+            return known[0]
+        ask = self._engine.unary_unary(
+            _INFERENCE + "ModelConfig", request_serializer=pb.ModelConfigRequest.SerializeToString,
+            response_deserializer=pb.ModelConfigResponse.FromString)
+        try:
+            answer = await ask(pb.ModelConfigRequest(name=key[0], version=key[1]), timeout=10)
+            decoupled = answer.config.model_transaction_policy.decoupled
+        except grpc.aio.AioRpcError:
+            decoupled = False  # the feed answers its error
+        if len(self._decoupled) >= DECOUPLED_MODELS:
+            self._decoupled.clear()
+        self._decoupled[key] = (decoupled, now)
+        return decoupled
+
+    async def _relay(self, request: pb.ModelInferRequest, context):
+        """A decoupled model's responses to one request, from the engine
+        process's own ModelStreamInfer; closing this cancels the call there."""
+        call = self._engine.stream_stream(
+            _INFERENCE + "ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )(iter([request]), metadata=_forwarded(context.invocation_metadata()),
+          timeout=context.time_remaining())
+        try:
+            async for answer in call:
+                if answer.error_message:
+                    raise TieredError(answer.error_message)
+                yield answer.infer_response
+        except grpc.aio.AioRpcError as error:
+            raise TieredError(error.details() or str(error.code())) from error
+        finally:
+            call.cancel()
 
     def _check(self, path: str, context) -> None:
         if path in _NEEDS_INFERENCE:
@@ -235,6 +281,8 @@ class _Handlers(grpc.GenericRpcHandler):
     async def _stream(self, requests: AsyncIterator, context):
         async def infer(request):
             self._authorizer.require_inference(context)  # refused in the stream, per request
+            if await self._is_decoupled(request):
+                return self._relay(request, context)
             try:
                 answer = await self._feed.infer(request, seconds_left(context))
             except FedError as error:

@@ -160,21 +160,27 @@ class Detokenizer:
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        held = len(self.ids) - self._read
-        if (len(after) > len(before) and not after.endswith("\ufffd")
-                and after.startswith(before)):
+        before, after = self._window()
+        if len(after) > len(before) and not after.endswith("\ufffd") \
+                and after.startswith(before):
             return self._sent(after[len(before):])
-        if held >= MAX_HELD_TOKENS:
+        if len(self.ids) - self._read >= MAX_HELD_TOKENS:
             return self._sent("".join(self._decode([t]) for t in self.ids[self._read:]))
         return ""
 
     def flush(self) -> str:
-        """What is still held, as the tokenizer decodes it (the sequence ended)."""
+        """What is still held (the sequence ended): as the window decodes it,
+        else as the tokenizer decodes each token."""
         if self._read == len(self.ids):
             return ""
+        before, after = self._window()
+        if after.startswith(before):  # a special token (end of sequence) adds nothing
+            return self._sent(after[len(before):])
         return self._sent("".join(self._decode([t]) for t in self.ids[self._read:]))
+
+    def _window(self) -> tuple[str, str]:
+        return (self._decode(self.ids[self._prefix:self._read]),
+                self._decode(self.ids[self._prefix:]))
 
     def _sent(self, text: str) -> str:
         self._prefix, self._read = self._read, len(self.ids)

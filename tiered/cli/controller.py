@@ -39,6 +39,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     controller.add_argument("--interval", type=float, default=2.0, metavar="S",
                             help="local: seconds between reconcile passes (default 2)")
+    controller.add_argument("--max-builds", type=int, metavar="N",
+                            help="local: tier builds run at once, in the background "
+                            "(default 1 on two cores or fewer, else 2)")
     flags.add_backend_flags(controller)
     flags.add_tls_flags(controller, server=False)
     controller.add_argument("--routing-configmap", default="tiered-routing", metavar="NAME",
@@ -132,7 +135,8 @@ def _run_controller(args: argparse.Namespace) -> int:
     try:
         controller = LocalController(args.state, interval_s=args.interval,
                                      retire_grace_s=args.retire_grace,
-                                     progress=lambda line: print(line, flush=True))
+                                     progress=lambda line: print(line, flush=True),
+                                     max_builds=args.max_builds)
     except TieredError as error:
         print(f"tiered controller: {error}", file=sys.stderr)
         return 2

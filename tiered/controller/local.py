@@ -8,8 +8,11 @@ module only observes and applies:
 
 - a wanted version is built for each tier into that tier's model repository
   with `tiered build` in a process of its own, as the Kubernetes init
-  container does (the artifact is checked against its sha256 first); it is
-  Ready once built, Refused with the build's verdict;
+  container does (the artifact is checked against its sha256 first), in the
+  background and a few at a time (`tiered.controller.local_builds`): the pass
+  goes on, the version is Pending with what it waits for ("building, 12 s")
+  and a later pass finds it built, or Refused with the build's verdict; it
+  is Ready once the tier's agent serves it;
 - the versions the plan keeps are loaded into each tier's agent (the
   repository's config.yaml names them, so a restarted controller knows what
   is loaded); a retired version is dropped from it;
@@ -25,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -39,6 +41,7 @@ import yaml
 from tiered import names
 from tiered.controller import desired, plan
 from tiered.controller.judge import RolloutJudge
+from tiered.controller.local_builds import LOADING, BuildKey, BuildRequest, Builds
 from tiered.controller.reconciler import Reconciler, Stored, routed
 from tiered.controller.store import StateStore
 from tiered.errors import ConfigError, Conflict, NotFound, TieredError
@@ -47,13 +50,11 @@ from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import routing
 from tiered.protocol.security import ChannelCache
-from tiered.protocol.verdict import read_verdict
 from tiered.rollout.spec import ArtifactVersion, RolloutStatus, TieredModel, to_plain
 
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 120.0
-BUILD_TIMEOUT_S = 600.0  # one tier build of one version
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,11 @@ class StateLayout:
     def repository(self, tier: str) -> Path:
         return self.root / "repositories" / tier
 
+    @property
+    def builds(self) -> Path:
+        """The records of the tier builds (see `tiered.controller.local_builds`)."""
+        return self.root / "builds"
+
 
 @dataclass(frozen=True)
 class RunningSystem:
@@ -146,14 +152,17 @@ class LocalBackend:
 
     def __init__(self, layout: StateLayout, store: StateStore,
                  channel: Callable[[str], grpc.Channel],
-                 progress: Callable[[str], None]) -> None:
+                 progress: Callable[[str], None], *, max_builds: int | None = None) -> None:
         self.layout = layout
         self.store = store
         self.channel = channel
         self.progress = progress
         self.system = RunningSystem({}, "")  # read afresh every pass
-        # (model, version, tier) -> (the artifact file's stamp then, why refused)
-        self._refused: dict[tuple[str, int, str], tuple[tuple[int, int] | None, str]] = {}
+        self.builds = Builds(layout.builds, progress, max_builds=max_builds)
+
+    def close(self) -> None:
+        """Stop the builds still running."""
+        self.builds.close()
 
     def read(self, name: str) -> Stored | None:
         try:
@@ -168,54 +177,42 @@ class LocalBackend:
 
     def prepare(self, spec: TieredModel, wanted: plan.Versions
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
-        """Build what is missing: a version is Ready on a tier once it is in the
-        tier's repository. A refused build is tried again only once its
-        artifact file has changed (a build's verdict on the same bytes stands)."""
+        """Build what is missing, in the background: a version is Ready on a
+        tier once the tier's agent serves it (its repository config names
+        it), Pending while it builds or loads. A refused build is tried again
+        only once its artifact file has changed (a build's verdict on the same
+        bytes stands)."""
         by_version = {a.version: a for a in wanted.artifacts}
+        self.builds.keep(spec.name, (BuildKey(spec.name, version, tier)
+                                     for version in wanted.wanted for tier in self._tiers(spec)))
+        self.builds.poll()
         states: dict[tuple[str, int], plan.VersionState] = {}
-        for version in wanted.wanted:
-            for tier in self._tiers(spec):
-                states[(tier, version)] = self._built(spec, tier, by_version[version])
+        for tier in self._tiers(spec):
+            loaded = self._loaded(spec.name, tier)
+            for version in wanted.wanted:
+                states[(tier, version)] = self._state(spec, tier, by_version[version], loaded)
         present = frozenset(v for tier in self._tiers(spec)
                             for v in self._loaded(spec.name, tier))
         return states, present
 
-    def _built(self, spec: TieredModel, tier: str, artifact: ArtifactVersion
-               ) -> plan.VersionState:
-        key = (spec.name, artifact.version, tier)
-        stamp = _file_stamp(artifact.uri)
-        if key in self._refused and self._refused[key][0] == stamp:
-            return plan.VersionState(plan.REFUSED, self._refused[key][1])
+    def _state(self, spec: TieredModel, tier: str, artifact: ArtifactVersion,
+               loaded: Sequence[int]) -> plan.VersionState:
         repository = self.layout.repository(tier)
-        if (repository / spec.name / str(artifact.version)).is_dir():
-            return plan.VersionState(plan.READY)
-        self.progress(f"{spec.name}: building version {artifact.version} for {tier}")
-        started = time.monotonic()
-        built, said = self._build_one(spec, tier, artifact, repository)
-        if not built:
-            self._refused[key] = (stamp, said)
-            return plan.VersionState(plan.REFUSED, said)
-        self.progress(f"{spec.name}: built version {artifact.version} for {tier} in "
-                      f"{time.monotonic() - started:.1f} s: {said}")
-        return plan.VersionState(plan.READY)
+        if self._built(spec.name, tier, artifact.version):
+            return plan.VersionState(plan.READY) if artifact.version in loaded else \
+                plan.VersionState(plan.PENDING, LOADING)  # `apply` loads it
+        command = (sys.executable, "-m", "tiered",
+                   *desired.build_args(spec, tier, artifact, str(repository)), "--force")
+        return self.builds.state(BuildRequest(BuildKey(spec.name, artifact.version, tier),
+                                              command, _file_stamp(artifact.uri)))
 
-    def _build_one(self, spec: TieredModel, tier: str, artifact: ArtifactVersion,
-                   repository: Path) -> tuple[bool, str]:
-        """`tiered build` in a process of its own, as on Kubernetes: whether it
-        wrote the version, and its verdict's reason (the gate's, or why not)."""
-        command = [sys.executable, "-m", "tiered",
-                   *desired.build_args(spec, tier, artifact, str(repository)), "--force"]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
-            return False, f"tiered build did not finish in {BUILD_TIMEOUT_S:g} s"
-        verdict = read_verdict(done.stderr)
-        if verdict is None or not verdict.built:
-            log.warning("%s: %s", " ".join(command), done.stderr.strip())
-        if verdict is None:
-            return False, f"tiered build exited with code {done.returncode} and no verdict"
-        return verdict.built, verdict.reason
+    def _built(self, model: str, tier: str, version: int) -> bool:
+        """Whether the version is in the tier's repository, its build over (a
+        build renames its version into place, then writes a new model's
+        config.yaml)."""
+        model_dir = self.layout.repository(tier) / model
+        return ((model_dir / str(version)).is_dir() and (model_dir / "config.yaml").is_file()
+                and not self.builds.running(BuildKey(model, version, tier)))
 
     def agents(self, spec: TieredModel, rollout: RolloutStatus) -> Mapping[str, Sequence[str]]:
         return {tier: self.system.agents.get(tier, ()) for tier in self._tiers(spec)}
@@ -227,8 +224,7 @@ class LocalBackend:
         """Each tier's agents serve the versions kept that are built there."""
         for tier in self._tiers(spec):
             repository = self.layout.repository(tier)
-            versions = tuple(v for v in made.keep
-                             if (repository / spec.name / str(v)).is_dir())
+            versions = tuple(v for v in made.keep if self._built(spec.name, tier, v))
             if not versions or not self._write_config(spec, tier, repository, versions):
                 continue
             for agent in self.system.agents.get(tier, ()):
@@ -300,18 +296,21 @@ class LocalController:
     def __init__(self, state_dir: Path, *, interval_s: float = 2.0,
                  clock: Callable[[], float] = time.time, seed: int = 0,
                  retire_grace_s: float = plan.RETIRE_GRACE_S,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None,
+                 max_builds: int | None = None) -> None:
         self.layout = StateLayout(Path(state_dir))
         self.store = StateStore(self.layout.store)
         self.interval_s = interval_s
         self.progress = progress or (lambda line: log.info("%s", line))
         self._channel = ChannelCache()  # loopback agents run --insecure
-        self.backend = LocalBackend(self.layout, self.store, self._channel, self.progress)
+        self.backend = LocalBackend(self.layout, self.store, self._channel, self.progress,
+                                    max_builds=max_builds)
         self.reconciler = Reconciler(self.backend, RolloutJudge(self._channel, seed),
                                      clock=clock, progress=self.progress,
                                      retire_grace_s=retire_grace_s)
 
     def close(self) -> None:
+        self.backend.close()
         self._channel.close()
         self.store.close()
 
@@ -329,7 +328,9 @@ class LocalController:
         if system is None:
             raise TieredError(f"no running system in {self.layout.system}: start `tiered up`")
         self.backend.system = system
-        for record in self.store.list():
+        records = self.store.list()
+        self.backend.builds.keep_models(record.name for record in records)
+        for record in records:
             try:
                 self.reconciler.reconcile(record.name)
             except Conflict as error:

@@ -58,8 +58,11 @@ class ControllerSettings:
     interval_s: float = 2.0
     retire_grace_s: float = RETIRE_GRACE_S  # a retired version's agents outlive its routes
     metrics_port: int = 0  # Prometheus /metrics on loopback; 0: any free port (it logs it)
+    max_builds: int | None = None  # tier builds at once; None: 1 on two cores or fewer, else 2
 
     def __post_init__(self) -> None:
+        if self.max_builds is not None and not 1 <= self.max_builds <= 64:
+            raise ConfigError(f"max_builds: expected 1..64, got {self.max_builds}")
         if not 0.1 <= self.interval_s <= 3600:
             raise ConfigError(f"interval_s: expected 0.1..3600 s, got {self.interval_s}")
         if not 0 <= self.retire_grace_s <= 86400:
@@ -170,7 +173,9 @@ class LocalUp:
                 [sys.executable, "-m", "tiered", "controller", "--state", str(self.layout.root),
                  "--interval", str(self.system.controller.interval_s),
                  "--retire-grace", str(self.system.controller.retire_grace_s),
-                 "--metrics-port", str(self.system.controller.metrics_port)],
+                 "--metrics-port", str(self.system.controller.metrics_port),
+                 *(["--max-builds", str(self.system.controller.max_builds)]
+                   if self.system.controller.max_builds is not None else [])],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self.progress(f"controller: pid {self.controller.pid} (log {log_path})")
 

@@ -64,6 +64,25 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _remove_stale_staging(model_dir: Path, version: int) -> None:
+    """The staging directories of this version that a killed build left (its
+    process is gone); hidden, so no agent ever loaded them."""
+    for staging in model_dir.glob(f".{version}.partial-*"):
+        pid = staging.name.rpartition("-")[2]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
 def install_version(
     built: Path, repository: Path, model: str, version: int,
     config: Mapping[str, Any], *, force: bool,
@@ -73,7 +92,9 @@ def install_version(
     The files are first copied next to their place under a hidden name the
     agent ignores, then renamed into place in one step, so an agent never sees
     a half-written version. config.yaml is written (the same way) only when
-    the model has none. On any failure the repository is left as it was.
+    the model has none. On any failure the repository is left as it was; the
+    staging directory of a build killed while copying goes with the next build
+    of that version.
     """
     check_layout_names(model, version)
     if repository.exists() and not repository.is_dir():
@@ -87,6 +108,7 @@ def install_version(
     config_path = model_dir / CONFIG_FILE
     try:
         model_dir.mkdir(exist_ok=True)
+        _remove_stale_staging(model_dir, version)
         shutil.copytree(built, staging)
         replacing = target.exists()
         if replacing:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiered.errors import InvalidArgument, ResourceExhausted
+from tiered.errors import EngineError, InvalidArgument, ResourceExhausted
 
 MAX_TOKENS_LIMIT = 4096  # the most tokens one request may ask for
 
@@ -96,6 +96,12 @@ class GenerativeEngine(ABC):
 
     def close(self) -> None:
         """Release what the engine holds. Safe to call twice."""
+
+    def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Teacher forcing: the logits after each prefix of `ids`, FP32
+        [len(ids), vocab], leaving running sequences as they were. What a
+        build's accuracy gate scores a model with."""
+        raise EngineError(f"{type(self).__name__} cannot score a token sequence")
 
     def check_fits(self, prompt: Sequence[int], sampling: Sampling) -> None:
         """The admission checks every engine makes."""

@@ -87,6 +87,16 @@ class OrtGenAIEngine(GenerativeEngine):
     def close(self) -> None:
         self._generators.clear()
 
+    def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
+        # A generator of its own: appending tokens runs them in one forward,
+        # whose logits output holds every position's row.
+        params = og.GeneratorParams(self._model)
+        params.set_search_options(max_length=len(ids) + 1)
+        generator = og.Generator(self._model, params)
+        generator.append_tokens(np.asarray(ids, dtype=np.int32))
+        logits = np.asarray(generator.get_output("logits"), dtype=np.float32)
+        return logits.reshape(-1, logits.shape[-1])[-len(ids):]
+
 
 def _config(model_dir: Path) -> dict:
     import json

@@ -1,0 +1,211 @@
+"""The generative torch engine: transformers' Llama numerics, a static KV cache
+of bounded slots, one batched decode step for every running sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from tiered.engines.generative.base import Sampling  # noqa: E402
+from tiered.engines.generative.torch_engine import (  # noqa: E402
+    TorchGenerativeEngine,
+    TorchGenerativeSettings,
+)
+from tiered.errors import ConfigError, InvalidArgument, ResourceExhausted  # noqa: E402
+from tiered.models import tinyllama  # noqa: E402
+
+PROMPTS = ("the quick", "edge gateways answer first", "a canary takes a few percent",
+           "small models run on gateways")
+
+
+def _engine(checkpoint, **settings) -> TorchGenerativeEngine:
+    return TorchGenerativeEngine(checkpoint, TorchGenerativeSettings(
+        **{"device": "cpu", "precision": "fp32", **settings}))
+
+
+def _alone(engine, prompt: list[int], sampling: Sampling) -> list[tuple[int, float]]:
+    sequence = engine.start(prompt, sampling)
+    out = []
+    while engine.running:
+        (token,) = engine.step()
+        assert token.sequence == sequence
+        out.append((token.id, token.logprob))
+    return out
+
+
+@pytest.fixture(scope="module")
+def v1(tinyllama_models):
+    return tinyllama_models / "tinyllama-v1"
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """Random weights, GQA of 3 query heads per key head, and a head_dim
+    other than hidden / heads: the shapes the tiny variants do not cover."""
+    shape = tinyllama.TinyLlama(layers=3, hidden=96, heads=6, kv_heads=2, intermediate=160,
+                                train_steps=0, seed=3)
+    checkpoint = tinyllama.write_checkpoint(tmp_path_factory.mktemp("untrained"), shape)
+    import json
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["num_attention_heads"] // config["num_key_value_heads"] == 3
+    return checkpoint
+
+
+@pytest.mark.parametrize("which", ["v1", "v3", "untrained"])
+def test_logits_match_transformers_llama_in_fp32(which, tinyllama_models, untrained):
+    from transformers import LlamaForCausalLM
+
+    checkpoint = untrained if which == "untrained" else \
+        tinyllama_models / f"tinyllama-{which}"
+    engine = _engine(checkpoint)
+    reference = LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    for text in PROMPTS:
+        ids = engine.encode(text + " and then some more words")
+        ours = engine.prefix_logits(ids)
+        with torch.no_grad():
+            theirs = reference(torch.tensor([ids])).logits[0].numpy()
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_greedy_decode_matches_transformers_generate(v1):
+    from transformers import LlamaForCausalLM
+
+    engine = _engine(v1)
+    reference = LlamaForCausalLM.from_pretrained(v1).eval()
+    for text in PROMPTS:
+        ids = engine.encode(text)
+        ours = [token for token, _ in _alone(engine, ids, Sampling(max_tokens=12))]
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                     pad_token_id=tinyllama.EOS_ID)
+        assert ours == out[0, len(ids):].tolist()
+    assert engine.decode(engine.encode("the quick brown")) == "the quick brown"
+
+
+@pytest.mark.parametrize("which", ["v1", "untrained"])
+def test_batched_decode_equals_each_sequence_decoded_alone(which, v1, untrained):
+    engine = _engine(v1 if which == "v1" else untrained)
+    sampling = Sampling(max_tokens=10)
+    prompts = [engine.encode(text) for text in PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)  # different lengths
+    alone = [_alone(engine, p, sampling) for p in prompts]
+    ids = [engine.start(p, sampling) for p in prompts]
+    together: dict[int, list[tuple[int, float]]] = {i: [] for i in ids}
+    while engine.running:
+        tokens = engine.step()
+        assert len({t.sequence for t in tokens}) == len(tokens)  # one token each
+        for token in tokens:
+            together[token.sequence].append((token.id, token.logprob))
+    for sequence, expected in zip(ids, alone, strict=True):
+        got = together[sequence]
+        assert [t for t, _ in got] == [t for t, _ in expected]
+        np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in expected],
+                                   atol=1e-4)
+
+
+def test_sequences_join_and_leave_between_steps(v1):
+    engine = _engine(v1, max_sequences=2)
+    sampling = Sampling(max_tokens=8)
+    first, second, third = (engine.encode(t) for t in PROMPTS[:3])
+    expected = {name: [t for t, _ in _alone(engine, p, sampling)]
+                for name, p in (("first", first), ("second", second), ("third", third))}
+    got: dict[str, list[int]] = {"first": [], "second": [], "third": []}
+    names = {engine.start(first, sampling): "first"}
+    for _ in range(3):
+        for token in engine.step():
+            got[names[token.sequence]].append(token.id)
+    names[engine.start(second, sampling)] = "second"  # joins while the first decodes
+    tokens = engine.step()
+    assert sorted(names[t.sequence] for t in tokens) == ["first", "second"]
+    for token in tokens:
+        got[names[token.sequence]].append(token.id)
+    leaving = next(i for i, n in names.items() if n == "first")
+    engine.stop(leaving)  # its client went away: its slot is free at once
+    engine.stop(leaving)  # and an unknown id is ignored
+    names[engine.start(third, sampling)] = "third"
+    while engine.running:
+        for token in engine.step():
+            got[names[token.sequence]].append(token.id)
+    assert got["first"] == expected["first"][:4]
+    assert got["second"] == expected["second"]
+    assert got["third"] == expected["third"]  # in the slot the first one left
+
+
+def test_slots_are_bounded(v1):
+    engine = _engine(v1, max_sequences=2, max_context=32)
+    prompt = engine.encode("the quick")
+    a = engine.start(prompt, Sampling(max_tokens=4))
+    engine.start(prompt, Sampling(max_tokens=4))
+    with pytest.raises(ResourceExhausted, match="2 sequences"):
+        engine.start(prompt, Sampling(max_tokens=4))
+    engine.stop(a)
+    engine.start(prompt, Sampling(max_tokens=4))
+    with pytest.raises(InvalidArgument, match="context of 32"):
+        engine.stop(engine.start(prompt, Sampling(max_tokens=31)))
+    with pytest.raises(InvalidArgument, match="no tokens"):
+        engine.start([], Sampling())
+    assert engine.describe()["sequences"] == "2"
+
+
+def test_a_sequence_ends_at_end_of_sequence_or_max_tokens(v1):
+    engine = _engine(v1)
+    tokens = _alone(engine, engine.encode("the quick brown fox jumps over"), Sampling(64))
+    assert [t for t, _ in tokens][-1] == tinyllama.EOS_ID
+    assert engine.decode([t for t, _ in tokens]) == " the lazy dog"
+    assert len(_alone(engine, engine.encode("the quick"), Sampling(max_tokens=3))) == 3
+
+
+def test_sampling_is_seeded(v1):
+    engine = _engine(v1)
+    prompt = engine.encode("when the")
+    hot = Sampling(max_tokens=10, temperature=5.0, seed=7)
+    first = _alone(engine, prompt, hot)
+    assert _alone(engine, prompt, hot) == first
+    assert _alone(engine, prompt, Sampling(max_tokens=10, temperature=5.0, seed=8)) != first
+
+
+def test_settings_that_cannot_run_are_refused(v1, tmp_path):
+    with pytest.raises(ConfigError, match="fp16 runs on CUDA only"):
+        _engine(v1, precision="fp16")
+    with pytest.raises(ConfigError, match="max_cache_mib"):
+        _engine(v1, max_sequences=100000, max_cache_mib=1)
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        _engine(v1, max_context=100000)
+    with pytest.raises(ConfigError, match="precision"):
+        TorchGenerativeSettings(precision="int4")
+    with pytest.raises(ConfigError, match="not a checkpoint"):
+        _engine(tmp_path)
+
+
+def test_bf16_on_the_cpu_answers_like_fp32(v1):
+    fp32, bf16 = _engine(v1), _engine(v1, precision="bf16")
+    prompt = fp32.encode("tokens stream one")
+    assert [t for t, _ in _alone(bf16, prompt, Sampling(12))] == \
+        [t for t, _ in _alone(fp32, prompt, Sampling(12))]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cuda_graph_decode_equals_eager_and_fp32(precision, v1):
+    graphs = _engine(v1, device="cuda", precision=precision)
+    eager = _engine(v1, device="cuda", precision=precision, cuda_graphs=False)
+    fp32 = _engine(v1)
+    sampling = Sampling(max_tokens=10)
+    for engine in (graphs, eager, fp32):
+        ids = [engine.start(engine.encode(t), sampling) for t in PROMPTS]
+        out: dict[int, list[int]] = {i: [] for i in ids}
+        while engine.running:
+            for token in engine.step():
+                out[token.sequence].append(token.id)
+        engine.result = [out[i] for i in ids]
+    assert graphs.describe()["cuda_graphs"] == "true"
+    assert graphs.result == eager.result == fp32.result

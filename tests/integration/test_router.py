@@ -37,6 +37,7 @@ from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
+from tiered.router.forward import served_by
 
 pytest.importorskip("torch")
 TIERS = ("edge", "regional", "datacenter")
@@ -199,11 +200,13 @@ def test_router_serves_metadata_and_infer_like_an_agent(client):
 @pytest.mark.parametrize("tier", TIERS)
 def test_the_tier_hint_pins_the_request(client, agents, tier):
     before = served(agents)
-    for _ in range(5):
-        client.infer("digits", inputs_of(images()), headers={"tiered-tier": tier})
-    for _ in range(5):
-        client.infer("digits", inputs_of(images()), parameters={"tiered-tier": tier})
+    answers = [client.infer("digits", inputs_of(images()), headers={"tiered-tier": tier})
+               for _ in range(5)]
+    answers += [client.infer("digits", inputs_of(images()), parameters={"tiered-tier": tier})
+                for _ in range(5)]
     assert delta(before, served(agents)) == {t: 10 if t == tier else 0 for t in TIERS}
+    # Every answer names the tier that served it.
+    assert {a.get_response().parameters["tiered-tier"].string_param for a in answers} == {tier}
 
 
 def test_an_unknown_tier_hint_is_invalid_argument(client):
@@ -226,8 +229,11 @@ def test_the_answer_is_the_agents_bytes_and_undecodable_bytes_are_invalid(router
         with grpc.insecure_channel(target) as channel:
             call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
             answers[target] = call(request.SerializeToString(), timeout=10)
-    assert answers[router.address] == answers[agents["edge"].address]
-    assert pb.ModelInferResponse.FromString(answers[router.address]).model_version == "2"
+    # The agent's bytes as they came, with one parameter after them: the tier that answered.
+    assert answers[router.address] == answers[agents["edge"].address] + served_by("edge")
+    answer = pb.ModelInferResponse.FromString(answers[router.address])
+    assert answer.model_version == "2"
+    assert answer.parameters["tiered-tier"].string_param == "edge"
     with grpc.insecure_channel(router.address) as channel, \
             pytest.raises(grpc.RpcError) as caught:
         channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(b"\xff\xff", timeout=10)

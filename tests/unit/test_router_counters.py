@@ -69,3 +69,24 @@ def test_answers_are_timed_in_a_histogram_per_model_tier_and_version():
     assert f'tiered_router_request_duration_seconds_count{{{edge}}} 4.0' in text
     assert 'tiered_router_request_duration_seconds_count{model="m",tier="datacenter",' \
         'version="2"} 1.0' in text
+
+
+def test_agents_are_up_or_held_down_per_address_and_tier():
+    from tiered.router.counters import DOWN, AgentStates
+
+    states = AgentStates()
+    metrics = RouterMetrics(ShadowAgreement(), states)
+    down: dict[str, object] = {}
+    states.watch([("e:1", "edge"), ("r:1", "regional"), ("e:1", "edge")], down)
+    down["e:1"] = "held"
+    metrics.failed_over("m", "edge", DOWN)
+    metrics.failed_over("m", "edge", DOWN)
+    metrics.failed_over("m", "regional", "unavailable")
+    text = generate_latest(metrics.registry).decode()
+    assert 'tiered_router_agent_up{agent="e:1",tier="edge"} 0.0' in text
+    assert 'tiered_router_agent_up{agent="r:1",tier="regional"} 1.0' in text
+    assert 'tiered_router_failovers_total{model="m",reason="down",tier="edge"} 2.0' in text
+    assert 'tiered_router_failovers_total{model="m",reason="unavailable",tier="regional"} 1.0' \
+        in text
+    states.watch([("r:1", "regional")], down)  # e:1 left the table: its series goes
+    assert 'agent="e:1"' not in generate_latest(metrics.registry).decode()

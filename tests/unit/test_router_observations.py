@@ -114,3 +114,26 @@ def test_the_deadline_is_the_earliest_of_table_grpc_and_timeout_parameter():
     assert deadline(request.parameters, 2.0, 30.0, now=100.0) == 100.5
     request.parameters["timeout"].string_param = "soon"  # not a timeout: ignored
     assert deadline(request.parameters, None, 30.0, now=100.0) == 130.0
+
+
+STRICT = {"metadata-true": ([("tiered-tier", "edge"), ("tiered-tier-strict", "true")], {}, True),
+          "metadata-yes": ([("tiered-tier", "edge"), ("tiered-tier-strict", "Yes")], {}, True),
+          "metadata-0": ([("tiered-tier", "edge"), ("tiered-tier-strict", "0")], {}, False),
+          "bool-parameter": ([("tiered-tier", "edge")], {"tiered-tier-strict": True}, True),
+          "absent": ([("tiered-tier", "edge")], {}, False)}
+
+
+@pytest.mark.parametrize("metadata, parameters, strict", STRICT.values(), ids=STRICT)
+def test_the_strict_hint_reads_as_a_boolean(metadata, parameters, strict):
+    request = pb.ModelInferRequest(model_name="m")
+    for key, value in parameters.items():
+        request.parameters[key].bool_param = value
+    hints = read_hints("m", request.parameters, metadata)
+    assert (hints.tier, hints.strict) == ("edge", strict)
+
+
+def test_a_bad_strict_hint_or_one_without_a_tier_is_invalid_argument():
+    with pytest.raises(InvalidArgument, match="tiered-tier-strict: expected true or false"):
+        read_hints("m", {}, [("tiered-tier", "edge"), ("tiered-tier-strict", "maybe")])
+    with pytest.raises(InvalidArgument, match="tiered-tier-strict: needs a tiered-tier hint"):
+        read_hints("m", {}, [("tiered-tier-strict", "true")])

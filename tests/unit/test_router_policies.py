@@ -259,3 +259,80 @@ def test_candidates_of_a_canary_with_its_own_agents():
         ("edge", "c:1", 2), ("regional", "r:1", 1)]
     stable = p.candidates_of(route, {"edge": 1, "regional": 1})
     assert [c.agent for c in stable] == ["s:1", "s:2", "r:1"]
+
+
+# -- a tier hint is a preference; agents held down go last ------------------------------
+
+PREFERRED = {
+    "edge-then-up-the-tiers": ("edge", ALL, ["edge", "edge", "regional", "datacenter"]),
+    "regional-then-bigger-then-smaller": ("regional", ALL,
+                                          ["regional", "datacenter", "edge", "edge"]),
+    "datacenter-then-nearest-down": ("datacenter", ALL,
+                                     ["datacenter", "regional", "edge", "edge"]),
+    "a-hinted-tier-the-model-lacks": ("datacenter", (E1, R1), ["regional", "edge"]),
+}
+
+
+@pytest.mark.parametrize("tier, candidates, tiers", PREFERRED.values(), ids=PREFERRED)
+def test_preferred_puts_the_hinted_tier_first_then_falls_back(tier, candidates, tiers):
+    ranking = p.Preferred().choose(candidates, p.RouteRequest("m", tier=tier), {},
+                                   random.Random(0))
+    assert [c.tier for c in ranking.candidates] == tiers
+    assert sorted(ranking.candidates, key=ALL.index) == sorted(candidates, key=ALL.index)
+
+
+def test_preferred_refuses_an_unknown_tier():
+    with pytest.raises(InvalidArgument, match="tiered-tier: unknown tier 'moon'"):
+        p.Preferred().choose(ALL, p.RouteRequest("m", tier="moon"), {}, random.Random(0))
+
+
+def test_fallback_tiers_go_up_then_down_nearest_first():
+    tiers = ("edge", "regional", "datacenter")
+    assert p.fallback_tiers("edge", tiers) == ["regional", "datacenter"]
+    assert p.fallback_tiers("regional", tiers) == ["datacenter", "edge"]
+    assert p.fallback_tiers("datacenter", tiers) == ["regional", "edge"]
+
+
+def test_a_hint_is_a_preference_unless_strict():
+    route = parse_table({"version": 1, "models": {"m": {"policy": "cascade", "tiers": {
+        t: {"agents": [f"{t}:1"]} for t in ("edge", "regional", "datacenter")}}}}).models["m"]
+    assert isinstance(p.policy_for(route, p.RouteRequest("m", tier="edge")), p.Preferred)
+    assert isinstance(p.policy_for(route, p.RouteRequest("m", tier="edge", strict=True)),
+                      p.Pinned)
+    assert isinstance(p.policy_for(route, p.RouteRequest("m")), p.Cascade)
+
+
+HEALTHY_FIRST = {
+    "nothing-down": ((E1, R1, D1), set(), (E1, R1, D1), ()),
+    "first-down-goes-last": ((E1, R1, D1), {"e:1"}, (R1, D1, E1), (E1,)),
+    "a-later-one-down": ((E1, R1, D1), {"r:1"}, (E1, D1, R1), ()),
+    "two-down-keep-their-order": ((E1, E2, R1, D1), {"e:1", "e:2"}, (R1, D1, E1, E2),
+                                  (E1, E2)),
+    "all-down-order-stands": ((E1, R1), {"e:1", "r:1"}, (E1, R1), ()),
+    "unknown-down-agents-ignored": ((E1, R1), {"x:9"}, (E1, R1), ()),
+}
+
+
+@pytest.mark.parametrize("ranked, down, order, passed", HEALTHY_FIRST.values(),
+                         ids=HEALTHY_FIRST)
+def test_agents_held_down_go_after_every_agent_that_is_up(ranked, down, order, passed):
+    ranking = p.healthy_first(p.Ranking(ranked, energy_incomparable=True), down)
+    assert ranking.candidates == order
+    assert ranking.passed_over == passed
+    assert ranking.energy_incomparable  # the policy's other findings stand
+
+
+def test_rank_reads_health_for_every_policy():
+    hint = p.RouteRequest("m", tier="edge")
+    ranking = p.rank(p.Preferred(), (E1, R1, D1), hint, {}, random.Random(0), {"e:1"})
+    assert [c.agent for c in ranking.candidates] == ["r:1", "d:1", "e:1"]
+    assert ranking.passed_over == (E1,)
+    strict = p.rank(p.Pinned(), (E1, R1, D1), p.RouteRequest("m", tier="edge", strict=True),
+                    {}, random.Random(0), {"e:1"})
+    assert strict.candidates == (E1,) and strict.passed_over == ()  # nowhere else to go
+    cascade = p.rank(p.Cascade(("edge", "regional", "datacenter")), (E1, R1, D1),
+                     p.RouteRequest("m"), {}, random.Random(0), {"e:1"})
+    assert [c.tier for c in cascade.candidates] == ["regional", "datacenter", "edge"]
+    unhealthy = p.rank(p.SloEnergy(100), (E1, R1), p.RouteRequest("m"),
+                       {"e:1": obs(1, 0.1), "r:1": obs(1, 0.9)}, random.Random(0), {"e:1"})
+    assert unhealthy.candidates == (R1, E1)

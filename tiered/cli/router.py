@@ -16,10 +16,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "router",
         help="serve v2 gRPC and REST in front of the tier agents and route each request",
         description="A v2 inference server (tritonclient and perf_analyzer work unchanged) "
-        "that forwards each request to a tier agent named in the routing table: pinned by "
-        "the tiered-tier hint, else by the model's policy (slo-energy or cascade), with "
-        "failover, canary split sticky by tiered-key, shadowing and per-agent in-flight "
-        "limits. The table file is reloaded when it changes; an invalid one is rejected.",
+        "that forwards each request to a tier agent named in the routing table: the "
+        "tiered-tier hint's tier first (only it with tiered-tier-strict), else by the "
+        "model's policy (slo-energy or cascade), with failover (agents without a "
+        "connection held down and probed back), canary split sticky by tiered-key, "
+        "shadowing and per-agent in-flight limits. The table file is reloaded when it changes; an invalid one is rejected.",
     )
     router.add_argument("--routing-table", required=True, type=Path, metavar="FILE",
                         help="routing table (YAML or JSON)")

@@ -12,7 +12,7 @@ one file it is given; never talks to agents and imports nothing of ours above
     version: 7
     models:
       digits:
-        policy: slo-energy          # or cascade; a `tiered-tier` hint pins either
+        policy: slo-energy          # or cascade; a `tiered-tier` hint goes first in either
         slo_ms: 50                  # when the request sets no tiered-slo-ms
         failover_attempts: 3
         max_in_flight: 64           # per agent, counted by the router

@@ -1,5 +1,6 @@
-"""What the router counts: Prometheus counters for dashboards, and the tally
-of shadow comparisons that `tiered.v1.Telemetry/Agreement` serves.
+"""What the router counts: Prometheus counters for dashboards, the tally
+of shadow comparisons that `tiered.v1.Telemetry/Agreement` serves, and
+whether each agent is up as the router sees it (`AgentStates`).
 
 The tally is the one source of the shadow figures: the Prometheus counter
 `tiered_router_shadow` is collected from it, so the RPC and /metrics cannot
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tiered import names
 from tiered.telemetry.histogram import LATENCY_BUCKETS_S
@@ -26,6 +27,12 @@ MAX_SHADOWED_VERSIONS = 1024  # (model, canary version) pairs tallied; the oldes
 
 AGREE, DISAGREE, INCOMPARABLE, ERROR = "agree", "disagree", "incomparable", "error"
 RESULTS = (AGREE, DISAGREE, INCOMPARABLE, ERROR)
+
+# Why an agent was passed over (tiered_router_failovers_total's `reason`);
+# an attempt that failed is counted by its code in lower case
+# (unavailable, resource_exhausted, deadline_exceeded).
+DOWN = "down"  # held down, or found without a connection
+SATURATED = "saturated"  # at the router's in-flight limit for it
 
 
 @dataclass(frozen=True)
@@ -85,15 +92,51 @@ class ShadowAgreement:
         yield family
 
 
+class AgentStates:
+    """`tiered_router_agent_up{agent,tier}`: 1 while the router sends to an
+    agent of the routing table in use, 0 while it holds it down (until a
+    probe brings it back). Read from the table and the router's health at
+    each scrape, so an agent that left the table leaves no series."""
+
+    def __init__(self) -> None:
+        self._agents: tuple[tuple[str, str], ...] = ()  # (address, tier)
+        self._down: Container[str] = frozenset()
+
+    def watch(self, agents: Iterable[tuple[str, str]], down: Container[str]) -> None:
+        """Report `agents` (address, tier), each down while its address is in `down`."""
+        self._down = down  # read, never written, from the scrape's thread
+        self._agents = tuple(sorted(set(agents)))  # one assignment: a scrape sees old or new
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily("tiered_router_agent_up", "1 while the router sends requests "
+                                 "to the agent, 0 while it holds it down after a failed "
+                                 "connection, until a probe answers", labels=["agent", "tier"])
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        down = self._down
+        for agent, tier in self._agents:
+            family.add_metric([agent, tier], 0.0 if agent in down else 1.0)
+        yield family
+
+
 class RouterMetrics:
     """Prometheus counters; also what the periodic log line summarises."""
 
-    def __init__(self, shadow: ShadowAgreement) -> None:
+    def __init__(self, shadow: ShadowAgreement, agents: AgentStates | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("tiered_router_requests", "Requests answered, by where they went",
                                 ["model", "tier", "version", "outcome"], registry=self.registry)
-        self.failovers = Counter("tiered_router_failovers", "Attempts that failed over",
-                                 ["model", "tier", "code"], registry=self.registry)
+        self.failovers = Counter(
+            "tiered_router_failovers", "Agents passed over for a request, by their tier and "
+            "why: down, saturated, or the code of a failed attempt (unavailable, "
+            "resource_exhausted, deadline_exceeded)", ["model", "tier", "reason"],
+            registry=self.registry)
+        self.agents = agents or AgentStates()
+        self.registry.register(self.agents)
         self.escalations = Counter("tiered_router_escalations", "Cascade escalations",
                                    ["model", "from_tier"], registry=self.registry)
         self.registry.register(shadow)
@@ -125,6 +168,9 @@ class RouterMetrics:
     def answered(self, model: str, tier: str, version: str, seconds: float) -> None:
         self._child(self.requests, model, tier, version, "ok").inc()
         self._child(self.latency, model, tier, version).observe(seconds)
+
+    def failed_over(self, model: str, tier: str, reason: str) -> None:
+        self._child(self.failovers, model, tier, reason).inc()
 
     def ranked_without_energy(self, model: str) -> None:
         """Count one choice that energy could not decide (`Ranking.energy_incomparable`)."""

@@ -2,8 +2,9 @@
 calls to agents, and the counts.
 
 It owns the routing table in use and what the router knows and counts
-(observer, channel pool, statistics, metrics, shadow agreement). The choice
-itself is `policies`' (pure); the calls are `forward`'s. The clock and the
+(observer, agents' health and their prober, channel pool, statistics,
+metrics, shadow agreement). The choice itself is `policies`' (pure, given
+which agents are down); the calls are `forward`'s. The clock and the
 rng are injected. Never imports agent or controller code.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from tiered import errors
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import routing, security
-from tiered.router import counters, forward, hints, observations, policies, statistics
+from tiered.router import counters, forward, health, hints, observations, policies, statistics
 
 
 class Router:
@@ -34,7 +35,11 @@ class Router:
         self.metrics = counters.RouterMetrics(self.agreement)
         self.metrics.table_version.set(table.version)
         self.statistics = statistics.RouterStatistics()
-        self.forwarder = forward.Forwarder(self.pool, self.observer, self.metrics, clock)
+        self.health = health.AgentHealth(clock)
+        self.prober = health.Prober(self.health, self.pool.channel)  # run by the server
+        self.metrics.agents.watch(agents_by_tier(table), self.health.down)
+        self.forwarder = forward.Forwarder(self.pool, self.observer, self.metrics, clock,
+                                           self.health)
         self.shadows = forward.Shadows(self.pool, self.agreement, self.rng)
         # Candidates per (model, version of each tier): built once per table.
         self._candidates: dict[tuple[str, tuple[int, ...]], list[policies.Candidate]] = {}
@@ -46,6 +51,8 @@ class Router:
         self.statistics.keep_only(table.models)
         agents = table.agents()
         self.observer.forget(agents)
+        self.health.forget(agents)
+        self.metrics.agents.watch(agents_by_tier(table), self.health.down)
         await self.pool.keep_only(agents)
 
     def route_of(self, model: str) -> routing.ModelRoute:
@@ -95,13 +102,25 @@ class Router:
         # what is known of it, so nothing is read.
         seen = self.observer.snapshot((c.agent for c in candidates), model) \
             if len(candidates) > 1 else {}
-        ranking = policy.choose(candidates, wanted, seen, self.rng)
+        ranking = policies.rank(policy, candidates, wanted, seen, self.rng, self.health.down)
         if ranking.energy_incomparable:
             self.metrics.ranked_without_energy(model)
+        for passed in ranking.passed_over:
+            self.metrics.failed_over(model, passed.tier, counters.DOWN)
         send = self.forwarder.cascade if isinstance(policy, policies.Cascade) \
             else self.forwarder.forward
-        answer = await send(request, raw, ranking.candidates, route, deadline)
+        try:
+            answer = await send(request, raw, ranking.candidates, route, deadline)
+        except (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded) as error:
+            if wanted.strict:
+                raise self._strict_error(error, wanted.tier) from None
+            raise
         return answer, choices[answer.candidate.tier]
+
+    @staticmethod
+    def _strict_error(error: errors.TieredError, tier: str | None) -> errors.TieredError:
+        """The error of a request kept to its tier, naming the tier; `error` says why."""
+        return type(error)(f"tiered-tier-strict: tier {tier!r} cannot take the request: {error}")
 
     def candidates(self, model: str, route: routing.ModelRoute,
                    choices: Mapping[str, policies.VersionChoice]) -> list[policies.Candidate]:
@@ -125,3 +144,10 @@ class Router:
     async def close(self) -> None:
         self.shadows.cancel()
         await self.pool.close()
+
+
+def agents_by_tier(table: routing.RoutingTable) -> set[tuple[str, str]]:
+    """(address, tier) of every agent of the table, canary agents included."""
+    return {(agent, tier) for route in table.models.values()
+            for tier, tier_route in route.tiers.items()
+            for agent in (*tier_route.agents, *tier_route.canary_agents)}

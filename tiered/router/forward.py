@@ -3,12 +3,15 @@ escalation, shadow calls and the metadata and readiness probes.
 
 ModelInfer travels as bytes: the client's request goes to the agent as it
 came (a different `model_version` is appended, see `with_version`) and the
-agent's answer goes back to the client as it came; the router parses both to
-read them, never to rebuild them. Errors from agents come back as domain
-errors (`upstream_error`), so that `translate_errors` maps them once. Which
+agent's answer goes back to the client as it came, with a `tiered-tier`
+parameter appended that names the tier that answered (`served_by`); the
+router parses both to read them, never to rebuild them. Errors from agents
+come back as domain errors (`upstream_error`), so that `translate_errors`
+maps them once. Which
 agents to try, and in what order, is decided before these calls
-(`policies`); this module only follows the order it is given. It talks to
-agents over gRPC only and never imports agent or controller code.
+(`policies`); this module only follows the order it is given, passing over
+at once an agent it finds without a connection (marked down in `health`).
+It talks to agents over gRPC only and never imports agent or controller code.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from typing import NamedTuple
 import grpc
 from google.protobuf.message import DecodeError
 
-from tiered import errors
+from tiered import errors, names
 from tiered.protocol import codec, routing, security
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol.status import error_from_status
-from tiered.router import counters, observations, policies
+from tiered.router import counters, health, observations, policies
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +40,24 @@ MAX_SHADOW_IN_FLIGHT = 64  # shadow calls beyond this are skipped, never queued
 READY_PROBE_S = 1.0  # RepositoryIndex: how long a model's agents get to answer ModelReady
 METADATA_TIMEOUT_S = 5.0
 SERVER_READY_TIMEOUT_S = 1.0
+# An agent whose channel is not connected gets this long (at most half the
+# request's time left) to connect while another candidate is left to ask.
+CONNECT_BUDGET_S = 1.0
+MAX_RECONNECT_BACKOFF_S = 1.0  # a channel to a dead agent retries at least this often
+SERVED_TIER = "tiered-tier"  # the response parameter naming the tier that answered
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.DEADLINE_EXCEEDED})
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+_READY = grpc.ChannelConnectivity.READY
+_CONNECTING = (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING)
 
 # Bytes in, bytes out: a ModelInfer call that neither serializes nor parses.
 RawInfer = Callable[..., grpc.aio.UnaryUnaryCall]
 
 
 class Answer(NamedTuple):
-    """An agent's answer: parsed (for the router to read) and its bytes (for the client)."""
+    """An agent's answer, `served_by` appended: parsed (for the router to read)
+    and its bytes (for the client)."""
 
     response: pb.ModelInferResponse
     raw: bytes
@@ -80,6 +91,14 @@ def _version_field(version: int) -> bytes:
     return pb.ModelInferRequest(model_version=str(version)).SerializeToString()
 
 
+@functools.lru_cache(maxsize=len(names.TIERS))
+def served_by(tier: str) -> bytes:
+    """The bytes of a response parameter naming the tier that answered, to
+    append to an agent's answer (on the wire the last entry of a map key wins)."""
+    return pb.ModelInferResponse(parameters={
+        SERVED_TIER: pb.InferParameter(string_param=tier)}).SerializeToString()
+
+
 def parse_response(raw: bytes, agent: str) -> pb.ModelInferResponse:
     try:
         return pb.ModelInferResponse.FromString(raw)
@@ -111,6 +130,10 @@ class ChannelPool:
             # A name that resolves to many agents (a headless Service) is
             # balanced call by call rather than pinned to its first address.
             ("grpc.lb_policy_name", "round_robin"),
+            # gRPC's default backoff grows to 120 s; an agent restarted on its
+            # address is reconnected to (and probed back) within about a second.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000)),
         ])
 
     def stub(self, agent: str) -> pb_grpc.GRPCInferenceServiceStub:
@@ -155,18 +178,30 @@ class Forwarder:
     """Inference and metadata calls, in the order given, within a deadline."""
 
     def __init__(self, pool: ChannelPool, observer: observations.Observer,
-                 metrics: counters.RouterMetrics, clock: Callable[[], float]) -> None:
+                 metrics: counters.RouterMetrics, clock: Callable[[], float],
+                 agent_health: health.AgentHealth | None = None) -> None:
         self.pool = pool
         self.observer = observer  # in-flight limits and the latency of each call
         self.metrics = metrics
         self.clock = clock
+        self.health = agent_health or health.AgentHealth(clock)  # who is held down
 
     async def forward(self, request: pb.ModelInferRequest, raw: bytes,
                       candidates: Sequence[policies.Candidate], route: routing.ModelRoute,
-                      deadline: float) -> Answer:
-        """The first candidate that answers, failing over on retryable codes."""
+                      deadline: float, *, more_after: bool = False) -> Answer:
+        """The first candidate that answers, failing over on retryable codes.
+
+        An agent held down is passed over at once unless its channel is
+        connected again (it may be back before a probe says so). An agent
+        found without a connection is marked down and, while another
+        candidate is left (here, or `more_after` this call), passed over: in
+        TRANSIENT_FAILURE at once, while connecting after at most
+        `CONNECT_BUDGET_S`. The last one is called as it is (no
+        wait_for_ready: a channel in TRANSIENT_FAILURE fails the call at once)."""
+        model = request.model_name
         attempts, saturated, last = 0, 0, None
-        for candidate in candidates:
+        final = len(candidates) - 1
+        for index, candidate in enumerate(candidates):
             if attempts >= route.failover_attempts:
                 break
             now = self.clock()
@@ -174,47 +209,88 @@ class Forwarder:
             if remaining <= 0:
                 raise errors.DeadlineExceeded(
                     f"the request's deadline passed after {attempts} attempt(s)")
-            if not self.observer.try_acquire(candidate.agent, route.max_in_flight):
+            agent = candidate.agent
+            channel = self.pool.channel(agent)
+            connected = channel.get_state() is _READY
+            if not connected and agent in self.health.down:  # still dead: no wait, no call
+                self.metrics.failed_over(model, candidate.tier, counters.DOWN)
+                last = errors.Unavailable(f"agent {agent} is {self.health.why(agent)}")
+                continue
+            if not self.observer.try_acquire(agent, route.max_in_flight):
                 saturated += 1
+                self.metrics.failed_over(model, candidate.tier, counters.SATURATED)
                 continue
             attempts += 1
             try:
-                reply = await self.pool.infer(candidate.agent)(
-                    with_version(request, raw, candidate.version), timeout=remaining)
+                if not connected and (more_after or index < final):
+                    last = await self._connect(channel, agent, remaining)
+                    if last is not None:
+                        self.metrics.failed_over(model, candidate.tier, counters.DOWN)
+                        continue
+                reply = await self.pool.infer(agent)(
+                    with_version(request, raw, candidate.version), timeout=remaining,
+                    wait_for_ready=False)
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RETRYABLE:
-                    raise upstream_error(candidate.agent, error) from None
-                self.metrics.failovers.labels(request.model_name, candidate.tier,
-                                              error.code().name).inc()
-                last = (candidate.agent, error)
+                    raise upstream_error(agent, error) from None
+                if channel.get_state() is not _READY:  # no connection, not the agent's answer
+                    self.health.mark_down(agent, f"{error.code().name}: {error.details()}")
+                self.metrics.failed_over(model, candidate.tier, error.code().name.lower())
+                last = upstream_error(agent, error)
                 continue
             finally:
-                self.observer.release(candidate.agent)
-            self.observer.record_latency(candidate.agent, request.model_name,
-                                         self.clock() - now)
-            return Answer(parse_response(reply, candidate.agent), reply, candidate)
+                self.observer.release(agent)
+            self.observer.record_latency(agent, model, self.clock() - now)
+            if agent in self.health.down:  # asked as the last resort, and it answered
+                self.health.mark_up(agent)
+            answered = reply + served_by(candidate.tier)
+            return Answer(parse_response(answered, agent), answered, candidate)
         if last is None:
             if saturated:
-                self.metrics.rejected.labels(request.model_name).inc()
+                self.metrics.rejected.labels(model).inc()
                 raise errors.ResourceExhausted(
-                    f"model {request.model_name!r}: every agent is at its in-flight limit "
+                    f"model {model!r}: every agent is at its in-flight limit "
                     f"({route.max_in_flight}); retry later")
-            raise errors.Unavailable(f"model {request.model_name!r}: no agent to send to")
-        raise upstream_error(*last)
+            raise errors.Unavailable(f"model {model!r}: no agent to send to")
+        raise last
+
+    async def _connect(self, channel: grpc.aio.Channel, agent: str, remaining: float
+                       ) -> errors.Unavailable | None:
+        """None once the channel is READY within the connect budget; else the
+        agent is marked down and the error says why."""
+        budget = min(CONNECT_BUDGET_S, remaining / 2)
+        end = self.clock() + budget
+        state = channel.get_state(try_to_connect=True)
+        while state in _CONNECTING and (left := end - self.clock()) > 0:
+            try:
+                await asyncio.wait_for(channel.wait_for_state_change(state), left)
+            except TimeoutError:
+                break
+            state = channel.get_state(try_to_connect=True)
+        if state is _READY:
+            return None
+        reason = (f"no connection within {budget:.2f} s" if state in _CONNECTING
+                  else f"no connection ({state.name})")
+        self.health.mark_down(agent, reason)
+        return errors.Unavailable(f"{reason} (agent {agent})")
 
     async def cascade(self, request: pb.ModelInferRequest, raw: bytes,
                       candidates: Sequence[policies.Candidate], route: routing.ModelRoute,
                       deadline: float) -> Answer:
-        """Tier by tier in the cascade's order, while the answer is unsure."""
+        """Tier by tier in the ranking's order, while the answer is unsure: the
+        cascade's order, with tiers whose agents are all down last."""
         settings = route.cascade
         by_tier: dict[str, list[policies.Candidate]] = {}
         for candidate in candidates:
             by_tier.setdefault(candidate.tier, []).append(candidate)
-        tiers = [t for t in settings.tiers if t in by_tier]
+        tiers = list(by_tier)
         answer: Answer | None = None
         for index, tier in enumerate(tiers):
+            if answer is not None and all(c.agent in self.health.down for c in by_tier[tier]):
+                return answer  # never escalate to a tier that cannot answer
             try:
-                answer = await self.forward(request, raw, by_tier[tier], route, deadline)
+                answer = await self.forward(request, raw, by_tier[tier], route, deadline,
+                                            more_after=index + 1 < len(tiers))
             except (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded):
                 if answer is not None:
                     return answer  # an unsure answer beats none
@@ -233,34 +309,38 @@ class Forwarder:
     async def first_answer(self, route: routing.ModelRoute, method: str, message):
         """ModelReady/Metadata/Config from the first agent of the model that answers."""
         last: tuple[str, grpc.aio.AioRpcError] | None = None
-        for tier in route.ordered_tiers():
-            for agent in route.tiers[tier].agents:
-                try:
-                    return await getattr(self.pool.stub(agent), method)(
-                        message, timeout=METADATA_TIMEOUT_S)
-                except grpc.aio.AioRpcError as error:
-                    if error.code() not in RETRYABLE:
-                        raise upstream_error(agent, error) from None
-                    last = (agent, error)
+        for agent in self._up_first(route):
+            try:
+                return await getattr(self.pool.stub(agent), method)(
+                    message, timeout=METADATA_TIMEOUT_S)
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in RETRYABLE:
+                    raise upstream_error(agent, error) from None
+                last = (agent, error)
         assert last is not None
         raise upstream_error(*last)
 
+    def _up_first(self, route: routing.ModelRoute) -> list[str]:
+        """The model's agents in tier order, those held down last."""
+        agents = [a for tier in route.ordered_tiers() for a in route.tiers[tier].agents]
+        return sorted(agents, key=lambda agent: agent in self.health.down)  # stable
+
     async def model_ready(self, model: str, route: routing.ModelRoute) -> bool:
         """Whether an agent of the model answers ModelReady true within READY_PROBE_S
-        (agents asked in tier order; the probe's whole budget is bounded)."""
+        (agents asked in tier order, those held down last; the probe's whole
+        budget is bounded)."""
         deadline = self.clock() + READY_PROBE_S
-        for tier in route.ordered_tiers():
-            for agent in route.tiers[tier].agents:
-                remaining = deadline - self.clock()
-                if remaining <= 0:
-                    return False
-                try:
-                    answer = await self.pool.stub(agent).ModelReady(
-                        pb.ModelReadyRequest(name=model), timeout=remaining)
-                except grpc.aio.AioRpcError:
-                    continue
-                if answer.ready:
-                    return True
+        for agent in self._up_first(route):
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                return False
+            try:
+                answer = await self.pool.stub(agent).ModelReady(
+                    pb.ModelReadyRequest(name=model), timeout=remaining)
+            except grpc.aio.AioRpcError:
+                continue
+            if answer.ready:
+                return True
         return False
 
     async def any_agent_ready(self, agents: Iterable[str]) -> bool:

@@ -1,7 +1,8 @@
 """What a request tells the router about itself: routing hints and deadline.
 
 Hints travel as request `parameters` or gRPC metadata (`tiered-tier`,
-`tiered-slo-ms`, `tiered-key`), so plain v2 clients need none of them. Pure:
+`tiered-tier-strict`, `tiered-slo-ms`, `tiered-key`), so plain v2 clients
+need none of them. Pure:
 values in, a `RouteRequest` or a deadline out; the clock's reading is passed
 in. Never forwards, chooses or counts anything.
 """
@@ -15,7 +16,8 @@ from tiered import errors
 from tiered.protocol import codec
 from tiered.router import policies
 
-HINTS = ("tiered-tier", "tiered-slo-ms", "tiered-key")
+HINTS = ("tiered-tier", "tiered-tier-strict", "tiered-slo-ms", "tiered-key")
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
 def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, str]] | None
@@ -41,8 +43,23 @@ def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, st
         if not slo > 0 or math.isinf(slo):
             raise errors.InvalidArgument(f"tiered-slo-ms: expected > 0, got {slo!r}")
     tier, key = found.get("tiered-tier"), found.get("tiered-key")
-    return policies.RouteRequest(model=model, tier=None if tier in (None, "") else str(tier),
-                                 slo_ms=slo, key=None if key in (None, "") else str(key))
+    tier = None if tier in (None, "") else str(tier)
+    strict = _boolean(found.get("tiered-tier-strict", False), "tiered-tier-strict")
+    if strict and tier is None:
+        raise errors.InvalidArgument("tiered-tier-strict: needs a tiered-tier hint naming the "
+                                     "tier to keep to")
+    return policies.RouteRequest(model=model, tier=tier, slo_ms=slo, strict=strict,
+                                 key=None if key in (None, "") else str(key))
+
+
+def _boolean(value: object, field: str) -> bool:
+    """A bool parameter, or metadata's text: true/false, 1/0, yes/no."""
+    if isinstance(value, bool):
+        return value
+    found = _BOOLEANS.get(str(value).strip().lower())
+    if found is None:
+        raise errors.InvalidArgument(f"{field}: expected true or false, got {value!r}")
+    return found
 
 
 def deadline(parameters: Mapping, time_remaining: float | None, default_s: float,

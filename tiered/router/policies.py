@@ -1,20 +1,22 @@
 """Routing policies: pure functions of (table, request, observations, rng).
 
 Each policy is one method, `choose(candidates, request, observations, rng)
--> Ranking`: the candidates in the order the router should try them. The
-canary split (`pick_version`), the shadow decision and the cascade's
-confidence test (`should_escalate`) live here too. Nothing here
+-> Ranking`: the candidates in the order the router should try them;
+`rank` then puts the agents the router holds down after every agent that is
+up (`healthy_first`). The canary split (`pick_version`), the shadow decision
+and the cascade's confidence test (`should_escalate`) live here too. Nothing here
 does I/O, reads a clock or owns randomness: the router passes in what it
 observed and an `random.Random`. Never import gRPC or agent code here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,7 @@ class RouteRequest:
     tier: str | None = None  # the tiered-tier hint
     slo_ms: float | None = None  # the tiered-slo-ms hint
     key: str | None = None  # the tiered-key hint
+    strict: bool = False  # the tiered-tier-strict hint: the hinted tier or nothing
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class Ranking:
     # True when energy was to decide but the figures did not compare (their
     # sources differ), so it decided nothing: the router counts these.
     energy_incomparable: bool = False
+    # Agents held down that the policy had put before the first agent that is
+    # up: passed over (`healthy_first`); the router counts them as failovers.
+    passed_over: tuple[Candidate, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,19 +146,47 @@ def _by_tier(candidates: Sequence[Candidate]) -> dict[str, list[Candidate]]:
     return tiers
 
 
+def _known_tier(request: RouteRequest) -> str:
+    if request.tier not in names.TIERS:
+        raise InvalidArgument(f"tiered-tier: unknown tier {request.tier!r}; expected one of "
+                              f"{', '.join(names.TIERS)}")
+    return request.tier
+
+
 class Pinned:
-    """Only the agents of the hinted tier."""
+    """Only the agents of the hinted tier (`tiered-tier-strict`)."""
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
                observations: Observations, rng: random.Random) -> Ranking:
-        if request.tier not in names.TIERS:
-            raise InvalidArgument(f"tiered-tier: unknown tier {request.tier!r}; expected one of "
-                                  f"{', '.join(names.TIERS)}")
-        pinned = [c for c in candidates if c.tier == request.tier]
+        tier = _known_tier(request)
+        pinned = [c for c in candidates if c.tier == tier]
         if not pinned:
             raise NotFound(f"tiered-tier: model {request.model!r} has no agents on tier "
-                           f"{request.tier!r}")
+                           f"{tier!r}")
         return Ranking(tuple(order_agents(pinned, observations, rng)))
+
+
+def fallback_tiers(hinted: str, tiers: Sequence[str]) -> list[str]:
+    """Where a request hinted at `hinted` goes when that tier cannot take it:
+    the tiers after it in `tiers` (smallest first, as routes order them),
+    then those before it, nearest first. Edge falls back to regional, then
+    datacenter; datacenter to regional, then edge."""
+    index = tiers.index(hinted) if hinted in tiers else len(tiers)
+    return [*tiers[index + 1:], *reversed(tiers[:index])]
+
+
+class Preferred:
+    """The hinted tier's agents first (a `tiered-tier` hint is a preference),
+    then every other tier's, in `fallback_tiers` order."""
+
+    def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
+               observations: Observations, rng: random.Random) -> Ranking:
+        tier = _known_tier(request)
+        tiers = _by_tier(candidates)  # in the route's order
+        ranked = order_agents(tiers.get(tier, ()), observations, rng)
+        for other in fallback_tiers(tier, names.TIERS):
+            ranked.extend(order_agents(tiers.get(other, ()), observations, rng))
+        return Ranking(tuple(ranked))
 
 
 MIXED = "mixed"  # a tier whose agents' energy figures have more than one source
@@ -292,10 +326,36 @@ def candidates_of(route: routing.ModelRoute, versions: Mapping[str, int]) -> lis
             for agent in route.tiers[tier].agents_for(versions[tier])]
 
 
-def policy_for(route: routing.ModelRoute, request: RouteRequest) -> Pinned | SloEnergy | Cascade:
-    """The pin wins whenever the hint is present; else the model's policy."""
+Policy = Pinned | Preferred | SloEnergy | Cascade
+
+
+def policy_for(route: routing.ModelRoute, request: RouteRequest) -> Policy:
+    """A tier hint wins whenever it is present (a pin when strict, else a
+    preference); else the model's policy."""
     if request.tier is not None:
-        return Pinned()
+        return Pinned() if request.strict else Preferred()
     if route.policy == names.Policy.CASCADE:
         return Cascade(route.cascade.tiers)
     return SloEnergy(route.slo_ms)
+
+
+def healthy_first(ranking: Ranking, down: Container[str]) -> Ranking:
+    """The ranking with the agents held down moved after every agent that is
+    up, each part in the policy's order: a down agent is asked only when no
+    agent that is up is left (it may be back before a probe says so). Those
+    it had first are `passed_over`. A cascade's tiers keep this order too: a
+    tier whose agents are all down comes after the tiers that can answer."""
+    up = [c for c in ranking.candidates if c.agent not in down]
+    if not up or len(up) == len(ranking.candidates):
+        return ranking  # nothing down, or nothing up: the policy's order stands
+    held = [c for c in ranking.candidates if c.agent in down]
+    first = ranking.candidates.index(up[0])
+    return dataclasses.replace(ranking, candidates=(*up, *held),
+                               passed_over=ranking.candidates[:first])
+
+
+def rank(policy: Policy, candidates: Sequence[Candidate], request: RouteRequest,
+         observations: Observations, rng: random.Random, down: Container[str]) -> Ranking:
+    """The policy's ranking given which agents are held down (by address)."""
+    ranking = policy.choose(candidates, request, observations, rng)
+    return healthy_first(ranking, down) if down else ranking

@@ -155,7 +155,7 @@ async def serve(settings: RouterSettings) -> None:
         metrics = f"; REST on {rest_server.scheme}://{settings.host}:{rest_server.port}{metrics}"
     poller = observations.TelemetryPoller(router.observer, router.pool.dial,
                                           lambda: router.table.agents())
-    background = [asyncio.create_task(poller.run()),
+    background = [asyncio.create_task(poller.run()), asyncio.create_task(router.prober.run()),
                   asyncio.create_task(watch_table(router, settings.routing_table)),
                   asyncio.create_task(log_statistics(router))]
     for service in ("", descriptors.INFERENCE_SERVICE, descriptors.TELEMETRY_SERVICE):

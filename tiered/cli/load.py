@@ -51,7 +51,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                       help="sample inputs: an .npz with an array per input name (or one "
                       "array for a one-input model), one sample per row")
     load.add_argument("--tier", choices=flags.TIER_CHOICES,
-                      help="pin every request to this tier (the tiered-tier hint)")
+                      help="send every request with the tiered-tier hint: this tier "
+                      "first, another when it cannot answer")
     load.add_argument("--timeout", type=float, default=10.0, metavar="S",
                       help="each request's deadline (default 10)")
     load.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT, metavar="N",

@@ -116,7 +116,9 @@ def _wait_until_served(address: str, image: np.ndarray, say: Callable[[str], Non
     for tier in TIER_MIX:
         while True:
             try:
-                client.infer(MODEL, [tensor], headers={"tiered-tier": tier}, client_timeout=10)
+                # Strict: a hint alone is a preference, which another tier would answer.
+                client.infer(MODEL, [tensor], client_timeout=10,
+                             headers={"tiered-tier": tier, "tiered-tier-strict": "true"})
                 break
             except InferenceServerException as error:
                 if time.monotonic() > deadline:

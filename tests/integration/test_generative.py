@@ -6,9 +6,12 @@ and parameter errors."""
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
+import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -17,6 +20,9 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import add_generative
 from tiered.local.processes import AgentProcess
+from tiered.protocol import telemetry_messages
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 
 PROMPT = "the quick brown fox"
 WAIT_MS = 1000  # model "one": how long a request waits for its single slot (4000
@@ -27,6 +33,7 @@ WAIT_MS = 1000  # model "one": how long a request waits for its single slot (400
 def repository(generative_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("generative-repository")
     add_generative(root, "tiny", generative_model, {"engine": {"max_sequences": 4}})
+    add_generative(root, "meter", generative_model, {})  # read by the telemetry test only
     add_generative(root, "one", generative_model, {
         "engine": {"max_sequences": 1}, "max_queue_size": 1,
         "generation": {"max_queue_wait_ms": WAIT_MS}})
@@ -257,3 +264,57 @@ def test_front_end_processes_relay_streams_and_cancellation(repository, client):
         assert len(generate(fronted, "one", max_tokens=3).as_numpy("token_ids")) == 3
         assert time.monotonic() - started < WAIT_MS / 1e3
         assert process.alive(), process.log_tail()
+
+
+def metric(text: str, name: str, model: str) -> float:
+    found = re.search(rf'^{name}{{[^}}]*model="{model}"[^}}]*}} (\S+)$', text, re.MULTILINE)
+    assert found, f"{name} for {model} not in /metrics"
+    return float(found.group(1))
+
+
+def meter_stats(agent, cursor: float = 0.0) -> tpb.StatsResponse:
+    with grpc.insecure_channel(agent.address) as channel:
+        return tpb_grpc.TelemetryStub(channel).Stats(
+            tpb.StatsRequest(model_name="meter", cursor=cursor), timeout=10)
+
+
+def test_token_telemetry_in_stats_and_metrics(agent, client):
+    # From a cursor: the span then starts after the agent's first energy reading.
+    cursor = meter_stats(agent).end
+    stream = Stream(client)
+    try:
+        stream.send("meter", max_tokens=20)
+        streamed = len(stream.until_final())
+    finally:
+        client.stop_stream()
+    streamed += len(generate(client, "meter", max_tokens=7).as_numpy("token_ids"))
+    assert streamed == 27
+
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    assert metric(text, "tiered_output_tokens_total", "meter") == streamed
+    assert metric(text, "tiered_time_to_first_token_seconds_count", "meter") == 2
+    assert metric(text, "tiered_time_to_first_token_seconds_sum", "meter") > 0
+    assert metric(text, "tiered_time_per_output_token_seconds_count", "meter") == streamed - 2
+    assert metric(text, "tiered_running_sequences", "meter") == 0
+
+    deadline = time.monotonic() + 10
+    while True:  # the window holds whole one-second slots
+        response = meter_stats(agent, cursor)
+        [version] = response.versions
+        if version.generation.output_tokens == streamed or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    generation = version.generation
+    assert version.HasField("generation") and generation.output_tokens == streamed
+    assert version.success == 2
+    ttft = telemetry_messages.histogram_quantile(generation.time_to_first_token, 0.5)
+    tpot = telemetry_messages.histogram_quantile(generation.time_per_output_token, 0.5)
+    assert 0 < tpot < ttft < 5
+    assert sum(generation.time_to_first_token.count) == 2
+    assert generation.tokens_per_s > 0 and generation.max_sequences == 8
+    assert version.has_energy and version.energy.source in ("nvml", "rapl", "model")
+    assert generation.joules_per_output_token > 0
+    # Energy per token covers whole slots of the recent window: the ones just read.
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    assert re.search(r'^tiered_energy_joules_per_output_token\{[^}]*model="meter"[^}]*'
+                     r'source="(nvml|rapl|model)"[^}]*\} \S+$', text, re.MULTILINE)

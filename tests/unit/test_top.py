@@ -21,7 +21,7 @@ def test_quantile_from_the_wire_matches_the_histogram(q):
 
 def test_render_aligns_columns_and_shows_missing_values_as_dashes():
     table = [("a:1", "edge", "m", "1", "cpu", "2.0", "-", "1.00", "2.00", "3.00", "0.10",
-              "-", "-", "-", "0", "0")]
+              "-", "-", "-", "0", "0", "-", "-", "-", "-", "-")]
     text = top.render(table)
     header, row = text.splitlines()
     assert header.index("req/s") == row.index("2.0")
@@ -29,7 +29,30 @@ def test_render_aligns_columns_and_shows_missing_values_as_dashes():
 
 def test_a_modeled_figure_is_called_an_estimate():
     row = ("a:1", "edge", "m", "1", "cpu", "2.0", "-", "1.00", "2.00", "3.00", "0.10",
-           "0.002", "model", "5", "0", "0")
+           "0.002", "model", "5", "0", "0", "-", "-", "-", "-", "-")
     *_, note = top.render([row]).splitlines()
     assert "estimate" in note
     assert "estimate" not in top.render([(*row[:12], "rapl", *row[13:])])
+
+
+def test_generative_versions_show_their_token_figures():
+    from tiered.protocol import telemetry_pb2 as tpb
+
+    first, gap = Histogram(), Histogram()
+    first.record(0.02)
+    for _ in range(9):
+        gap.record(0.005)
+    version = tpb.VersionStats(model_name="llm", model_version="1", device="cpu", success=1,
+                               generation=tpb.Generation(
+        output_tokens=10, tokens_per_s=5.0, running=1, max_sequences=4,
+        time_to_first_token=telemetry_messages.histogram_message(first, LOWEST_S, GROWTH),
+        time_per_output_token=telemetry_messages.histogram_message(gap, LOWEST_S, GROWTH),
+        joules_per_output_token=0.25))
+    plain = tpb.VersionStats(model_name="cnn", model_version="1", device="cpu")
+    [llm, cnn] = top.rows("a:1", tpb.StatsResponse(tier="edge", start=0, end=2,
+                                                    versions=[version, plain]))
+    tokens = dict(zip(top.HEADERS, llm))
+    assert tokens["tok/s"] == "5.0" and tokens["J/tok"] == "0.25" and tokens["running"] == "1/4"
+    assert float(tokens["ttft p50"]) == pytest.approx(20, rel=0.02)
+    assert float(tokens["tpot p50"]) == pytest.approx(5, rel=0.02)
+    assert cnn[-5:] == ("-",) * 5

@@ -163,8 +163,6 @@ class GenerativeVersion:
                 gap = event.at - (job.arrived if first else previous)
                 previous, finished = event.at, event.last
                 self.tokens.token(gap, first)
-                if first and job.admitted is not None:
-                    self.tokens.queue_seconds.observe(job.admitted - job.arrived)
                 if self.recorder is not None:
                     self.recorder.token(gap, first)
                 yield event

@@ -5,7 +5,9 @@ suffix, labels `model` and `version`, plus `tier`), so Triton's dashboards
 and alerts work; request, queue and compute times as histograms in seconds,
 which sum across replicas; and tiered's own: energy per device and its idle
 draw, each with its source, and active joules per inference over the recent
-window. Everything is read on the agent's event loop (the only writer) and
+window; for generative versions, time to first token and time per output
+token as histograms, output tokens, running sequences and joules per output
+token. Everything is read on the agent's event loop (the only writer) and
 served from the exposition's HTTP thread.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tiered.agent.generative import GenerativeVersion
 from tiered.agent.telemetry import TelemetryHub
 from tiered.telemetry import exposition
 from tiered.telemetry.exposition import Family
@@ -42,6 +45,13 @@ _HISTOGRAMS = (
     ("tiered_compute_duration_seconds", "compute_seconds",
      "Successful requests' batch compute time: merge, engine and split"),
 )
+# (metric, TokenStats histogram, help), for generative versions
+_TOKEN_HISTOGRAMS = (
+    ("tiered_time_to_first_token_seconds", "first_token_seconds",
+     "Generation requests' time from arrival to their first token (queue and prefill in it)"),
+    ("tiered_time_per_output_token_seconds", "per_output_token_seconds",
+     "Time between two consecutive output tokens of one sequence"),
+)
 RECENT_S = 10.0  # joules per inference cover this much recent time
 TRITON_NAMES = (
     "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
@@ -69,6 +79,16 @@ async def families(hub: TelemetryHub) -> list[Family]:
         "tiered_joules_per_inference", "gauge",
         f"Active energy (above the device's idle draw) per inference over the last "
         f"{RECENT_S:.0f} s; source nvml or rapl: measured, model: an estimate")
+    token_histograms = [(Family(name, "histogram", doc), field)
+                        for name, field, doc in _TOKEN_HISTOGRAMS]
+    output_tokens = Family("tiered_output_tokens_total", "counter",
+                           "Output tokens generated and sent")
+    running = Family("tiered_running_sequences", "gauge",
+                     "Sequences in a generative engine's running batch")
+    per_token = Family(
+        "tiered_energy_joules_per_output_token", "gauge",
+        f"Active energy (above the device's idle draw) per output token over the last "
+        f"{RECENT_S:.0f} s; source nvml or rapl: measured, model: an estimate")
     snap = hub.snapshot(cursor=hub.clock() - RECENT_S)
     for served in hub.repository.all_versions():
         labels = {"model": served.config.name, "version": str(served.version), "tier": tier}
@@ -86,6 +106,15 @@ async def families(hub: TelemetryHub) -> list[Family]:
         energy = snap.energy.get((served.config.name, served.version))
         if energy is not None and energy.joules_per_inference is not None:
             per_inference.add({**labels, "source": energy.source}, energy.joules_per_inference)
+        if isinstance(served, GenerativeVersion):
+            for family, field in token_histograms:
+                family.add_histogram(labels, getattr(served.tokens, field))
+            output_tokens.add(labels, served.tokens.output_tokens)
+            running.add(labels, served.running)
+            recent = snap.summaries.get((served.config.name, served.version))
+            if energy is not None and recent is not None and recent.output_tokens:
+                per_token.add({**labels, "source": energy.source},
+                              energy.joules / recent.output_tokens)
     total = Family("tiered_energy_joules_total", "counter",
                    "Energy used since start, per device; source nvml or rapl: measured, "
                    "model: an estimate")
@@ -99,7 +128,8 @@ async def families(hub: TelemetryHub) -> list[Family]:
         if watts is not None:
             idle.add(labels, watts)
     return [success, failure, count, executions, *(f for f, _ in durations), pending,
-            *(f for f, _ in histograms), in_flight, per_inference, total, idle]
+            *(f for f, _ in histograms), in_flight, per_inference,
+            *(f for f, _ in token_histograms), output_tokens, running, per_token, total, idle]
 
 
 def serve_metrics(hub: TelemetryHub, host: str, port: int) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from tiered.agent.generative import GenerativeVersion
 from tiered.agent.repository import ModelRepository
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
@@ -130,10 +131,15 @@ class TelemetryServicer(tpb_grpc.TelemetryServicer):
         )
         for key, summary in sorted(snap.summaries.items()):
             served = versions[key]
-            response.versions.append(telemetry_messages.version_stats(
+            stats = telemetry_messages.version_stats(
                 key[0], key[1], snap.devices[key], summary, snap.energy.get(key),
                 served.queue_depth, served.in_flight, LOWEST_S, GROWTH,
-            ))
+            )
+            if isinstance(served, GenerativeVersion):
+                stats.generation.CopyFrom(telemetry_messages.generation_stats(
+                    summary, snap.energy.get(key), snap.end - snap.start, served.running,
+                    served.engine.max_sequences, LOWEST_S, GROWTH))
+            response.versions.append(stats)
         return response
 
     async def Agreement(self, request, context):

@@ -3,8 +3,10 @@
 Polls every agent's Stats RPC with the cursor it got last time, so each row
 covers exactly the span since the previous refresh. J/inf is the version's
 active energy (above its device's idle draw, shown as idle W) per inference,
-beside its source. Rendering is a pure function of the responses; the loop
-around it is a thin adapter.
+beside its source. Generative versions add output tokens per second, time to
+first token and time per output token (P50) and joules per output token (same
+source); other versions show "-" there. Rendering is a pure function of the
+responses; the loop around it is a thin adapter.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.security import PLAINTEXT, TransportSecurity, channel
 
 HEADERS = ("agent", "tier", "model", "ver", "dev", "req/s", "err%", "p50 ms", "p95 ms",
-           "p99 ms", "queue p50", "J/inf", "source", "idle W", "inflight", "queued")
+           "p99 ms", "queue p50", "J/inf", "source", "idle W", "inflight", "queued",
+           "tok/s", "ttft p50", "tpot p50", "J/tok", "running")
 SOURCE = HEADERS.index("source")
 
 
@@ -50,8 +53,19 @@ def rows(address: str, response: tpb.StatsResponse) -> list[tuple[str, ...]]:
             v.energy.source if v.has_energy else "-",
             f"{idle[v.device]:.3g}" if v.device in idle else "-",
             str(v.in_flight), str(v.queue_depth),
+            *_generation(v),
         ))
     return table
+
+
+def _generation(v: tpb.VersionStats) -> tuple[str, ...]:
+    if not v.HasField("generation"):
+        return ("-",) * 5
+    g = v.generation
+    return (f"{g.tokens_per_s:.1f}", _ms(quantile(g.time_to_first_token, 0.5)),
+            _ms(quantile(g.time_per_output_token, 0.5)),
+            f"{g.joules_per_output_token:.4g}" if g.HasField("joules_per_output_token") else "-",
+            f"{g.running}/{g.max_sequences}")
 
 
 def render(table: Sequence[Sequence[str]]) -> str:

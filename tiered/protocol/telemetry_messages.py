@@ -54,6 +54,22 @@ def version_stats(
     return message
 
 
+def generation_stats(summary, energy, span_s: float, running: int, max_sequences: int,
+                     lowest_s: float, growth: float) -> tpb.Generation:
+    """A generative version's tokens over a span; J/token from its attributed energy."""
+    message = tpb.Generation(
+        output_tokens=summary.output_tokens,
+        time_to_first_token=histogram_message(summary.first_token, lowest_s, growth),
+        time_per_output_token=histogram_message(summary.per_token, lowest_s, growth),
+        tokens_per_s=summary.output_tokens / span_s if span_s > 0 else 0.0,
+        running=running,
+        max_sequences=max_sequences,
+    )
+    if energy is not None and summary.output_tokens:
+        message.joules_per_output_token = energy.joules / summary.output_tokens
+    return message
+
+
 def device_energy(used: Mapping) -> list[tpb.Energy]:
     """Each device's energy over the span; idle_watts absent while unknown."""
     return [tpb.Energy(source=e.source, device=device, joules=e.joules, idle_watts=e.idle_watts)

@@ -178,15 +178,17 @@ class EnergyLedger:
     def used(self, start: float, end: float) -> dict[str, DeviceEnergy]:
         """Joules per device between the marks nearest `start` and `end`, with
         the idle draw as now estimated; a span that begins before the first
-        mark counts from that mark."""
+        mark counts from that mark. Its seconds are those between the two
+        readings (a mark is read a little after its slot boundary), so idle
+        draw times them is what the meter counted as idle."""
         marks = [(at, r) for at, r in self._readings if at <= end]
         if not marks:
             return {}
         before = [(at, r) for at, r in marks if at <= start]
-        (first_at, first), (last_at, last) = (before[-1] if before else marks[0]), marks[-1]
+        (_, first), (_, last) = (before[-1] if before else marks[0]), marks[-1]
         return {
             device: DeviceEnergy(last[device].joules - first[device].joules,
-                                 last[device].source, last_at - first_at,
+                                 last[device].source, last[device].at - first[device].at,
                                  self.idle[device].watts)
             for device in last if device in first
         }

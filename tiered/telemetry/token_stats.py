@@ -1,6 +1,7 @@
 """Per model-version token counters of a generative model, cumulative since
-start (for Prometheus): time to first token, time per output token, queue
-time and output tokens. Updated only from the agent's event loop. Pure data.
+start (for Prometheus): time to first token, time per output token and
+output tokens (a request's wait for a sequence slot is its queue time, in
+InferenceStats). Updated only from the agent's event loop. Pure data.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ class TokenStats:
     first_token_seconds: CumulativeHistogram = field(default_factory=CumulativeHistogram)
     # Between two consecutive tokens of one sequence.
     per_output_token_seconds: CumulativeHistogram = field(default_factory=CumulativeHistogram)
-    # From arrival to a sequence slot.
-    queue_seconds: CumulativeHistogram = field(default_factory=CumulativeHistogram)
     output_tokens: int = 0
 
     def token(self, seconds_since_previous: float, first: bool) -> None:

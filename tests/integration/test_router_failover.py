@@ -64,17 +64,17 @@ def router(agents, table_path):
         assert process.alive(), process.log_tail()
 
 
-def write_table(path: Path, version: int, addresses: dict[str, str]) -> None:
+def write_table(path: Path, version: int, addresses: dict[str, str], **model) -> None:
     document = {"version": version, "models": {"mlp": {"tiers": {
-        tier: {"agents": [address]} for tier, address in addresses.items()}}}}
+        tier: {"agents": [address]} for tier, address in addresses.items()}, **model}}}
     staging = path.with_suffix(".tmp")
     staging.write_text(json.dumps(document))
     os.replace(staging, path)
 
 
-def use_table(router, path: Path, addresses: dict[str, str]) -> None:
+def use_table(router, path: Path, addresses: dict[str, str], **model) -> None:
     router.table_version += 1
-    write_table(path, router.table_version, addresses)
+    write_table(path, router.table_version, addresses, **model)
     wait_for(lambda: metrics(router).get("tiered_router_table_version") == router.table_version,
              router, "the router to load the table")
 
@@ -136,6 +136,22 @@ def test_an_agent_that_never_answers_costs_one_connect_budget_then_nothing(route
         assert failovers(router, "edge", "down") >= 10
     use_table(router, table_path, {tier: agents[tier].address for tier in TIERS})
     assert agent_up(router, address, "edge") is None  # it left the table, and /metrics
+
+
+def test_a_cascade_starts_at_the_first_tier_that_can_answer(router, agents, table_path):
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        address = f"127.0.0.1:{hung.getsockname()[1]}"
+        use_table(router, table_path, {"edge": address, "regional": agents["regional"].address,
+                                       "datacenter": agents["datacenter"].address},
+                  policy="cascade", cascade={"threshold": 0.0})  # the first answer stands
+        with grpcclient.InferenceServerClient(router.address) as client:
+            answers = [ask(client) for _ in range(10)]
+        assert {tier for tier, _ in answers} == {"regional"}
+        assert sum(seconds for _, seconds in answers) < QUICK_S + 1.0, answers
+        assert agent_up(router, address, "edge") == 0.0
+    use_table(router, table_path, {tier: agents[tier].address for tier in TIERS})
 
 
 def test_a_killed_hinted_tier_fails_over_and_its_agent_is_probed_back(router, agents,

@@ -53,3 +53,17 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
         while block := stream.read(chunk_bytes):
             digest.update(block)
     return digest.hexdigest()
+
+
+def sha256_tree(directory: Path) -> str:
+    """The digest of a directory artifact (a model checkpoint): the sha256 of
+    its manifest, one line `<sha256 of the file>  <relative POSIX path>\\n`
+    for every regular file beneath it (links followed), sorted by path. The
+    same as `cd DIR && find -L . -type f -printf '%P\\n' | LC_ALL=C sort |
+    xargs -d '\\n' sha256sum | sha256sum`: any file's bytes or name changing,
+    or a file coming or going, changes it."""
+    directory = Path(directory)
+    files = sorted((path.relative_to(directory).as_posix(), path)
+                   for path in directory.rglob("*") if path.is_file())
+    manifest = "".join(f"{sha256_file(path)}  {name}\n" for name, path in files)
+    return hashlib.sha256(manifest.encode()).hexdigest()

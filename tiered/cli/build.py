@@ -21,12 +21,17 @@ def register(commands: argparse._SubParsersAction) -> None:
         "the data has labels), time it, and write DIR/NAME/V/model.onnx, build.json and, when "
         "absent, DIR/NAME/config.yaml. A build below the tier's agreement threshold writes "
         "nothing. The report goes to stdout as JSON either way. Defaults come from the tier "
-        "profile's build: mapping.",
+        "profile's build: mapping. A checkpoint directory (config.json, *.safetensors, "
+        "tokenizer.json) builds a generative model instead (edge: onnxruntime-genai INT4; "
+        "regional: onnxruntime-genai FP16 on CUDA; datacenter: the torch engine), judged by "
+        "greedy generation against FP32 over --eval prompts (build.generative settings).",
     )
-    build.add_argument("artifact", metavar="ARTIFACT.onnx",
-                       help="the FP32 ONNX model: a path, or an http(s) URI to fetch")
+    build.add_argument("artifact", metavar="ARTIFACT",
+                       help="the FP32 ONNX model (a path, or an http(s) URI to fetch), or a "
+                       "checkpoint directory (a path)")
     build.add_argument("--sha256", metavar="HEX",
-                       help="refuse to build unless the artifact has this SHA-256")
+                       help="refuse to build unless the artifact has this SHA-256 (a "
+                       "directory's: over its files, see tiered.files.sha256_tree)")
     build.add_argument("--tier", required=True, choices=flags.TIER_CHOICES,
                        help="the tier to build for")
     build.add_argument("--repository", required=True, type=Path, metavar="DIR",
@@ -39,16 +44,20 @@ def register(commands: argparse._SubParsersAction) -> None:
                        "name (default: random inputs)")
     build.add_argument("--eval", metavar="DATA.npz",
                        help="eval inputs like --calibration, plus optional integer `labels` "
-                       "(default: random inputs: agreement only, no accuracy)")
+                       "(default: random inputs: agreement only, no accuracy); for a "
+                       'checkpoint, required: JSON {"prompts": ["...", ...]}')
     build.add_argument("--calibration-method", metavar="METHOD",
                        help="INT8 calibration: minmax, entropy or percentile")
     build.add_argument("--calibration-samples", type=int, metavar="N",
                        help="use at most N calibration samples")
     build.add_argument("--precision", help="override the tier's precision (onnxruntime: int8, "
-                       "fp16, fp32; torch: fp32, fp16, bf16, fp8)")
-    build.add_argument("--backend", help="override the tier's backend (onnxruntime or torch)")
+                       "fp16, fp32; torch: fp32, fp16, bf16, fp8; checkpoints: "
+                       "onnxruntime-genai int4, fp16, fp32; torch-generative fp32, fp16, bf16)")
+    build.add_argument("--backend", help="override the tier's backend (onnxruntime or torch; "
+                       "checkpoints: onnxruntime-genai or torch-generative)")
     build.add_argument("--min-agreement", type=float, metavar="FRACTION",
-                       help="top-1 agreement with FP32 the gate asks for (profile default 0.99)")
+                       help="top-1 agreement with FP32 the gate asks for (profile default 0.99; "
+                       "checkpoints: the teacher-forced token agreement, default 0.98)")
     build.add_argument("--max-batch-size", type=int, metavar="N",
                        help="max_batch_size of a config.yaml the build creates")
     build.add_argument("--max-queue-delay-us", type=int, metavar="US",
@@ -97,13 +106,20 @@ def _run_build(args: argparse.Namespace) -> int:
     try:
         check_model_name(args.model)
         profile = load_profile(args.tier, args.profile)
-        settings = build.choose_settings(profile, overrides, f"{args.tier} profile build (and flags)")
         with tempfile.TemporaryDirectory(prefix="tiered-fetch-") as work:
             def data(uri: str | None, name: str) -> Path | None:
                 return build.fetch_artifact(uri, None, Path(work), name) if uri else None
 
+            source = build.fetch_artifact(args.artifact, args.sha256, Path(work))
+            where = f"{args.tier} profile build (and flags)"
+            settings = build.choose_generative_settings(profile, {
+                "backend": args.backend, "precision": args.precision,
+                "min_token_agreement": args.min_agreement,
+            }, f"{args.tier} profile build.generative (and flags)") \
+                if build.is_checkpoint(source) else \
+                build.choose_settings(profile, overrides, where)
             request = build.BuildRequest(
-                source=build.fetch_artifact(args.artifact, args.sha256, Path(work)),
+                source=source,
                 repository=args.repository, model=args.model, version=args.version,
                 calibration=data(args.calibration, "calibration.npz"),
                 evaluation=data(args.eval, "eval.npz"), force=args.force,

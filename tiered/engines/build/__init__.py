@@ -16,6 +16,8 @@ The package, one job a module:
     report    build.json: composed, written, read, and its key figures
     install   the repository layout and the all-or-nothing move into it
     pipeline  `build`, the adapter that runs engines and moves files
+    generative  the build of a checkpoint artifact (per-tier generative
+              engines, the greedy-generation gate), which `build` hands over to
 
 This `__init__` is only the public surface (the names its callers use); the
 orchestration has a module of its own so that the surface is read in one
@@ -32,16 +34,26 @@ from tiered.engines.build.fetch import fetch_artifact
 from tiered.engines.build.gate import GateDecision
 from tiered.engines.build.pipeline import BuildOutcome, build
 from tiered.engines.build.report import read_report, version_facts
-from tiered.engines.build.spec import BuildRequest, BuildSettings, choose_settings
+from tiered.engines.build.spec import (
+    BuildRequest,
+    BuildSettings,
+    GenerativeBuildSettings,
+    choose_generative_settings,
+    choose_settings,
+)
+from tiered.engines.generative import is_checkpoint
 
 __all__ = [
     "BuildOutcome",
     "BuildRequest",
     "BuildSettings",
     "GateDecision",
+    "GenerativeBuildSettings",
     "build",
+    "choose_generative_settings",
     "choose_settings",
     "fetch_artifact",
+    "is_checkpoint",
     "read_report",
     "version_facts",
 ]

@@ -1,5 +1,7 @@
 """The artifact a build starts from, as a local file holding exactly the pinned
-bytes: a path as it is, a file:// URI, or an http(s) URI downloaded.
+bytes: a path as it is, a file:// URI, or an http(s) URI downloaded. A
+checkpoint directory is given as a path (or file:// URI); its sha256 is
+`tiered.files.sha256_tree`'s, over all its files.
 
 It must never hand over a file whose sha256 differs from the one given: a
 build of anything but the pinned bytes is refused before it starts.
@@ -11,8 +13,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from tiered.engines.generative import CHECKPOINT_FILES, is_checkpoint
 from tiered.errors import ConfigError
-from tiered.files import sha256_file
+from tiered.files import sha256_file, sha256_tree
 
 MAX_ARTIFACT_BYTES = 4 << 30  # an artifact fetched over HTTP may be at most this large
 
@@ -38,13 +41,14 @@ def fetch_artifact(uri: str, sha256: str | None, work: Path, name: str = "artifa
             raise ConfigError(f"artifact: cannot fetch {uri}: {error}") from error
     elif scheme in ("", "file"):
         path = Path(urllib.parse.urlparse(uri).path if scheme else uri)
-        if not path.is_file():
-            raise ConfigError(f"artifact: {path} is not a file")
+        if not (path.is_file() or is_checkpoint(path)):
+            raise ConfigError(f"artifact: {path} is not a file or a checkpoint directory "
+                              f"({', '.join(CHECKPOINT_FILES)} and *.safetensors)")
     else:
         raise ConfigError(f"artifact: unsupported URI scheme {scheme!r} in {uri} "
                           "(a path, file://, http:// or https://)")
     if sha256 is not None:
-        digest = sha256_file(path)
+        digest = sha256_tree(path) if path.is_dir() else sha256_file(path)
         if digest != sha256:
             raise ConfigError(f"artifact: {uri} has sha256 {digest}, not the expected "
                               f"{sha256}; refusing to build it")

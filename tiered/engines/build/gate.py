@@ -169,3 +169,74 @@ def summarize_latency(batch_size: int, seconds: Sequence[float]) -> LatencySumma
         max_ms=ordered[-1] * 1e3,
         items_per_s=batch_size / mean if mean > 0 else math.inf,
     )
+
+
+@dataclass(frozen=True)
+class GenerationAgreement:
+    """How a generative build's greedy tokens compare with the FP32 reference's
+    over the eval prompts (tiered.engines.build.spec.GenerativeBuildSettings
+    says what each figure means)."""
+
+    prompts: int
+    first_tokens: int  # N of the first-N match
+    first_tokens_match: float | None  # share of prompts; None without prompts
+    token_agreement: float | None  # teacher-forced top-1, over `positions`
+    positions: int
+    nonfinite: int  # NaN/inf logits of the build while teacher-forced
+    mismatched: tuple[int, ...]  # indices of the prompts whose first N tokens differ
+
+
+def compare_generations(
+    reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]],
+    forced_top1: Sequence[Sequence[int]], first_tokens: int, nonfinite: int = 0,
+) -> GenerationAgreement:
+    """`reference` and `candidate`: each prompt's greedy tokens; `forced_top1`:
+    the build's top-1 at each of the reference's positions, fed the reference's
+    tokens (teacher forcing)."""
+    if not len(reference) == len(candidate) == len(forced_top1):
+        raise EngineError(f"compare_generations: {len(reference)} reference, "
+                          f"{len(candidate)} candidate, {len(forced_top1)} forced rows")
+    mismatched = []
+    agree = positions = 0
+    for index, (ref, got, forced) in enumerate(zip(reference, candidate, forced_top1,
+                                                   strict=True)):
+        if len(forced) != len(ref):
+            raise EngineError(f"compare_generations: prompt {index}: {len(forced)} forced "
+                              f"positions for {len(ref)} reference tokens")
+        if list(got[:first_tokens]) != list(ref[:first_tokens]):
+            mismatched.append(index)
+        agree += sum(int(a == b) for a, b in zip(ref, forced, strict=True))
+        positions += len(ref)
+    prompts = len(reference)
+    return GenerationAgreement(
+        prompts=prompts, first_tokens=first_tokens,
+        first_tokens_match=(prompts - len(mismatched)) / prompts if prompts else None,
+        token_agreement=agree / positions if positions else None,
+        positions=positions, nonfinite=nonfinite, mismatched=tuple(mismatched))
+
+
+def judge_generations(
+    agreement: GenerationAgreement, *, min_first_tokens_match: float,
+    min_token_agreement: float, min_prompts: int, allow_accuracy_drop: bool = False,
+) -> GateDecision:
+    a = agreement
+    numbers = (f"first-{a.first_tokens}-token match {_fmt(a.first_tokens_match)} (threshold "
+               f"{min_first_tokens_match:.4f}), teacher-forced top-1 agreement "
+               f"{_fmt(a.token_agreement)} (threshold {min_token_agreement:.4f}) over "
+               f"{a.prompts} prompts, {a.positions} tokens")
+    if a.prompts < min_prompts:
+        verdict, why = "inconclusive", f"only {a.prompts} prompts (the gate needs {min_prompts})"
+    elif a.first_tokens_match is None or a.token_agreement is None:
+        verdict, why = "inconclusive", "the reference generated no tokens to compare"
+    elif a.nonfinite:
+        verdict, why = "fail", f"{a.nonfinite} NaN/inf logits from the build"
+    elif a.first_tokens_match < min_first_tokens_match:
+        verdict, why = "fail", f"first-{a.first_tokens}-token match below the threshold"
+    elif a.token_agreement < min_token_agreement:
+        verdict, why = "fail", "token agreement below the threshold"
+    else:
+        verdict, why = "pass", "within the thresholds"
+    accepted = verdict == "pass" or allow_accuracy_drop
+    if verdict != "pass" and allow_accuracy_drop:
+        why += "; accepted anyway (--allow-accuracy-drop)"
+    return GateDecision(verdict, accepted, f"{verdict}: {why}: {numbers}")

@@ -25,9 +25,10 @@ import numpy as np
 from tiered import names
 from tiered.engines import Engine, TensorSpec, open_engine, quantize
 from tiered.engines.build import gate, install, report, samples, spec
+from tiered.engines.generative import is_checkpoint
 from tiered.errors import ConfigError, EngineError
 from tiered.profiles import TierProfile
-from tiered.settings import read_yaml
+from tiered.settings import load_dataclass, read_yaml
 
 EVAL_BATCH = 64  # rows per engine run while comparing outputs
 CALIBRATION_BATCH = 16  # rows per calibration run of the quantizer
@@ -52,13 +53,28 @@ VerdictOf = Callable[[gate.GateDecision, Path], Mapping[str, Any]]
 def build(
     request: spec.BuildRequest,
     profile: TierProfile,
-    settings: spec.BuildSettings,
+    settings: spec.BuildSettings | spec.GenerativeBuildSettings,
     *,
     now: datetime.datetime,
     clock: Callable[[], float] = time.perf_counter,
     verdict: VerdictOf | None = None,
 ) -> BuildOutcome:
-    """Build for `profile`'s tier, measure, judge; install only when the gate accepts."""
+    """Build for `profile`'s tier, measure, judge; install only when the gate accepts.
+
+    A checkpoint directory is built by `generative.build_checkpoint`, with
+    `settings` itself where it is a GenerativeBuildSettings, else with its
+    `generative` mapping."""
+    if is_checkpoint(request.source):
+        from tiered.engines.build import generative  # it builds on this module's names
+
+        chosen = settings if isinstance(settings, spec.GenerativeBuildSettings) else \
+            load_dataclass(spec.GenerativeBuildSettings, settings.generative,
+                           f"{profile.tier} build.generative")
+        return generative.build_checkpoint(request, profile, chosen, now=now, clock=clock,
+                                           verdict=verdict)
+    if isinstance(settings, spec.GenerativeBuildSettings):
+        raise ConfigError(f"artifact: {request.source} is not a checkpoint directory, but "
+                          "the settings are a checkpoint build's")
     _preflight(request, profile, settings)
     engine_settings = _engine_settings(profile, settings)
     with tempfile.TemporaryDirectory(prefix="tiered-build-") as work_name:

@@ -22,7 +22,7 @@ from tiered import names
 from tiered.engines import Engine
 from tiered.engines.build import gate, install, samples, spec
 from tiered.errors import ConfigError
-from tiered.files import sha256_file
+from tiered.files import sha256_file, sha256_tree
 
 REPORT_FILE = "build.json"
 
@@ -80,10 +80,57 @@ def compose(
     }
 
 
+def compose_generative(
+    request: spec.BuildRequest, tier: str, settings: spec.GenerativeBuildSettings,
+    backend: str, precision: str, built_dir: Path, engine: Mapping[str, str],
+    engine_settings: Mapping[str, Any], evaluation: Mapping[str, Any],
+    agreement: gate.GenerationAgreement, decision: gate.GateDecision,
+    latency: Mapping[str, Mapping[str, Any]], notes: Sequence[str], now: datetime.datetime,
+) -> dict[str, Any]:
+    """The report of one build of a checkpoint artifact, whatever the gate
+    decided. sha256 of a directory is `tiered.files.sha256_tree`'s."""
+    source_bytes = _tree_bytes(request.source)
+    built_bytes = _tree_bytes(built_dir)
+    return {
+        "model": request.model,
+        "version": request.version,
+        "tier": tier,
+        "backend": backend,
+        "precision": precision,
+        "requested_precision": settings.precision,
+        "source": {"path": str(request.source), "kind": "checkpoint",
+                   "sha256": sha256_tree(request.source), "size_bytes": source_bytes},
+        "artifact": {"files": sorted(p.name for p in built_dir.iterdir()),
+                     "sha256": sha256_tree(built_dir), "size_bytes": built_bytes,
+                     "size_vs_source": round(built_bytes / source_bytes, 4)},
+        "eval": {"data": "prompts", **evaluation},
+        "accuracy": _finite(asdict(agreement)),
+        "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
+                 "reason": decision.reason,
+                 "method": "greedy generation, FP32 reference (torch engine, CPU) vs build; "
+                           "token agreement teacher-forced on the reference's tokens",
+                 "first_tokens": settings.first_tokens,
+                 "min_first_tokens_match": settings.min_first_tokens_match,
+                 "min_token_agreement": settings.min_token_agreement,
+                 "min_eval_prompts": settings.min_eval_prompts,
+                 "allow_accuracy_drop": request.allow_accuracy_drop},
+        "latency": _finite(dict(latency)),
+        "engine": {**engine, "settings": _finite(dict(engine_settings))},
+        "versions": _versions(),
+        "created": now.isoformat(),
+        "notes": list(notes),
+    }
+
+
+def _tree_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
 def _versions() -> dict[str, str | None]:
     found = {}
     for name, dists in (("onnxruntime", ("onnxruntime", "onnxruntime-gpu")),
                         ("onnx", ("onnx",)), ("numpy", ("numpy",)), ("torch", ("torch",)),
+                        ("onnxruntime_genai", ("onnxruntime-genai", "onnxruntime-genai-cuda")),
                         ("tiered", ("tiered",))):
         found[name] = None
         for dist in dists:
@@ -113,6 +160,8 @@ def version_facts(report: Mapping[str, Any]) -> dict[str, str]:
         "build_tier": report.get("tier"),
         "build_precision": report.get("precision"),
         "build_top1_agreement": _fact(accuracy.get("top1_agreement")),
+        "build_token_agreement": _fact(accuracy.get("token_agreement")),
+        "build_first_tokens_match": _fact(accuracy.get("first_tokens_match")),
         "build_max_abs_error": _fact(accuracy.get("max_abs_error")),
         "build_accuracy": _fact(accuracy.get("build_accuracy")),
         "build_eval_data": (report.get("eval") or {}).get("data"),

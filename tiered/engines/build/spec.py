@@ -47,6 +47,9 @@ class BuildSettings:
     max_queue_delay_us: int | None = None  # likewise; None: the tier profile's
     engine: Mapping[str, Any] = field(default_factory=dict)  # over the profile's backend settings
     seed: int = 0  # for random data
+    # How a checkpoint artifact is built (GenerativeBuildSettings' keys);
+    # choose_generative_settings reads it, the ONNX build does not.
+    generative: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in PRECISIONS:
@@ -90,13 +93,79 @@ def choose_settings(
     return load_dataclass(BuildSettings, {**profile.build, **given}, where)
 
 
+# Generative backends (tiered.engines.generative) and what each builds.
+# onnxruntime-genai: its model builder's precisions; torch-generative: the
+# checkpoint itself, run by our torch engine in this precision.
+GENERATIVE_PRECISIONS: dict[str, tuple[str, ...]] = {
+    "onnxruntime-genai": ("int4", "fp16", "fp32"),
+    "torch-generative": ("fp32", "fp16", "bf16"),
+}
+
+
+@dataclass(frozen=True)
+class GenerativeBuildSettings:
+    """How a tier builds a version of a checkpoint (profile `build.generative`,
+    flags over it), and the accuracy gate it must pass.
+
+    The gate generates greedily from each eval prompt with the FP32 reference
+    and with the build. first-N match: the share of prompts whose first
+    `first_tokens` generated tokens (fewer where the reference ends sooner)
+    equal the reference's exactly. Token agreement: teacher-forced on the
+    reference's tokens, the share of positions where the build's top-1 is the
+    reference's token, over every generated position of every prompt.
+    """
+
+    backend: str = "onnxruntime-genai"
+    precision: str = "int4"
+    # Where the precision's device is absent (fp16 asks for CUDA): build this
+    # for the CPU instead and say so; None refuses the build.
+    cpu_precision: str | None = None
+    max_new_tokens: int = 16  # greedy tokens generated per eval prompt
+    first_tokens: int = 8  # N of the first-N exact match
+    min_first_tokens_match: float = 0.9
+    min_token_agreement: float = 0.98
+    min_eval_prompts: int = 8  # fewer make the gate inconclusive, never a pass
+    engine: Mapping[str, Any] = field(default_factory=dict)  # the built engine's settings
+
+    def __post_init__(self) -> None:
+        if self.backend not in GENERATIVE_PRECISIONS:
+            raise ConfigError(f"backend: {self.backend!r} is not one of "
+                              f"{', '.join(GENERATIVE_PRECISIONS)} (a checkpoint's backends)")
+        allowed = GENERATIVE_PRECISIONS[self.backend]
+        for name in ("precision", "cpu_precision"):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ConfigError(f"{name}: {value!r} cannot be built for backend "
+                                  f"{self.backend} (one of {', '.join(allowed)})")
+        for name in ("min_first_tokens_match", "min_token_agreement"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}: must be within 0..1, got {getattr(self, name)}")
+        for name in ("max_new_tokens", "first_tokens", "min_eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.first_tokens > self.max_new_tokens:
+            raise ConfigError(f"first_tokens: {self.first_tokens} is more than max_new_tokens "
+                              f"{self.max_new_tokens}")
+
+
+def choose_generative_settings(
+    profile: TierProfile, overrides: Mapping[str, Any], where: str = "build.generative"
+) -> GenerativeBuildSettings:
+    """The profile's `build.generative` mapping with the flags given laid over it
+    (None: flag not given)."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    return load_dataclass(GenerativeBuildSettings,
+                          {**profile.build.get("generative", {}), **given}, where)
+
+
 @dataclass(frozen=True)
 class BuildRequest:
-    source: Path  # the FP32 ONNX artifact
+    source: Path  # the FP32 ONNX artifact, or a checkpoint directory
     repository: Path
     model: str
     version: int
     calibration: Path | None = None  # npz; random inputs when absent
     evaluation: Path | None = None  # npz, maybe with labels; random inputs when absent
+    # (a checkpoint's: a JSON object {"prompts": [...]}, required)
     force: bool = False  # replace an existing version
     allow_accuracy_drop: bool = False  # write a version the gate rejects

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from tiered import names
+from tiered.engines.generative import is_checkpoint
 from tiered.engines.generative.base import GenerativeEngine, Sampling, Token, pick
 from tiered.errors import ConfigError, InvalidArgument, ResourceExhausted
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {names.Precision.FP32: torch.float32, names.Precision.FP16: torch.float16,
           names.Precision.BF16: torch.bfloat16}
-CHECKPOINT_FILES = ("config.json", "tokenizer.json")  # beside one or more *.safetensors
 
 
 @dataclass(frozen=True)
@@ -119,14 +119,6 @@ class LlamaShape:
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"{where}: {error!r} missing or malformed") from error
-
-
-def is_checkpoint(path: Path) -> bool:
-    """A Hugging Face-style checkpoint directory: config.json, tokenizer.json
-    and one or more *.safetensors."""
-    path = Path(path)
-    return (path.is_dir() and all((path / name).is_file() for name in CHECKPOINT_FILES)
-            and any(path.glob("*.safetensors")))
 
 
 class _Sequence:

@@ -209,7 +209,9 @@ class Builds:
                 shutil.rmtree(path, ignore_errors=True)
 
     def close(self) -> None:
-        """Stop every build still running (the controller is stopping)."""
+        """Stop every build still running (the controller is stopping); a
+        build that has ended is judged first, so its verdict is kept."""
+        self.poll()
         for key, run in list(self._running.items()):
             self._signal(run, signal.SIGINT)
         deadline = time.monotonic() + STOP_WAIT_S

@@ -278,17 +278,12 @@ class TorchGenerativeEngine(GenerativeEngine):
         slots = [s.slot for s in states]
         for s in states:
             s.length += 1
-        if not self._use_graphs:
-            window = max(positions) + 1
-            return self._forward(torch.tensor(tokens).unsqueeze(1),
-                                 torch.tensor(positions).unsqueeze(1),
-                                 torch.tensor(slots), window, last_only=True)[:, -1]
         bucket = next((b for b in sorted(self.settings.cuda_graph_batch_sizes)
-                       if b >= len(states)), None)
-        if bucket is None:  # more sequences than the largest bucket: eager, static window
+                       if b >= len(states)), None) if self._use_graphs else None
+        if bucket is None:  # eager (beyond the largest bucket too): read what is written
             return self._forward(torch.tensor(tokens, device=self.device).unsqueeze(1),
                                  torch.tensor(positions, device=self.device).unsqueeze(1),
-                                 torch.tensor(slots, device=self.device), self.max_context,
+                                 torch.tensor(slots, device=self.device), max(positions) + 1,
                                  last_only=True)[:, -1]
         graph = self._graphs.get(bucket)
         if graph is None:

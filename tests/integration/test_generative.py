@@ -25,8 +25,9 @@ from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 
 PROMPT = "the quick brown fox"
-WAIT_MS = 1000  # model "one": how long a request waits for its single slot (4000
-# tokens hold it for seconds)
+WAIT_MS = 600  # model "one": how long a request waits for its single slot (4000
+# tokens hold it for well over a second); a request admitted at all was admitted
+# within it, so no test needs a clock to show a slot was freed at once
 
 
 @pytest.fixture(scope="module")
@@ -179,10 +180,8 @@ def test_cancelled_stream_frees_its_slot_at_once(client):
     stream.send("one", max_tokens=4000)  # seconds of work on this model
     stream.next()  # it is running
     client.stop_stream(cancel_requests=True)
-    started = time.monotonic()
-    answer = generate(client, "one", max_tokens=3)  # waits WAIT_MS at most, then fails
+    answer = generate(client, "one", max_tokens=3)  # refused after WAIT_MS if still held
     assert len(answer.as_numpy("token_ids")) == 3
-    assert time.monotonic() - started < WAIT_MS / 1e3
 
 
 def test_admission_waits_for_a_slot_then_is_refused(agent, client):
@@ -260,9 +259,8 @@ def test_front_end_processes_relay_streams_and_cancellation(repository, client):
             stream.next()
         finally:
             fronted.stop_stream(cancel_requests=True)
-        started = time.monotonic()
+        # Refused after WAIT_MS if the cancelled stream still held the slot.
         assert len(generate(fronted, "one", max_tokens=3).as_numpy("token_ids")) == 3
-        assert time.monotonic() - started < WAIT_MS / 1e3
         assert process.alive(), process.log_tail()
 
 

@@ -156,3 +156,25 @@ def test_cli_builds_a_checkpoint_pinned_by_its_sha256(tinyllama_models, tmp_path
     assert (report["backend"], report["precision"]) == ("torch-generative", "bf16")
     assert report["verdict"]["built"] is True
     assert (tmp_path / "repo" / "tiny" / "2" / "model.safetensors").is_file()
+
+
+def test_an_agent_serves_every_tier_build_over_grpc(built):
+    """The repository the builds installed, served by a real agent: the torch
+    checkpoint (datacenter) and the onnxruntime-genai builds (edge, regional)
+    answer the same greedy continuation over ModelInfer."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tiered.local.processes import AgentProcess
+
+    repository, _ = built
+    with AgentProcess("datacenter", repository) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        for tier in ("edge", "regional", "datacenter"):
+            prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+            prompt.set_data_from_numpy(np.array([b"the quick brown"], dtype=object))
+            result = client.infer(f"tiny-{tier}", [prompt], parameters={"max_tokens": 16})
+            assert result.as_numpy("text_output")[0].decode() == \
+                " fox jumps over the lazy dog", tier
+            assert client.get_model_config(f"tiny-{tier}").config.model_transaction_policy \
+                .decoupled

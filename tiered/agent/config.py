@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tiered.engines.base import TensorSpec
+from tiered.engines.generative import GENERATIVE_BACKENDS
 from tiered.errors import ConfigError, InvalidArgument
 from tiered.profiles import TierProfile
 from tiered.protocol import codec
@@ -71,7 +72,6 @@ class DynamicBatching:
 
 
 
-GENERATIVE_BACKENDS = ("onnxruntime-genai",)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Hashable, Mapping
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,6 @@ from tiered.agent.generation import (
 from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
 from tiered.engines.generative.base import GenerativeEngine
 from tiered.errors import ConfigError, TieredError, Unavailable
-from tiered.settings import load_dataclass
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
 from tiered.telemetry.token_stats import TokenStats
@@ -61,27 +59,6 @@ def with_tensors(config: ModelConfig, where: str) -> ModelConfig:
                 f"{', '.join(t.name for t in fixed)}; it has no "
                 f"{', '.join(sorted(declared - {t.name for t in fixed}))}")
     return replace(config, inputs=INPUTS, outputs=OUTPUTS)
-
-
-@dataclass(frozen=True)
-class GenAISettings:
-    max_sequences: int = 8  # sequences in the running batch (KV cache slots)
-
-
-def open_generative(backend: str, path: Path, settings: Mapping[str, Any],
-                    where: str = "engine") -> GenerativeEngine:
-    """Load the generative model in `path`'s directory on `backend`."""
-    if backend != "onnxruntime-genai":
-        raise ConfigError(f"backend: {backend!r} is not a generative backend")
-    chosen = load_dataclass(GenAISettings, settings, where)
-    if chosen.max_sequences < 1:
-        raise ConfigError(f"{where}.max_sequences: must be >= 1, got {chosen.max_sequences}")
-    try:
-        from tiered.engines.generative.onnxruntime_genai_engine import OrtGenAIEngine
-    except ModuleNotFoundError as error:
-        raise ConfigError(f"backend: onnxruntime-genai needs the generative extra "
-                          f"(pip install 'tiered[generative]'): {error}") from error
-    return OrtGenAIEngine(Path(path).parent, chosen.max_sequences)
 
 
 class GenerativeVersion:

@@ -26,11 +26,12 @@ from tiered.agent.config import (
     complete_with_engine,
     parse_model_config,
 )
-from tiered.agent.generative import GenerativeVersion, open_generative, with_tensors
+from tiered.agent.generative import GenerativeVersion, with_tensors
 from tiered.agent.model import ModelVersion
 from tiered.engines import Engine, open_engine
 from tiered.engines import build as build_report
 from tiered.engines.base import warm_up
+from tiered.engines.generative import is_checkpoint, open_generative
 from tiered.errors import ConfigError, InvalidArgument, NotFound, TieredError, Unavailable
 from tiered.profiles import TierProfile
 from tiered.settings import read_yaml
@@ -73,12 +74,15 @@ Served = ModelVersion | GenerativeVersion
 
 
 def versions_on_disk(model_dir: Path) -> dict[int, Path]:
-    """Integer-named subdirectories that hold a model file."""
+    """Integer-named subdirectories that hold a model: its ONNX file, or the
+    config.json of a checkpoint (a generative model the torch engine runs)."""
     found = {}
     for child in model_dir.iterdir():
         if child.is_dir() and child.name.isdigit() and int(child.name) > 0:
             if (child / MODEL_FILE).is_file():
                 found[int(child.name)] = child / MODEL_FILE
+            elif is_checkpoint(child):
+                found[int(child.name)] = child / "config.json"
     return found
 
 

@@ -39,7 +39,8 @@ from tiered.telemetry.tracing import context_from_metadata
 
 # Triton's platform names, which some clients and dashboards key on.
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
-             "tensorrt": "tensorrt_plan", "onnxruntime-genai": "onnxruntime_genai"}
+             "tensorrt": "tensorrt_plan", "onnxruntime-genai": "onnxruntime_genai",
+             "torch-generative": "pytorch_libtorch"}
 MAX_STREAM_IN_FLIGHT = 256  # requests of one stream being answered at once
 
 

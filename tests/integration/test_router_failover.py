@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -152,6 +153,29 @@ def test_a_cascade_starts_at_the_first_tier_that_can_answer(router, agents, tabl
         assert sum(seconds for _, seconds in answers) < QUICK_S + 1.0, answers
         assert agent_up(router, address, "edge") == 0.0
     use_table(router, table_path, {tier: agents[tier].address for tier in TIERS})
+
+
+def test_a_hung_agent_is_found_by_keepalive_and_its_requests_fail_over(router, agents):
+    """SIGSTOP: the agent's socket stays open and its connection READY, and
+    nothing answers, not even HTTP/2 pings. The router's keepalive closes the
+    connection within seconds: the request waiting on it and those after go
+    to the next tier, none waits for its deadline; SIGCONT, and it is probed back."""
+    edge = agents["edge"]
+    with grpcclient.InferenceServerClient(router.address) as client:
+        assert ask(client, **{"tiered-tier": "edge"})[0] == "edge"  # connected
+        os.kill(edge.pid, signal.SIGSTOP)
+        try:
+            answers = [ask(client, **{"tiered-tier": "edge"}) for _ in range(5)]
+            assert {tier for tier, _ in answers} == {"regional"}, answers
+            assert answers[0][1] < QUICK_S, answers  # keepalive: about 1 s + 2 s
+            assert sum(seconds for _, seconds in answers[1:]) < QUICK_S, answers
+            assert agent_up(router, edge.address, "edge") == 0.0
+        finally:
+            os.kill(edge.pid, signal.SIGCONT)
+    wait_for(lambda: agent_up(router, edge.address, "edge") == 1.0, router,
+             "the router to probe the agent back")
+    with grpcclient.InferenceServerClient(router.address) as client:
+        assert ask(client, **{"tiered-tier": "edge"})[0] == "edge"
 
 
 def test_a_killed_hinted_tier_fails_over_and_its_agent_is_probed_back(router, agents,

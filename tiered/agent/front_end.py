@@ -55,6 +55,11 @@ MIN_CORES = 4  # below this a profile's front ends are not started
 MAX_STREAM_IN_FLIGHT = 256
 DECOUPLED_TTL_S = 5.0  # how long a front end trusts what it learned of a model
 DECOUPLED_MODELS = 1024  # models it remembers at most
+# The router pings its agents every second (HTTP/2 keepalive) to find a hung
+# one; a gRPC server answers pings more often than every 5 minutes with
+# GOAWAY. Every server of an agent (this one and the engine process's) allows them.
+KEEPALIVE_PERMIT = [("grpc.http2.min_ping_interval_without_data_ms", 500),
+                    ("grpc.http2.max_ping_strikes", 0)]
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
 # Calls that need an inference or an admin credential (checked here, where
@@ -339,7 +344,7 @@ async def serve(settings: FrontEndSettings) -> int:
     options = [("grpc.max_receive_message_length", settings.max_message_bytes),
                ("grpc.max_send_message_length", settings.max_message_bytes)]
     engine = grpc.aio.insecure_channel(settings.engine, options=options)
-    server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1)],
+    server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1), *KEEPALIVE_PERMIT],
                              maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
     server.add_generic_rpc_handlers([_Handlers(feed, engine, settings.authorizer)])
     add_port(server, f"{settings.host}:{settings.port}", settings.security)

@@ -28,7 +28,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from tiered.agent.feed import FeedServer
-from tiered.agent.front_end import FrontEnds, FrontEndSettings, front_end_count, reserve_port
+from tiered.agent.front_end import (
+    KEEPALIVE_PERMIT,
+    FrontEnds,
+    FrontEndSettings,
+    front_end_count,
+    reserve_port,
+)
 from tiered.agent.metrics import serve_metrics
 from tiered.agent.repository import ModelRepository
 from tiered.agent.servicer import InferenceServicer
@@ -76,6 +82,7 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),  # a second agent on a taken port must fail, not share it
+        *KEEPALIVE_PERMIT,
     ]
 
 

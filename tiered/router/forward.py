@@ -20,8 +20,8 @@ import asyncio
 import functools
 import logging
 import random
-from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import NamedTuple, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -44,15 +44,26 @@ SERVER_READY_TIMEOUT_S = 1.0
 # request's time left) to connect while another candidate is left to ask.
 CONNECT_BUDGET_S = 1.0
 MAX_RECONNECT_BACKOFF_S = 1.0  # a channel to a dead agent retries at least this often
+# HTTP/2 keepalive on every agent channel: a hung agent (stopped, its socket
+# open) answers no ping, and its connection is closed within about
+# KEEPALIVE_S + KEEPALIVE_TIMEOUT_S, so the calls waiting on it fail over
+# (UNAVAILABLE) long before their deadline. Agents allow pings this often
+# (tiered.agent.front_end.KEEPALIVE_PERMIT).
+KEEPALIVE_S = 1.0
+KEEPALIVE_TIMEOUT_S = 2.0
 SERVED_TIER = "tiered-tier"  # the response parameter naming the tier that answered
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.DEADLINE_EXCEEDED})
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 _READY = grpc.ChannelConnectivity.READY
 _CONNECTING = (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING)
 
 # Bytes in, bytes out: a ModelInfer call that neither serializes nor parses.
 RawInfer = Callable[..., grpc.aio.UnaryUnaryCall]
+# Request bytes in, parsed ModelStreamInferResponses out.
+RawStream = Callable[..., grpc.aio.StreamStreamCall]
+T = TypeVar("T")
 
 
 class Answer(NamedTuple):
@@ -115,6 +126,7 @@ class ChannelPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.GRPCInferenceServiceStub] = {}
         self._infers: dict[str, RawInfer] = {}
+        self._streams: dict[str, RawStream] = {}
 
     def channel(self, agent: str) -> grpc.aio.Channel:
         channel = self._channels.get(agent)
@@ -134,6 +146,10 @@ class ChannelPool:
             # address is reconnected to (and probed back) within about a second.
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000)),
+            ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+            ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+            # gRPC core waits this long for any ping's ack (keepalive's too): 60 s by default.
+            ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
         ])
 
     def stub(self, agent: str) -> pb_grpc.GRPCInferenceServiceStub:
@@ -152,10 +168,20 @@ class ChannelPool:
                 INFER_METHOD, _registered_method=True)
         return call
 
+    def stream(self, agent: str) -> RawStream:
+        """ModelStreamInfer on the agent's channel: request bytes in, responses parsed."""
+        call = self._streams.get(agent)
+        if call is None:
+            call = self._streams[agent] = self.channel(agent).stream_stream(
+                STREAM_METHOD, response_deserializer=pb.ModelStreamInferResponse.FromString,
+                _registered_method=True)
+        return call
+
     async def keep_only(self, agents: frozenset[str]) -> None:
         for agent in [a for a in self._channels if a not in agents]:
             self._stubs.pop(agent, None)
             self._infers.pop(agent, None)
+            self._streams.pop(agent, None)
             await self._channels.pop(agent).close(grace=5)
 
     async def close(self) -> None:
@@ -198,7 +224,25 @@ class Forwarder:
         TRANSIENT_FAILURE at once, while connecting after at most
         `CONNECT_BUDGET_S`. The last one is called as it is (no
         wait_for_ready: a channel in TRANSIENT_FAILURE fails the call at once)."""
-        model = request.model_name
+
+        async def infer(candidate: policies.Candidate, remaining: float) -> Answer:
+            reply = await self.pool.infer(candidate.agent)(
+                with_version(request, raw, candidate.version), timeout=remaining,
+                wait_for_ready=False)
+            answered = reply + served_by(candidate.tier)
+            return Answer(parse_response(answered, candidate.agent), answered, candidate)
+
+        return await self.first_to_answer(request.model_name, candidates, route, deadline,
+                                          infer, more_after=more_after)
+
+    async def first_to_answer(self, model: str, candidates: Sequence[policies.Candidate],
+                              route: routing.ModelRoute, deadline: float,
+                              call: Callable[[policies.Candidate, float], Awaitable[T]], *,
+                              more_after: bool = False, hold: bool = False) -> T:
+        """`call` on each candidate in turn, with `forward`'s failover rules,
+        until one returns (its value is returned). `hold`: the answering
+        agent's in-flight slot stays taken, for the caller to release (a
+        stream holds it until its last response)."""
         attempts, saturated, last = 0, 0, None
         final = len(candidates) - 1
         for index, candidate in enumerate(candidates):
@@ -221,15 +265,15 @@ class Forwarder:
                 self.metrics.failed_over(model, candidate.tier, counters.SATURATED)
                 continue
             attempts += 1
+            answered = False
             try:
                 if not connected and (more_after or index < final):
                     last = await self._connect(channel, agent, remaining)
                     if last is not None:
                         self.metrics.failed_over(model, candidate.tier, counters.DOWN)
                         continue
-                reply = await self.pool.infer(agent)(
-                    with_version(request, raw, candidate.version), timeout=remaining,
-                    wait_for_ready=False)
+                value = await call(candidate, remaining)
+                answered = True
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RETRYABLE:
                     raise upstream_error(agent, error) from None
@@ -239,12 +283,12 @@ class Forwarder:
                 last = upstream_error(agent, error)
                 continue
             finally:
-                self.observer.release(agent)
+                if not (answered and hold):
+                    self.observer.release(agent)
             self.observer.record_latency(agent, model, self.clock() - now)
             if agent in self.health.down:  # asked as the last resort, and it answered
                 self.health.mark_up(agent)
-            answered = reply + served_by(candidate.tier)
-            return Answer(parse_response(answered, agent), answered, candidate)
+            return value
         if last is None:
             if saturated:
                 self.metrics.rejected.labels(model).inc()

@@ -43,6 +43,15 @@ class Precision(StrEnum):
     FP8 = "fp8"
 
 
+class ModelKind(StrEnum):
+    """What a TieredModel serves, which decides what its rollouts are judged
+    on: one answer per request (request latency, J/inference) or tokens
+    streamed (time to first token, time per output token, J/token)."""
+
+    PREDICTIVE = "predictive"
+    GENERATIVE = "generative"
+
+
 class Policy(StrEnum):
     """How the router picks a tier for a request."""
 

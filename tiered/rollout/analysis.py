@@ -51,6 +51,18 @@ after a controller restart.
   agreement rate is below min, Successful on evidence that it is above,
   Inconclusive in between.
 
+A generative model (spec kind generative) is judged on the same tests of
+other quantities (`METRICS_OF_KIND`; the request-latency and J/inference
+metrics are not judged): ttft_p95 and ttft_shift are the tail and shift
+tests of each request's time to first token; tpot_p95 the tail test of the
+time between two output tokens; energy_per_token the energy test, with its
+source rules, of per-window J per output token; error_rate and agreement
+(greedy requests whose token ids equal stable's) as above. The controller
+draws TPOT samples from each poll's histogram, as many as the poll's
+requests: one token a request, on average, so the tokens of one sequence
+(not independent of each other) do not count as that many requests' worth
+of evidence.
+
 Relative tests and absolute bounds fail on evidence; otherwise a relative
 test passes (a stage's min_requests and min_duration_s decide how much data a
 pass stands on) and an absolute bound is Inconclusive while its point
@@ -155,7 +167,13 @@ class VersionSamples:
     requests: int = 0
     errors: int = 0
     joules_per_inference: Sequence[float] = ()  # one per telemetry window
-    energy_source: str = ""  # of those figures: nvml, rapl or model; "" unknown
+    energy_source: str = ""  # of the energy figures: nvml, rapl or model; "" unknown
+    # A generative version's: time to first token a request, time per output
+    # token (a reservoir each), output tokens, J per output token a window.
+    ttft_ms: Sequence[float] = ()
+    tpot_ms: Sequence[float] = ()
+    output_tokens: int = 0
+    joules_per_token: Sequence[float] = ()
 
 
 @dataclass(frozen=True)
@@ -193,36 +211,51 @@ class Measurements:
     def pooled(self, version: str) -> VersionSamples:
         """One version ("stable" or "canary") over every tier, for headline figures."""
         parts = [getattr(samples, version) for samples in self.tiers.values()]
-        sources = {p.energy_source for p in parts if len(p.joules_per_inference)}
+        sources = {p.energy_source for p in parts
+                   if len(p.joules_per_inference) or len(p.joules_per_token)}
         return VersionSamples(
             latencies_ms=tuple(v for p in parts for v in p.latencies_ms),
             requests=sum(p.requests for p in parts),
             errors=sum(p.errors for p in parts),
             joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference),
-            energy_source=sources.pop() if len(sources) == 1 else "")  # "": unknown or mixed
+            energy_source=sources.pop() if len(sources) == 1 else "",  # "": unknown or mixed
+            ttft_ms=tuple(v for p in parts for v in p.ttft_ms),
+            tpot_ms=tuple(v for p in parts for v in p.tpot_ms),
+            output_tokens=sum(p.output_tokens for p in parts),
+            joules_per_token=tuple(v for p in parts for v in p.joules_per_token))
 
 
 # --- the false-rollback budget ----------------------------------------------
 
 
-def tests_per_tier(spec: AnalysisSpec) -> int:
-    """Sequential tests judged on each tier a stage sends canary traffic to."""
-    latency = sum(1 + (bound.max_ms is not None)
-                  for bound in (spec.latency_p95, spec.latency_p99) if bound is not None)
-    errors = 0 if spec.error_rate is None else 1 + (spec.error_rate.max is not None)
-    return (latency + (spec.latency_shift is not None) + errors
-            + (spec.energy_per_inference is not None))
+PREDICTIVE = names.ModelKind.PREDICTIVE
 
 
-def stage_tests(spec: AnalysisSpec, tiers: int) -> int:
+def _tests_of(bound: object) -> int:
+    """A metric's tests: its relative test, and its absolute bound when set."""
+    if isinstance(bound, LatencyBound):
+        return 1 + (bound.max_ms is not None)
+    if isinstance(bound, ErrorRateBound):
+        return 1 + (bound.max is not None)
+    return 1
+
+
+def tests_per_tier(spec: AnalysisSpec, kind: str = PREDICTIVE) -> int:
+    """Sequential tests judged on each tier a stage sends canary traffic to,
+    for a model of `kind`."""
+    return sum(_tests_of(bound) for metric, bound in spec.judged(kind).items()
+               if metric != "agreement")
+
+
+def stage_tests(spec: AnalysisSpec, tiers: int, kind: str = PREDICTIVE) -> int:
     """Tests of one stage on `tiers` tiers: each tier's, and agreement once."""
-    return tiers * tests_per_tier(spec) + (spec.agreement is not None)
+    return tiers * tests_per_tier(spec, kind) + (spec.agreement is not None)
 
 
-def rollout_tests(spec: AnalysisSpec, stages: Sequence[Stage]) -> int:
+def rollout_tests(spec: AnalysisSpec, stages: Sequence[Stage], kind: str = PREDICTIVE) -> int:
     """Every test a rollout through `stages` can run: what alpha is shared by.
     Fixed by the spec before any data, as the union bound needs."""
-    return max(1, sum(stage_tests(spec, sum(1 for w in stage.weights.values() if w > 0))
+    return max(1, sum(stage_tests(spec, sum(1 for w in stage.weights.values() if w > 0), kind)
                       for stage in stages))
 
 
@@ -394,14 +427,32 @@ def _combine(name: str, checks: list[tuple[str, str]],
     return MetricResult(name, outcome, "; ".join(ordered), numbers)
 
 
+@dataclass(frozen=True)
+class _Timing:
+    """How the reasons speak of one timed quantity's samples."""
+
+    label: str  # before "p95" in a reason: "" for request latency
+    samples: str  # what one sample is, plural
+    plural: str  # the quantity, plural
+
+
+# The timed quantities, by metric prefix: request latency, a generative
+# model's time to first token and time per output token.
+_TIMINGS = {"latency": _Timing("", "requests", "latencies"),
+            "ttft": _Timing("TTFT ", "first tokens", "TTFTs"),
+            "tpot": _Timing("TPOT ", "token intervals", "TPOTs")}
+
+
 def judge_latency_quantile(q: float, bound: LatencyBound, stable: Sequence[float],
                            canary: Sequence[float], alpha: float,
-                           min_samples: int) -> MetricResult:
+                           min_samples: int, quantity: str = "latency") -> MetricResult:
     """The tail test of the q-quantile (see the module docstring) at `alpha`,
-    and max_ms, when set, a test of its own at `alpha` too."""
+    and max_ms, when set, a test of its own at `alpha` too. `quantity`:
+    latency, ttft or tpot (milliseconds each), which names the metric."""
     pct = _percent(q)
-    name = f"latency_p{pct}"
-    checked = _checked_pair(name, "latency", stable, canary)
+    name = f"{quantity}_p{pct}"
+    timing = _TIMINGS[quantity]
+    checked = _checked_pair(name, timing.label.strip() or "latency", stable, canary)
     if isinstance(checked, MetricResult):
         return checked
     s, c = checked
@@ -430,20 +481,21 @@ def judge_latency_quantile(q: float, bound: LatencyBound, stable: Sequence[float
     numbers.update({f"p{pct}_stable_upper_ms": upper, "threshold_ms": threshold,
                     "canary_above": float(above), "canary_share_above": above / len(c),
                     "p_value": p, "alpha_bound": alpha / 2, "alpha_count": alpha / 2})
-    detail = (f"{above} of {len(c)} canary requests ({above / len(c):.1%}) above "
-              f"{threshold:.3g} ms = {bound.max_ratio:g} x stable p{pct}'s bound "
-              f"{upper:.3g} ms, {1 - q:.0%} expected; p{pct} {q_c:.3g} vs {q_s:.3g} ms")
-    checks = [_verdict(p, alpha / 2, f"canary p{pct} above {bound.max_ratio:g}x stable's: "
-                       f"{detail}", f"no p{pct} regression beyond {bound.max_ratio:g}x: {detail}")]
+    tail = f"{timing.label}p{pct}"
+    detail = (f"{above} of {len(c)} canary {timing.samples} ({above / len(c):.1%}) above "
+              f"{threshold:.3g} ms = {bound.max_ratio:g} x stable {tail}'s bound "
+              f"{upper:.3g} ms, {1 - q:.0%} expected; {tail} {q_c:.3g} vs {q_s:.3g} ms")
+    checks = [_verdict(p, alpha / 2, f"canary {tail} above {bound.max_ratio:g}x stable's: "
+                       f"{detail}", f"no {tail} regression beyond {bound.max_ratio:g}x: {detail}")]
     if bound.max_ms is not None:
         over = len(c) - int(np.searchsorted(c, bound.max_ms, "right"))
         p_max = p_value(binomial_log_e(over, len(c), 1 - q))
         numbers.update(max_ms=bound.max_ms, canary_above_max=float(over), p_value_max=p_max)
         if p_max <= alpha or q_c > bound.max_ms:
             checks.append(_verdict(
-                p_max, alpha, f"canary p{pct} above {bound.max_ms:g} ms: {over} of {len(c)} "
-                f"requests above it", f"canary p{pct} {q_c:.3g} ms is above {bound.max_ms:g} "
-                f"ms but not yet significantly", INCONCLUSIVE))
+                p_max, alpha, f"canary {tail} above {bound.max_ms:g} ms: {over} of {len(c)} "
+                f"{timing.samples} above it", f"canary {tail} {q_c:.3g} ms is above "
+                f"{bound.max_ms:g} ms but not yet significantly", INCONCLUSIVE))
     return _combine(name, checks, numbers)
 
 
@@ -463,9 +515,12 @@ def _shift_p(unit: str, key: str, max_ratio: float, s: np.ndarray, c: np.ndarray
 
 
 def judge_latency_shift(bound: ShiftBound, stable: Sequence[float], canary: Sequence[float],
-                        alpha: float, min_samples: int) -> MetricResult:
-    name = "latency_shift"
-    checked = _checked_pair(name, "latency", stable, canary)
+                        alpha: float, min_samples: int, quantity: str = "latency",
+                        ) -> MetricResult:
+    """Mann-Whitney with the max_ratio margin; `quantity` as for the tail test."""
+    name = f"{quantity}_shift"
+    timing = _TIMINGS[quantity]
+    checked = _checked_pair(name, timing.label.strip() or "latency", stable, canary)
     if isinstance(checked, MetricResult):
         return checked
     s, c = checked
@@ -476,8 +531,8 @@ def judge_latency_shift(bound: ShiftBound, stable: Sequence[float], canary: Sequ
         return too_few
     p, detail = _shift_p("ms", "ms", bound.max_ratio, s, c, RHO_REQUESTS, numbers)
     return _combine(name, [_verdict(
-        p, alpha, f"canary latencies shifted beyond {bound.max_ratio:g}x stable's: {detail}",
-        f"no shift beyond {bound.max_ratio:g}x: {detail}")], numbers)
+        p, alpha, f"canary {timing.plural} shifted beyond {bound.max_ratio:g}x stable's: "
+        f"{detail}", f"no shift beyond {bound.max_ratio:g}x: {detail}")], numbers)
 
 
 def judge_error_rate(bound: ErrorRateBound, stable_errors: int, stable_requests: int,
@@ -518,15 +573,20 @@ def judge_error_rate(bound: ErrorRateBound, stable_errors: int, stable_requests:
     return _combine(name, checks, numbers)
 
 
-def energy_gate(allow_modeled: bool, stable: str | None, canary: str | None) -> str | None:
-    """Why two versions' J/inference figures are not judged, or None to judge
+# The energy metrics and the unit of their figures.
+ENERGY_UNITS = {"energy_per_inference": "J/inference", "energy_per_token": "J/token"}
+
+
+def energy_gate(allow_modeled: bool, stable: str | None, canary: str | None,
+                metric: str = "energy_per_inference") -> str | None:
+    """Why two versions' energy figures are not judged, or None to judge
     them. A source is None where the version has no figure yet: missing data,
     which the judgement itself makes Inconclusive."""
     seen = [source for source in (stable, canary) if source is not None]
     if len(seen) == 2 and all(seen) and stable != canary:
         return "figures of different sources do not compare"
     if not allow_modeled and not _measured(seen):
-        return ("the figures are not measurements (set energy_per_inference.allow_modeled: "
+        return (f"the figures are not measurements (set {metric}.allow_modeled: "
                 "true to judge them anyway)")
     return None
 
@@ -537,12 +597,13 @@ def _measured(sources: Sequence[str | None]) -> bool:
 
 def judge_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[float],
                  alpha: float, stable_source: str = "", canary_source: str = "",
-                 ) -> MetricResult:
-    """The rank test of J/inference, or (see `energy_gate`) its comparison
-    reported and passed unjudged; the reason names the figures' sources."""
+                 metric: str = "energy_per_inference") -> MetricResult:
+    """The rank test of J/inference (`metric` energy_per_token: J/token), or
+    (see `energy_gate`) its comparison reported and passed unjudged; the
+    reason names the figures' sources."""
     sources = (stable_source if len(stable) else None, canary_source if len(canary) else None)
-    gate = energy_gate(bound.allow_modeled, *sources)
-    result = _compare_energy(bound, stable, canary, alpha)
+    gate = energy_gate(bound.allow_modeled, *sources, metric=metric)
+    result = _compare_energy(bound, stable, canary, alpha, metric)
     numbers = {**result.numbers, "measured": float(_measured(sources)),
                "judged": float(gate is None)}
     label = names.energy_sources_label(*sources)
@@ -554,16 +615,16 @@ def judge_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[f
 
 
 def _compare_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[float],
-                    alpha: float) -> MetricResult:
-    name = "energy_per_inference"
-    checked = _checked_pair(name, "J/inference", stable, canary)
+                    alpha: float, name: str) -> MetricResult:
+    unit = ENERGY_UNITS[name]
+    checked = _checked_pair(name, unit, stable, canary)
     if isinstance(checked, MetricResult):
         return checked
     s, c = checked
     numbers = {"n_stable": float(len(s)), "n_canary": float(len(c)),
                "min_windows": float(bound.min_windows), "max_ratio": bound.max_ratio,
                "alpha": alpha}
-    too_few = _too_few(name, "J/inference windows", len(s), len(c), bound.min_windows, numbers)
+    too_few = _too_few(name, f"{unit} windows", len(s), len(c), bound.min_windows, numbers)
     if too_few is not None:
         return too_few
     mean_s, mean_c = float(np.mean(s)), float(np.mean(c))
@@ -571,7 +632,7 @@ def _compare_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequenc
     if mean_s > 0:
         numbers["ratio"] = mean_c / mean_s
     p, detail = _shift_p("J", "j", bound.max_ratio, s, c, RHO_WINDOWS, numbers)
-    means = f"mean {mean_c:.4g} vs {mean_s:.4g} J/inference, {detail}"
+    means = f"mean {mean_c:.4g} vs {mean_s:.4g} {unit}, {detail}"
     return _combine(name, [_verdict(
         p, alpha, f"canary uses more than {bound.max_ratio:g}x stable's energy: {means}",
         means)], numbers)
@@ -604,9 +665,10 @@ def judge_agreement(bound: AgreementBound, agreed: int, compared: int, alpha: fl
 
 
 def analyze(spec: AnalysisSpec, measurements: Measurements,
-            tests: int | None = None) -> AnalysisRun:
-    """Judge every configured metric of canary vs stable on each tier, and
-    agreement over all of them; the worst outcome wins.
+            tests: int | None = None, kind: str = PREDICTIVE) -> AnalysisRun:
+    """Judge every configured metric of a model of `kind` (`METRICS_OF_KIND`),
+    canary vs stable, on each tier, and agreement over all of them; the worst
+    outcome wins.
 
     Each tier is judged on its own samples, so a tier's regression is not
     diluted by another tier's traffic and stable is compared on the tier the
@@ -618,12 +680,14 @@ def analyze(spec: AnalysisSpec, measurements: Measurements,
     """
     tiers = ({tier: s for tier, s in measurements.tiers.items() if s.served}
              or dict(measurements.tiers) or {None: TierSamples()})
-    tests = stage_tests(spec, len(tiers)) if tests is None else tests
+    tests = stage_tests(spec, len(tiers), kind) if tests is None else tests
     alpha = (1 - spec.confidence) / tests
+    judged = spec.judged(kind)
     metrics: list[MetricResult] = []
     for tier, samples in tiers.items():
-        metrics.extend(replace(m, tier=tier)
-                       for m in _judge_tier(spec, samples.stable, samples.canary, alpha))
+        metrics.extend(replace(_judge_metric(metric, bound, samples.stable, samples.canary,
+                                             alpha, spec.min_samples), tier=tier)
+                       for metric, bound in judged.items() if metric != "agreement")
     if spec.agreement is not None:
         metrics.append(judge_agreement(spec.agreement, measurements.shadow_agreed,
                                        measurements.shadow_compared, alpha, spec.min_samples))
@@ -633,23 +697,22 @@ def analyze(spec: AnalysisSpec, measurements: Measurements,
                        tuple(metrics))
 
 
-def _judge_tier(spec: AnalysisSpec, stable: VersionSamples, canary: VersionSamples,
-                alpha: float) -> list[MetricResult]:
-    metrics: list[MetricResult] = []
-    for q, bound in ((0.95, spec.latency_p95), (0.99, spec.latency_p99)):
-        if bound is not None:
-            metrics.append(judge_latency_quantile(q, bound, stable.latencies_ms,
-                                                  canary.latencies_ms, alpha,
-                                                  spec.min_samples))
-    if spec.latency_shift is not None:
-        metrics.append(judge_latency_shift(spec.latency_shift, stable.latencies_ms,
-                                           canary.latencies_ms, alpha, spec.min_samples))
-    if spec.error_rate is not None:
-        metrics.append(judge_error_rate(spec.error_rate, stable.errors, stable.requests,
-                                        canary.errors, canary.requests, alpha,
-                                        spec.min_samples))
-    if spec.energy_per_inference is not None:
-        metrics.append(judge_energy(spec.energy_per_inference, stable.joules_per_inference,
-                                    canary.joules_per_inference, alpha, stable.energy_source,
-                                    canary.energy_source))
-    return metrics
+def _judge_metric(metric: str, bound: object, stable: VersionSamples, canary: VersionSamples,
+                  alpha: float, min_samples: int) -> MetricResult:
+    """One metric of one tier (any of `METRICS_OF_KIND` but agreement)."""
+    quantity, _, test = metric.partition("_")
+    if metric == "error_rate":
+        return judge_error_rate(bound, stable.errors, stable.requests, canary.errors,
+                                canary.requests, alpha, min_samples)
+    if metric in ENERGY_UNITS:
+        figures = "joules_per_inference" if metric == "energy_per_inference" \
+            else "joules_per_token"
+        return judge_energy(bound, getattr(stable, figures), getattr(canary, figures), alpha,
+                            stable.energy_source, canary.energy_source, metric)
+    samples = {"latency": "latencies_ms", "ttft": "ttft_ms", "tpot": "tpot_ms"}[quantity]
+    if test == "shift":
+        return judge_latency_shift(bound, getattr(stable, samples), getattr(canary, samples),
+                                   alpha, min_samples, quantity)
+    q = {"p95": 0.95, "p99": 0.99}[test]
+    return judge_latency_quantile(q, bound, getattr(stable, samples), getattr(canary, samples),
+                                  alpha, min_samples, quantity)

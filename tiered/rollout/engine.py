@@ -135,7 +135,7 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
     else:
         # Every test of every stage shares the rollout's false-rollback budget.
         run = analyze(spec.rollout.analysis, measurements,
-                      rollout_tests(spec.rollout.analysis, stages))
+                      rollout_tests(spec.rollout.analysis, stages, spec.kind), spec.kind)
         failures = status.consecutive_failures + 1 if run.verdict == names.Outcome.FAILED else 0
     status = dataclasses.replace(status, last_analysis=run, consecutive_failures=failures)
 

@@ -272,7 +272,8 @@ class Stage(_Checked):
 
 @dataclass(frozen=True)
 class LatencyBound(_Checked):
-    """A latency percentile (p95, p99) of the canary against stable's."""
+    """A latency percentile (p95, p99) of the canary against stable's: of
+    requests, or of a generative model's first token or time per token."""
 
     max_ratio: float = spec_field(
         1.05, doc="the canary's percentile may exceed stable's by this factor before it "
@@ -301,11 +302,14 @@ class ErrorRateBound(_Checked):
 
 @dataclass(frozen=True)
 class EnergyBound(_Checked):
+    """Energy per inference, or per output token of a generative model."""
+
     max_ratio: float = spec_field(
-        1.1, doc="canary J/inference may exceed stable's by this factor", minimum=1.0)
+        1.1, doc="canary J/inference (J/token) may exceed stable's by this factor",
+        minimum=1.0)
     min_windows: int = spec_field(
-        5, doc="telemetry windows of J/inference needed per version (the rank test "
-        "behind it fails a canary only from about 20 windows a version on)", minimum=2)
+        5, doc="telemetry windows of J/inference (J/token) needed per version (the rank "
+        "test behind it fails a canary only from about 20 windows a version on)", minimum=2)
     allow_modeled: bool = spec_field(
         False, doc="judge figures that are not measured: the CPU-time model (source model, "
         "an estimate) or an unknown source. Off: such figures are reported and never fail "
@@ -321,22 +325,36 @@ class AgreementBound(_Checked):
 
 @dataclass(frozen=True)
 class AnalysisSpec(_Checked):
-    """What a canary must show; a metric set to null is not judged."""
+    """What a canary must show; a metric set to null is not judged, nor one
+    of the other kind of model (`METRICS_OF_KIND`)."""
 
     latency_p95: LatencyBound | None = spec_field(
         default_factory=LatencyBound, doc="the 95th percentile of request latency, canary "
-        "vs stable: a tail test")
+        "vs stable: a tail test (predictive models)")
     latency_p99: LatencyBound | None = spec_field(
-        None, doc="the 99th percentile of request latency, canary vs stable; null: not judged")
+        None, doc="the 99th percentile of request latency, canary vs stable; null: not judged "
+        "(predictive models)")
     latency_shift: ShiftBound | None = spec_field(
         default_factory=ShiftBound, doc="request latency as a whole, canary vs stable: a "
-        "location test")
+        "location test (predictive models)")
     error_rate: ErrorRateBound | None = spec_field(default_factory=ErrorRateBound,
                                                    doc="share of failed requests")
-    energy_per_inference: EnergyBound | None = spec_field(default_factory=EnergyBound,
-                                                          doc="joules per inference")
-    agreement: AgreementBound | None = spec_field(default_factory=AgreementBound,
-                                                  doc="shadow agreement with stable")
+    energy_per_inference: EnergyBound | None = spec_field(
+        default_factory=EnergyBound, doc="joules per inference (predictive models)")
+    agreement: AgreementBound | None = spec_field(
+        default_factory=AgreementBound, doc="shadow agreement with stable (generative "
+        "models: greedy requests whose token ids are stable's)")
+    ttft_p95: LatencyBound | None = spec_field(
+        default_factory=LatencyBound, doc="the 95th percentile of time to first token, "
+        "canary vs stable: a tail test (generative models)")
+    ttft_shift: ShiftBound | None = spec_field(
+        default_factory=ShiftBound, doc="time to first token as a whole, canary vs stable: "
+        "a location test (generative models)")
+    tpot_p95: LatencyBound | None = spec_field(
+        default_factory=LatencyBound, doc="the 95th percentile of time per output token, "
+        "canary vs stable: a tail test (generative models)")
+    energy_per_token: EnergyBound | None = spec_field(
+        default_factory=EnergyBound, doc="joules per output token (generative models)")
     confidence: float = spec_field(
         0.995, doc="1 - the probability that a canary with no regression is rolled back, "
         "per rollout: over every look, metric, tier and stage", minimum=0.5, maximum=1.0,
@@ -351,9 +369,25 @@ class AnalysisSpec(_Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not any((self.latency_p95, self.latency_p99, self.latency_shift, self.error_rate,
-                    self.energy_per_inference, self.agreement)):
+        if not any(getattr(self, metric) for metrics in METRICS_OF_KIND.values()
+                   for metric in metrics):
             raise ConfigError("latency_p95: every metric is null; judge at least one")
+
+    def judged(self, kind: str) -> dict[str, Any]:
+        """The metrics a model of `kind` is judged on, name -> bound, in
+        `METRICS_OF_KIND`'s order; nulls left out."""
+        return {metric: bound for metric in METRICS_OF_KIND[kind]
+                if (bound := getattr(self, metric)) is not None}
+
+
+# The metrics each kind of model is judged on. A metric of the other kind is
+# ignored, its default included, so one analysis block serves either kind.
+METRICS_OF_KIND: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    names.ModelKind.PREDICTIVE: ("latency_p95", "latency_p99", "latency_shift", "error_rate",
+                                 "energy_per_inference", "agreement"),
+    names.ModelKind.GENERATIVE: ("ttft_p95", "ttft_shift", "tpot_p95", "error_rate",
+                                 "energy_per_token", "agreement"),
+})
 
 
 @dataclass(frozen=True)
@@ -388,11 +422,20 @@ class TieredModel(_Checked):
                                                 keys=names.TIERS)
     rollout: RolloutSpec = spec_field(doc="staged canary of a new version")
     routing: Routing = spec_field(default_factory=Routing, doc="routing policy")
+    kind: str = spec_field(
+        names.ModelKind.PREDICTIVE, enum=tuple(names.ModelKind),
+        doc="predictive: one answer a request, judged on request latency and J/inference; "
+        "generative: tokens streamed, judged on time to first token, time per output token "
+        "and J/token. Said, not guessed from the artifact")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.tiers:
             raise ConfigError("tiers: needs at least one tier")
+        if not self.rollout.analysis.judged(self.kind):
+            raise ConfigError(f"rollout.analysis: every metric a {self.kind} model is judged "
+                              f"on ({', '.join(METRICS_OF_KIND[self.kind])}) is null; judge "
+                              "at least one")
         for index, stage in enumerate(self.rollout.stages):
             for tier, weight in stage.weights.items():
                 if tier not in self.tiers and weight > 0:
@@ -490,7 +533,8 @@ class MetricResult:
     """One metric's outcome and every number it was decided from."""
 
     metric: str = spec_field(doc="latency_p95, latency_p99, latency_shift, error_rate, "
-                             "energy_per_inference, agreement")
+                             "energy_per_inference, agreement; of a generative model "
+                             "ttft_p95, ttft_shift, tpot_p95, energy_per_token")
     outcome: str = spec_field(doc="the metric's outcome", enum=tuple(names.Outcome))
     reason: str = spec_field(doc="the outcome in words, with its numbers")
     numbers: Mapping[str, float] = spec_field(
@@ -576,10 +620,10 @@ class HistoryEntry:
     stage: str = spec_field("", doc="the stage it left or entered, as 'N/M name'")
     numbers: Mapping[str, float] = spec_field(
         default_factory=dict, doc="the stage's headline numbers: requests, p95s, "
-        "J/inference, agreement")
+        "J/inference, agreement (generative: TTFT and TPOT p95s, J/token)")
     sources: Mapping[str, str] = spec_field(
-        default_factory=dict, doc="where each J/inference number came from: nvml, rapl "
-        "(measured) or model (an estimate)")
+        default_factory=dict, doc="where each J/inference (J/token) number came from: nvml, "
+        "rapl (measured) or model (an estimate)")
 
 
 @dataclass(frozen=True)

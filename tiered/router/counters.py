@@ -151,7 +151,13 @@ class RouterMetrics:
             registry=self.registry)
         self.latency = Histogram(
             "tiered_router_request_duration_seconds", "Answered requests' time in the router, "
-            "from arrival to answer, by the tier and version that answered",
+            "from arrival to answer (a streamed request: to its last response), by the tier "
+            "and version that answered", ["model", "tier", "version"],
+            buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.first_token = Histogram(
+            "tiered_router_time_to_first_token_seconds", "Streamed requests of decoupled "
+            "(generative) models: from arrival at the router to their first response relayed "
+            "to the client, by the tier and version that answered",
             ["model", "tier", "version"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self._children: dict[tuple[object, ...], Counter | Histogram] = {}
 
@@ -168,6 +174,10 @@ class RouterMetrics:
     def answered(self, model: str, tier: str, version: str, seconds: float) -> None:
         self._child(self.requests, model, tier, version, "ok").inc()
         self._child(self.latency, model, tier, version).observe(seconds)
+
+    def first_response(self, model: str, tier: str, version: str, seconds: float) -> None:
+        """A streamed request's first response went out `seconds` after it arrived."""
+        self._child(self.first_token, model, tier, version).observe(seconds)
 
     def failed_over(self, model: str, tier: str, reason: str) -> None:
         self._child(self.failovers, model, tier, reason).inc()

@@ -10,14 +10,24 @@ rng are injected. Never imports agent or controller code.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from tiered import errors
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import routing, security
-from tiered.router import counters, forward, health, hints, observations, policies, statistics
+from tiered.router import (
+    counters,
+    forward,
+    health,
+    hints,
+    observations,
+    policies,
+    statistics,
+    streams,
+)
 
 
 class Router:
@@ -41,6 +51,7 @@ class Router:
         self.forwarder = forward.Forwarder(self.pool, self.observer, self.metrics, clock,
                                            self.health)
         self.shadows = forward.Shadows(self.pool, self.agreement, self.rng)
+        self.decoupled = streams.DecoupledModels(self._ask_decoupled, clock)
         # Candidates per (model, version of each tier): built once per table.
         self._candidates: dict[tuple[str, tuple[int, ...]], list[policies.Candidate]] = {}
 
@@ -52,6 +63,7 @@ class Router:
         agents = table.agents()
         self.observer.forget(agents)
         self.health.forget(agents)
+        self.decoupled.forget(table.models)
         self.metrics.agents.watch(agents_by_tier(table), self.health.down)
         await self.pool.keep_only(agents)
 
@@ -89,9 +101,66 @@ class Router:
             self.shadows.send(request, raw, answer, route, table.timeout_s)
         return answer
 
-    async def _route(self, request: pb.ModelInferRequest, raw: bytes, route: routing.ModelRoute,
-                     metadata: Sequence[tuple[str, str]] | None, deadline: float
-                     ) -> tuple[forward.Answer, policies.VersionChoice]:
+    async def stream(self, request: pb.ModelInferRequest, raw: bytes,
+                     metadata: Sequence[tuple[str, str]] | None, time_remaining: float | None
+                     ) -> AsyncIterator[pb.ModelInferResponse]:
+        """A decoupled model's streamed request: ranked as `infer` ranks it,
+        sent on a stream to one agent (failover before its first response
+        only, `streams`), every response relayed in order. Counted once, when
+        its last response has gone; the first one's time is its TTFT. Never
+        cascaded (its first agent answers) nor shadowed."""
+        started = self.clock()
+        model = request.model_name
+        table = self.table
+        route = self.route_of(model)
+        first: pb.ModelInferResponse | None = None
+        try:
+            hints.refuse_shared_memory(request)
+            deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
+                                      started)
+            wanted, _, _, ranking = self._rank(request, route, metadata)
+            try:
+                opened = await streams.open_stream(self.forwarder, request, raw,
+                                                   ranking.candidates, route, deadline)
+            except (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded) \
+                    as error:
+                if wanted.strict:
+                    raise self._strict_error(error, wanted.tier) from None
+                raise
+            tier = opened.candidate.tier
+            async with contextlib.aclosing(streams.relay(opened, self.forwarder)) as responses:
+                async for response in responses:
+                    if first is None:
+                        first = response
+                        self.metrics.first_response(model, tier, response.model_version,
+                                                    self.clock() - started)
+                    yield response
+        except Exception:  # a client that went away is counted nowhere
+            now = self.clock()
+            self.statistics.failed(model, now - started, now)
+            raise
+        now = self.clock()
+        version = first.model_version if first is not None else ""
+        self.statistics.succeeded(model, version, now - started, now)
+        self.metrics.answered(model, tier, version, now - started)
+
+    async def _ask_decoupled(self, model: str) -> bool:
+        """Whether the model is decoupled, as the first of its agents to answer
+        ModelConfig says."""
+        answer = await self.forwarder.first_answer(self.route_of(model), "ModelConfig",
+                                                   pb.ModelConfigRequest(name=model))
+        return answer.config.model_transaction_policy.decoupled
+
+    async def is_decoupled(self, model: str) -> bool:
+        """Whether streamed requests of `model` are answered as a stream
+        (False for a model outside the table: `infer` says NOT_FOUND)."""
+        return model in self.table.models and await self.decoupled.decoupled(model)
+
+    def _rank(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
+              metadata: Sequence[tuple[str, str]] | None
+              ) -> tuple[policies.RouteRequest, dict[str, policies.VersionChoice],
+                         policies.Policy, policies.Ranking]:
+        """The request's hints, each tier's version, the policy and its ranking."""
         model = request.model_name
         wanted = hints.read_hints(model, request.parameters, metadata)
         choices = {tier: policies.pick_version(tier_route, wanted.key, self.rng)
@@ -107,6 +176,12 @@ class Router:
             self.metrics.ranked_without_energy(model)
         for passed in ranking.passed_over:
             self.metrics.failed_over(model, passed.tier, counters.DOWN)
+        return wanted, choices, policy, ranking
+
+    async def _route(self, request: pb.ModelInferRequest, raw: bytes, route: routing.ModelRoute,
+                     metadata: Sequence[tuple[str, str]] | None, deadline: float
+                     ) -> tuple[forward.Answer, policies.VersionChoice]:
+        wanted, choices, policy, ranking = self._rank(request, route, metadata)
         send = self.forwarder.cascade if isinstance(policy, policies.Cascade) \
             else self.forwarder.forward
         try:
@@ -143,6 +218,7 @@ class Router:
 
     async def close(self) -> None:
         self.shadows.cancel()
+        self.decoupled.cancel()
         await self.pool.close()
 
 

@@ -108,14 +108,18 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
                                context) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        # Each streamed request is forwarded on its own (unary), so nothing is
-        # ever retried after part of an answer went out; one failure is one
-        # error message in the stream, which goes on.
+        # Each streamed request is forwarded on its own: a decoupled model's
+        # on a stream of its own to one agent, its responses relayed as they
+        # come (`streams`); any other's as a ModelInfer, so nothing is ever
+        # retried after part of an answer went out. One failure is one error
+        # message in the stream, which goes on.
         metadata = context.invocation_metadata()
 
-        async def infer(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-            answer = await self.router.infer(request, request.SerializeToString(), metadata,
-                                             context.time_remaining())
+        async def infer(request: pb.ModelInferRequest):
+            raw = request.SerializeToString()
+            if await self.router.is_decoupled(request.model_name):
+                return self.router.stream(request, raw, metadata, context.time_remaining())
+            answer = await self.router.infer(request, raw, metadata, context.time_remaining())
             return answer.response
 
         async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):

@@ -137,3 +137,46 @@ def test_a_bad_strict_hint_or_one_without_a_tier_is_invalid_argument():
         read_hints("m", {}, [("tiered-tier", "edge"), ("tiered-tier-strict", "maybe")])
     with pytest.raises(InvalidArgument, match="tiered-tier-strict: needs a tiered-tier hint"):
         read_hints("m", {}, [("tiered-tier-strict", "true")])
+
+
+def generative(response: tpb.StatsResponse, ttft_counts=(8, 2), tokens=100, jpt=0.01,
+               source="rapl", index=0) -> tpb.StatsResponse:
+    """`response`'s version `index` with a Generation: TTFT buckets 4 and 6 (about 11 and 45 ms)."""
+    generation = response.versions[index].generation
+    generation.output_tokens = tokens
+    generation.time_to_first_token.CopyFrom(tpb.Histogram(
+        lowest_s=1e-3, growth=2.0, bucket=[4, 6], count=list(ttft_counts)))
+    if jpt is not None:
+        generation.joules_per_output_token = jpt
+        response.versions[index].energy.source = source
+    return response
+
+
+def test_token_telemetry_gives_ttft_quantiles_and_joules_per_output_token():
+    response = generative(stats(jpi=0.5))
+    response.versions.extend(generative(stats(jpi=0.5, version="2"), tokens=300,
+                                        jpt=0.03).versions)
+    tokens = telemetry_of(response, at=1.0)[0]["m"].tokens
+    assert tokens.ttft_p50_s == pytest.approx(1e-3 * 2 ** 3.5)
+    assert tokens.ttft_p95_s == pytest.approx(1e-3 * 2 ** 5.5)
+    assert tokens.joules_per_output_token == pytest.approx((0.01 * 100 + 0.03 * 300) / 400)
+    assert tokens.energy_source == "rapl"
+    # Sources that differ give no energy figure; a classifier has no token figures.
+    mixed = generative(stats(jpi=0.5))
+    mixed.versions.extend(generative(stats(jpi=0.5, version="2"), source="nvml").versions)
+    assert telemetry_of(mixed, at=1.0)[0]["m"].tokens.joules_per_output_token is None
+    assert telemetry_of(stats(jpi=0.5), at=1.0)[0]["m"].tokens is None
+    # Generations under way, none finished in the span: the first tokens count.
+    running = generative(stats(buckets=(), counts=()))
+    assert telemetry_of(running, at=1.0)[0]["m"].tokens.ttft_p95_s == tokens.ttft_p95_s
+
+
+def test_the_observer_carries_token_figures_into_the_observation():
+    clock = Clock()
+    observer = Observer(clock)
+    observer.record_stats("a:1", generative(stats(jpi=0.5)))
+    seen = observer.observe("a:1", "m")
+    assert seen.ttft_p95_s == pytest.approx(1e-3 * 2 ** 5.5)
+    assert seen.joules_per_output_token == 0.01 and seen.token_energy_source == "rapl"
+    clock.now += 60  # stale: forgotten with the rest
+    assert observer.observe("a:1", "m").ttft_p95_s is None

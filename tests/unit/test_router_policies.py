@@ -336,3 +336,66 @@ def test_rank_reads_health_for_every_policy():
     unhealthy = p.rank(p.SloEnergy(100), (E1, R1), p.RouteRequest("m"),
                        {"e:1": obs(1, 0.1), "r:1": obs(1, 0.9)}, random.Random(0), {"e:1"})
     assert unhealthy.candidates == (R1, E1)
+
+
+def gen(ttft_p95_ms=None, j_per_token=None, source="nvml", ttft_p50_ms=None, p95_ms=None,
+        joules=None, in_flight=0) -> p.AgentObservation:
+    """A generative model's agent: token telemetry, maybe beside whole-request figures."""
+    def ms(value):
+        return None if value is None else value / 1000
+
+    return p.AgentObservation(
+        p95_s=ms(p95_ms), joules_per_inference=joules, energy_source=source if joules else "",
+        ttft_p95_s=ms(ttft_p95_ms),
+        ttft_p50_s=ms(ttft_p50_ms if ttft_p50_ms is not None else ttft_p95_ms),
+        joules_per_output_token=j_per_token,
+        token_energy_source=source if j_per_token is not None else "", in_flight=in_flight)
+
+
+def edges(observation):
+    return {"e:1": observation, "e:2": observation}
+
+
+# slo ms (time to first token), observations -> tier order, whether energy could not decide
+TOKENS = {
+    "cheapest-joules-per-token-meeting-the-ttft-slo": (
+        200, {**edges(gen(150, 0.02)), "r:1": gen(60, 0.01), "d:1": gen(20, 0.05)},
+        ["regional", "edge", "datacenter"], False),
+    "whole-request-latency-does-not-count": (  # seconds per answer, milliseconds per token
+        200, {**edges(gen(150, 0.001, p95_ms=4000, joules=2.0)), "r:1": gen(60, 0.01),
+              "d:1": gen(20, 0.05)}, ["edge", "regional", "datacenter"], False),
+    "joules-per-answer-does-not-count": (
+        200, {**edges(gen(150, 0.02, p95_ms=100, joules=0.001)), "r:1": gen(60, 0.01),
+              "d:1": gen(20, 0.05)}, ["regional", "edge", "datacenter"], False),
+    "a-slow-first-token-is-excluded": (
+        100, {**edges(gen(150, 0.001)), "r:1": gen(60, 0.01), "d:1": gen(20, 0.05)},
+        ["regional", "datacenter", "edge"], False),
+    "none-meets-fastest-median-first": (
+        10, {**edges(gen(150, 0.001)), "r:1": gen(60, 0.01, ttft_p50_ms=50),
+             "d:1": gen(70, 0.05, ttft_p50_ms=30)}, ["datacenter", "regional", "edge"], False),
+    "per-token-energy-of-other-sources-decides-nothing": (
+        200, {**edges(gen(150, 0.001, source="model")), "r:1": gen(60, 0.01),
+              "d:1": gen(20, 0.05)}, ["datacenter", "regional", "edge"], True),
+    "a-tier-without-token-telemetry-yet-is-tried": (  # predicts 0, no energy: after known
+        200, {**edges(gen(150, 0.02)), "r:1": gen(p95_ms=5000, joules=3.0),
+              "d:1": gen(20, 0.05)}, ["edge", "datacenter", "regional"], False),
+}
+
+
+@pytest.mark.parametrize("slo_ms, observations, tiers, incomparable", TOKENS.values(),
+                         ids=TOKENS)
+def test_slo_energy_ranks_a_generative_model_by_first_token_and_joules_per_token(
+        slo_ms, observations, tiers, incomparable):
+    ranking = p.SloEnergy(default_slo_ms=100).choose(
+        ALL, p.RouteRequest("m", slo_ms=slo_ms), observations, random.Random(0))
+    assert list(dict.fromkeys(c.tier for c in ranking.candidates)) == tiers
+    assert ranking.energy_incomparable == incomparable
+
+
+def test_without_token_telemetry_a_generative_model_is_ranked_as_before():
+    # Only whole-request figures (no Generation has arrived yet): today's rule.
+    observations = {**edges(gen(p95_ms=30, joules=0.1)), "r:1": gen(p95_ms=5, joules=0.5),
+                    "d:1": gen(p95_ms=5, joules=0.9)}
+    first = p.SloEnergy(100).choose(ALL, p.RouteRequest("m", slo_ms=10), observations,
+                                    random.Random(0)).candidates[0]
+    assert first.tier == "regional"

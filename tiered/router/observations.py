@@ -4,7 +4,9 @@ Two sources, folded into `AgentObservation` values for the policies:
 the router's EWMA of the latency of calls it forwarded (and its in-flight
 counts, which are also the backpressure limit), and each agent's
 `tiered.v1.Telemetry/Stats` (recent P95, queue depth, service time, joules
-per inference and their source), read by `TelemetryPoller` with a cursor. The clock is
+per inference and their source; for a generative model also time to first
+token and joules per output token from its `Generation`), read by
+`TelemetryPoller` with a cursor. The clock is
 injected. Figures older than `stale_after_s` are forgotten, so a tier that
 was slow once is tried again rather than shunned forever. This module never
 chooses a route and never imports agent code.
@@ -44,6 +46,57 @@ class AgentTelemetry:
     service_s: float | None
     joules_per_inference: float | None
     energy_source: str = ""  # of joules_per_inference: nvml, rapl or model
+    tokens: TokenFigures | None = None  # a generative model's, once it made a first token
+
+
+@dataclass(frozen=True)
+class TokenFigures:
+    """A generative model's figures over the span: its time to first token
+    (arrival at the agent to the first token, slot wait included) and joules
+    per output token with their source."""
+
+    ttft_p50_s: float
+    ttft_p95_s: float
+    joules_per_output_token: float | None = None
+    energy_source: str = ""  # of joules_per_output_token
+
+
+def merge_histograms(histograms: Sequence[tpb.Histogram]) -> tpb.Histogram:
+    """One histogram of several of the same bucket layout (one agent's versions)."""
+    merged: dict[int, int] = {}
+    for histogram in histograms:
+        for bucket, count in zip(histogram.bucket, histogram.count, strict=False):
+            merged[bucket] = merged.get(bucket, 0) + count
+    out = tpb.Histogram()
+    if histograms:
+        out.lowest_s, out.growth = histograms[0].lowest_s, histograms[0].growth
+    out.bucket.extend(sorted(merged))
+    out.count.extend(merged[b] for b in sorted(merged))
+    return out
+
+
+def token_figures(versions: Sequence[tpb.VersionStats]) -> TokenFigures | None:
+    """TTFT p50/p95 and J/output token of one model's generative versions
+    (None when none made a first token in the span). Versions metered by
+    different sources give no energy figure."""
+    started = [v for v in versions
+               if v.HasField("generation") and sum(v.generation.time_to_first_token.count)]
+    if not started:
+        return None
+    ttft = merge_histograms([v.generation.time_to_first_token for v in started])
+    metered = [v for v in started if v.generation.HasField("joules_per_output_token")
+               and v.generation.output_tokens]
+    sources = {v.energy.source for v in metered}
+    tokens = sum(v.generation.output_tokens for v in metered) if len(sources) == 1 else 0
+    p50 = telemetry_messages.histogram_quantile(ttft, 0.5)
+    p95 = telemetry_messages.histogram_quantile(ttft, 0.95)
+    assert p50 is not None and p95 is not None  # the histogram has counts
+    return TokenFigures(
+        ttft_p50_s=p50, ttft_p95_s=p95,
+        joules_per_output_token=(sum(v.generation.joules_per_output_token
+                                     * v.generation.output_tokens for v in metered) / tokens
+                                 if tokens else None),
+        energy_source=sources.pop() if tokens else "")
 
 
 def telemetry_of(response: tpb.StatsResponse, at: float) -> tuple[dict[str, AgentTelemetry],
@@ -57,19 +110,13 @@ def telemetry_of(response: tpb.StatsResponse, at: float) -> tuple[dict[str, Agen
         by_model.setdefault(version.model_name, []).append(version)
     for model, versions in by_model.items():
         queues[model] = sum(v.queue_depth for v in versions)
-        latency = tpb.Histogram()
+        tokens = token_figures(versions)
         answered = [v for v in versions if sum(v.latency.count)]
         if not answered:
+            if tokens is not None:  # generations under way, none finished in the span
+                figures[model] = AgentTelemetry(at, None, None, None, None, tokens=tokens)
             continue
-        # Merge the versions' histograms (same bucket layout on one agent).
-        merged: dict[int, int] = {}
-        for v in answered:
-            for bucket, count in zip(v.latency.bucket, v.latency.count, strict=False):
-                merged[bucket] = merged.get(bucket, 0) + count
-        latency.lowest_s, latency.growth = answered[0].latency.lowest_s, \
-            answered[0].latency.growth
-        latency.bucket.extend(sorted(merged))
-        latency.count.extend(merged[b] for b in sorted(merged))
+        latency = merge_histograms([v.latency for v in answered])
         count = sum(latency.count)
         compute_count = sum(sum(v.compute.count) for v in answered)
         metered = [v for v in answered
@@ -87,6 +134,7 @@ def telemetry_of(response: tpb.StatsResponse, at: float) -> tuple[dict[str, Agen
             joules_per_inference=(sum(v.joules_per_inference * v.inferences for v in metered)
                                   / inferences if inferences else None),
             energy_source=sources.pop() if inferences else "",
+            tokens=tokens,
         )
     return figures, queues
 
@@ -164,12 +212,19 @@ class Observer:
             joules_per_inference=figures.joules_per_inference if figures else None,
             energy_source=figures.energy_source if figures else "",
             in_flight=self.in_flight.get(agent, 0),
+            **(_token_observation(figures.tokens) if figures and figures.tokens else {}),
         )
 
     def snapshot(self, agents: Iterable[str], model: str
                  ) -> dict[str, policies.AgentObservation]:
         now = self.clock()  # one reading for every agent of the snapshot
         return {agent: self.observe(agent, model, now) for agent in agents}
+
+
+def _token_observation(tokens: TokenFigures) -> dict:
+    return {"ttft_p50_s": tokens.ttft_p50_s, "ttft_p95_s": tokens.ttft_p95_s,
+            "joules_per_output_token": tokens.joules_per_output_token,
+            "token_energy_source": tokens.energy_source}
 
 
 Resolve = Callable[[str], Awaitable[Sequence[str]]]

@@ -58,6 +58,12 @@ class AgentObservation:
     joules_per_inference: float | None = None  # active energy, above the device's idle
     energy_source: str = ""  # of joules_per_inference: nvml, rapl or model
     in_flight: int = 0  # router-side requests in flight to this agent
+    # A generative model's token telemetry (None until some has arrived):
+    # time to first token at the agent, and active joules per output token.
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
+    joules_per_output_token: float | None = None
+    token_energy_source: str = ""  # of joules_per_output_token
 
     def predicted_p95_s(self) -> float | None:
         """Recent P95 + the queue ahead x service time + the round trip."""
@@ -194,27 +200,41 @@ MIXED = "mixed"  # a tier whose agents' energy figures have more than one source
 
 @dataclass(frozen=True)
 class TierEstimate:
+    """A tier's best agent's figures. For a generative model with token
+    telemetry, `predicted_p95_s` is time to first token (P95), `typical_s`
+    its P50 and `joules_per_inference` joules per output token; otherwise
+    `typical_s` is `predicted_p95_s`."""
+
     tier: str
     predicted_p95_s: float  # of the tier's best agent; 0 when nothing is known yet
     joules_per_inference: float  # inf when unknown
     energy_source: str  # of that figure; "" when unknown, MIXED when several
     load: int
+    typical_s: float = 0.0  # what "fastest first" orders by
 
 
-def estimate_tier(tier: str, agents: Sequence[Candidate],
-                  observations: Observations) -> TierEstimate:
+def estimate_tier(tier: str, agents: Sequence[Candidate], observations: Observations,
+                  tokens: bool = False) -> TierEstimate:
+    """`tokens`: judge by time to first token and joules per output token."""
     # One pass: this runs for every request. An agent nobody has measured
     # predicts 0: it is tried, and so measured.
-    predicted = energy = load = math.inf
+    predicted = typical = energy = load = math.inf
     source: str | None = None
     for candidate in agents:
         seen = observations.get(candidate.agent, _UNKNOWN)
-        predicted = min(predicted, seen.predicted_p95_s() or 0.0)
-        if seen.joules_per_inference is not None:
-            energy = min(energy, seen.joules_per_inference)
-            source = seen.energy_source if source in (None, seen.energy_source) else MIXED
+        if tokens:
+            predicted = min(predicted, seen.ttft_p95_s or 0.0)
+            typical = min(typical, seen.ttft_p50_s or 0.0)
+            joules, joules_source = seen.joules_per_output_token, seen.token_energy_source
+        else:
+            predicted = min(predicted, seen.predicted_p95_s() or 0.0)
+            joules, joules_source = seen.joules_per_inference, seen.energy_source
+        if joules is not None:
+            energy = min(energy, joules)
+            source = joules_source if source in (None, joules_source) else MIXED
         load = min(load, seen.load)
-    return TierEstimate(tier, predicted, energy, source or "", load)  # every tier has an agent
+    return TierEstimate(tier, predicted, energy, source or "", load,  # every tier has an agent
+                        typical if tokens else predicted)
 
 
 def energy_comparable(estimates: Sequence[TierEstimate]) -> bool:
@@ -227,6 +247,12 @@ def energy_comparable(estimates: Sequence[TierEstimate]) -> bool:
 class SloEnergy:
     """Among tiers predicted to meet the SLO, the lowest joules per inference
     (then the least load); when none meets it, the fastest first.
+
+    A generative model, once any of its agents reports token telemetry, is
+    judged per token: the SLO (`tiered-slo-ms`, else the route's) bounds the
+    time to first token (P95 at the agent), energy is joules per output
+    token, and "fastest" orders by the median time to first token. Before
+    any token telemetry it is ranked like any model.
 
     Energy ranks only figures of one source. NVML counts a GPU, RAPL a CPU
     package (other processes included), the model CPU time x configured
@@ -246,13 +272,16 @@ class SloEnergy:
             return Ranking(tuple(candidates))
         slo_s = (request.slo_ms if request.slo_ms is not None else self.default_slo_ms) / 1000
         tiers = _by_tier(candidates)
-        estimates = [estimate_tier(t, agents, observations) for t, agents in tiers.items()]
+        tokens = any(observations.get(c.agent, _UNKNOWN).ttft_p95_s is not None
+                     for c in candidates)
+        estimates = [estimate_tier(t, agents, observations, tokens)
+                     for t, agents in tiers.items()]
         meeting = [e for e in estimates if e.predicted_p95_s <= slo_s]
         comparable = energy_comparable(meeting)
         meeting.sort(key=(lambda e: (e.joules_per_inference, e.load)) if comparable
-                     else (lambda e: (e.predicted_p95_s, e.load)))
+                     else (lambda e: (e.typical_s, e.load)))
         missing = sorted((e for e in estimates if e.predicted_p95_s > slo_s),
-                         key=lambda e: e.predicted_p95_s)
+                         key=lambda e: e.typical_s)
         ranked: list[Candidate] = []
         for estimate in meeting + missing:
             ranked.extend(order_agents(tiers[estimate.tier], observations, rng))

@@ -105,8 +105,8 @@ def test_reservoir_bound(monkeypatch, offered, bound):
     for chunk in range(0, offered, 4):  # spread over several polls
         acc.add([reading("edge", CANARY, 4, 0, values[chunk:chunk + 4])])
     series = acc._series[("edge", CANARY)]
-    assert series.seen == offered
-    assert len(series.latencies_ms) == min(offered, bound)
+    assert series.latency.seen == offered
+    assert len(series.latency.values) == min(offered, bound)
     kept = acc.measurements(STABLE, ["edge"]).tiers["edge"].canary.latencies_ms
     assert len(kept) == min(offered, bound)
     offered_ms = {round(v * 1000.0, 6) for v in values}

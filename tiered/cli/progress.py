@@ -1,5 +1,6 @@
 """One terminal line per rollout snapshot: stage, weights, stable's and the
-canary's samples, p95s and J/inference (with its source), agreement and the
+canary's samples, p95s and J/inference (with its source; a generative
+model's TTFT and TPOT p95s and J/token instead), agreement and the
 decision with its reason, for `tiered rollout status` and the demo's live
 progress; `ProgressLines` leaves out a hold whose reason has not changed.
 Formatting only: it reads no store and no clock."""
@@ -18,15 +19,22 @@ def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}{unit}"
 
 
+def generative(snap: Mapping[str, Any]) -> bool:
+    """Whether the snapshot is of a generative model's rollout (TTFT, TPOT
+    and J/token figures, not request p95 and J/inference)."""
+    return snap.get("kind") == names.ModelKind.GENERATIVE
+
+
 def energy_sources(snap: Mapping[str, Any]) -> str:
-    """The J/inference figures' sources as the snapshot names them ('nvml',
-    'model, estimate', or each version's when they differ); '' when it names
-    none or has no figure."""
+    """The energy figures' sources (J/inference, or a generative model's
+    J/token) as the snapshot names them ('nvml', 'model, estimate', or each
+    version's when they differ); '' when it names none or has no figure."""
     stable, canary = snap.get("energy_source_stable"), snap.get("energy_source_canary")
     if not stable and not canary:
         return ""
-    stable = stable if snap.get("jpi_stable") is not None else None
-    canary = canary if snap.get("jpi_canary") is not None else None
+    figure = "jpt" if generative(snap) else "jpi"
+    stable = stable if snap.get(f"{figure}_stable") is not None else None
+    canary = canary if snap.get(f"{figure}_canary") is not None else None
     return "" if stable is None and canary is None else names.energy_sources_label(stable, canary)
 
 
@@ -60,9 +68,16 @@ def progress_line(t: float, snap: Mapping[str, Any]) -> str:
         return f"{head} | {decision}"
     agreement = snap.get("agreement")
     sources = energy_sources(snap)
-    numbers = "  ".join(
-        f"{who} n {snap[f'{who}_requests']} p95 {_number(snap[f'p95_{who}_ms'])} ms "
-        f"{_mj(snap[f'jpi_{who}'])} mJ/inf" for who in ("stable", "canary"))
+    if generative(snap):
+        numbers = "  ".join(
+            f"{who} n {snap[f'{who}_requests']} ttft p95 "
+            f"{_number(snap.get(f'ttft_p95_{who}_ms'))} ms tpot p95 "
+            f"{_number(snap.get(f'tpot_p95_{who}_ms'))} ms {_mj(snap.get(f'jpt_{who}'))} mJ/tok"
+            for who in ("stable", "canary"))
+    else:
+        numbers = "  ".join(
+            f"{who} n {snap[f'{who}_requests']} p95 {_number(snap[f'p95_{who}_ms'])} ms "
+            f"{_mj(snap[f'jpi_{who}'])} mJ/inf" for who in ("stable", "canary"))
     numbers += ((f" ({sources})" if sources else "") + "  agree "
                 + ("-" if agreement is None else f"{agreement:.1%}")
                 + f" ({snap.get('agreement_compared', 0)})")

@@ -10,6 +10,7 @@ route a model, which the plan's Ready condition is made of.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 from tiered.controller import plan
 from tiered.controller.measure import StageAccumulator, VersionReading
 from tiered.controller.plan import StageReading
+from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.rollout import engine
@@ -28,6 +30,29 @@ from tiered.rollout.spec import RolloutStatus, TieredModel
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0
+
+
+def readings_of(tier: str, reply: tpb.StatsResponse) -> list[VersionReading]:
+    """One agent's Stats reply as readings, a version each (numbered
+    versions only); a generative version's with its Generation's tokens."""
+    readings = []
+    for v in reply.versions:
+        if not v.model_version.isdigit():
+            continue
+        reading = VersionReading(tier, int(v.model_version), v.success, v.failure,
+                                 tuple(v.latency_samples_s),
+                                 v.joules_per_inference if v.has_energy else None,
+                                 v.energy.source if v.has_energy else "")
+        if v.HasField("generation"):
+            g = v.generation
+            reading = dataclasses.replace(
+                reading, output_tokens=g.output_tokens,
+                first_token_s=telemetry_messages.histogram_values(g.time_to_first_token),
+                per_token_s=telemetry_messages.histogram_values(g.time_per_output_token),
+                joules_per_output_token=(g.joules_per_output_token if v.has_energy and
+                                         g.HasField("joules_per_output_token") else None))
+        readings.append(reading)
+    return readings
 
 
 class RolloutJudge:
@@ -71,7 +96,8 @@ class RolloutJudge:
                    if model == spec.name]
         return StageReading(status.canary_version, status.stage_index,
                             stage.measurements(status.stable_version, tiers, window),
-                            stage.summary(status.stable_version, tiers), tuple(unreadable),
+                            stage.summary(status.stable_version, tiers, spec.kind),
+                            tuple(unreadable),
                             {**stage.state(), "cursors": cursors})
 
     def forget(self, model: str) -> None:
@@ -102,12 +128,7 @@ class RolloutJudge:
                     # clock is another; what came before this first poll is not
                     # this stage's.
                     continue
-                readings.extend(
-                    VersionReading(tier, int(v.model_version), v.success, v.failure,
-                                   tuple(v.latency_samples_s),
-                                   v.joules_per_inference if v.has_energy else None,
-                                   v.energy.source if v.has_energy else "")
-                    for v in reply.versions if v.model_version.isdigit())
+                readings.extend(readings_of(tier, reply))
         return readings, unreadable
 
     def routed(self, model: str, routers: Sequence[str]) -> plan.Routed:

@@ -12,41 +12,73 @@ traffic and stable is measured over the same time as the canary. Stable and
 canary are kept per tier, for the tiers where the stage sends canary
 traffic, so each tier's canary is compared with that tier's stable.
 
+A generative version also reports its tokens (Telemetry's Generation): each
+poll's time-to-first-token histogram is offered to a TTFT reservoir whole
+(one value a request), and from its time-per-output-token histogram as many
+intervals as the poll had requests are drawn at random into a TPOT
+reservoir (one token a request on average: the tokens of one sequence are
+not independent draws, see `tiered.rollout.analysis`); J per output token
+is pooled per window like J/inference. A histogram's values are its
+buckets' midpoints, each within 1% of the value it stands for.
+
 A stage's samples survive a controller restart: `state()` is written into
 the status at every look and `StageAccumulator.restore` takes it back.
-Counts, energy windows and shadow counts come back exact; the latency
-reservoir comes back as the centres of the 2%-wide log buckets it was kept
-in (each sample within 1% of itself), so a restarted controller decides on
-the same evidence to that precision.
+Counts, energy windows and shadow counts come back exact; the latency, TTFT
+and TPOT reservoirs come back as the centres of the 2%-wide log buckets they
+were kept in (each sample within 1% of itself), so a restarted controller
+decides on the same evidence to that precision.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from tiered import names
 from tiered.rollout.analysis import Measurements, TierSamples, VersionSamples
 
-RESERVOIR = 4000  # latency samples kept per (tier, version); uniform over the stage
-WINDOWS = 600  # J/inference windows kept per (tier, version)
+RESERVOIR = 4000  # latency (TTFT, TPOT) samples kept per (tier, version); uniform over the stage
+WINDOWS = 600  # J/inference (J/token) windows kept per (tier, version)
 BUCKET_GROWTH = 1.02  # a stored latency is kept to within 1%
 BUCKET_LOWEST_MS = 1e-3
+
+
+@dataclass
+class _Reservoir:
+    """A bounded uniform sample of the values offered (milliseconds)."""
+
+    values: list[float] = field(default_factory=list)
+    seen: int = 0  # values offered
+
+    def offer(self, value: float, rng: np.random.Generator) -> None:
+        self.seen += 1
+        if len(self.values) < RESERVOIR:
+            self.values.append(value)
+            return
+        slot = int(rng.integers(self.seen))
+        if slot < RESERVOIR:
+            self.values[slot] = value
 
 
 @dataclass
 class _Series:
     requests: int = 0
     errors: int = 0
-    latencies_ms: list[float] = field(default_factory=list)
-    seen: int = 0  # latency samples offered, for reservoir sampling
+    latency: _Reservoir = field(default_factory=_Reservoir)
     # window -> [joules, inferences]: J/inference is judged per window, pooled
     # over that window's polls (a single second holds too few inferences)
     energy: dict[int, list[float]] = field(default_factory=dict)
     energy_sources: set[str] = field(default_factory=set)  # nvml, rapl, model; "" unknown
+    # A generative version's: time to first token, time per output token,
+    # output tokens, and window -> [joules, output tokens].
+    ttft: _Reservoir = field(default_factory=_Reservoir)
+    tpot: _Reservoir = field(default_factory=_Reservoir)
+    output_tokens: int = 0
+    token_energy: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def energy_source(self) -> str:
@@ -55,6 +87,9 @@ class _Series:
 
     def joules_per_inference(self) -> list[float]:
         return [joules / count for joules, count in self.energy.values() if count > 0]
+
+    def joules_per_token(self) -> list[float]:
+        return [joules / count for joules, count in self.token_energy.values() if count > 0]
 
 
 @dataclass(frozen=True)
@@ -67,7 +102,13 @@ class VersionReading:
     failure: int
     latency_samples_s: tuple[float, ...] = ()
     joules_per_inference: float | None = None
-    energy_source: str = ""  # of joules_per_inference: nvml, rapl, model; "" unknown
+    energy_source: str = ""  # of the energy figures: nvml, rapl, model; "" unknown
+    # A generative version's (Telemetry's Generation): histograms as (seconds,
+    # count) pairs, and J per output token.
+    output_tokens: int = 0
+    first_token_s: tuple[tuple[float, int], ...] = ()
+    per_token_s: tuple[tuple[float, int], ...] = ()
+    joules_per_output_token: float | None = None
 
 
 class StageAccumulator:
@@ -98,7 +139,7 @@ class StageAccumulator:
         if not self.canary_served:
             self.canary_served = any(
                 r.version == self.canary_version and (r.success + r.failure or
-                                                      r.latency_samples_s)
+                                                      r.latency_samples_s or r.output_tokens)
                 for r in readings)
             if not self.canary_served:
                 return
@@ -107,23 +148,34 @@ class StageAccumulator:
             series.requests += reading.success + reading.failure
             series.errors += reading.failure
             for seconds in reading.latency_samples_s:
-                self._offer(series, seconds * 1000.0)
+                series.latency.offer(seconds * 1000.0, self._rng)
             if reading.joules_per_inference is not None and reading.success > 0:
-                pooled = series.energy.setdefault(window, [0.0, 0])
-                pooled[0] += reading.joules_per_inference * reading.success
-                pooled[1] += reading.success
+                _pool(series.energy, window, reading.joules_per_inference, reading.success)
                 series.energy_sources.add(reading.energy_source)
-                for old in list(series.energy)[:-WINDOWS]:
-                    del series.energy[old]
+            self._add_tokens(series, reading, window)
 
-    def _offer(self, series: _Series, value: float) -> None:
-        series.seen += 1
-        if len(series.latencies_ms) < RESERVOIR:
-            series.latencies_ms.append(value)
-            return
-        slot = int(self._rng.integers(series.seen))
-        if slot < RESERVOIR:
-            series.latencies_ms[slot] = value
+    def _add_tokens(self, series: _Series, reading: VersionReading, window: int) -> None:
+        """A generative version's poll: TTFTs whole, TPOTs one a request (see
+        the module docstring), J/token into its window."""
+        series.output_tokens += reading.output_tokens
+        for seconds, count in reading.first_token_s:
+            for _ in range(count):
+                series.ttft.offer(seconds * 1000.0, self._rng)
+        for seconds in self._draw(reading.per_token_s, reading.success + reading.failure):
+            series.tpot.offer(seconds * 1000.0, self._rng)
+        if reading.joules_per_output_token is not None and reading.output_tokens > 0:
+            _pool(series.token_energy, window, reading.joules_per_output_token,
+                  reading.output_tokens)
+            series.energy_sources.add(reading.energy_source)
+
+    def _draw(self, histogram: tuple[tuple[float, int], ...], k: int) -> np.ndarray:
+        """`k` of a histogram's values drawn without replacement (every one
+        when it holds no more than k), in random order."""
+        values = np.array([value for value, _ in histogram], dtype=float)
+        counts = np.array([count for _, count in histogram], dtype=np.int64)
+        if k < counts.sum():
+            counts = self._rng.multivariate_hypergeometric(counts, k)
+        return self._rng.permutation(np.repeat(values, counts))
 
     def set_shadow(self, counts: Mapping[tuple[str, ...], float]) -> None:
         """Cumulative shadow counts for this canary version, keyed by tuples
@@ -140,10 +192,15 @@ class StageAccumulator:
             "canary_version": self.canary_version, "stage": self.stage,
             "window": self.window, "canary_served": self.canary_served,
             "series": [{"tier": tier, "version": version, "requests": s.requests,
-                        "errors": s.errors, "seen": s.seen,
-                        "latency_buckets": _buckets(s.latencies_ms),
+                        "errors": s.errors, "seen": s.latency.seen,
+                        "latency_buckets": _buckets(s.latency.values),
                         "energy": [[w, j, n] for w, (j, n) in s.energy.items()],
-                        "energy_sources": sorted(s.energy_sources)}
+                        "energy_sources": sorted(s.energy_sources),
+                        **({"output_tokens": s.output_tokens,
+                            "ttft_seen": s.ttft.seen, "ttft_buckets": _buckets(s.ttft.values),
+                            "tpot_seen": s.tpot.seen, "tpot_buckets": _buckets(s.tpot.values),
+                            "token_energy": [[w, j, n] for w, (j, n) in s.token_energy.items()]}
+                           if s.output_tokens or s.ttft.seen else {})}
                        for (tier, version), s in sorted(self._series.items())],
             "shadow_baseline": [[*key, v] for key, v in self._shadow_baseline.items()],
             "shadow": [[*key, v] for key, v in self._shadow.items()],
@@ -159,11 +216,14 @@ class StageAccumulator:
         for kept in state.get("series", ()):
             stage._series[(kept["tier"], int(kept["version"]))] = _Series(
                 requests=int(kept["requests"]), errors=int(kept["errors"]),
-                seen=int(kept["seen"]),
-                latencies_ms=[_bucket_centre(index) for index, count in
-                              kept.get("latency_buckets", ()) for _ in range(int(count))],
+                latency=_restored(kept.get("latency_buckets", ()), kept["seen"]),
                 energy={int(w): [float(j), float(n)] for w, j, n in kept.get("energy", ())},
-                energy_sources=set(kept.get("energy_sources", ())))
+                energy_sources=set(kept.get("energy_sources", ())),
+                ttft=_restored(kept.get("ttft_buckets", ()), kept.get("ttft_seen", 0)),
+                tpot=_restored(kept.get("tpot_buckets", ()), kept.get("tpot_seen", 0)),
+                output_tokens=int(kept.get("output_tokens", 0)),
+                token_energy={int(w): [float(j), float(n)]
+                              for w, j, n in kept.get("token_energy", ())})
         return stage
 
     def measurements(self, stable_version: int, tiers: Iterable[str],
@@ -185,45 +245,79 @@ class StageAccumulator:
         series = self._series.get((tier, version))
         if series is None:
             return VersionSamples()
-        return VersionSamples(latencies_ms=tuple(series.latencies_ms), requests=series.requests,
-                              errors=series.errors,
+        return VersionSamples(latencies_ms=tuple(series.latency.values),
+                              requests=series.requests, errors=series.errors,
                               joules_per_inference=tuple(series.joules_per_inference()),
-                              energy_source=series.energy_source)
+                              energy_source=series.energy_source,
+                              ttft_ms=tuple(series.ttft.values),
+                              tpot_ms=tuple(series.tpot.values),
+                              output_tokens=series.output_tokens,
+                              joules_per_token=tuple(series.joules_per_token()))
 
-    def summary(self, stable_version: int, tiers: Iterable[str]
-                ) -> dict[str, float | str | None]:
+    def summary(self, stable_version: int, tiers: Iterable[str],
+                kind: str = names.ModelKind.PREDICTIVE) -> dict[str, float | str | None]:
         """The headline numbers for progress lines and history snapshots, and
-        the source of each version's J/inference (nvml, rapl, model); the same
-        per tier that served the canary, as 'edge.p95_canary_ms'."""
+        the source of each version's energy figures (nvml, rapl, model); the
+        same per tier that served the canary, as 'edge.p95_canary_ms'. The
+        figures are those the model's `kind` is judged on: request p95 and
+        J/inference (p95_*_ms, jpi_*), or a generative model's TTFT and TPOT
+        p95 and J per output token (ttft_p95_*_ms, tpot_p95_*_ms, jpt_*)."""
         m = self.measurements(stable_version, tiers)
         stable, canary = m.pooled("stable"), m.pooled("canary")
+        figures = _GENERATIVE_FIGURES if kind == names.ModelKind.GENERATIVE \
+            else _PREDICTIVE_FIGURES
 
-        def p95(samples: VersionSamples) -> float | None:
-            return (float(np.percentile(samples.latencies_ms, 95))
-                    if samples.latencies_ms else None)
-
-        def jpi(samples: VersionSamples) -> float | None:
-            values = samples.joules_per_inference
-            return float(np.median(values)) if values else None
+        def headline(samples: VersionSamples, who: str) -> list[tuple[str, float | None]]:
+            return [(f"{who}_requests", samples.requests),
+                    *((key.format(who=who), figure(samples)) for key, figure in figures)]
 
         return {
-            "stable_requests": stable.requests, "canary_requests": canary.requests,
-            "p95_stable_ms": p95(stable), "p95_canary_ms": p95(canary),
-            "jpi_stable": jpi(stable), "jpi_canary": jpi(canary),
+            **dict(headline(stable, "stable") + headline(canary, "canary")),
             "energy_source_stable": stable.energy_source,
             "energy_source_canary": canary.energy_source,
             "agreement": (m.shadow_agreed / m.shadow_compared if m.shadow_compared else None),
             "agreement_compared": m.shadow_compared,
             # Each tier on its own, as the analysis judges it (the report's per-tier charts).
             **{f"{tier}.{key}": value for tier, samples in m.tiers.items()
-               for key, value in (("stable_requests", samples.stable.requests),
-                                  ("canary_requests", samples.canary.requests),
-                                  ("p95_stable_ms", p95(samples.stable)),
-                                  ("p95_canary_ms", p95(samples.canary)),
-                                  ("jpi_stable", jpi(samples.stable)),
-                                  ("jpi_canary", jpi(samples.canary)))
+               for key, value in (headline(samples.stable, "stable")
+                                  + headline(samples.canary, "canary"))
                if samples.canary.requests and value is not None},
         }
+
+
+def _p95(values: Sequence[float]) -> float | None:
+    return float(np.percentile(values, 95)) if len(values) else None
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return float(np.median(values)) if len(values) else None
+
+
+# The headline figures of each kind: key (with the version's "stable" or
+# "canary") and how it is read from the version's samples.
+_PREDICTIVE_FIGURES = (
+    ("p95_{who}_ms", lambda v: _p95(v.latencies_ms)),
+    ("jpi_{who}", lambda v: _median(v.joules_per_inference)))
+_GENERATIVE_FIGURES = (
+    ("{who}_output_tokens", lambda v: v.output_tokens),
+    ("ttft_p95_{who}_ms", lambda v: _p95(v.ttft_ms)),
+    ("tpot_p95_{who}_ms", lambda v: _p95(v.tpot_ms)),
+    ("jpt_{who}", lambda v: _median(v.joules_per_token)))
+
+
+def _pool(windows: dict[int, list[float]], window: int, per_unit: float, units: int) -> None:
+    """Add a poll's energy figure (J per unit over `units`) to its window's
+    [joules, units]; the oldest windows past WINDOWS go."""
+    pooled = windows.setdefault(window, [0.0, 0])
+    pooled[0] += per_unit * units
+    pooled[1] += units
+    for old in list(windows)[:-WINDOWS]:
+        del windows[old]
+
+
+def _restored(buckets: Iterable[list[int]], seen: int) -> _Reservoir:
+    return _Reservoir([_bucket_centre(index) for index, count in buckets
+                       for _ in range(int(count))], int(seen))
 
 
 def _buckets(values_ms: Iterable[float]) -> list[list[int]]:

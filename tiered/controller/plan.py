@@ -366,7 +366,8 @@ def _ready(rollout: RolloutStatus, routed: Routed | None,
 
 
 # Each energy figure of the headline numbers, and the number naming its source.
-SOURCE_OF = {"jpi_stable": "energy_source_stable", "jpi_canary": "energy_source_canary"}
+SOURCE_OF = {"jpi_stable": "energy_source_stable", "jpi_canary": "energy_source_canary",
+             "jpt_stable": "energy_source_stable", "jpt_canary": "energy_source_canary"}
 
 
 def _step(spec: TieredModel, rollout: RolloutStatus, action: str, reason: str, now: float,
@@ -389,7 +390,7 @@ def make_snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason:
     index = min(status.stage_index, len(spec.rollout.stages) - 1)
     run = status.last_analysis
     return {
-        "model": spec.name, "stable_version": status.stable_version,
+        "model": spec.name, "kind": spec.kind, "stable_version": status.stable_version,
         "canary_version": status.canary_version, "phase": status.phase,
         "stage_index": index, "stage_name": spec.rollout.stages[index].name,
         "stages": len(spec.rollout.stages),

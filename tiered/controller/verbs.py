@@ -188,8 +188,16 @@ def ended(spec: TieredModel, status: TieredModelStatus, generation: int) -> bool
 
 
 def report_thresholds(spec: TieredModel) -> dict[str, float | None]:
-    """The canary limits the report draws, from the spec's analysis."""
+    """The canary limits the report draws, from the spec's analysis: those of
+    the metrics the model's kind is judged on."""
     analysis = spec.rollout.analysis
+    if spec.kind == names.ModelKind.GENERATIVE:
+        ttft, tpot, energy = analysis.ttft_p95, analysis.tpot_p95, analysis.energy_per_token
+        return {"ttft_p95_max_ratio": ttft.max_ratio if ttft else None,
+                "ttft_p95_max_ms": ttft.max_ms if ttft else None,
+                "tpot_p95_max_ratio": tpot.max_ratio if tpot else None,
+                "tpot_p95_max_ms": tpot.max_ms if tpot else None,
+                "energy_per_token_max_ratio": energy.max_ratio if energy else None}
     latency, energy = analysis.latency_p95, analysis.energy_per_inference
     return {"latency_p95_max_ratio": latency.max_ratio if latency else None,
             "latency_p95_max_ms": latency.max_ms if latency else None,

@@ -7,7 +7,9 @@ the snapshots carry per-tier figures ('edge.p95_canary_ms') each tier gets
 its own p95 and J/inference charts with the canary's limit drawn (the
 spec's max_ratio times stable's figure, and max_ms), and a table of p95 and
 J/inference per tier and version; energy always names its source (nvml,
-rapl, or model: an estimate). The builds' accuracy reports, where the caller
+rapl, or model: an estimate). A generative model's rollouts show what it is
+judged on instead: TTFT and TPOT p95 and J per output token, in charts and
+tables of their own. The builds' accuracy reports, where the caller
 has them, get a table of their own. A pure renderer: it never reads a clock or
 talks to a backend, and the page never loads anything — CSS and SVG are inline,
 there is no JavaScript and no external URL, so it opens offline from disk.
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered import names, tables
-from tiered.cli.progress import energy_sources
+from tiered.cli.progress import energy_sources, generative
 from tiered.files import write_atomically
 from tiered.rollout import engine
 
@@ -38,6 +40,9 @@ MARK_COLORS = {"promote": "#16a34a", "rollback": "#dc2626", "abort": "#dc2626"}
 FINAL_METRICS = ("p95_stable_ms", "p95_canary_ms", "jpi_stable", "jpi_canary",
                  "agreement", "agreement_compared", "verdict", "energy_source_stable",
                  "energy_source_canary")
+# A generative model's: what its rollouts are judged on instead of p95 and J/inference.
+FINAL_GENERATIVE = ("ttft_p95_stable_ms", "ttft_p95_canary_ms", "tpot_p95_stable_ms",
+                    "tpot_p95_canary_ms", "jpt_stable", "jpt_canary")
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;color:#1e293b;
@@ -125,9 +130,12 @@ def _decisions(history: Sequence[Mapping]) -> list[Mark]:
 def _summary(group: Sequence[Mapping]) -> dict[str, Any]:
     first, last = group[0], group[-1]
     t0, t1 = _num(first.get("t")), _num(last.get("t"))
+    kind = names.ModelKind.GENERATIVE if generative(last) else names.ModelKind.PREDICTIVE
+    keys = FINAL_METRICS + (FINAL_GENERATIVE if kind == names.ModelKind.GENERATIVE else ())
     final = {k: next((s[k] for s in reversed(group) if s.get(k) is not None), None)
-             for k in FINAL_METRICS}
-    return {"model": first.get("model"), "stable_version": first.get("stable_version"),
+             for k in keys}
+    return {"model": first.get("model"), "kind": kind,
+            "stable_version": first.get("stable_version"),
             "canary_version": _canary(group), "outcome": last.get("phase"), "started_s": t0,
             "duration_s": None if t0 is None or t1 is None else t1 - t0,
             "stages_reached": max((s.get("stage_index") or 0) for s in group) + 1,
@@ -274,31 +282,44 @@ def _limit(key: str, ratio: float | None) -> Getter:
     return get
 
 
+# Each tier's charts, per kind of model: title, unit, the figure's key (with
+# "{who}" for stable or canary) and the `thresholds` keys of its limits
+# (max_ratio x stable's figure, and an absolute max in ms).
+_TIER_CHARTS = {
+    names.ModelKind.PREDICTIVE: (
+        ("p95 latency", "ms", "p95_{who}_ms", "latency_p95_max_ratio", "latency_p95_max_ms"),
+        ("Energy per inference", "J / inference", "jpi_{who}", "energy_max_ratio", None)),
+    names.ModelKind.GENERATIVE: (
+        ("TTFT p95", "ms", "ttft_p95_{who}_ms", "ttft_p95_max_ratio", "ttft_p95_max_ms"),
+        ("TPOT p95", "ms", "tpot_p95_{who}_ms", "tpot_p95_max_ratio", "tpot_p95_max_ms"),
+        ("Energy per output token", "J / token", "jpt_{who}", "energy_per_token_max_ratio",
+         None)),
+}
+
+
 def _charts(history: Sequence[Mapping], marks: Sequence[Mark],
             thresholds: Mapping[str, Any]) -> str:
-    """One model's charts: p95 and J/inference per tier where the snapshots
-    have per-tier figures (pooled otherwise), each with the canary's limit;
-    canary weight per tier; agreement. Energy's title names its sources."""
+    """One model's charts: p95 and J/inference (a generative model's TTFT and
+    TPOT p95 and J/token) per tier where the snapshots have per-tier figures
+    (pooled otherwise), each with the canary's limit; canary weight per tier;
+    agreement. Energy's title names its sources."""
     sources = next((label for s in reversed(history) if (label := energy_sources(s))), "")
-    energy_title = "Energy per inference" + (f" ({sources})" if sources else "")
-    p95_ratio, p95_max = thresholds.get("latency_p95_max_ratio"), thresholds.get(
-        "latency_p95_max_ms")
-    energy_ratio = thresholds.get("energy_max_ratio")
+    kind = (names.ModelKind.GENERATIVE if history and generative(history[-1])
+            else names.ModelKind.PREDICTIVE)
     charts = []
     for tier in _tiers_in(history) or [None]:
         prefix, where = (f"{tier}.", f" on {tier}") if tier else ("", "")
-        latency = _pair(f"{prefix}p95_stable_ms", f"{prefix}p95_canary_ms")
-        if p95_ratio is not None:
-            latency.append((f"limit ({p95_ratio:g} x stable)", LIMIT,
-                            _limit(f"{prefix}p95_stable_ms", p95_ratio)))
-        if p95_max is not None:
-            latency.append((f"max {p95_max:g} ms", LIMIT, lambda s, v=p95_max: v))
-        energy = _pair(f"{prefix}jpi_stable", f"{prefix}jpi_canary")
-        if energy_ratio is not None:
-            energy.append((f"limit ({energy_ratio:g} x stable)", LIMIT,
-                           _limit(f"{prefix}jpi_stable", energy_ratio)))
-        charts += [_chart(f"p95 latency{where}", "ms", history, latency, [0], marks),
-                   _chart(energy_title + where, "J / inference", history, energy, [0], marks)]
+        for title, unit, key, ratio_key, max_key in _TIER_CHARTS[kind]:
+            stable = prefix + key.format(who="stable")
+            lines = _pair(stable, prefix + key.format(who="canary"))
+            ratio, most = thresholds.get(ratio_key), thresholds.get(max_key) if max_key else None
+            if ratio is not None:
+                lines.append((f"limit ({ratio:g} x stable)", LIMIT, _limit(stable, ratio)))
+            if most is not None:
+                lines.append((f"max {most:g} ms", LIMIT, lambda s, v=most: v))
+            if title.startswith("Energy") and sources:
+                title = f"{title} ({sources})"
+            charts.append(_chart(title + where, unit, history, lines, [0], marks))
     return "".join([
         *charts,
         _chart("Canary weight per tier", "%", history,
@@ -308,11 +329,15 @@ def _charts(history: Sequence[Mapping], marks: Sequence[Mark],
                [("agreement", CANARY, _field("agreement"))], [1], marks)])
 
 
-def _per_tier_rows(summaries_groups: Sequence[Sequence[Mapping]]) -> list[tuple]:
-    """Per rollout, tier and version: the latest p95 and J/inference, the way
-    operators publish edge/regional/datacenter figures."""
+def _per_tier_rows(summaries_groups: Sequence[Sequence[Mapping]],
+                   kind: str = names.ModelKind.PREDICTIVE) -> list[tuple]:
+    """Per rollout, tier and version: the latest p95 and J/inference (a
+    generative model's TTFT and TPOT p95 and J/token), the way operators
+    publish edge/regional/datacenter figures; rollouts of models of `kind`."""
     rows = []
     for group in summaries_groups:
+        if generative(group[-1]) != (kind == names.ModelKind.GENERATIVE):
+            continue
         first = group[0]
         canary = _canary(group)
         source = next((label for s in reversed(group) if (label := energy_sources(s))), "-")
@@ -321,11 +346,19 @@ def _per_tier_rows(summaries_groups: Sequence[Sequence[Mapping]]) -> list[tuple]
                 def latest(key: str, tier=tier, who=who) -> Any:
                     return next((s[f"{tier}.{key}"] for s in reversed(group)
                                  if s.get(f"{tier}.{key}") is not None), None)
-                jpi = _num(latest(f"jpi_{who}"))
+                if kind == names.ModelKind.GENERATIVE:
+                    figures = (latest(f"ttft_p95_{who}_ms"), latest(f"tpot_p95_{who}_ms"),
+                               _mj(latest(f"jpt_{who}")))
+                else:
+                    figures = (latest(f"p95_{who}_ms"), _mj(latest(f"jpi_{who}")))
                 rows.append((first.get("model"), tier, f"v{version} ({who})",
-                             latest(f"{who}_requests"), latest(f"p95_{who}_ms"),
-                             None if jpi is None else jpi * 1000, source))
+                             latest(f"{who}_requests"), *figures, source))
     return rows
+
+
+def _mj(joules: Any) -> float | None:
+    value = _num(joules)
+    return None if value is None else value * 1000
 
 
 BUILD_COLUMNS = ("tier", "version", "backend", "precision", "eval data", "samples",
@@ -370,18 +403,25 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping,
                 thresholds: Mapping[str, Any] | None = None,
                 builds: Sequence[Mapping[str, Any]] = ()) -> str:
     """The report as one self-contained HTML page. `thresholds`: the limits the
-    charts draw (latency_p95_max_ratio, latency_p95_max_ms, energy_max_ratio);
+    charts draw (latency_p95_max_ratio, latency_p95_max_ms, energy_max_ratio;
+    ttft_p95_* and tpot_p95_* likewise, energy_per_token_max_ratio);
     `builds`: the tier builds' reports (build.json), for their accuracy."""
     facts = [(k, json.dumps(_plain(v)) if isinstance(v, (Mapping, list, tuple)) else v)
              for k, v in extra.items()]
     groups = _rollouts(history)
     summaries = [_summary(g) for g in groups]
-    rollouts = [(r["model"], _versions(r["stable_version"], r["canary_version"]),
-                 _badge(r["outcome"]),
-                 r["duration_s"], f'{r["stages_reached"]}/{tables.cell(r["stages"])}',
-                 *(r["final"][k] for k in FINAL_METRICS[:4]),
-                 energy_sources(r["final"]) or "-", r["final"]["agreement"])
-                for r in summaries]
+    def rollout_row(r: Mapping[str, Any], figures: Sequence[str]) -> tuple:
+        return (r["model"], _versions(r["stable_version"], r["canary_version"]),
+                _badge(r["outcome"]),
+                r["duration_s"], f'{r["stages_reached"]}/{tables.cell(r["stages"])}',
+                *(r["final"][k] for k in figures),
+                energy_sources({**r["final"], "kind": r["kind"]}) or "-",
+                r["final"]["agreement"])
+
+    rollouts = [rollout_row(r, FINAL_METRICS[:4]) for r in summaries
+                if r["kind"] != names.ModelKind.GENERATIVE]
+    generative_rollouts = [rollout_row(r, FINAL_GENERATIVE) for r in summaries
+                           if r["kind"] == names.ModelKind.GENERATIVE]
     marks = _decisions(history)
     decisions = [(s.get("t"), s.get("model"),
                   _versions(s.get("stable_version"), s.get("canary_version")),
@@ -391,15 +431,26 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping,
     if not history:
         sections.append("<p>No snapshots were recorded.</p>")
     else:
-        sections += ["<h2>Rollouts</h2>", _table(
-            ["model", "versions", "outcome", "duration (s)", "stages", "p95 stable (ms)",
-             "p95 canary (ms)", "J/inf stable", "J/inf canary", "energy source", "agreement"],
-            rollouts)]
+        head = ["model", "versions", "outcome", "duration (s)", "stages"]
+        if rollouts or not generative_rollouts:
+            sections += ["<h2>Rollouts</h2>", _table(
+                [*head, "p95 stable (ms)", "p95 canary (ms)", "J/inf stable", "J/inf canary",
+                 "energy source", "agreement"], rollouts)]
+        if generative_rollouts:
+            sections += ["<h2>Rollouts of generative models</h2>", _table(
+                [*head, "TTFT p95 stable (ms)", "TTFT p95 canary (ms)", "TPOT p95 stable (ms)",
+                 "TPOT p95 canary (ms)", "J/token stable", "J/token canary", "energy source",
+                 "greedy agreement"], generative_rollouts)]
         per_tier = _per_tier_rows(groups)
         if per_tier:
             sections += ["<h2>Per tier: p95 and energy per inference</h2>", _table(
                 ["model", "tier", "version", "requests", "p95 (ms)", "J/inference (mJ)",
                  "energy source"], per_tier)]
+        per_tier = _per_tier_rows(groups, names.ModelKind.GENERATIVE)
+        if per_tier:
+            sections += ["<h2>Per tier: TTFT, TPOT and energy per output token</h2>", _table(
+                ["model", "tier", "version", "requests", "TTFT p95 (ms)", "TPOT p95 (ms)",
+                 "J/token (mJ)", "energy source"], per_tier)]
         for model in dict.fromkeys(s.get("model") for s in history):
             sections += [f"<h2>{_e(model)}</h2>", _charts(
                 [s for s in history if s.get("model") == model],

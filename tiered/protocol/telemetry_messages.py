@@ -85,8 +85,18 @@ def histogram_quantile(histogram: tpb.Histogram, q: float) -> float | None:
     for bucket, count in zip(histogram.bucket, histogram.count):
         seen += count
         if seen >= rank:
-            if bucket == 0:
-                return histogram.lowest_s
-            return histogram.lowest_s * histogram.growth ** (bucket - 1) * math.sqrt(
-                histogram.growth)
+            return _bucket_midpoint_s(histogram, bucket)
     return None
+
+
+def histogram_values(histogram: tpb.Histogram) -> tuple[tuple[float, int], ...]:
+    """A sparse log histogram as (seconds, count) pairs, each bucket at its
+    geometric midpoint (within half a bucket of every value in it)."""
+    return tuple((_bucket_midpoint_s(histogram, bucket), int(count))
+                 for bucket, count in zip(histogram.bucket, histogram.count) if count)
+
+
+def _bucket_midpoint_s(histogram: tpb.Histogram, bucket: int) -> float:
+    if bucket == 0:
+        return histogram.lowest_s
+    return histogram.lowest_s * histogram.growth ** (bucket - 1) * math.sqrt(histogram.growth)

@@ -15,7 +15,7 @@ import pytest
 
 from tiered import names
 from tiered.cli.progress import progress_line
-from tiered.controller import verbs
+from tiered.controller import plan, verbs
 from tiered.controller.judge import readings_of
 from tiered.controller.measure import StageAccumulator, VersionReading
 from tiered.controller.plan import make_snapshot
@@ -23,7 +23,7 @@ from tiered.demo import report
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.rollout import engine
-from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.spec import TieredModelStatus, load_tiered_model
 from tiered.telemetry.histogram import GROWTH, LOWEST_S
 from tiered.telemetry.recorder import VersionEnergy, VersionRecorder
 
@@ -256,3 +256,13 @@ def test_the_report_labels_ttft_tpot_and_j_per_token():
     final = report.report_json(history, "t", {})["rollouts"][0]
     assert final["kind"] == "generative"
     assert final["final"]["jpt_canary"] == pytest.approx(0.02)
+
+
+def test_a_kubernetes_status_history_of_a_generative_rollout_reports_the_same():
+    step = plan._step(SPEC, engine.start(SPEC, 1, 2, 0.0), "start", "go", 5.0,
+                      summary_numbers())
+    assert step.sources == {"jpt_stable": "nvml", "jpt_canary": "nvml"}
+    (kept,) = verbs.snapshots_of(SPEC, TieredModelStatus(history=(step,)))
+    assert kept["kind"] == "generative" and kept["energy_source_canary"] == "nvml"
+    page = report.render_html([kept], "t", {}, verbs.report_thresholds(SPEC))
+    assert "Energy per output token (nvml) on edge" in page

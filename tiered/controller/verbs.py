@@ -21,7 +21,7 @@ import yaml
 
 from tiered import names
 from tiered.controller import desired
-from tiered.controller.plan import make_snapshot
+from tiered.controller.plan import SOURCE_OF, make_snapshot
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import Record, StateStore
 from tiered.errors import ConfigError, Conflict
@@ -216,14 +216,14 @@ def snapshots_of(spec: TieredModel, status: TieredModelStatus) -> list[dict[str,
         live = step.canary_version is not None and step.phase in (
             names.Phase.PROGRESSING, names.Phase.PAUSED)
         snapshots.append({
-            "t": step.t, "model": spec.name, "stable_version": step.stable_version,
+            "t": step.t, "model": spec.name, "kind": spec.kind,
+            "stable_version": step.stable_version,
             "canary_version": step.canary_version, "phase": step.phase,
             "stage_index": index, "stage_name": stages[index].name, "stages": len(stages),
             "weights": {tier: float(stages[index].weights.get(tier, 0.0)) if live else 0.0
                         for tier in names.TIERS if tier in spec.tiers},
             "action": step.action, "reason": step.reason, **step.numbers,
-            **{source: step.sources[figure] for figure, source in
-               (("jpi_stable", "energy_source_stable"), ("jpi_canary", "energy_source_canary"))
+            **{source: step.sources[figure] for figure, source in SOURCE_OF.items()
                if figure in step.sources}})
     return snapshots
 

@@ -12,12 +12,14 @@ only. Which agent served is read from the agents' own statistics.
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -28,6 +30,8 @@ from tests.conftest import add_generative
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentProcess, RouterProcess
 from tiered.models import zoo
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 
 PROMPT = "the quick brown fox"
 EDGE = {"tiered-tier": "edge"}  # a hint, a preference: another tier answers when edge cannot
@@ -321,4 +325,66 @@ def test_an_agent_killed_mid_stream_ends_the_stream_unavailable(router, client, 
         assert agent_counts(agents["regional"]) == before
     finally:
         spare.kill()
+        use_table(router, table_path, tiers(agents))
+
+
+def test_cascade_escalates_a_generation_whose_tokens_are_unsure(router, client, agents,
+                                                              table_path):
+    with grpcclient.InferenceServerClient(agents["edge"].address) as direct:
+        answer = generate(direct, max_tokens=8)
+    mean_logprob = answer.get_response().parameters["mean_logprob"].double_param
+    assert mean_logprob < 0  # the agent says how sure it was of its tokens
+    confidence = math.exp(mean_logprob)  # their geometric-mean probability
+    both = tiers(agents, regional=("regional",))
+    try:
+        for threshold, served in ((confidence / 1.25, ["edge"]),
+                                  (min(1.0, confidence * 1.25), ["edge", "regional"])):
+            use_table(router, table_path, both, policy="cascade",
+                      cascade={"tiers": ["edge", "regional"], "threshold": threshold})
+            before = {tier: agent_counts(agents[tier])[0] for tier in ("edge", "regional")}
+            escalations = metric(router, "tiered_router_escalations_total")
+            result = generate(client, max_tokens=8)
+            moved = [tier for tier in before if agent_counts(agents[tier])[0] > before[tier]]
+            assert moved == served, (threshold, confidence, moved)
+            assert served_tier(result) == served[-1]
+            assert metric(router, "tiered_router_escalations_total") - escalations == \
+                len(served) - 1
+            assert text_of(result) == text_of(answer)  # same model on both tiers
+        # A stream is answered by its first agent: never escalated.
+        before = {tier: agent_counts(agents[tier])[0] for tier in ("edge", "regional")}
+        assert {served_tier(r) for r in streamed(client, max_tokens=8)} == {"edge"}
+        assert agent_counts(agents["regional"])[0] == before["regional"]
+    finally:
+        use_table(router, table_path, tiers(agents))
+
+
+def agreement(router, version: str = "2") -> tuple[int, int]:
+    with grpc.insecure_channel(router.address) as channel:
+        response = tpb_grpc.TelemetryStub(channel).Agreement(
+            tpb.AgreementRequest(model_name="tiny", model_version=version), timeout=10)
+    counts = {t.tier: (t.agreed, t.disagreed) for t in response.tiers}
+    return counts.get("edge", (0, 0))
+
+
+def test_shadowed_greedy_generations_agree_on_their_tokens(router, client, agents,
+                                                          table_path):
+    use_table(router, table_path, tiers(agents, stable=1, canary=2, shadow_fraction=1.0))
+    incomparable = 'tiered_router_shadow_total{model="tiny",result="incomparable",' \
+                   'tier="edge",version="2"}'
+    try:
+        agreed, disagreed = agreement(router)
+        sampled = metrics(router).get(incomparable, 0.0)
+        for index in range(3):
+            answer = generate(client, text=f"{PROMPT} {index}", max_tokens=6)
+            assert answer.get_response().model_version == "1"  # the answer is stable's
+        for seed in (1, 2):  # sampled: two samples need not agree, so none is compared
+            generate(client, max_tokens=6, temperature=0.8, seed=seed)
+        assert len(streamed(client, max_tokens=4)) == 4  # streams are not shadowed
+        generate(client, text=f"{PROMPT} 3", max_tokens=6)
+        wait_for(lambda: sum(agreement(router)) >= agreed + disagreed + 4, router,
+                 "four shadow comparisons")
+        # Version 2 is the same model: its greedy tokens are the same, every time.
+        assert agreement(router) == (agreed + 4, disagreed)
+        assert metrics(router).get(incomparable, 0.0) - sampled == 2
+    finally:
         use_table(router, table_path, tiers(agents))

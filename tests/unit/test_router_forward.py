@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tiered.errors import TieredError
+from tiered.protocol import codec
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.router import forward
 
@@ -45,3 +47,24 @@ def test_bytes_already_asking_for_the_version_go_on_untouched():
 def test_an_answer_that_does_not_parse_is_an_upstream_error_naming_the_agent():
     with pytest.raises(TieredError, match="agent a:1 answered bytes that are not"):
         forward.parse_response(b"\xff\xff\xff", "a:1")
+
+
+GREEDY = {
+    "unset": ({}, [], True),
+    "zero-parameter": ({"temperature": 0.0}, [], True),
+    "int-zero-parameter": ({"temperature": 0}, [], True),
+    "sampled-parameter": ({"temperature": 0.7}, [], False),
+    "zero-input": ({}, [0.0], True),
+    "sampled-input": ({}, [0.8], False),
+}
+
+
+@pytest.mark.parametrize("parameters, temperature, expected", GREEDY.values(), ids=GREEDY)
+def test_greedy_reads_the_temperature_parameter_or_input(parameters, temperature, expected):
+    request = pb.ModelInferRequest(model_name="m")
+    for name, value in parameters.items():
+        codec.set_parameter(request.parameters[name], value)
+    if temperature:
+        request.inputs.add(name="temperature", datatype="FP32", shape=[1])
+        request.raw_input_contents.append(np.array(temperature, np.float32).tobytes())
+    assert forward.greedy(request) == expected

@@ -399,3 +399,20 @@ def test_without_token_telemetry_a_generative_model_is_ranked_as_before():
     first = p.SloEnergy(100).choose(ALL, p.RouteRequest("m", slo_ms=10), observations,
                                     random.Random(0)).candidates[0]
     assert first.tier == "regional"
+
+
+# mean token log-probability, threshold -> escalate; exp(-0.1) is about 0.905
+GENERATION_ESCALATE = {
+    "confident-stays": (-0.1, 0.9, False),
+    "unsure-escalates": (-0.1, 0.91, True),
+    "threshold-zero-never": (-50.0, 0.0, False),
+    "threshold-one-always": (-1e-9, 1.0, True),
+    "certain-never-escalates-below-one": (0.0, 0.99, False),
+}
+
+
+@pytest.mark.parametrize("mean_logprob, threshold, escalate", GENERATION_ESCALATE.values(),
+                         ids=GENERATION_ESCALATE)
+def test_a_generation_escalates_on_its_geometric_mean_token_probability(
+        mean_logprob, threshold, escalate):
+    assert p.should_escalate_generation(mean_logprob, threshold) == escalate

@@ -21,8 +21,10 @@ import numpy as np
 
 from tiered.engines.generative.base import Sampling
 from tiered.errors import InvalidArgument
+from tiered.protocol import messages
 
-TEXT_INPUT, TEXT_OUTPUT, TOKEN_IDS = "text_input", "text_output", "token_ids"
+TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
+TOKEN_IDS = messages.TOKEN_IDS  # the router reads it too
 # Request parameters (or optional input tensors) a generative model reads.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
 STOP = "stop"

@@ -50,6 +50,7 @@ class Piece:
     token_id: int
     last: bool
     at: float  # monotonic time its step ended
+    logprob: float = 0.0  # natural log of the token's probability under the model
 
 
 @dataclass(eq=False)
@@ -226,7 +227,8 @@ class Scheduler:
             if job is None:
                 continue
             try:
-                piece: Piece | TieredError = self._piece(job, token.id, token.last, at)
+                piece: Piece | TieredError = self._piece(job, token.id, token.last, at,
+                                                         token.logprob)
                 ended = piece.last
             except Exception as error:  # noqa: BLE001 -- a tokenizer error fails its request
                 piece, ended = _domain(error, "decoding a token"), True
@@ -237,7 +239,8 @@ class Scheduler:
             events.append((job, piece))
         return step_s, stepped
 
-    def _piece(self, job: Job, token: int, last: bool, at: float) -> Piece:
+    def _piece(self, job: Job, token: int, last: bool, at: float,
+               logprob: float = 0.0) -> Piece:
         assert job.detokenizer is not None and job.stop_text is not None
         job.tokens += 1
         last = last or job.tokens >= job.request.sampling.max_tokens
@@ -249,7 +252,7 @@ class Scheduler:
             last = True
         elif last:
             text += job.stop_text.flush()
-        return Piece(text, token, last, at)
+        return Piece(text, token, last, at, logprob)
 
     def _fail(self, job: Job, error: TieredError, events: list, queued: bool) -> None:
         if queued:

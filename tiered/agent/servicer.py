@@ -178,8 +178,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with contextlib.aclosing(model.generate(generation, deadline)) as stream:
             async for piece in stream:
                 pieces.append(piece)
-        return self._text_response(call, model, "".join(p.text for p in pieces),
-                                   [p.token_id for p in pieces])
+        response = self._text_response(call, model, "".join(p.text for p in pieces),
+                                       [p.token_id for p in pieces])
+        # The router's cascade judges a generation by it (messages.MEAN_LOGPROB).
+        response.parameters[messages.MEAN_LOGPROB].double_param = \
+            sum(p.logprob for p in pieces) / len(pieces)
+        return response
 
     async def answer_fed(self, body: bytes, raw: list, seconds_left: float) -> bytes:
         """A front end's request (`feed.Answer`); authorized by the front end."""

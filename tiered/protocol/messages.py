@@ -24,6 +24,11 @@ SERVER_EXTENSIONS = ("model_configuration", "model_repository", "statistics", "p
 
 # Triton's response parameter: the last response of a decoupled model's request.
 FINAL_RESPONSE = "triton_final_response"
+# A generative model's answers: the generated token ids (an output), and on a
+# whole-text (ModelInfer) answer the mean natural-log probability of those
+# tokens under the model (a response parameter; the router's cascade reads it).
+TOKEN_IDS = "token_ids"
+MEAN_LOGPROB = "mean_logprob"
 
 # Output parameters with a meaning here; any other is refused.
 _SUPPORTED_OUTPUT_PARAMETERS = {"binary_data", codec.SHARED_MEMORY_REGION,

@@ -75,8 +75,9 @@ class ShadowAgreement:
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(
-            "tiered_router_shadow", "Shadowed requests by top-1 agreement of the canary "
-            "version with the answer", labels=["model", "tier", "version", "result"])
+            "tiered_router_shadow", "Shadowed requests by agreement of the canary version "
+            "with the answer (top-1 class; a generation's greedy token ids)",
+            labels=["model", "tier", "version", "result"])
 
     def describe(self) -> list[CounterMetricFamily]:
         return [self._family()]

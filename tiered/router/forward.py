@@ -24,10 +24,11 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import NamedTuple, TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from tiered import errors, names
-from tiered.protocol import codec, routing, security
+from tiered.protocol import codec, messages, routing, security
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol.status import error_from_status
@@ -54,6 +55,7 @@ KEEPALIVE_TIMEOUT_S = 2.0
 SERVED_TIER = "tiered-tier"  # the response parameter naming the tier that answered
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.DEADLINE_EXCEEDED})
+GENERATION_TEMPERATURE = "temperature"  # a generation request's; 0 or unset: greedy
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 _READY = grpc.ChannelConnectivity.READY
@@ -200,6 +202,18 @@ def outputs_of(response: pb.ModelInferResponse, only: str = "") -> dict:
     return arrays
 
 
+def unsure(response: pb.ModelInferResponse, settings: routing.CascadeSettings) -> bool:
+    """Whether the cascade escalates past this answer: a generation's (it
+    carries `mean_logprob`) by its tokens' mean log-probability, any other
+    by the confidence of its judged output (`policies`)."""
+    mean_logprob = response.parameters.get(messages.MEAN_LOGPROB)
+    if mean_logprob is not None:
+        return policies.should_escalate_generation(mean_logprob.double_param,
+                                                   settings.threshold)
+    return policies.should_escalate(outputs_of(response, settings.output), settings.threshold,
+                                    settings.output)
+
+
 class Forwarder:
     """Inference and metadata calls, in the order given, within a deadline."""
 
@@ -343,8 +357,7 @@ class Forwarder:
                 raise
             if index + 1 == len(tiers) or deadline <= self.clock():
                 return answer
-            if not policies.should_escalate(outputs_of(answer.response, settings.output),
-                                            settings.threshold, settings.output):
+            if not unsure(answer.response, settings):
                 return answer
             self.metrics.escalations.labels(request.model_name, tier).inc()
         assert answer is not None
@@ -399,9 +412,29 @@ class Forwarder:
         return False
 
 
+def greedy(request: pb.ModelInferRequest) -> bool:
+    """Whether a generation request decodes greedily: its `temperature`
+    (a request parameter, or an input tensor of that name) is 0 or unset."""
+    if GENERATION_TEMPERATURE in request.parameters:
+        value = codec.parameter_value(request.parameters[GENERATION_TEMPERATURE])
+    elif any(tensor.name == GENERATION_TEMPERATURE for tensor in request.inputs):
+        try:
+            value = codec.decode_inputs(request)[GENERATION_TEMPERATURE].reshape(-1)[0].item()
+        except (errors.TieredError, IndexError):
+            return False  # the agent refuses it: nothing to compare
+    else:
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
 class Shadows:
     """Copies of stable requests sent to the canary, their answers compared with
-    the client's and tallied; a shadow never touches the answer."""
+    the client's and tallied; a shadow never touches the answer.
+
+    A classifier's answers agree when their top-1 classes do; a generation's
+    (an answer that carries `mean_logprob`) when its token ids are the same,
+    for greedy requests only: a sampled one is counted incomparable and not
+    sent, since two samples need not agree however alike the versions are."""
 
     def __init__(self, pool: ChannelPool, agreement: counters.ShadowAgreement,
                  rng: random.Random) -> None:
@@ -415,6 +448,10 @@ class Shadows:
         chosen = answer.candidate
         canary = route.tiers[chosen.tier].canary
         if canary is None or len(self._tasks) >= MAX_SHADOW_IN_FLIGHT:
+            return
+        if messages.MEAN_LOGPROB in answer.response.parameters and not greedy(request):
+            self.agreement.record(request.model_name, str(canary), chosen.tier,
+                                  counters.INCOMPARABLE)
             return
         agents = route.tiers[chosen.tier].agents_for(canary)
         agent = chosen.agent if chosen.agent in agents else self.rng.choice(agents)
@@ -430,9 +467,14 @@ class Shadows:
         try:
             shadow = parse_response(
                 await self.pool.infer(agent)(request, timeout=timeout_s), agent)
-            expected = policies.top1(outputs_of(stable, output), output)
-            seen = policies.top1(outputs_of(shadow, output), output)
-            if expected is None or seen is None:
+            if messages.MEAN_LOGPROB in stable.parameters:  # a greedy generation: its tokens
+                expected, seen = (tuple(outputs_of(answer, messages.TOKEN_IDS).get(
+                    messages.TOKEN_IDS, np.empty(0, np.int64)).tolist())
+                    for answer in (stable, shadow))
+            else:
+                expected = policies.top1(outputs_of(stable, output), output)
+                seen = policies.top1(outputs_of(shadow, output), output)
+            if not expected or not seen:
                 result = counters.INCOMPARABLE  # no class scores: never an agreement
             else:
                 result = counters.AGREE if expected == seen else counters.DISAGREE

@@ -338,6 +338,17 @@ def should_escalate(outputs: Mapping[str, np.ndarray], threshold: float,
     return confidence(outputs, output_name) < threshold
 
 
+def generation_confidence(mean_logprob: float) -> float:
+    """A generation's confidence: the geometric mean of its tokens'
+    probabilities, exp(mean log-probability), in 0..1 like a class
+    probability, so one cascade threshold reads alike for both kinds."""
+    return math.exp(min(mean_logprob, 0.0))
+
+
+def should_escalate_generation(mean_logprob: float, threshold: float) -> bool:
+    return generation_confidence(mean_logprob) < threshold
+
+
 def top1(outputs: Mapping[str, np.ndarray], output_name: str = "") -> tuple[int, ...] | None:
     """Each row's arg-max of the judged output, for shadow agreement."""
     if output_name:

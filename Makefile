@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) bench/router.py
 	$(PY) bench/rest.py
 	$(PY) bench/soak.py
+	$(PY) bench/chaos.py
 	$(PY) bench/judge.py
 
 proto: $(STAMP)

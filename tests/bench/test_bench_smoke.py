@@ -180,3 +180,23 @@ def test_energy_bench_aligns_agent_and_direct_energy_on_a_cpu(tmp_path):
     assert result["skipped_without_cuda"]
     assert_targets(result["targets"], {"B=4"})
     assert_header(stdout, "B", "span", "s", "inferences")
+
+
+def test_chaos_bench_counts_every_request_through_a_killed_agent_and_a_router_restart(
+        tmp_path):
+    result, stdout = run_smoke("chaos", tmp_path)
+    assert [r["fault"] for r in result["rows"]] == ["none (baseline)", "edge agent SIGKILL",
+                                                    "router restart"]
+    for row in result["rows"]:
+        assert row["sent"] > 0 and row["unfinished"] == 0, row
+        assert row["answered"] + row["failed"] == row["sent"], row
+    baseline, killed, router = result["rows"]
+    assert baseline["failed"] == 0 and killed["failed"] == 0, result["rows"]
+    assert killed["hinted_answered_by"].get("edge", 0) > 0  # probed back
+    assert router["failed_outside_restart"] == 0 and positive(router["restart_window_s"])
+    requests = result["requests"]
+    assert requests["answered"] + sum(requests["failed"].values()) == requests["sent"]
+    assert result["rollout"] is None and "not_judged" in result
+    assert_targets(result["targets"], {"edge agent SIGKILL", "router restart"})
+    assert_header(stdout, "fault", "sent", "answered", "failed")
+    assert_header(stdout, "target", "what", "value", "needs", "verdict")

@@ -1,0 +1,87 @@
+"""Chaos on the local system during a rollout, every client request counted.
+
+`tiered up`'s processes (an agent per tier, the router, the controller,
+supervised) serve digits under an open-loop load through the router, each
+request hinted at its client's tier; v2 rolls out while, one at a time: the
+edge agent is SIGKILLed, then the regional agent; the datacenter agent is
+SIGSTOPped for 10 s (hung, its connections open); the controller is
+SIGKILLed; the router is restarted; and at the start of the second stage the
+edge agent is unreachable (SIGSTOP) for 20 s. The harness is bench/chaos.py's
+(which runs the full minute offline); here with shorter stages.
+
+No client request fails in an agent or controller fault; through the router
+restart they fail only while it is away; the rollout never advances while an
+agent's telemetry is unreadable, holds saying so while edge is away, and v2
+is promoted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
+_spec = importlib.util.spec_from_file_location("bench_chaos", _PATH)
+chaos = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = chaos  # dataclasses look their module up
+_spec.loader.exec_module(chaos)
+
+SETTINGS = chaos.Settings(rate=60.0, baseline_s=3.0, stop_s=10.0, offline_s=20.0,
+                          first_stage_s=75.0)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, digits_models):
+    figures = chaos.run(SETTINGS, tmp_path_factory.mktemp("chaos"), digits_models,
+                        progress=lambda line: print(line, flush=True))
+    chaos.print_tables(figures, chaos.targets(figures["rows"], figures["rollout"]))  # with -s
+    return figures
+
+
+def rows(run) -> dict[str, dict]:
+    return {row["fault"]: row for row in run["rows"]}
+
+
+def test_no_client_request_fails_in_an_agent_or_controller_fault(run):
+    found = rows(run)
+    assert list(found) == ["none (baseline)", "edge agent SIGKILL", "regional agent SIGKILL",
+                           "datacenter agent hung", "controller SIGKILL", "router restart",
+                           "edge offline 20 s mid-stage"]
+    for name, row in found.items():
+        if name == "router restart":
+            continue
+        assert row["sent"] > 0 and row["answered"] == row["sent"], row
+    # Requests meant for a faulty tier were answered, by another tier while it was away.
+    for name in ("edge agent SIGKILL", "regional agent SIGKILL", "datacenter agent hung",
+                 "edge offline 20 s mid-stage"):
+        row = found[name]
+        assert set(row["hinted_answered_by"]) - {row["hinted_tier"]}, row
+    offline = found["edge offline 20 s mid-stage"]
+    assert offline["hinted_answered_by"].get("regional", 0) > 5 * SETTINGS.rate * 0.6, offline
+
+
+def test_through_a_router_restart_requests_fail_only_while_it_is_away(run):
+    row = rows(run)["router restart"]
+    assert row["answered"] > 0 and row["unfinished"] == 0, row
+    assert set(row["failed_by_code"]) <= {"UNAVAILABLE"}, row
+    assert row["failed_outside_restart"] == 0, row
+    assert 0 < row["restart_window_s"] < 60, row
+
+
+def test_the_rollout_holds_while_telemetry_is_unreadable_and_then_promotes(run):
+    checks = run["rollout"]
+    assert [f["fault"] for f in checks["faults"]] == [
+        "edge agent SIGKILL", "regional agent SIGKILL", "datacenter agent hung",
+        "edge offline 20 s mid-stage"]
+    for fault in checks["faults"]:
+        assert fault["advanced_or_promoted"] == 0, fault
+    offline = checks["faults"][-1]
+    assert offline["held_unreadable"] >= 1 and offline["stages"] == [1], offline
+    assert offline["decided_after"] is not None, offline  # it went on once edge was back
+    assert not checks["went_back_a_stage"] and not checks["rolled_back"], checks["decisions"]
+    assert checks["promoted"], checks["decisions"]

@@ -264,6 +264,7 @@ class Chaos:
         self.load = load
         self.progress = progress
         self.windows: list[dict[str, Any]] = []
+        self._mark: float | None = None  # where the last window ended: the next one starts
 
     def rollout(self):
         return decode_status(MODEL, self.store.get(MODEL).status).rollout
@@ -272,18 +273,30 @@ class Chaos:
         return any(r.code == "OK" and r.tier == tier for r in self.load.since(after))
 
     def _window(self, fault: str, how: str, start: float, recovered: float, **extra) -> None:
+        """A fault's window: requests sent from the end of the last window (just
+        before the fault; a request in flight when it struck is its) to its
+        recovery plus SETTLE_S."""
         time.sleep(SETTLE_S)
-        window = {"fault": fault, "how": how, "start": start, "recovered": recovered,
-                  "end": recovered + SETTLE_S, "stage_index": self.rollout().stage_index,
-                  **extra}
+        rollout = self.rollout() if self.store.get(MODEL) is not None else None
+        window = {"fault": fault, "how": how, "from": self._mark or start, "start": start,
+                  "recovered": recovered, "end": time.time(),
+                  "stage_index": rollout.stage_index if rollout is not None else None, **extra}
         self.windows.append(window)
+        self._mark = window["end"]
         self.progress(f"{fault}: recovered {recovered - start:.1f} s after")
 
     def baseline(self, seconds: float) -> None:
-        start = time.time()
+        self._mark = time.time()
         time.sleep(seconds)
-        self.windows.append({"fault": "none (baseline)", "how": f"{seconds:g} s of load",
-                             "start": start, "recovered": time.time(), "end": time.time()})
+        self.quiet("none (baseline)", f"{seconds:g} s of load")
+
+    def quiet(self, label: str, how: str = "no fault") -> None:
+        """The requests sent since the last window, no fault injected: every
+        request sent falls in one window."""
+        now = time.time()
+        self.windows.append({"fault": label, "how": how, "from": self._mark, "start": self._mark,
+                             "recovered": now, "end": now})
+        self._mark = now
 
     def kill_agent(self, tier: str) -> None:
         agent = self.local.agents[tier]
@@ -347,13 +360,13 @@ class Chaos:
 
 def tally(records: Sequence[Sent], window: dict[str, Any]) -> dict[str, Any]:
     """What became of the requests sent in the window."""
-    inside = [r for r in records if window["start"] <= r.sent < window["end"]]
+    inside = [r for r in records if window["from"] <= r.sent < window["end"]]
     answered = [r for r in inside if r.code == "OK"]
     failed = [r for r in inside if r.code not in (None, "OK")]
     latencies = [r.latency_s for r in answered]
     row = {
         "fault": window["fault"], "how": window["how"],
-        "seconds": round(window["end"] - window["start"], 1),
+        "seconds": round(window["end"] - window["from"], 1),
         "recovery_s": round(window["recovered"] - window["start"], 1),
         "sent": len(inside), "answered": len(answered), "failed": len(failed),
         "unfinished": len(inside) - len(answered) - len(failed),
@@ -364,7 +377,7 @@ def tally(records: Sequence[Sent], window: dict[str, Any]) -> dict[str, Any]:
            if k in ("p50_ms", "p99_ms")},
         "failed_from_s": None, "failed_to_s": None,
     }
-    if failed:  # when, after the fault, the failed requests were sent
+    if failed:  # when, after the fault (before it: < 0), the failed requests were sent
         row["failed_from_s"] = round(min(r.sent for r in failed) - window["start"], 2)
         row["failed_to_s"] = round(max(r.sent for r in failed) - window["start"], 2)
     if "tier" in window:  # requests meant for the faulty tier, and who answered them
@@ -421,8 +434,6 @@ def rollout_checks(history: Sequence[tuple[int, float, dict]], windows: Sequence
 def targets(rows: Sequence[dict], checks: dict[str, Any] | None) -> list[common.Target]:
     found = []
     for row in rows:
-        if row["fault"].startswith("none"):
-            continue
         if "restart_window_s" in row:
             found.append(common.judge(row["fault"], "failed requests sent outside the restart "
                                       "window", row["failed_outside_restart"], "<=", 0))
@@ -480,6 +491,7 @@ def run(settings: Settings, work: Path, models: Path,
                 wait(lambda: (s := chaos.rollout()).canary_version == 2
                      and s.phase == names.Phase.PROGRESSING, 300, "v2 rolling out")
                 progress("v2 rolling out: stage 1")
+                chaos.quiet("none (v2 built, its rollout starts)")
             chaos.kill_agent("edge")
             if settings.rollout:
                 chaos.kill_agent("regional")
@@ -493,6 +505,7 @@ def run(settings: Settings, work: Path, models: Path,
                     raise RuntimeError(f"the rollout ended before stage 2: "
                                        f"{chaos.rollout().message}")
                 progress("stage 2 started")
+                chaos.quiet("none (the rest of stage 1)")
                 chaos.stop_agent("edge", settings.offline_s,
                                  f"edge offline {settings.offline_s:g} s mid-stage")
                 wait(lambda: chaos.rollout().phase in (names.Phase.PROMOTED,
@@ -501,6 +514,7 @@ def run(settings: Settings, work: Path, models: Path,
                 progress(f"rollout ended: {chaos.rollout().phase}")
             time.sleep(1.0)
             load.finish()
+            chaos.quiet("none (to the end)")
             history = store.history(MODEL)
         records = load.records
         rows = [tally(records, w) for w in chaos.windows]

@@ -186,17 +186,19 @@ def test_chaos_bench_counts_every_request_through_a_killed_agent_and_a_router_re
         tmp_path):
     result, stdout = run_smoke("chaos", tmp_path)
     assert [r["fault"] for r in result["rows"]] == ["none (baseline)", "edge agent SIGKILL",
-                                                    "router restart"]
+                                                    "router restart", "none (to the end)"]
     for row in result["rows"]:
         assert row["sent"] > 0 and row["unfinished"] == 0, row
         assert row["answered"] + row["failed"] == row["sent"], row
-    baseline, killed, router = result["rows"]
+    baseline, killed, router, _ = result["rows"]
     assert baseline["failed"] == 0 and killed["failed"] == 0, result["rows"]
     assert killed["hinted_answered_by"].get("edge", 0) > 0  # probed back
     assert router["failed_outside_restart"] == 0 and positive(router["restart_window_s"])
     requests = result["requests"]
     assert requests["answered"] + sum(requests["failed"].values()) == requests["sent"]
+    assert sum(r["sent"] for r in result["rows"]) == requests["sent"]
     assert result["rollout"] is None and "not_judged" in result
-    assert_targets(result["targets"], {"edge agent SIGKILL", "router restart"})
+    assert_targets(result["targets"], {"none (baseline)", "edge agent SIGKILL", "router restart",
+                                       "none (to the end)"})
     assert_header(stdout, "fault", "sent", "answered", "failed")
     assert_header(stdout, "target", "what", "value", "needs", "verdict")

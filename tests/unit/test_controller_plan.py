@@ -8,6 +8,7 @@ from tiered.rollout.spec import (
     ArtifactVersion,
     RolloutStatus,
     TieredModelStatus,
+    load_status,
     load_tiered_model,
     to_plain,
 )
@@ -84,3 +85,40 @@ def test_ready_means_the_routers_route_the_model():
     ready, _ = ready_after(())  # a backend with no router to ask
     assert (ready.status, ready.reason) == ("True", "Serving")
     assert "no router to ask" in ready.message
+
+
+def blind_and_back(looks):
+    """The rollout after each look: (time, unreadable agent or None)."""
+    status = TieredModelStatus(
+        rollout=RolloutStatus(stable_version=1, canary_version=2, stage_started_at=0.0,
+                              phase=names.Phase.PROGRESSING, message="started"),
+        artifacts=ARTIFACTS)
+    seen = []
+    for t, agent in looks:
+        reading = (unreadable(agent) if agent else
+                   plan.StageReading(canary_version=2, stage_index=0, measurements=None))
+        status = plan.plan(SPEC, status, plan.Observation(1, READY, frozenset({1, 2}),
+                                                          reading), t).status
+        seen.append(status.rollout)
+    return seen
+
+
+def test_a_stage_held_blind_stops_its_clock_and_goes_on_when_it_reads_again():
+    # SPEC's stage: min 30 s, max 600 s. Blind from 500 s to 900 s: past its max
+    # in wall time, yet it holds, and reads again with 500 s of its 600 behind it.
+    went, still, back, later, out = blind_and_back(
+        [(500.0, "edge-0"), (900.0, "edge-0"), (910.0, None), (1000.0, None), (1020.0, None)])
+    assert went.phase == still.phase == names.Phase.PROGRESSING
+    assert went.blind_since == still.blind_since == 500.0
+    assert "unreadable" in still.message and "(500 s in)" in still.message
+    assert back.blind_since is None and back.stage_started_at == 410.0  # 410 s held
+    assert back.phase == later.phase == names.Phase.PROGRESSING
+    assert out.phase == names.Phase.ROLLED_BACK  # 610 s of its own: max reached
+    assert "max_duration" in out.message
+
+
+def test_a_blind_stage_survives_the_status_round_trip():
+    (went,) = blind_and_back([(500.0, "edge-0")])
+    plain = to_plain(TieredModelStatus(rollout=went))
+    assert plain["rollout"]["blindSince"] == "1970-01-01T00:08:20.000000Z"
+    assert load_status(plain, "status").rollout == went

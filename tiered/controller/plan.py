@@ -243,16 +243,24 @@ def _tiers(spec: TieredModel) -> list[str]:
 def _judge(spec: TieredModel, rollout: RolloutStatus, reading: StageReading | None,
            now: float) -> tuple[engine.Decision, Mapping[str, Any]]:
     """The engine's decision on the live stage from what was read for it.
-    Partial data is never judged: an unreadable agent holds the stage (its
-    max_duration still applies)."""
+    Partial data is never judged: an unreadable agent holds the stage, and
+    its clock stops while it is blind (judged at the moment it went blind),
+    so an agent away for a while delays the stage instead of running out its
+    max_duration; the time held moves the stage's start on once it reads again."""
     if reading is None or (reading.canary_version, reading.stage_index) != (
             rollout.canary_version, rollout.stage_index):
-        return engine.decide(spec, rollout, None, now), {}
+        return engine.decide(spec, rollout, None, rollout.blind_since or now), {}
     if reading.unreadable:
-        decision = engine.decide(spec, rollout, None, now)
+        blind = rollout.blind_since if rollout.blind_since is not None else now
+        decision = engine.decide(spec, rollout, None, blind)
         why = f"telemetry unreadable from {', '.join(reading.unreadable)}: {decision.reason}"
+        held = blind if decision.action == names.Action.HOLD else None
         return dataclasses.replace(decision, reason=why, status=dataclasses.replace(
-            decision.status, message=why)), reading.numbers
+            decision.status, message=why, blind_since=held)), reading.numbers
+    if rollout.blind_since is not None:  # sighted again: the time held does not count
+        rollout = dataclasses.replace(
+            rollout, blind_since=None,
+            stage_started_at=rollout.stage_started_at + (now - rollout.blind_since))
     return engine.decide(spec, rollout, reading.measurements, now), reading.numbers
 
 

@@ -571,7 +571,11 @@ class RolloutStatus:
     stage_index: int = spec_field(0, doc="current stage of spec.rollout.stages", minimum=0)
     phase: str = spec_field(names.Phase.PROGRESSING, doc="where the rollout stands",
                             enum=tuple(names.Phase))
-    stage_started_at: Timestamp = spec_field(0.0, doc="when the current stage began")
+    stage_started_at: Timestamp = spec_field(0.0, doc="when the current stage began (moved "
+                                             "on by the time it was held blind)")
+    blind_since: Timestamp | None = spec_field(
+        None, doc="when the stage's telemetry became unreadable: its clock stops (min and "
+        "max duration) until every agent reads again")
     consecutive_failures: int = spec_field(0, doc="failed analyses in a row", minimum=0)
     paused: bool = spec_field(False, doc="true while paused (by hand or by onFailure)")
     last_analysis: AnalysisRun | None = spec_field(None, doc="the latest analysis")
@@ -681,7 +685,7 @@ def to_plain(value: Any, spell: Any = wire_key) -> Any:
             item = getattr(value, f.name)
             if spell is None:
                 plain[f.name] = to_plain(item, spell)
-            elif hints[f.name] is Timestamp:
+            elif _strip_optional(hints[f.name])[0] is Timestamp and item is not None:
                 plain[spell(f.name)] = rfc3339(item)
             else:
                 plain[spell(f.name)] = to_plain(item, spell)

@@ -19,12 +19,19 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import add_generative
+from tests.generation import (
+    PROMPT,
+    Stream,
+    generate,
+    is_final,
+    prompt_input,
+    text_of,
+)
 from tiered.local.processes import AgentProcess
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 
-PROMPT = "the quick brown fox"
 WAIT_MS = 600  # model "one": how long a request waits for its single slot (4000
 # tokens hold it for well over a second); a request admitted at all was admitted
 # within it, so no test needs a clock to show a slot was freed at once
@@ -52,51 +59,6 @@ def agent(repository):
 def client(agent):
     with grpcclient.InferenceServerClient(agent.address) as c:
         yield c
-
-
-def prompt_input(text: str = PROMPT) -> grpcclient.InferInput:
-    item = grpcclient.InferInput("text_input", [1], "BYTES")
-    item.set_data_from_numpy(np.array([text.encode()], dtype=object))
-    return item
-
-
-class Stream:
-    """A tritonclient stream whose responses land in a queue."""
-
-    def __init__(self, client: grpcclient.InferenceServerClient) -> None:
-        self.client = client
-        self.responses: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
-
-    def send(self, model: str = "tiny", request_id: str = "", text: str = PROMPT,
-             **parameters) -> None:
-        self.client.async_stream_infer(model, [prompt_input(text)], request_id=request_id,
-                                       parameters=parameters or None)
-
-    def next(self, timeout: float = 60.0):
-        result, error = self.responses.get(timeout=timeout)
-        if error is not None:
-            raise error
-        return result
-
-    def until_final(self, timeout: float = 60.0) -> list:
-        results = []
-        while True:
-            results.append(self.next(timeout))
-            if is_final(results[-1]):
-                return results
-
-
-def is_final(result) -> bool:
-    return result.get_response().parameters["triton_final_response"].bool_param
-
-
-def text_of(result) -> str:
-    return result.as_numpy("text_output")[0].decode()
-
-
-def generate(client, model: str = "tiny", text: str = PROMPT, **parameters):
-    return client.infer(model, [prompt_input(text)], parameters=parameters or None)
 
 
 def status_of(call) -> tuple[str, str]:

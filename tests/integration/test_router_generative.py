@@ -27,13 +27,21 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import add_generative
+from tests.generation import (
+    PROMPT,
+    Stream,
+    generate,
+    ids_of,
+    is_final,
+    prompt_input,
+    text_of,
+)
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentProcess, RouterProcess
 from tiered.models import zoo
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 
-PROMPT = "the quick brown fox"
 EDGE = {"tiered-tier": "edge"}  # a hint, a preference: another tier answers when edge cannot
 WAIT_MS = 600  # model "one": how long a request waits for its single slot; a long
 # generation holds it for well over that, so a request admitted at all was
@@ -126,59 +134,8 @@ def wait_for(condition, router, what: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def prompt_input(text: str = PROMPT) -> grpcclient.InferInput:
-    item = grpcclient.InferInput("text_input", [1], "BYTES")
-    item.set_data_from_numpy(np.array([text.encode()], dtype=object))
-    return item
-
-
-class Stream:
-    """A tritonclient stream whose responses land in a queue."""
-
-    def __init__(self, client: grpcclient.InferenceServerClient) -> None:
-        self.client = client
-        self.responses: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
-
-    def send(self, model: str = "tiny", text: str = PROMPT, **parameters) -> None:
-        # Hints travel as parameters: a stream's metadata is the whole stream's.
-        self.client.async_stream_infer(model, [prompt_input(text)],
-                                       parameters=parameters or None)
-
-    def next(self, timeout: float = 60.0):
-        result, error = self.responses.get(timeout=timeout)
-        if error is not None:
-            raise error
-        return result
-
-    def until_final(self, timeout: float = 60.0) -> list:
-        results = []
-        while True:
-            results.append(self.next(timeout))
-            if is_final(results[-1]):
-                return results
-
-
-def is_final(result) -> bool:
-    return result.get_response().parameters["triton_final_response"].bool_param
-
-
-def text_of(result) -> str:
-    return result.as_numpy("text_output")[0].decode()
-
-
-def ids_of(result) -> list[int]:
-    return [int(i) for i in result.as_numpy("token_ids")]
-
-
 def served_tier(result) -> str:
     return result.get_response().parameters["tiered-tier"].string_param
-
-
-def generate(client, model: str = "tiny", text: str = PROMPT, headers: dict | None = None,
-             **parameters):
-    return client.infer(model, [prompt_input(text)], parameters=parameters or None,
-                        headers=headers)
 
 
 def streamed(client, **parameters) -> list:

@@ -106,6 +106,23 @@ def test_pin_wrong_sha_raises_naming_artifact_sha256(base, form):
     assert MODEL_SHA in str(info.value) and SHA in str(info.value)
 
 
+def test_pin_a_checkpoint_directory_with_the_digest_of_its_files(base):
+    """A directory is pinned with sha256_tree's digest, which the build checks:
+    another file's bytes give another digest, and a stale one is refused."""
+    from tiered.files import sha256_tree
+
+    checkpoint = base / "models" / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "model.safetensors").write_bytes(MODEL_BYTES)
+    pinned = pin_artifact(kube(artifact={"uri": "models/ckpt"}), base, "f")
+    digest = artifact_of(pinned)["sha256"]
+    assert digest == sha256_tree(checkpoint) and artifact_of(pinned)["uri"] == str(checkpoint)
+    (checkpoint / "model.safetensors").write_bytes(MODEL_BYTES + b"x")
+    with pytest.raises(ConfigError, match=r"^f\.spec\.artifact\.sha256: .*ckpt has sha256"):
+        pin_artifact(kube(artifact={"uri": "models/ckpt", "sha256": digest}), base, "f")
+
+
 @pytest.mark.parametrize("form", [flat, kube])
 def test_pin_missing_file_without_sha_raises_naming_artifact_uri(base, form):
     where = r"f\.yaml\.spec" if form is kube else r"f\.yaml"

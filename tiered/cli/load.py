@@ -2,6 +2,13 @@
 router, with a progress line a second (sent, ok, errors, p50/p95 latency) and
 a summary at the end, so a rollout has traffic to be judged on.
 
+A generative model (a decoupled one, as its ModelConfig says) is sent text
+prompts (from a prompts JSON, `{"prompts": [...]}`, or a built-in few) with
+`max_tokens` and a temperature (0, greedy, by default): a share of them as
+streams (ModelStreamInfer, token by token: the client sees the time to first
+token), the rest as ModelInfer (the whole text: what the router shadows to
+measure agreement). Its lines add output tokens a second and TTFT p50/p95.
+
 Inputs follow the model's metadata (each input's datatype and shape, a
 variable dimension taken as 1): random values, or rows drawn from an .npz of
 sample inputs. Requests are sent open-loop on a fixed schedule, as clients
@@ -49,10 +56,21 @@ def register(commands: argparse._SubParsersAction) -> None:
                       help=flags.STATE_HELP)
     load.add_argument("--inputs", type=Path, metavar="NPZ",
                       help="sample inputs: an .npz with an array per input name (or one "
-                      "array for a one-input model), one sample per row")
-    load.add_argument("--tier", choices=flags.TIER_CHOICES,
+                      "array for a one-input model), one sample per row; for a generative "
+                      'model a prompts JSON, {"prompts": ["...", ...]} (default: a few '
+                      "built-in prompts)")
+    load.add_argument("--max-tokens", type=int, default=16, metavar="N",
+                      help="generative models: tokens to generate per request (default 16)")
+    load.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                      help="generative models: sampling temperature (default 0: greedy)")
+    load.add_argument("--stream-share", type=float, default=0.5, metavar="F",
+                      help="generative models: the share of requests sent as streams "
+                      "(token by token, TTFT measured); the rest whole (ModelInfer, what "
+                      "the router shadows for agreement) (default 0.5)")
+    load.add_argument("--tier", type=_tiers, metavar="TIER[,TIER...]",
                       help="send every request with the tiered-tier hint: this tier "
-                      "first, another when it cannot answer")
+                      "first, another when it cannot answer; several (comma-separated): "
+                      "each request hints one of them, in turn")
     load.add_argument("--timeout", type=float, default=10.0, metavar="S",
                       help="each request's deadline (default 10)")
     load.add_argument("--max-in-flight", type=int, default=MAX_IN_FLIGHT, metavar="N",
@@ -75,10 +93,17 @@ class LoadCounts:
     errors: int = 0
     latencies_ms: list[float] = field(default_factory=list)
     error_kinds: dict[str, int] = field(default_factory=dict)
+    generative: bool = False  # lines show tokens and time to first token
+    tokens: int = 0  # output tokens of the answers
+    ttfts_ms: list[float] = field(default_factory=list)  # of the streamed answers
 
-    def answered(self, latency_ms: float) -> None:
+    def answered(self, latency_ms: float, tokens: int = 0,
+                 ttft_ms: float | None = None) -> None:
         self.ok += 1
         self.latencies_ms.append(latency_ms)
+        self.tokens += tokens
+        if ttft_ms is not None:
+            self.ttfts_ms.append(ttft_ms)
 
     def failed(self, kind: str) -> None:
         self.errors += 1
@@ -89,20 +114,30 @@ class LoadCounts:
         self.ok += other.ok
         self.errors += other.errors
         self.latencies_ms += other.latencies_ms
+        self.tokens += other.tokens
+        self.ttfts_ms += other.ttfts_ms
         for kind, count in other.error_kinds.items():
             self.error_kinds[kind] = self.error_kinds.get(kind, 0) + count
 
-    def percentile(self, q: float) -> float | None:
+    def percentile(self, q: float, ttft: bool = False) -> float | None:
         import numpy as np
 
-        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else None
+        values = self.ttfts_ms if ttft else self.latencies_ms
+        return float(np.percentile(values, q)) if values else None
 
-    def line(self) -> str:
-        """'sent 80  ok 79  errors 1  p50 3.10 ms  p95 5.20 ms'."""
+    def line(self, seconds: float = 1.0) -> str:
+        """'sent 80  ok 79  errors 1  p50 3.10 ms  p95 5.20 ms'; a generative
+        model's: 'sent 8  ok 8  errors 0  tok/s 128.0  ttft p50 9.10 ms  p95 12.00 ms
+        total p50 60.20 ms  p95 80.00 ms', tokens a second over `seconds`."""
         def ms(value: float | None) -> str:
             return "-" if value is None else f"{value:.2f}"
-        return (f"sent {self.sent}  ok {self.ok}  errors {self.errors}  "
-                f"p50 {ms(self.percentile(50))} ms  p95 {ms(self.percentile(95))} ms")
+        counted = f"sent {self.sent}  ok {self.ok}  errors {self.errors}  "
+        latency = f"p50 {ms(self.percentile(50))} ms  p95 {ms(self.percentile(95))} ms"
+        if not self.generative:
+            return counted + latency
+        return (counted + f"tok/s {self.tokens / max(seconds, 1e-9):.1f}  ttft p50 "
+                f"{ms(self.percentile(50, True))} ms  p95 {ms(self.percentile(95, True))} ms  "
+                f"total {latency}")
 
 
 def synthetic_inputs(inputs: Sequence[tuple[str, str, Sequence[int]]],
@@ -156,7 +191,90 @@ def read_samples(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
     return arrays
 
 
+def read_prompts(path: Path) -> list[str]:
+    """A prompts JSON's prompts: `{"prompts": ["...", ...]}` (tinyllama-eval.json's form)."""
+    import json
+
+    from tiered.errors import ConfigError
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--inputs {path}: cannot read: {error}") from error
+    prompts = data.get("prompts") if isinstance(data, dict) else None
+    if (not isinstance(prompts, list) or not prompts
+            or not all(isinstance(p, str) and p for p in prompts)):
+        raise ConfigError(f'--inputs {path}: expected {{"prompts": [...]}}, a list of '
+                          "non-empty strings")
+    return prompts
+
+
+def default_prompts() -> list[str]:
+    """The sample tiny Llama's eval prompts (prefixes of the sentences it learnt)."""
+    from tiered.models.tinyllama import eval_prompts
+
+    return eval_prompts()
+
+
 # --- I/O ------------------------------------------------------------------------
+
+
+class StreamError(Exception):
+    """A stream's error response (ModelStreamInferResponse.error_message)."""
+
+
+async def _decoupled(stub, model: str, timeout: float) -> bool:
+    """Whether the model is decoupled (generative), as its ModelConfig says."""
+    import grpc
+
+    from tiered.protocol import grpc_service_pb2 as pb
+
+    try:
+        reply = await stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=timeout)
+    except grpc.aio.AioRpcError:
+        return False
+    return reply.config.model_transaction_policy.decoupled
+
+
+def _token_count(response) -> int:
+    """Output tokens in a response: its `token_ids` (INT64) elements."""
+    for index, output in enumerate(response.outputs):
+        if output.name == "token_ids" and index < len(response.raw_output_contents):
+            return len(response.raw_output_contents[index]) // 8
+    return 0
+
+
+async def _stream(stub, request, timeout: float, metadata) -> tuple[int, float]:
+    """One request on a stream of its own, read to its final response: its
+    output tokens and when the first of them came (perf_counter)."""
+    call = stub.ModelStreamInfer(timeout=timeout, metadata=metadata)
+    await call.write(request)
+    await call.done_writing()
+    tokens, first = 0, None
+    async for reply in call:
+        if reply.error_message:
+            call.cancel()
+            raise StreamError(reply.error_message)
+        count = _token_count(reply.infer_response)
+        if count and first is None:
+            first = time.perf_counter()
+        tokens += count
+        final = reply.infer_response.parameters.get("triton_final_response")
+        if final is not None and final.bool_param:
+            break
+    if first is None:
+        raise StreamError("the stream ended without a token")
+    return tokens, first
+
+
+def _tiers(value: str) -> tuple[str, ...]:
+    """--tier's tiers: one, or several comma-separated."""
+    tiers = tuple(part.strip() for part in value.split(","))
+    for tier in tiers:
+        if tier not in flags.TIER_CHOICES:
+            raise argparse.ArgumentTypeError(f"{tier!r} is not a tier "
+                                             f"({', '.join(flags.TIER_CHOICES)})")
+    return tiers
 
 
 def _router(args: argparse.Namespace) -> str:
@@ -188,6 +306,10 @@ def _run(args: argparse.Namespace) -> int:
         print("tiered load: --rate, --timeout and --max-in-flight must be positive",
               file=sys.stderr)
         return 2
+    if args.max_tokens < 1 or not 0.0 <= args.stream_share <= 1.0 or args.temperature < 0:
+        print("tiered load: --max-tokens must be positive, --stream-share within 0..1 and "
+              "--temperature at least 0", file=sys.stderr)
+        return 2
     try:
         total = until_closed(lambda: asyncio.run(_load(args, _router(args))))
     except TieredError as error:
@@ -218,33 +340,61 @@ async def _load(args: argparse.Namespace, router: str) -> int:
             raise ConfigError(f"{router}: no metadata for model {args.model!r}: "
                               f"{error.code().name} {error.details()}") from None
         inputs = [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs]
-        samples = read_samples(args.inputs, [n for n, _, _ in inputs]) if args.inputs else None
-        hints = (("tiered-tier", args.tier),) if args.tier else ()
-        print(f"load: {args.model} through {router} at {args.rate:g}/s"
-              + (f" for {args.duration:g} s" if args.duration else " until Ctrl-C")
-              + f"; inputs {', '.join(f'{n} {d}{s}' for n, d, s in inputs)}"
-              + (f" from {args.inputs}" if samples is not None else " (random)"), flush=True)
+        generative = await _decoupled(stub, args.model, args.timeout)
+        hinted = [(("tiered-tier", tier),) for tier in args.tier or ()] or [()]
+        sent_count = 0
+        heading = (f"load: {args.model} through {router} at {args.rate:g}/s"
+                   + (f" for {args.duration:g} s" if args.duration else " until Ctrl-C"))
+        if generative:
+            prompts = read_prompts(args.inputs) if args.inputs else default_prompts()
+            print(f"{heading}; {len(prompts)} prompts"
+                  + (f" from {args.inputs}" if args.inputs else " (built in)")
+                  + f", max_tokens {args.max_tokens}, temperature {args.temperature:g}, "
+                  f"{args.stream_share:.0%} streamed", flush=True)
+        else:
+            samples = read_samples(args.inputs, [n for n, _, _ in inputs]) if args.inputs \
+                else None
+            print(f"{heading}; inputs {', '.join(f'{n} {d}{s}' for n, d, s in inputs)}"
+                  + (f" from {args.inputs}" if samples is not None else " (random)"),
+                  flush=True)
 
-        second, total = LoadCounts(), LoadCounts()
+        second, total = LoadCounts(generative=generative), LoadCounts(generative=generative)
         slots = asyncio.Semaphore(args.max_in_flight)
         pending: set[asyncio.Task] = set()
 
-        async def send(request: pb.ModelInferRequest) -> None:
+        async def send(request: pb.ModelInferRequest, hints) -> None:
             started = time.perf_counter()
             try:
-                await stub.ModelInfer(request, timeout=args.timeout, metadata=hints)
-                second.answered((time.perf_counter() - started) * 1000.0)
+                if generative and rng.random() < args.stream_share:
+                    tokens, ttft = await _stream(stub, request, args.timeout, hints)
+                    second.answered((time.perf_counter() - started) * 1000.0, tokens,
+                                    (ttft - started) * 1000.0)
+                else:
+                    answer = await stub.ModelInfer(request, timeout=args.timeout,
+                                                   metadata=hints)
+                    second.answered((time.perf_counter() - started) * 1000.0,
+                                    _token_count(answer) if generative else 0)
             except grpc.aio.AioRpcError as error:
                 second.failed(f"{error.code().name}: {(error.details() or '')[:100]}")
+            except StreamError as error:
+                second.failed(str(error)[:120])
             finally:
                 slots.release()
 
         def request() -> pb.ModelInferRequest:
             message = pb.ModelInferRequest(model_name=args.model)
-            for name, array in synthetic_inputs(inputs, rng, samples).items():
+            arrays = ({"text_input": np.array([prompts[rng.integers(len(prompts))].encode()],
+                                              dtype=object)} if generative
+                      else synthetic_inputs(inputs, rng, samples))
+            for name, array in arrays.items():
                 datatype, shape, raw = to_raw(array)
                 message.inputs.add(name=name, datatype=datatype, shape=shape)
                 message.raw_input_contents.append(raw)
+            if generative:
+                message.parameters["max_tokens"].int64_param = args.max_tokens
+                message.parameters["temperature"].double_param = args.temperature
+                if args.temperature > 0:
+                    message.parameters["seed"].int64_param = int(rng.integers(2**62))
             return message
 
         began = time.monotonic()
@@ -255,14 +405,15 @@ async def _load(args: argparse.Namespace, router: str) -> int:
                 if now >= next_report:
                     print(f"{time.strftime('%H:%M:%S')}  {second.line()}", flush=True)
                     total.add(second)
-                    second = LoadCounts()
+                    second = LoadCounts(generative=generative)
                     next_report += 1.0
                 if now < next_at:
                     await asyncio.sleep(min(next_at, next_report) - now)
                     continue
                 await slots.acquire()
                 second.sent += 1
-                task = asyncio.create_task(send(request()))
+                task = asyncio.create_task(send(request(), hinted[sent_count % len(hinted)]))
+                sent_count += 1
                 pending.add(task)
                 task.add_done_callback(pending.discard)
                 next_at += 1.0 / args.rate
@@ -272,8 +423,8 @@ async def _load(args: argparse.Namespace, router: str) -> int:
             await asyncio.wait(pending, timeout=args.timeout)
         total.add(second)
     elapsed = time.monotonic() - began
-    print(f"total: {total.line()} in {elapsed:.1f} s ({total.ok / max(elapsed, 1e-9):.1f} "
-          "answered/s)", flush=True)
+    print(f"total: {total.line(elapsed)} in {elapsed:.1f} s "
+          f"({total.ok / max(elapsed, 1e-9):.1f} answered/s)", flush=True)
     for kind, count in sorted(total.error_kinds.items(), key=lambda kv: -kv[1])[
             :ERROR_KINDS_SHOWN]:
         print(f"  {count} x {kind}", flush=True)

@@ -37,6 +37,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     digits.add_argument("--out", type=Path, default=Path("build/models"), metavar="DIR",
                         help="output directory (default: build/models)")
     digits.set_defaults(handler=_run_digits)
+    tinyllama = model_kinds.add_parser(
+        "tinyllama",
+        help="train tiny Llama checkpoints (needs tiered[generative])",
+        description="Train a tiny Llama-shaped causal LM on a few sentences (CPU, seconds) "
+        "and write DIR/tinyllama-<variant>/ (a checkpoint directory: config.json, "
+        "model.safetensors, tokenizer.json) and DIR/tinyllama-eval.json (the eval prompts). "
+        "Variants: v1; v2, the same greedy output; v3, slower per token.")
+    tinyllama.add_argument("--variant", default="v1", choices=("v1", "v2", "v3", "all"),
+                           help="which checkpoint to write (default: v1)")
+    tinyllama.add_argument("--out", type=Path, default=Path("build/models"), metavar="DIR",
+                           help="output directory (default: build/models)")
+    tinyllama.set_defaults(handler=_run_tinyllama)
     resnet18 = model_kinds.add_parser(
         "resnet18",
         help="write a ResNet-18-shaped classifier with random weights",
@@ -68,6 +80,18 @@ def _run_digits(args: argparse.Namespace) -> int:
         print(model.summary(), flush=True)
     print(f"data: {model.calibration_path} (calibration inputs), {model.eval_path} "
           "(held-out inputs and labels)", flush=True)
+    return 0
+
+
+def _run_tinyllama(args: argparse.Namespace) -> int:
+    try:
+        from tiered.models import tinyllama  # torch, transformers: imported only here
+    except ImportError as error:
+        print(f"tiered models tinyllama: needs the generative extra: {error}", file=sys.stderr)
+        return 2
+    for name in tinyllama.VARIANTS if args.variant == "all" else (args.variant,):
+        print(tinyllama.write_tinyllama(args.out, name), flush=True)
+    print(f"eval prompts: {args.out / tinyllama.EVAL_FILE}", flush=True)
     return 0
 
 

@@ -138,10 +138,16 @@ class RunningSystem:
 
 
 def _file_stamp(uri: str) -> tuple[int, int] | None:
-    """Size and modification time of a local artifact file; None for a URI or
-    a missing file."""
+    """Size and modification time of a local artifact file (a checkpoint
+    directory's: its files' total size and latest time); None for a URI or a
+    missing file."""
     try:
-        stat = Path(uri).stat()
+        path = Path(uri)
+        if path.is_dir():
+            stats = [file.stat() for file in path.rglob("*") if file.is_file()]
+            return (sum(stat.st_size for stat in stats),
+                    max((stat.st_mtime_ns for stat in stats), default=0))
+        stat = path.stat()
     except (OSError, ValueError):
         return None
     return stat.st_size, stat.st_mtime_ns
@@ -249,14 +255,16 @@ class LocalBackend:
                       versions: tuple[int, ...]) -> bool:
         """The model's config.yaml with these versions and the spec's batching
         (one config serves every version here, where Kubernetes builds one per
-        version); whether it changed."""
+        version); whether it changed. A generative model batches its sequences
+        itself (the build's engine.max_sequences): no batching is written."""
         path = repository / spec.name / "config.yaml"
         before = dict(yaml.safe_load(path.read_text()) or {})
         batching = spec.tiers[tier].batching
-        config = {**before, "version_policy": {"specific": list(versions)},
-                  "max_batch_size": batching.max_batch_size,
-                  "dynamic_batching": {**(before.get("dynamic_batching") or {}),
-                                       "max_queue_delay_us": batching.max_queue_delay_us}}
+        config = {**before, "version_policy": {"specific": list(versions)}}
+        if spec.kind != names.ModelKind.GENERATIVE:
+            config |= {"max_batch_size": batching.max_batch_size,
+                       "dynamic_batching": {**(before.get("dynamic_batching") or {}),
+                                            "max_queue_delay_us": batching.max_queue_delay_us}}
         if config == before:
             return False
         write_atomically(path, yaml.safe_dump(config, sort_keys=False))

@@ -2,9 +2,10 @@
 the manual rollout verbs. The CLI prints what these return.
 
 `apply` pins each artifact: a relative path is made absolute (relative to
-the applied file) and a missing sha256 is filled in from the file, so the
-stored spec names exactly the bytes that will be built. A given sha256 that
-does not match the file is refused at once.
+the applied file) and a missing sha256 is filled in from the file, or from
+a checkpoint directory's files (`tiered.files.sha256_tree`, as the build
+checks it), so the stored spec names exactly the bytes that will be built.
+A given sha256 that does not match is refused at once.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tiered.controller.plan import SOURCE_OF, make_snapshot
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import Record, StateStore
 from tiered.errors import ConfigError, Conflict
-from tiered.files import sha256_file
+from tiered.files import sha256_file, sha256_tree
 from tiered.rollout import engine
 from tiered.rollout.spec import (
     ArtifactVersion,
@@ -106,8 +107,8 @@ def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[st
                 raise ConfigError(f"{where}.artifact.{key}: not a usable path")
             artifact[key] = str((base / value).resolve())
     uri = artifact.get("uri")
-    if isinstance(uri, str) and Path(uri).is_file():
-        digest = sha256_file(Path(uri))
+    if isinstance(uri, str) and (Path(uri).is_file() or Path(uri).is_dir()):
+        digest = sha256_file(Path(uri)) if Path(uri).is_file() else sha256_tree(Path(uri))
         given = artifact.get("sha256")
         if given is None:
             artifact["sha256"] = digest

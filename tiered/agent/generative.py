@@ -29,9 +29,10 @@ from tiered.agent.generation import (
     GenerationRequest,
     parse_request,
 )
+from tiered.agent.model import Admissions
 from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
 from tiered.engines.generative.base import GenerativeEngine
-from tiered.errors import ConfigError, TieredError, Unavailable
+from tiered.errors import ConfigError, TieredError
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
 from tiered.telemetry.token_stats import TokenStats
@@ -81,10 +82,7 @@ class GenerativeVersion:
             SchedulerLimits(config.max_queue_size, config.generation.max_queue_wait_ms / 1e3),
             asyncio.get_running_loop(), on_step=self._stepped,
             name=f"{config.name}-v{version}")
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._closing = False
+        self.admissions = Admissions(config.name, version)
 
     @property
     def queue_depth(self) -> int:
@@ -92,7 +90,7 @@ class GenerativeVersion:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self.admissions.count
 
     @property
     def running(self) -> int:
@@ -124,34 +122,28 @@ class GenerativeVersion:
                        ) -> AsyncIterator[Piece]:
         """The request's tokens as they come; the last is flagged. Closing the
         iterator early stops its sequence."""
-        if self._closing:
-            raise Unavailable(f"model {self.config.name!r} version {self.version} is unloading")
         started = time.perf_counter_ns()
-        self._in_flight += 1
-        self._idle.clear()
         job, finished, previous = None, False, 0.0
-        try:
-            job = self.scheduler.submit(request, deadline)
-            while not finished:
-                event = await job.queue.get()
-                if isinstance(event, TieredError):
-                    raise event
-                first = previous == 0.0
-                gap = event.at - (job.arrived if first else previous)
-                previous, finished = event.at, event.last
-                self.tokens.token(gap, first)
-                if self.recorder is not None:
-                    self.recorder.token(gap, first)
-                yield event
-        except TieredError:
-            self._failed(time.perf_counter_ns() - started)
-            raise
-        finally:
-            if job is not None and not finished:
-                self.scheduler.cancel(job)
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._idle.set()
+        with self.admissions.request():
+            try:
+                job = self.scheduler.submit(request, deadline)
+                while not finished:
+                    event = await job.queue.get()
+                    if isinstance(event, TieredError):
+                        raise event
+                    first = previous == 0.0
+                    gap = event.at - (job.arrived if first else previous)
+                    previous, finished = event.at, event.last
+                    self.tokens.token(gap, first)
+                    if self.recorder is not None:
+                        self.recorder.token(gap, first)
+                    yield event
+            except TieredError:
+                self._failed(time.perf_counter_ns() - started)
+                raise
+            finally:
+                if job is not None and not finished:
+                    self.scheduler.cancel(job)
         assert job is not None and job.admitted is not None
         elapsed_ns = time.perf_counter_ns() - started
         queue_s = job.admitted - job.arrived
@@ -164,12 +156,7 @@ class GenerativeVersion:
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let running ones finish, then release the engine."""
-        self._closing = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("%s v%d: %d generations still running after %.0f s; closing anyway",
-                        self.config.name, self.version, self._in_flight, timeout_s)
+        await self.admissions.close(timeout_s)
         await asyncio.to_thread(self.scheduler.close)
         self.engine.close()
 

@@ -7,10 +7,11 @@ so a bad request never reaches the engine, and counts every outcome.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -87,6 +88,41 @@ def check_outputs(config: ModelConfig, requested: Sequence[str]) -> tuple[str, .
     return tuple(requested) or tuple(names)
 
 
+class Admissions:
+    """The requests one version is answering, so that unloading it refuses new
+    ones and waits for those running (`ModelVersion` and `GenerativeVersion`)."""
+
+    def __init__(self, name: str, version: int) -> None:
+        self.name, self.version = name, version
+        self.count = 0
+        self.closing = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """One request, from admission to its answer; Unavailable once unloading."""
+        if self.closing:
+            raise Unavailable(f"model {self.name!r} version {self.version} is unloading")
+        self.count += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if not self.count:
+                self._idle.set()
+
+    async def close(self, timeout_s: float) -> None:
+        """Refuse new requests and wait up to `timeout_s` for those running."""
+        self.closing = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s v%d: %d requests still running after %.0f s; closing anyway",
+                        self.name, self.version, self.count, timeout_s)
+
+
 class ModelVersion:
     """Created and used on the agent's event loop."""
 
@@ -113,10 +149,7 @@ class ModelVersion:
             batch_policy(config), self._run, self._executor, on_batch=self._batch_ran,
             stage=engine.stage,
         )
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._closing = False
+        self.admissions = Admissions(config.name, version)
 
     @property
     def queue_depth(self) -> int:
@@ -124,7 +157,7 @@ class ModelVersion:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self.admissions.count
 
     def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.engine.run(inputs)
@@ -152,24 +185,18 @@ class ModelVersion:
     ) -> dict[str, np.ndarray]:
         """Answer one request; `deadline` is on the monotonic clock. With a tracer,
         the queue and engine phases become child spans of the current span."""
-        if self._closing:
-            raise Unavailable(f"model {self.config.name!r} version {self.version} is unloading")
         started = time.perf_counter_ns()
-        self._in_flight += 1
-        self._idle.clear()
-        try:
-            outputs = check_outputs(self.config, requested)
-            batch_size = check_inputs(self.config, inputs)
-            inputs = self.engine.accept(inputs)
-            signature = tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(inputs.items()))
-            result = await self._batcher.submit(inputs, batch_size, signature, deadline)
-        except TieredError:
-            self._failed(time.perf_counter_ns() - started)
-            raise
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight:
-                self._idle.set()
+        with self.admissions.request():
+            try:
+                outputs = check_outputs(self.config, requested)
+                batch_size = check_inputs(self.config, inputs)
+                inputs = self.engine.accept(inputs)
+                signature = tuple((n, a.dtype.str, a.shape[1:])
+                                  for n, a in sorted(inputs.items()))
+                result = await self._batcher.submit(inputs, batch_size, signature, deadline)
+            except TieredError:
+                self._failed(time.perf_counter_ns() - started)
+                raise
         elapsed_ns = time.perf_counter_ns() - started
         self.stats.request_succeeded(
             elapsed_ns, int(result.queue_s * 1e9), result.timing, _now_ms()
@@ -184,14 +211,7 @@ class ModelVersion:
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let in-flight ones finish, then release the engine."""
-        self._closing = True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            log.warning(
-                "%s v%d: %d requests still in flight after %.0f s; closing anyway",
-                self.config.name, self.version, self._in_flight, timeout_s,
-            )
+        await self.admissions.close(timeout_s)
         await self._batcher.close()
         self._executor.shutdown(wait=True)
         self.engine.close()

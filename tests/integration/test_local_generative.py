@@ -167,3 +167,15 @@ def test_a_slower_version_is_rolled_back_on_token_latency(system, store, load,
     assert (ended.phase, ended.stable_version) == (names.Phase.ROLLED_BACK, 2), ended.message
     assert re.search(r"failed .*(ttft_p95|ttft_shift|tpot_p95) on \w+", ended.message), \
         ended.message
+
+
+def test_the_examples_differ_in_their_checkpoint_only():
+    """examples/tinyllama-v2.yaml and -v3.yaml (the demo's generative act) are
+    tinyllama.yaml with another checkpoint: a rollout judges the model alone."""
+    base = yaml.safe_load(EXAMPLE.read_text())
+    assert base["spec"]["kind"] == "generative"
+    for variant in ("v2", "v3"):
+        other = yaml.safe_load(EXAMPLE.with_name(f"tinyllama-{variant}.yaml").read_text())
+        assert other["spec"]["artifact"]["uri"].endswith(f"tinyllama-{variant}")
+        other["spec"]["artifact"] = base["spec"]["artifact"]
+        assert other == base

@@ -14,11 +14,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "demo",
         help="run the whole system locally: serve digits v1 on three tiers, promote v2, "
         "roll back a heavier v3, write a report",
-        description="End to end on this machine (about 3 minutes on 2 cores): trains the "
+        description="End to end on this machine (about 5 minutes on 2 cores): trains the "
         "sample digits models into build/models (once), starts an agent per tier, the "
         "router and the controller, sends traffic with tritonclient, applies "
         "examples/digits-v2.yaml (promoted) and examples/digits-v3.yaml (rolled back), "
-        "prints every decision and writes OUT/report.html and OUT/report.json. "
+        "prints every decision and writes OUT/report.html and OUT/report.json; beside it "
+        "a tiny Llama (examples/tinyllama.yaml) is served on three tiers, its v2 promoted "
+        "and its slower v3 rolled back (OUT/tinyllama/report.html). "
         "--protocol instead walks one agent through the v2 protocol.",
     )
     demo.add_argument("--out", type=Path, default=Path("build/demo"), metavar="DIR",

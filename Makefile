@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) bench/soak.py
 	$(PY) bench/chaos.py
 	$(PY) bench/judge.py
+	$(PY) bench/generate.py
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -26,6 +26,17 @@ from tiered.engines.generative.torch_engine import TorchGenerativeEngine, TorchG
 from tiered.models import tinyllama
 
 
+def endless_checkpoint(work: Path, variant: str) -> Path:
+    """A tiny Llama checkpoint with no end of sequence (its EOS id out of reach),
+    so that every sequence runs to its max_tokens (bench/generate.py too)."""
+    checkpoint = tinyllama.write_tinyllama(work, variant)
+    config_path = checkpoint / "config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = []
+    config_path.write_text(json.dumps(config))
+    return checkpoint
+
+
 def measure(engine: TorchGenerativeEngine, prompts: list[list[int]], sequences: int,
             tokens: int, repeats: int) -> tuple[float, list[list[int]]]:
     best, outputs = 0.0, []
@@ -61,12 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for variant in variants:
-            # no end of sequence: a checkpoint whose EOS id is out of reach
-            checkpoint = tinyllama.write_tinyllama(Path(work), variant)
-            config_path = checkpoint / "config.json"
-            config = json.loads(config_path.read_text())
-            config["eos_token_id"] = []
-            config_path.write_text(json.dumps(config))
+            checkpoint = endless_checkpoint(Path(work), variant)
             greedy: dict[tuple[int, str], list[list[int]]] = {}
             for device, precision, graphs in configs:
                 engine = TorchGenerativeEngine(checkpoint, TorchGenerativeSettings(

@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VERDICTS = {"PASS", "FAIL", "N/A"}
 
@@ -202,3 +204,22 @@ def test_chaos_bench_counts_every_request_through_a_killed_agent_and_a_router_re
                                        "none (to the end)"})
     assert_header(stdout, "fault", "sent", "answered", "failed")
     assert_header(stdout, "target", "what", "value", "needs", "verdict")
+
+
+def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    result, stdout = run_smoke("generate", tmp_path)
+    assert [r["streams"] for r in result["rows"]] == [1, 8]
+    for row in result["rows"]:
+        for arm in ("in-process", "agent", "router"):
+            figures = row[arm]
+            assert figures["errors"] == 0 and 0 < figures["tokens"] <= row["streams"] * 8, \
+                figures
+            assert positive(figures["tokens_per_s"]) and positive(figures["ttft_p50_ms"])
+            assert figures["tpot_p50_ms"] <= figures["tpot_p95_ms"], figures
+        assert positive(row["agent"]["tokens_ratio"]) and positive(row["router"]["tokens_ratio"])
+    assert {t["name"] for t in result["targets"]} == {
+        "agent TPOT P50 within 10% of in-process at 1 stream",
+        "router TPOT P50 within 10% of in-process at 1 stream"}
+    assert all(t["verdict"] in {"PASS", "MISS"} for t in result["targets"])
+    assert_header(stdout, "streams", "arm", "tok/s")

@@ -1,0 +1,300 @@
+"""Benchmark: generative serving against the engine alone, in one run.
+
+The tiny Llama v1 (trained in code, its end of sequence taken out of its
+config so that sequences run to --max-tokens; an onnxruntime-genai build may
+still end one sooner, and the rows count the tokens that came) is built for a tier with `tiered build` (edge:
+onnxruntime-genai INT4 on the CPU; `--tier datacenter --device cuda`: the torch
+engine, FP16, on a GPU) and measured three ways at 1, 8 and 64 concurrent
+sequences, greedy, one prompt each from tinyllama-eval.json:
+
+- in-process: the built version's engine alone (`open_generative`), the
+  sequences started together and stepped until all end;
+- agent: a real `tiered agent` serving that version, one tritonclient gRPC
+  stream per sequence (ModelStreamInfer, a response per token);
+- router: the same through a real `tiered router` whose table names the agent.
+
+Per row: output tokens/s over the round (first start to last token), TTFT
+(start to first token) and TPOT (between a sequence's tokens) P50/P95 over
+every sequence of every round. The arms alternate round by round, so each is
+measured beside the others in time; client, router and agent share this
+machine's cores.
+
+Targets (the issue's, for a datacenter torch run on an H200): served
+tokens/s >= 80% of in-process at 64 streams; served TPOT P50 within 10% of
+in-process at 1 stream. PASS / MISS are printed as measured here; the exit
+code does not depend on them (a `--smoke` run's is 1 when its rows are not
+well-formed).
+
+Run: `.venv/bin/python bench/generate.py` (a few minutes on 2 cores);
+`--tier datacenter --device cuda` on a GPU; `--smoke` for a short check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
+
+import yaml  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.generative import endless_checkpoint  # noqa: E402
+from tiered.local.processes import RouterProcess  # noqa: E402
+from tiered.models import tinyllama  # noqa: E402
+
+MODEL = "tinyllama"
+TARGET_TOKENS_RATIO = 0.8  # served / in-process tokens/s at 64 streams
+TARGET_TPOT_RATIO = 1.1  # served / in-process TPOT P50 at 1 stream
+ARMS = ("in-process", "agent", "router")
+
+
+def build(checkpoint: Path, repository: Path, tier: str, device: str,
+          max_sequences: int) -> Path:
+    """The tier's build of the checkpoint, its config set to run `max_sequences`
+    at once (and on `device`, for the torch engine)."""
+    prompts = checkpoint.parent / tinyllama.EVAL_FILE
+    built = subprocess.run(
+        [sys.executable, "-m", "tiered", "build", str(checkpoint), "--tier", tier,
+         "--repository", str(repository), "--model", MODEL, "--version", "1",
+         "--eval", str(prompts),
+         # past the end of its sentences (no EOS here) the model's greedy tokens
+         # are near ties that INT4 flips: speed is measured, not the gate
+         "--allow-accuracy-drop"], capture_output=True, text=True, timeout=600)
+    if built.returncode != 0:
+        raise SystemExit(f"tiered build failed:\n{built.stderr[-3000:]}")
+    path = repository / MODEL / "config.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["engine"] = {**(config.get("engine") or {}), "max_sequences": max_sequences}
+    if config.get("backend") == "torch-generative":
+        config["engine"]["device"] = device
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return repository / MODEL / "1"
+
+
+class Round:
+    """One round's token times: per sequence, when it started and each token came."""
+
+    def __init__(self) -> None:
+        self.starts: dict[int, float] = {}
+        self.tokens: dict[int, list[float]] = {}
+        self.errors: list[str] = []
+
+    def figures(self) -> dict[str, Any]:
+        ended = [t[-1] for t in self.tokens.values() if t]
+        count = sum(len(t) for t in self.tokens.values())
+        span = max(ended) - min(self.starts.values()) if ended else None
+        ttft = [t[0] - self.starts[s] for s, t in self.tokens.items() if t]
+        tpot = [b - a for t in self.tokens.values() for a, b in zip(t, t[1:])]
+        return {"tokens": count, "seconds": span, "ttft_s": ttft, "tpot_s": tpot,
+                "errors": len(self.errors)}
+
+
+def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: int) -> Round:
+    from tiered.engines.generative.base import Sampling
+
+    record = Round()
+    for index in range(streams):
+        record.starts[engine.start(prompts[index % len(prompts)],
+                                   Sampling(max_tokens=max_tokens))] = time.perf_counter()
+    record.tokens = {sequence: [] for sequence in record.starts}
+    while engine.running:
+        tokens = engine.step()
+        now = time.perf_counter()
+        for token in tokens:
+            record.tokens[token.sequence].append(now)
+    return record
+
+
+async def served(address: str, prompts: Sequence[str], streams: int, max_tokens: int
+                 ) -> Round:
+    """`streams` sequences at once, each on a tritonclient stream of its own."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.grpc.aio as aioclient
+
+    record = Round()
+
+    async def one(index: int, client) -> None:
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([prompts[index % len(prompts)].encode()],
+                                          dtype=object))
+
+        async def requests():
+            yield {"model_name": MODEL, "inputs": [text],
+                   "parameters": {"max_tokens": max_tokens, "temperature": 0.0}}
+
+        times = record.tokens.setdefault(index, [])
+        record.starts[index] = time.perf_counter()
+        async for result, error in client.stream_infer(requests()):
+            if error is not None:
+                record.errors.append(str(error))
+                return
+            now = time.perf_counter()
+            response = result.get_response()
+            if result.as_numpy("token_ids") is not None and result.as_numpy("token_ids").size:
+                times.append(now)
+            final = response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return
+
+    async with aioclient.InferenceServerClient(address) as client:
+        await asyncio.gather(*(one(i, client) for i in range(streams)))
+    return record
+
+
+def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
+    figures = [r.figures() for r in rounds]
+    seconds = sum(f["seconds"] or 0.0 for f in figures)
+    tokens = sum(f["tokens"] for f in figures)
+    ttft = common.percentiles_ms([x for f in figures for x in f["ttft_s"]])
+    tpot = common.percentiles_ms([x for f in figures for x in f["tpot_s"]])
+    return {"tokens": tokens, "tokens_per_s": tokens / seconds if seconds else None,
+            "ttft_p50_ms": ttft["p50_ms"], "ttft_p95_ms": ttft["p95_ms"],
+            "tpot_p50_ms": tpot["p50_ms"], "tpot_p95_ms": tpot["p95_ms"],
+            "errors": sum(f["errors"] for f in figures)}
+
+
+def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], streams: int,
+            max_tokens: int, rounds: int) -> dict[str, Any]:
+    prompts = [engine.encode(p) for p in text_prompts]
+    recorded: dict[str, list[Round]] = {arm: [] for arm in ARMS}
+    for arm in ARMS:  # a warm-up round each, not counted
+        run_arm(arm, engine, addresses, prompts, text_prompts, streams, max_tokens)
+    for _ in range(rounds):
+        for arm in ARMS:
+            recorded[arm].append(run_arm(arm, engine, addresses, prompts, text_prompts,
+                                         streams, max_tokens))
+    row: dict[str, Any] = {"streams": streams, "max_tokens": max_tokens, "rounds": rounds}
+    for arm in ARMS:
+        row[arm] = summarize(recorded[arm])
+    for arm in ("agent", "router"):
+        row[arm]["tokens_ratio"] = common.ratio(row[arm]["tokens_per_s"],
+                                                row["in-process"]["tokens_per_s"])
+        row[arm]["tpot_p50_ratio"] = common.ratio(row[arm]["tpot_p50_ms"],
+                                                  row["in-process"]["tpot_p50_ms"])
+    common.progress(f"{streams} streams: " + ", ".join(
+        f"{arm} {row[arm]['tokens_per_s'] or 0:.0f} tok/s" for arm in ARMS))
+    return row
+
+
+def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens) -> Round:
+    if arm == "in-process":
+        return in_process(engine, prompts, streams, max_tokens)
+    return asyncio.run(served(addresses[arm], text_prompts, streams, max_tokens))
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's two targets, for each served arm, where their rows were measured."""
+    by_streams = {row["streams"]: row for row in rows}
+    checks = []
+    for arm in ("agent", "router"):
+        if 64 in by_streams:
+            value = by_streams[64][arm]["tokens_ratio"]
+            checks.append({"name": f"{arm} tokens/s >= {TARGET_TOKENS_RATIO:.0%} of "
+                           "in-process at 64 streams", "value": value,
+                           "verdict": _verdict(value, lambda v: v >= TARGET_TOKENS_RATIO)})
+        if 1 in by_streams:
+            value = by_streams[1][arm]["tpot_p50_ratio"]
+            checks.append({"name": f"{arm} TPOT P50 within 10% of in-process at 1 stream",
+                           "value": value,
+                           "verdict": _verdict(value, lambda v: v <= TARGET_TPOT_RATIO)})
+    return checks
+
+
+def _verdict(value: float | None, ok) -> str:
+    return "N/A" if value is None else ("PASS" if ok(value) else "MISS")
+
+
+def report(result: dict[str, Any]) -> str:
+    def number(value, digits=1):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    rows = []
+    for row in result["rows"]:
+        for arm in ARMS:
+            figures = row[arm]
+            rows.append([row["streams"], arm, number(figures["tokens_per_s"]),
+                         number(figures.get("tokens_ratio"), 2),
+                         number(figures["ttft_p50_ms"], 2), number(figures["ttft_p95_ms"], 2),
+                         number(figures["tpot_p50_ms"], 2), number(figures["tpot_p95_ms"], 2),
+                         number(figures.get("tpot_p50_ratio"), 2), figures["errors"]])
+    config = result["config"]
+    head = (f"generate: {config['tier']} {config['backend']} ({config['precision']}) on "
+            f"{config['device']}, {config['max_tokens']} tokens a sequence, "
+            f"{config['rounds']} rounds")
+    table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
+                          "tpot p50", "tpot p95", "tpot x", "errors"], rows)
+    checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
+                          [[c["name"], number(c["value"], 2)] for c in result["targets"]],
+                          [c["verdict"] for c in result["targets"]])
+    return f"{head}\n{table}\n\n{checks}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=common.RESULTS / "generate.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="1 and 8 streams, 8 tokens, one round")
+    parser.add_argument("--tier", default="edge", choices=("edge", "regional", "datacenter"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="the torch engine's device (datacenter tier)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    streams = (1, 8) if args.smoke else (1, 8, 64)
+    max_tokens = 8 if args.smoke else args.max_tokens
+    rounds = 1 if args.smoke else args.rounds
+    result = common.record("generate", args.smoke, with_gpu=args.device == "cuda")
+    with tempfile.TemporaryDirectory(prefix="tiered-bench-generate-") as tmp:
+        checkpoint = endless_checkpoint(Path(tmp) / "checkpoints", "v1")
+        repository = Path(tmp) / "repository"
+        version = build(checkpoint, repository, args.tier, args.device, max(streams))
+        config = yaml.safe_load((repository / MODEL / "config.yaml").read_text())
+        facts = json.loads((version / "build.json").read_text()) \
+            if (version / "build.json").is_file() else {}
+        from tiered.engines.generative import open_generative
+
+        engine = open_generative(config["backend"], version, config.get("engine") or {})
+        text_prompts = tinyllama.eval_prompts()
+        with common.agent(args.tier, repository) as agent:
+            table = Path(tmp) / "routing.json"
+            table.write_text(json.dumps({"version": 1, "models": {MODEL: {
+                "max_in_flight": 1024, "tiers": {args.tier: {"agents": [agent.address]}}}}}))
+            router = RouterProcess(table, metrics_port=None)
+            with common.serving([router]):
+                addresses = {"agent": agent.address, "router": router.address}
+                rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds)
+                        for n in streams]
+    result.update({
+        "config": {"tier": args.tier, "device": args.device, "backend": config["backend"],
+                   "precision": (config.get("engine") or {}).get("precision")
+                   or facts.get("precision") or facts.get("build", {}).get("precision"),
+                   "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),
+                   "note": "client, router, agent and the in-process engine share this "
+                   "machine's cores; tokens/s from each round's first start to its last "
+                   "token"},
+        "rows": rows,
+        "targets": targets(rows),
+    })
+    print(report(result))
+    common.write(result, args.out)
+    if args.smoke:
+        fields = [f"{arm}.{figure}" for arm in ARMS
+                  for figure in ("tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")]
+        return common.smoke_exit({"rows": (rows, fields)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,15 +18,18 @@ def register(commands: argparse._SubParsersAction) -> None:
         "sample digits models into build/models (once), starts an agent per tier, the "
         "router and the controller, sends traffic with tritonclient, applies "
         "examples/digits-v2.yaml (promoted) and examples/digits-v3.yaml (rolled back), "
-        "prints every decision and writes OUT/report.html and OUT/report.json; beside it "
-        "a tiny Llama (examples/tinyllama.yaml) is served on three tiers, its v2 promoted "
-        "and its slower v3 rolled back (OUT/tinyllama/report.html). "
+        "prints every decision and writes OUT/report.html and OUT/report.json. With "
+        "--generative a tiny Llama (examples/tinyllama.yaml) is served beside it on three "
+        "tiers, its v2 promoted and its slower v3 rolled back (OUT/tinyllama/report.html). "
         "--protocol instead walks one agent through the v2 protocol.",
     )
     demo.add_argument("--out", type=Path, default=Path("build/demo"), metavar="DIR",
                       help="report and state directory (default: build/demo)")
     demo.add_argument("--protocol", action="store_true",
                       help="the short protocol tour: one agent, queried with tritonclient")
+    demo.add_argument("--generative", action="store_true",
+                      help="also the generative act, beside the digits one (about 5 minutes "
+                      "in all on 2 cores)")
     demo.add_argument("--tier", default="edge", choices=flags.TIER_CHOICES,
                       help="--protocol: tier profile of the agent (default: edge)")
     demo.set_defaults(handler=_run_demo)
@@ -39,4 +42,4 @@ def _run_demo(args: argparse.Namespace) -> int:
         return tour.run(args.tier)
     from tiered.demo import rollouts
 
-    return rollouts.run(args.out)
+    return rollouts.run(args.out, generative=args.generative)

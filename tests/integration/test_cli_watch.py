@@ -14,6 +14,7 @@ import pytest
 
 from tiered.controller.plan import make_snapshot
 from tiered.controller.store import StateStore
+from tiered.local.processes import interruptible
 from tiered.rollout import engine
 from tiered.rollout.spec import TieredModelStatus, load_tiered_model, to_plain
 
@@ -40,6 +41,7 @@ def write(store: StateStore, message: str, rollout=None, **status) -> None:
 
 def tiered(state: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tiered", *args, "--state", str(state)],
+                            preexec_fn=interruptible,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

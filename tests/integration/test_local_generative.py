@@ -29,6 +29,7 @@ from tiered import names
 from tiered.controller.local import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
+from tiered.local.processes import interruptible
 from tiered.local.supervisor import ControllerSettings, LocalSystem, LocalUp, RouterPorts
 
 pytest.importorskip("onnxruntime_genai")
@@ -82,7 +83,7 @@ def load(system, store, tinyllama_models):
          "--rate", "20", "--max-tokens", "16", "--stream-share", "0.3", "--timeout", "20",
          "--tier", "edge,regional,datacenter",  # clients at every tier
          "--inputs", str(tinyllama_models / "tinyllama-eval.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     try:
         yield process
     finally:

@@ -46,6 +46,7 @@ from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file
 from tiered.demo.report import write_report
+from tiered.local.processes import interruptible
 from tiered.local.supervisor import (
     ControllerSettings,
     LocalSystem,
@@ -247,7 +248,7 @@ class GenerativeAct:
                     [sys.executable, "-m", "tiered", "load", GENERATIVE, "--router",
                      self.router, *GENERATIVE_LOAD, "--inputs",
                      str(self.models / "tinyllama-eval.json")],
-                    stdout=output, stderr=subprocess.STDOUT)
+                    stdout=output, stderr=subprocess.STDOUT, preexec_fn=interruptible)
             try:
                 time.sleep(3.0)
                 self.say("tiered apply -f examples/tinyllama-v2.yaml: the same greedy output")

@@ -24,6 +24,14 @@ _METRICS = re.compile(r"metrics on (http://\S+/metrics)")
 _REST = re.compile(r"REST on https?://(\S+):(\d+)")
 
 
+def interruptible() -> None:
+    """A child's `preexec_fn` for one that will be stopped with SIGINT (Ctrl-C):
+    a shell runs background jobs with SIGINT ignored, and a child inherits that
+    (and a blocked SIGINT), so set it back to its default first."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 class AgentError(RuntimeError):
     """A server process failed to start or exited."""
 

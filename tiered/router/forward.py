@@ -51,7 +51,7 @@ MAX_RECONNECT_BACKOFF_S = 1.0  # a channel to a dead agent retries at least this
 # (UNAVAILABLE) long before their deadline. Agents allow pings this often
 # (tiered.agent.front_end.KEEPALIVE_PERMIT).
 KEEPALIVE_S = 1.0
-KEEPALIVE_TIMEOUT_S = 4.0  # a busy agent on a loaded machine still acks within it
+KEEPALIVE_TIMEOUT_S = 2.0
 SERVED_TIER = "tiered-tier"  # the response parameter naming the tier that answered
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.DEADLINE_EXCEEDED})

@@ -193,20 +193,9 @@ def read_samples(path: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
 
 def read_prompts(path: Path) -> list[str]:
     """A prompts JSON's prompts: `{"prompts": ["...", ...]}` (tinyllama-eval.json's form)."""
-    import json
+    from tiered.engines.generative import read_prompts as read
 
-    from tiered.errors import ConfigError
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"--inputs {path}: cannot read: {error}") from error
-    prompts = data.get("prompts") if isinstance(data, dict) else None
-    if (not isinstance(prompts, list) or not prompts
-            or not all(isinstance(p, str) and p for p in prompts)):
-        raise ConfigError(f'--inputs {path}: expected {{"prompts": [...]}}, a list of '
-                          "non-empty strings")
-    return prompts
+    return read(path, "--inputs")
 
 
 def default_prompts() -> list[str]:

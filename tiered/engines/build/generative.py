@@ -18,7 +18,6 @@ rejected build into the repository.
 from __future__ import annotations
 
 import datetime
-import json
 import shutil
 import subprocess
 import sys
@@ -278,15 +277,7 @@ def read_prompts(path: Path | None) -> list[str]:
     if path is None:
         raise ConfigError("eval: a checkpoint build needs eval prompts (--eval PROMPTS.json, "
                           'a JSON object {"prompts": ["...", ...]})')
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"eval: {path}: {error}") from error
-    prompts = data.get("prompts") if isinstance(data, dict) else None
-    if (not isinstance(prompts, list) or not prompts
-            or not all(isinstance(p, str) and p for p in prompts)):
-        raise ConfigError(f'eval: {path}: expected {{"prompts": [...]}}, a list of non-empty '
-                          "strings")
+    prompts = engines.read_prompts(path, "eval")
     if len(prompts) > MAX_EVAL_PROMPTS:
         raise ConfigError(f"eval: {path}: {len(prompts)} prompts, at most {MAX_EVAL_PROMPTS}")
     return prompts

@@ -23,12 +23,29 @@ if TYPE_CHECKING:
     from tiered.engines.generative.base import GenerativeEngine
 
 __all__ = ["CHECKPOINT_FILES", "GENERATIVE_BACKENDS", "GenAISettings", "is_checkpoint",
-           "open_generative"]
+           "open_generative", "read_prompts"]
 
 # A model built by onnxruntime-genai's builder, and a checkpoint run by our torch engine.
 GENERATIVE_BACKENDS = ("onnxruntime-genai", "torch-generative")
 CHECKPOINT_FILES = ("config.json", "tokenizer.json")  # beside one or more *.safetensors
 GENERATIVE_EXTRA = "pip install 'tiered[generative]' (CPU), or 'tiered[generative-gpu]'"
+
+
+def read_prompts(path: Path, where: str) -> list[str]:
+    """A prompts file's prompts: a JSON object whose `prompts` is a list of
+    non-empty strings (tinyllama-eval.json's form); `where` names it in errors."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{where}: {path}: cannot read: {error}") from error
+    prompts = data.get("prompts") if isinstance(data, dict) else None
+    if (not isinstance(prompts, list) or not prompts
+            or not all(isinstance(p, str) and p for p in prompts)):
+        raise ConfigError(f'{where}: {path}: expected {{"prompts": [...]}}, a list of '
+                          "non-empty strings")
+    return prompts
 
 
 def is_checkpoint(path: Path) -> bool:

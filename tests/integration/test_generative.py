@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import add_generative
@@ -146,36 +147,74 @@ def test_cancelled_stream_frees_its_slot_at_once(client):
     assert len(answer.as_numpy("token_ids")) == 3
 
 
-def test_admission_waits_for_a_slot_then_is_refused(agent, client):
-    stream = Stream(client)
-    try:
-        stream.send("one", max_tokens=4000)
-        stream.next()
-        outcome: dict = {}
+def gauge(agent, family: str, model: str) -> float:
+    """One of the agent's per-model gauges, read from /metrics."""
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    for found in text_string_to_metric_families(text):
+        if found.name == family:
+            return sum(s.value for s in found.samples if s.labels["model"] == model)
+    raise AssertionError(f"no {family} in /metrics")
 
-        def waiter() -> None:
-            with grpcclient.InferenceServerClient(agent.address) as other:
+
+def wait_for_gauge(agent, family: str, model: str, value: float, why=dict) -> None:
+    give_up = time.monotonic() + 30
+    while gauge(agent, family, model) != value:
+        assert time.monotonic() < give_up, f"{family} of {model} never reached {value}: {why()}"
+        time.sleep(0.01)
+
+
+class Calls:
+    """ModelInfer calls to model "one" in threads, each on its own client; their
+    outcomes by name: (status, message, seconds)."""
+
+    def __init__(self, agent) -> None:
+        self.agent, self.outcomes, self.threads = agent, {}, []
+
+    def start(self, name: str, max_tokens: int) -> None:
+        def call() -> None:
+            with grpcclient.InferenceServerClient(self.agent.address) as own:
                 started = time.monotonic()
                 try:
-                    generate(other, "one", max_tokens=3)
+                    generate(own, "one", max_tokens=max_tokens)
+                    self.outcomes[name] = ("OK", "", time.monotonic() - started)
                 except InferenceServerException as error:
-                    outcome["status"] = (error.status(), error.message())
-                outcome["waited"] = time.monotonic() - started
+                    self.outcomes[name] = (error.status(), error.message(),
+                                           time.monotonic() - started)
 
-        thread = threading.Thread(target=waiter)
-        thread.start()
-        time.sleep(0.3)  # the waiter holds the one queue place
-        code, message = status_of(lambda: generate(client, "one", max_tokens=3))
-        assert code == "StatusCode.RESOURCE_EXHAUSTED" and "max_queue_size" in message
-        thread.join(30)
-        # Refused once WAIT_MS has passed, unless the holder's slot came free first
-        # (in a full test session it has been seen to, for reasons not found).
-        if "status" in outcome:
-            code, message = outcome["status"]
-            assert code == "StatusCode.RESOURCE_EXHAUSTED" and "no sequence slot" in message
-            assert outcome["waited"] >= WAIT_MS / 1e3 * 0.9
-    finally:
-        client.stop_stream(cancel_requests=True)
+        self.threads.append(threading.Thread(target=call))
+        self.threads[-1].start()
+
+    def join(self) -> dict[str, tuple]:
+        for thread in self.threads:
+            thread.join(60)
+        return self.outcomes
+
+
+def test_the_agent_answers_other_calls_while_a_sequence_generates(agent, client):
+    calls = Calls(agent)
+    calls.start("holder", 4000)  # seconds of steps that keep the GIL (onnxruntime-genai)
+    wait_for_gauge(agent, "tiered_running_sequences", "one", 1)
+    for _ in range(5):
+        assert client.is_server_live() and client.is_model_ready("tiny")
+        client.get_inference_statistics("one")
+    assert gauge(agent, "tiered_running_sequences", "one") == 1, "answered only once it ended"
+    assert calls.join()["holder"][0] == "OK"
+
+
+def test_admission_waits_for_a_slot_then_is_refused(agent, client):
+    calls = Calls(agent)
+    calls.start("holder", 4000)  # holds the one slot for seconds
+    wait_for_gauge(agent, "tiered_running_sequences", "one", 1)
+    calls.start("waiter", 3)
+    wait_for_gauge(agent, "nv_inference_pending_request_count", "one", 1,
+                   lambda: calls.outcomes)
+    code, message = status_of(lambda: generate(client, "one", max_tokens=3))
+    assert code == "StatusCode.RESOURCE_EXHAUSTED" and "max_queue_size" in message
+    outcomes = calls.join()
+    code, message, waited = outcomes["waiter"]
+    assert code == "StatusCode.RESOURCE_EXHAUSTED" and "no sequence slot" in message
+    assert waited >= WAIT_MS / 1e3 * 0.9
+    assert outcomes["holder"][0] == "OK"  # it ran on while the others were refused
 
 
 @pytest.mark.parametrize(("parameters", "text", "named"), [

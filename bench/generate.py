@@ -26,7 +26,8 @@ code does not depend on them (a `--smoke` run's is 1 when its rows are not
 well-formed).
 
 Run: `.venv/bin/python bench/generate.py` (a few minutes on 2 cores);
-`--tier datacenter --device cuda` on a GPU; `--smoke` for a short check.
+`--tier datacenter --device cuda --model 300m` on a GPU; `--smoke` for a short
+check.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ MODEL = "tinyllama"
 TARGET_TOKENS_RATIO = 0.8  # served / in-process tokens/s at 64 streams
 TARGET_TPOT_RATIO = 1.1  # served / in-process TPOT P50 at 1 stream
 ARMS = ("in-process", "agent", "router")
+# --model: the trained tiny v1, or a Llama of about 300 million parameters with
+# random weights (the issue's datacenter model; its vocabulary stays tiny)
+MODELS: dict[str, str | tinyllama.TinyLlama] = {
+    "tiny": "v1",
+    "300m": tinyllama.TinyLlama(layers=24, hidden=1024, heads=16, kv_heads=4,
+                                intermediate=2816, context=512, train_steps=0),
+}
 
 
 def build(checkpoint: Path, repository: Path, tier: str, device: str,
@@ -230,7 +238,8 @@ def report(result: dict[str, Any]) -> str:
                          number(figures["tpot_p50_ms"], 2), number(figures["tpot_p95_ms"], 2),
                          number(figures.get("tpot_p50_ratio"), 2), figures["errors"]])
     config = result["config"]
-    head = (f"generate: {config['tier']} {config['backend']} ({config['precision']}) on "
+    head = (f"generate: {config['model']} ({config['parameters'] / 1e6:.1f} M parameters), "
+            f"{config['tier']} {config['backend']} ({config['precision']}) on "
             f"{config['device']}, {config['max_tokens']} tokens a sequence, "
             f"{config['rounds']} rounds")
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
@@ -241,6 +250,17 @@ def report(result: dict[str, Any]) -> str:
     return f"{head}\n{table}\n\n{checks}"
 
 
+def parameters(checkpoint: Path) -> int:
+    """The checkpoint's parameter count, from its safetensors headers."""
+    count = 0
+    for path in checkpoint.glob("*.safetensors"):
+        with path.open("rb") as file:
+            header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+        count += sum(int(np.prod(t["shape"])) for name, t in header.items()
+                     if name != "__metadata__")
+    return count
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=common.RESULTS / "generate.json")
@@ -249,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tier", default="edge", choices=("edge", "regional", "datacenter"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="the torch engine's device (datacenter tier)")
+    parser.add_argument("--model", default="tiny", choices=tuple(MODELS),
+                        help="tiny: the trained tiny Llama v1; 300m: about 300 million "
+                        "parameters, random weights (for a GPU)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
@@ -257,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rounds = 1 if args.smoke else args.rounds
     result = common.record("generate", args.smoke, with_gpu=args.device == "cuda")
     with tempfile.TemporaryDirectory(prefix="tiered-bench-generate-") as tmp:
-        checkpoint = endless_checkpoint(Path(tmp) / "checkpoints", "v1")
+        checkpoint = endless_checkpoint(Path(tmp) / "checkpoints", MODELS[args.model])
+        size = parameters(checkpoint)
         repository = Path(tmp) / "repository"
         version = build(checkpoint, repository, args.tier, args.device, max(streams))
         config = yaml.safe_load((repository / MODEL / "config.yaml").read_text())
@@ -278,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         for n in streams]
     result.update({
         "config": {"tier": args.tier, "device": args.device, "backend": config["backend"],
+                   "model": args.model, "parameters": size,
                    "precision": (config.get("engine") or {}).get("precision")
                    or facts.get("precision") or facts.get("build", {}).get("precision"),
                    "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),

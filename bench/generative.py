@@ -26,10 +26,14 @@ from tiered.engines.generative.torch_engine import TorchGenerativeEngine, TorchG
 from tiered.models import tinyllama
 
 
-def endless_checkpoint(work: Path, variant: str) -> Path:
-    """A tiny Llama checkpoint with no end of sequence (its EOS id out of reach),
-    so that every sequence runs to its max_tokens (bench/generate.py too)."""
-    checkpoint = tinyllama.write_tinyllama(work, variant)
+def endless_checkpoint(work: Path, variant: str | tinyllama.TinyLlama) -> Path:
+    """A tiny Llama checkpoint (a named variant, or any shape) with no end of
+    sequence (its EOS id out of reach), so that every sequence runs to its
+    max_tokens (bench/generate.py too)."""
+    if isinstance(variant, str):
+        checkpoint = tinyllama.write_tinyllama(work, variant)
+    else:
+        checkpoint = tinyllama.write_tinyllama(work, "v1", shape=variant)
     config_path = checkpoint / "config.json"
     config = json.loads(config_path.read_text())
     config["eos_token_id"] = []

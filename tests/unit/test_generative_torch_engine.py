@@ -209,3 +209,43 @@ def test_cuda_graph_decode_equals_eager_and_fp32(precision, v1):
         engine.result = [out[i] for i in ids]
     assert graphs.describe()["cuda_graphs"] == "true"
     assert graphs.result == eager.result == fp32.result
+
+
+def _staggered(engine) -> list[list[int]]:
+    """Sequences that end at different steps and join late, into freed slots
+    below running ones: each one's tokens, in the order they started."""
+    out: dict[int, list[int]] = {}
+
+    def start(text: str, tokens: int) -> None:
+        out[engine.start(engine.encode(text), Sampling(max_tokens=tokens))] = []
+
+    def step() -> None:
+        for token in engine.step():
+            out[token.sequence].append(token.id)
+
+    for text, tokens in zip(PROMPTS, (3, 12, 5), strict=False):
+        start(text, tokens)
+    for _ in range(6):  # the first and third end; the second runs on in a higher slot
+        step()
+    start(PROMPTS[0], 9)
+    step()
+    start(PROMPTS[-1], 4)
+    while engine.running:
+        step()
+    return list(out.values())
+
+
+@cuda
+def test_cuda_graph_decode_follows_sequences_into_freed_slots(v1):
+    graphs = _engine(v1, device="cuda", precision="fp16")
+    eager = _engine(v1, device="cuda", precision="fp16", cuda_graphs=False)
+    assert _staggered(graphs) == _staggered(eager)
+    assert _staggered(graphs) == _staggered(_engine(v1))  # and FP32 on the CPU
+
+
+def test_staggered_sequences_answer_as_each_alone(v1):
+    engine = _engine(v1)
+    expected = [[t for t, _ in _alone(engine, engine.encode(text), Sampling(max_tokens=tokens))]
+                for text, tokens in [*zip(PROMPTS, (3, 12, 5), strict=False),
+                                     (PROMPTS[0], 9), (PROMPTS[-1], 4)]]
+    assert _staggered(engine) == expected

@@ -79,13 +79,14 @@ def eval_prompts() -> list[str]:
     return prompts
 
 
-def write_tinyllama(out: Path, variant: str) -> Path:
-    """`out/tinyllama-<variant>/` (a checkpoint) and `out/tinyllama-eval.json`."""
-    if variant not in VARIANTS:
+def write_tinyllama(out: Path, variant: str, shape: TinyLlama | None = None) -> Path:
+    """`out/tinyllama-<variant>/` (a checkpoint: the variant's shape, or `shape`)
+    and `out/tinyllama-eval.json`."""
+    if shape is None and variant not in VARIANTS:
         raise ValueError(f"variant: {variant!r} is not one of {', '.join(VARIANTS)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / EVAL_FILE).write_text(json.dumps({"prompts": eval_prompts()}, indent=1) + "\n")
-    return write_checkpoint(out / f"tinyllama-{variant}", VARIANTS[variant])
+    return write_checkpoint(out / f"tinyllama-{variant}", shape or VARIANTS[variant])
 
 
 def write_checkpoint(out: Path, shape: TinyLlama = TinyLlama()) -> Path:

@@ -2,31 +2,38 @@
 *.safetensors, tokenizer.json) run by our own forward in torch, with a static
 KV cache and one batched decode step for every running sequence.
 
-The forward follows Llama's architecture and transformers' numerics: token
-embedding; per layer RMSNorm (in FP32), grouped-query attention with rotary
-position embedding (rotate-half form, angles in FP32), softmax in FP32, a
-residual, RMSNorm and a SwiGLU MLP, a residual; a final RMSNorm and lm_head.
+The forward follows Llama's architecture: token embedding; per layer
+RMSNorm, grouped-query attention with rotary position embedding (rotate-half
+form, angles in FP32), a residual, RMSNorm and a SwiGLU MLP, a residual; a
+final RMSNorm and lm_head. Few kernels a layer, since a small model's decode
+is bound by them: q, k and v in one projection, gate and up in another,
+fused RMSNorm and attention kernels, and rotary in three.
 
 The KV cache is preallocated: one slot of `max_context` positions per
-sequence that may run (`max_sequences`), plus one scratch slot that padded
-rows and teacher-forced scoring write into. A new sequence is prefilled alone
-(its whole prompt in one forward) on its first step; every sequence already
-prefilled advances in one batched decode forward, so sequences join and
+sequence that may run (`max_sequences`), plus one scratch slot that
+teacher-forced scoring writes into. The sequences new at a step are
+prefilled together (their prompts padded to the longest, in one forward);
+every sequence already prefilled advances in one batched decode forward, so sequences join and
 leave between steps (in-flight batching). Stale keys a slot's previous
 sequence left are never read: a query attends only to positions up to its
 own.
 
-Decode has static shapes on CUDA (the batch padded to a bucket of
-`cuda_graph_batch_sizes`, attention over the whole context, slot and position
-given as tensors), so each bucket's decode is captured once as a CUDA graph
-and replayed. On the CPU the batch is not padded and attention reads only the
-positions written so far.
+Decode has static shapes on CUDA, so each bucket's decode is captured once
+as a CUDA graph and replayed: a bucket of `cuda_graph_batch_sizes` is the
+first slots of the cache, one row a slot, whose keys and values attention
+reads in place over the whole context (no gather); a new sequence takes the
+lowest free slot, so the running ones stay in the smallest bucket. Rows of
+idle slots write at their position 0, which a sequence's prefill, after the
+decode of its step, writes over. On the CPU the batch is the running
+sequences' slots, gathered, and attention reads only the positions written
+so far.
 
 Never imports the agent or the wire protocol: token ids and text in, tokens out.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import json
 import logging
@@ -174,7 +181,7 @@ class TorchGenerativeEngine(GenerativeEngine):
         half = torch.arange(0, shape.head_dim, 2, dtype=torch.int64, device=self.device)
         self._inv_freq = 1.0 / (shape.rope_theta ** (half.float() / shape.head_dim))
         self._positions = torch.arange(self.max_context, device=self.device)
-        self._free = list(range(self.max_sequences))
+        self._free = list(range(self.max_sequences))  # a heap: the lowest is taken
         self._sequences: dict[int, _Sequence] = {}
         self._ids = itertools.count(1)
         self._graphs: dict[int, _DecodeGraph] = {}
@@ -197,7 +204,7 @@ class TorchGenerativeEngine(GenerativeEngine):
         if not self._free:  # check_fits counted running sequences; slots agree
             raise ResourceExhausted(f"all {self.max_sequences} sequences are running")
         sequence = next(self._ids)
-        self._sequences[sequence] = _Sequence(self._free.pop(), list(prompt), sampling)
+        self._sequences[sequence] = _Sequence(heapq.heappop(self._free), list(prompt), sampling)
         return sequence
 
     def step(self) -> list[Token]:
@@ -205,11 +212,10 @@ class TorchGenerativeEngine(GenerativeEngine):
         old = [(i, s) for i, s in self._sequences.items() if s.prompt is None]
         rows: list[tuple[int, _Sequence, torch.Tensor]] = []
         with torch.inference_mode():
-            if old:
-                logits = self._decode([s for _, s in old])
-                rows += [(i, s, logits[n]) for n, (i, s) in enumerate(old)]
-            for i, s in new:
-                rows.append((i, s, self._prefill(s)))
+            for batch, forward in ((old, self._decode), (new, self._prefill)):
+                if batch:  # decode first: prefill writes over idle rows' writes
+                    logits = forward([s for _, s in batch])
+                    rows += [(i, s, logits[n]) for n, (i, s) in enumerate(batch)]
             if not rows:
                 return []
             logits = torch.stack([row for _, _, row in rows]).float()
@@ -229,7 +235,7 @@ class TorchGenerativeEngine(GenerativeEngine):
     def stop(self, sequence: int) -> None:
         state = self._sequences.pop(sequence, None)
         if state is not None:
-            self._free.append(state.slot)
+            heapq.heappush(self._free, state.slot)
 
     @property
     def running(self) -> int:
@@ -254,21 +260,27 @@ class TorchGenerativeEngine(GenerativeEngine):
             tokens = torch.tensor([list(ids)], device=self.device)
             positions = self._positions[:len(ids)].unsqueeze(0)
             slots = torch.tensor([self.max_sequences], device=self.device)
-            logits = self._forward(tokens, positions, slots, len(ids), last_only=False)
-            return logits[0].float().cpu().numpy()
+            hidden = self._forward(tokens, positions, slots, len(ids))
+            return self._head(hidden[0]).float().cpu().numpy()
 
     # -- the forward ---------------------------------------------------------
 
-    def _prefill(self, state: _Sequence) -> torch.Tensor:
-        prompt = state.prompt
-        assert prompt is not None
-        tokens = torch.tensor([prompt], device=self.device)
-        positions = self._positions[:len(prompt)].unsqueeze(0)
-        slots = torch.tensor([state.slot], device=self.device)
-        logits = self._forward(tokens, positions, slots, len(prompt), last_only=True)
-        state.prompt = None
-        state.length = len(prompt)
-        return logits[0, -1]
+    def _prefill(self, states: list[_Sequence]) -> torch.Tensor:
+        """The logits after each of `states`' prompts, in one forward. Shorter
+        prompts are padded: the pads' cache writes lie past the prompt, where
+        each decode writes before any query reads."""
+        lengths = [len(s.prompt or ()) for s in states]
+        longest = max(lengths)
+        tokens = torch.tensor([[*(s.prompt or ()), *[0] * (longest - n)]
+                               for s, n in zip(states, lengths, strict=True)],
+                              device=self.device)
+        positions = self._positions[:longest].expand(len(states), longest)
+        slots = torch.tensor([s.slot for s in states], device=self.device)
+        hidden = self._forward(tokens, positions, slots, longest)
+        for state, length in zip(states, lengths, strict=True):
+            state.prompt, state.length = None, length
+        ends = torch.tensor(lengths, device=self.device) - 1
+        return self._head(hidden[torch.arange(len(states), device=self.device), ends])
 
     def _decode(self, states: list[_Sequence]) -> torch.Tensor:
         """One token's logits for each of `states`, in one forward; each
@@ -278,59 +290,66 @@ class TorchGenerativeEngine(GenerativeEngine):
         slots = [s.slot for s in states]
         for s in states:
             s.length += 1
+        rows = 1 + max(slots)  # the graphs' rows are the first slots
         bucket = next((b for b in sorted(self.settings.cuda_graph_batch_sizes)
-                       if b >= len(states)), None) if self._use_graphs else None
+                       if b >= rows), None) if self._use_graphs else None
         if bucket is None:  # eager (beyond the largest bucket too): read what is written
-            return self._forward(torch.tensor(tokens, device=self.device).unsqueeze(1),
-                                 torch.tensor(positions, device=self.device).unsqueeze(1),
-                                 torch.tensor(slots, device=self.device), max(positions) + 1,
-                                 last_only=True)[:, -1]
+            return self._head(self._forward(
+                torch.tensor(tokens, device=self.device).unsqueeze(1),
+                torch.tensor(positions, device=self.device).unsqueeze(1),
+                torch.tensor(slots, device=self.device), max(positions) + 1)[:, -1])
         graph = self._graphs.get(bucket)
         if graph is None:
             graph = self._graphs[bucket] = _DecodeGraph(self, bucket)
-        return graph.run(tokens, positions, slots)[:len(states)]
+        return graph.run(tokens, positions, slots)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 window: int, *, last_only: bool) -> torch.Tensor:
-        """Logits for `tokens` [B, T] at `positions` [B, T] of cache `slots` [B],
-        attending over the first `window` positions of each slot."""
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor | None, window: int) -> torch.Tensor:
+        """The last layer's output [B, T, hidden] for `tokens` [B, T] at
+        `positions` [B, T] of cache `slots` [B] (None: the first B slots, read
+        in place), attending over the first `window` positions of each slot."""
         w, shape = self._weights, self.shape
         batch, length = tokens.shape
+        heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
+        groups = heads // kv_heads
         x = w["embed"][tokens]
         angles = positions[..., None].float() * self._inv_freq  # [B, T, head_dim / 2]
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(self.dtype)[:, None], angles.sin().to(self.dtype)[:, None]
-        keys_at = self._positions[:window]
-        # [B, 1, 1, T, window]: a query sees its own position and those before it.
-        visible = (keys_at[None, None, :] <= positions[..., None])[:, None, None]
-        rows = slots[:, None].expand(batch, length)
-        groups = shape.heads // shape.kv_heads
+        # rotate_half(x) * sin == x.roll(half) * signed_sin: one kernel fewer
+        cos = torch.cat((angles, angles), dim=-1).cos().to(self.dtype)[:, :, None]
+        signed_sin = torch.cat((-angles, angles), dim=-1).sin().to(self.dtype)[:, :, None]
+        # [B, 1, groups * T, window]: a query sees its own position and those before it
+        visible = (self._positions[:window] <= positions[..., None])[:, None]
+        visible = visible.expand(batch, groups, length, window).reshape(batch, 1, -1, window)
+        rows = (torch.arange(batch, device=self.device) if slots is None else slots)
+        rows = rows[:, None].expand(batch, length)
         for index, layer in enumerate(w["layers"]):
             h = _rms_norm(x, layer["input_norm"], shape.rms_eps)
-            q = _linear(h, layer, "q").view(batch, length, shape.heads, shape.head_dim)
-            k = _linear(h, layer, "k").view(batch, length, shape.kv_heads, shape.head_dim)
-            v = _linear(h, layer, "v").view(batch, length, shape.kv_heads, shape.head_dim)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            self._keys[index][rows, :, positions] = k.transpose(1, 2)
-            self._values[index][rows, :, positions] = v.transpose(1, 2)
-            keys = self._keys[index][slots, :, :window]  # [B, kv_heads, window, head_dim]
-            values = self._values[index][slots, :, :window]
-            q = q.reshape(batch, shape.kv_heads, groups, length, shape.head_dim)
-            scores = (q @ keys[:, :, None].transpose(-1, -2)) * shape.head_dim ** -0.5
-            scores = scores.masked_fill(~visible, float("-inf"))
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            attended = (weights @ values[:, :, None])  # [B, kv_heads, groups, T, head_dim]
-            attended = attended.reshape(batch, shape.heads, length, shape.head_dim)
-            x = x + _linear(attended.transpose(1, 2).reshape(batch, length, -1), layer, "o")
+            qkv = _linear(h, layer, "qkv").view(batch, length, heads + 2 * kv_heads, head_dim)
+            qk, v = qkv[:, :, :heads + kv_heads], qkv[:, :, heads + kv_heads:]
+            qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), signed_sin)
+            q, k = qk[:, :, :heads], qk[:, :, heads:]  # [B, T, heads | kv_heads, head_dim]
+            cache_keys, cache_values = self._keys[index], self._values[index]
+            cache_keys[rows, :, positions] = k
+            cache_values[rows, :, positions] = v
+            if slots is None:
+                keys, values = cache_keys[:batch, :, :window], cache_values[:batch, :, :window]
+            else:
+                keys, values = cache_keys[slots, :, :window], cache_values[slots, :, :window]
+            # A kv head's query heads attend as one [groups * T] block of queries.
+            q = q.reshape(batch, length, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(batch, kv_heads, groups * length, head_dim), keys, values,
+                attn_mask=visible)  # [B, kv_heads, groups * T, head_dim]
+            attended = attended.reshape(batch, heads, length, head_dim).transpose(1, 2)
+            x = x + _linear(attended.reshape(batch, length, -1), layer, "o")
             h = _rms_norm(x, layer["post_norm"], shape.rms_eps)
-            gate = torch.nn.functional.silu(_linear(h, layer, "gate"))
-            x = x + _linear(gate * _linear(h, layer, "up"), layer, "down")
-        if last_only:
-            x = x[:, -1:]
-        x = _rms_norm(x, w["norm"], shape.rms_eps)
-        return x @ w["lm_head"].T
+            gate, up = _linear(h, layer, "gate_up").chunk(2, dim=-1)
+            x = x + _linear(torch.nn.functional.silu(gate) * up, layer, "down")
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits from the last layer's output: final RMSNorm and lm_head."""
+        return _rms_norm(x, self._weights["norm"], self.shape.rms_eps) @ self._weights["lm_head"].T
 
     def _pick(self, logits: torch.Tensor, samplings: list[Sampling],
               rngs: list[np.random.Generator]) -> list[tuple[int, float]]:
@@ -352,20 +371,18 @@ class TorchGenerativeEngine(GenerativeEngine):
 
 
 class _DecodeGraph:
-    """One bucket's decode captured as a CUDA graph over static input tensors;
-    rows beyond the batch write into the scratch slot at position 0."""
+    """One bucket's decode captured as a CUDA graph over static input tensors:
+    row i is slot i; rows of idle slots read token 0 at position 0."""
 
     def __init__(self, engine: TorchGenerativeEngine, bucket: int) -> None:
         device = engine.device
         self.bucket = bucket
-        self.scratch = engine.max_sequences
         self.tokens = torch.zeros((bucket, 1), dtype=torch.int64, device=device)
         self.positions = torch.zeros((bucket, 1), dtype=torch.int64, device=device)
-        self.slots = torch.full((bucket,), self.scratch, dtype=torch.int64, device=device)
 
         def decode() -> torch.Tensor:
-            return engine._forward(self.tokens, self.positions, self.slots, engine.max_context,
-                                   last_only=True)[:, -1]
+            return engine._head(engine._forward(self.tokens, self.positions, None,
+                                                engine.max_context)[:, -1])
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -376,27 +393,20 @@ class _DecodeGraph:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = decode()
-        log.info("captured the decode of %d sequences as a CUDA graph", bucket)
+        log.info("captured the decode of %d slots as a CUDA graph", bucket)
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        pad = self.bucket - len(tokens)
-        self.tokens.copy_(torch.tensor([*tokens, *[0] * pad])[:, None], non_blocking=True)
-        self.positions.copy_(torch.tensor([*positions, *[0] * pad])[:, None],
-                             non_blocking=True)
-        self.slots.copy_(torch.tensor([*slots, *[self.scratch] * pad]), non_blocking=True)
+        """The logits of `slots`' rows, in their order."""
+        by_slot = torch.zeros((2, self.bucket), dtype=torch.int64)
+        by_slot[0, slots], by_slot[1, slots] = torch.tensor(tokens), torch.tensor(positions)
+        self.tokens.copy_(by_slot[0, :, None], non_blocking=True)
+        self.positions.copy_(by_slot[1, :, None], non_blocking=True)
         self.graph.replay()
-        return self.logits
+        return self.logits[torch.tensor(slots, device=self.logits.device)]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    wide = x.float()
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
 
 
 def _linear(x: torch.Tensor, layer: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -449,12 +459,26 @@ def _load_weights(checkpoint: Path, shape: LlamaShape, dtype: torch.dtype,
                  for role, name in _LAYER_TENSORS.items()}
         layer.update({role: take(prefix + name) for role, name in _OPTIONAL_BIASES.items()
                       if prefix + name in tensors})
-        layers.append(layer)
+        layers.append(_fused(layer))
     embed = take("model.embed_tokens.weight", (shape.vocab, shape.hidden))
     lm_head = take("lm_head.weight", (shape.vocab, shape.hidden)) \
         if "lm_head.weight" in tensors else embed  # tied embeddings
     return {"embed": embed, "layers": layers, "norm": take("model.norm.weight", (s.hidden,)),
             "lm_head": lm_head}
+
+
+def _fused(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q, k and v as one projection, and gate and up as another: fewer kernels a
+    layer (biases fused alike; a projection without one adds zeros)."""
+    for fused, parts in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+        weights = [layer.pop(part) for part in parts]
+        layer[fused] = torch.cat(weights)
+        biases = [layer.pop(part + "_bias", None) for part in parts]
+        if any(b is not None for b in biases):
+            layer[fused + "_bias"] = torch.cat([
+                torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
+                for w, b in zip(weights, biases, strict=True)])
+    return layer
 
 
 def _device(asked: str) -> str:

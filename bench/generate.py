@@ -69,9 +69,10 @@ MODELS: dict[str, str | tinyllama.TinyLlama] = {
 
 
 def build(checkpoint: Path, repository: Path, tier: str, device: str,
-          max_sequences: int) -> Path:
+          max_sequences: int, tokens_per_response: int) -> Path:
     """The tier's build of the checkpoint, its config set to run `max_sequences`
-    at once (and on `device`, for the torch engine)."""
+    at once (and on `device`, for the torch engine), streaming up to
+    `tokens_per_response` ready tokens a response."""
     prompts = checkpoint.parent / tinyllama.EVAL_FILE
     built = subprocess.run(
         [sys.executable, "-m", "tiered", "build", str(checkpoint), "--tier", tier,
@@ -85,6 +86,8 @@ def build(checkpoint: Path, repository: Path, tier: str, device: str,
     path = repository / MODEL / "config.yaml"
     config = yaml.safe_load(path.read_text())
     config["engine"] = {**(config.get("engine") or {}), "max_sequences": max_sequences}
+    config["generation"] = {**(config.get("generation") or {}),
+                            "max_tokens_per_response": tokens_per_response}
     if config.get("backend") == "torch-generative":
         config["engine"]["device"] = device
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -150,8 +153,8 @@ async def served(address: str, prompts: Sequence[str], streams: int, max_tokens:
                 return
             now = time.perf_counter()
             response = result.get_response()
-            if result.as_numpy("token_ids") is not None and result.as_numpy("token_ids").size:
-                times.append(now)
+            ids = result.as_numpy("token_ids")
+            times.extend([now] * (0 if ids is None else ids.size))  # a response may carry several
             final = response.parameters.get("triton_final_response")
             if final is not None and final.bool_param:
                 return
@@ -240,7 +243,8 @@ def report(result: dict[str, Any]) -> str:
     config = result["config"]
     head = (f"generate: {config['model']} ({config['parameters'] / 1e6:.1f} M parameters), "
             f"{config['tier']} {config['backend']} ({config['precision']}) on "
-            f"{config['device']}, {config['max_tokens']} tokens a sequence, "
+            f"{config['device']}, {config['max_tokens']} tokens a sequence, up to "
+            f"{config.get('tokens_per_response', 1)} a response, "
             f"{config['rounds']} rounds")
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
                           "tpot p50", "tpot p95", "tpot x", "errors"], rows)
@@ -273,6 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="tiny: the trained tiny Llama v1; 300m: about 300 million "
                         "parameters, random weights (for a GPU)")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--tokens-per-response", type=int, default=1,
+                        help="the agent's generation.max_tokens_per_response: 1 streams a "
+                        "response a token, as Triton does; more sends the tokens ready")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     streams = (1, 8) if args.smoke else (1, 8, 64)
@@ -283,7 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoint = endless_checkpoint(Path(tmp) / "checkpoints", MODELS[args.model])
         size = parameters(checkpoint)
         repository = Path(tmp) / "repository"
-        version = build(checkpoint, repository, args.tier, args.device, max(streams))
+        version = build(checkpoint, repository, args.tier, args.device, max(streams),
+                        args.tokens_per_response)
         config = yaml.safe_load((repository / MODEL / "config.yaml").read_text())
         facts = json.loads((version / "build.json").read_text()) \
             if (version / "build.json").is_file() else {}
@@ -306,6 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "precision": (config.get("engine") or {}).get("precision")
                    or facts.get("precision") or facts.get("build", {}).get("precision"),
                    "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),
+                   "tokens_per_response": args.tokens_per_response,
                    "note": "client, router, agent and the in-process engine share this "
                    "machine's cores; tokens/s from each round's first start to its last "
                    "token"},

@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 from tests.conftest import add_generative
 from tests.generation import (
@@ -29,6 +29,8 @@ from tests.generation import (
     text_of,
 )
 from tiered.local.processes import AgentProcess
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
@@ -43,6 +45,8 @@ def repository(generative_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("generative-repository")
     add_generative(root, "tiny", generative_model, {"engine": {"max_sequences": 4}})
     add_generative(root, "meter", generative_model, {})  # read by the telemetry test only
+    add_generative(root, "chunks", generative_model, {
+        "engine": {"max_sequences": 8}, "generation": {"max_tokens_per_response": 8}})
     add_generative(root, "one", generative_model, {
         "engine": {"max_sequences": 1}, "max_queue_size": 1,
         "generation": {"max_queue_wait_ms": WAIT_MS}})
@@ -93,6 +97,40 @@ def test_tokens_stream_one_per_response_and_match_model_infer(client):
     assert [int(r.as_numpy("token_ids")[0]) for r in results] == \
         whole.as_numpy("token_ids").tolist()
     assert text_of(whole)  # greedy decoding of the tiny model says something
+
+
+def stream_request(model: str, request_id: str, max_tokens: int) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    request.parameters["max_tokens"].int64_param = max_tokens
+    tensor = request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(PROMPT.encode())
+    return request
+
+
+def test_a_stream_that_falls_behind_gets_the_ready_tokens_in_one_response(agent, client):
+    # A raw stream left unread: once its flow-control window is full the agent
+    # cannot send, and each request's tokens pile up while it generates.
+    with grpc.insecure_channel(agent.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        requests = [stream_request("chunks", f"c{i}", 400) for i in range(8)]
+        responses = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests))
+        time.sleep(2.0)
+        by_id: dict[str, list] = {}
+        for answer in responses:
+            assert not answer.error_message, answer.error_message
+            response = answer.infer_response
+            ids = np.frombuffer(response.raw_output_contents[1], dtype=np.int64)
+            text = deserialize_bytes_tensor(response.raw_output_contents[0])[0].decode()
+            by_id.setdefault(response.id, []).append(
+                (ids.tolist(), text, response.parameters["triton_final_response"].bool_param))
+            if len(by_id) == 8 and all(r[-1][2] for r in by_id.values()):
+                break
+    whole = generate(client, "chunks", max_tokens=400)
+    for chunks in by_id.values():
+        assert [len(ids) <= 8 for ids, _, _ in chunks] == [True] * len(chunks)
+        assert [final for _, _, final in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert sum((ids for ids, _, _ in chunks), []) == whole.as_numpy("token_ids").tolist()
+        assert "".join(text for _, text, _ in chunks) == text_of(whole)
+    assert min(len(chunks) for chunks in by_id.values()) < 400  # several tokens a response
 
 
 def test_empty_final_response_when_the_client_asks_for_it(client):

@@ -211,6 +211,10 @@ CONFIG_ERRORS = {
     "version_policy latest 0": (
         {"version_policy": {"latest": 0}}, "must be >= 1", f"{WHERE}.version_policy.latest",
     ),
+    "zero tokens a streamed response": (
+        {"backend": "onnxruntime-genai", "generation": {"max_tokens_per_response": 0}},
+        "must be >= 1", f"{WHERE}.generation",
+    ),
 }
 
 

@@ -79,10 +79,16 @@ class Generation:
     """How a generative (decoupled) model admits requests."""
 
     max_queue_wait_ms: int = 30_000  # a request waits this long for a sequence slot
+    # A streamed response carries the tokens ready when it is sent, up to this
+    # many (never waiting for more). 1: a response a token, as Triton streams.
+    max_tokens_per_response: int = 1
 
     def __post_init__(self) -> None:
         if self.max_queue_wait_ms < 0:
             raise ConfigError(f"max_queue_wait_ms: must be >= 0, got {self.max_queue_wait_ms}")
+        if self.max_tokens_per_response < 1:
+            raise ConfigError("max_tokens_per_response: must be >= 1, got "
+                              f"{self.max_tokens_per_response}")
 
 
 @dataclass(frozen=True)

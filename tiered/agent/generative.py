@@ -118,9 +118,10 @@ class GenerativeVersion:
         if self.recorder is not None:
             self.recorder.batch_ran(seconds)
 
-    async def generate(self, request: GenerationRequest, deadline: float = math.inf
-                       ) -> AsyncIterator[Piece]:
-        """The request's tokens as they come; the last is flagged. Closing the
+    async def generate(self, request: GenerationRequest, deadline: float = math.inf,
+                       most: int = 1) -> AsyncIterator[list[Piece]]:
+        """The request's tokens as they come, up to `most` at a time (those
+        ready: never waiting for more); the last is flagged. Closing the
         iterator early stops its sequence."""
         started = time.perf_counter_ns()
         job, finished, previous = None, False, 0.0
@@ -128,16 +129,21 @@ class GenerativeVersion:
             try:
                 job = self.scheduler.submit(request, deadline)
                 while not finished:
-                    event = await job.queue.get()
-                    if isinstance(event, TieredError):
-                        raise event
-                    first = previous == 0.0
-                    gap = event.at - (job.arrived if first else previous)
-                    previous, finished = event.at, event.last
-                    self.tokens.token(gap, first)
-                    if self.recorder is not None:
-                        self.recorder.token(gap, first)
-                    yield event
+                    events = [await job.queue.get()]
+                    while len(events) < most and not job.queue.empty():
+                        events.append(job.queue.get_nowait())
+                    pieces = []
+                    for event in events:
+                        if isinstance(event, TieredError):
+                            raise event
+                        first = previous == 0.0
+                        gap = event.at - (job.arrived if first else previous)
+                        previous, finished = event.at, event.last
+                        self.tokens.token(gap, first)
+                        if self.recorder is not None:
+                            self.recorder.token(gap, first)
+                        pieces.append(event)
+                    yield pieces
             except TieredError:
                 self._failed(time.perf_counter_ns() - started)
                 raise

@@ -42,6 +42,7 @@ PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
              "tensorrt": "tensorrt_plan", "onnxruntime-genai": "onnxruntime_genai",
              "torch-generative": "pytorch_libtorch"}
 MAX_STREAM_IN_FLIGHT = 256  # requests of one stream being answered at once
+WHOLE = 1 << 30  # ModelInfer's text: take every token ready at once
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -161,10 +162,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _token_responses(self, model: GenerativeVersion, call: messages.InferCall,
                                generation: GenerationRequest, deadline: float):
         empty_final = generation.empty_final_response
-        async with contextlib.aclosing(model.generate(generation, deadline)) as pieces:
-            async for piece in pieces:
-                response = self._text_response(call, model, piece.text, [piece.token_id])
-                yield messages.stream_response(response, piece.last and not empty_final)
+        most = model.config.generation.max_tokens_per_response
+        async with contextlib.aclosing(model.generate(generation, deadline, most)) as chunks:
+            async for pieces in chunks:
+                response = self._text_response(call, model, "".join(p.text for p in pieces),
+                                               [p.token_id for p in pieces])
+                yield messages.stream_response(response, pieces[-1].last and not empty_final)
         if empty_final:
             yield messages.stream_response(pb.ModelInferResponse(
                 model_name=model.config.name, model_version=str(model.version), id=call.id),
@@ -175,9 +178,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         call, generation = self._generation(model, request, raw)
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
         pieces: list[Piece] = []
-        async with contextlib.aclosing(model.generate(generation, deadline)) as stream:
-            async for piece in stream:
-                pieces.append(piece)
+        async with contextlib.aclosing(model.generate(generation, deadline, WHOLE)) as stream:
+            async for chunk in stream:
+                pieces += chunk
         response = self._text_response(call, model, "".join(p.text for p in pieces),
                                        [p.token_id for p in pieces])
         # The router's cascade judges a generation by it (messages.MEAN_LOGPROB).

@@ -5,10 +5,12 @@ and parameter errors."""
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -288,6 +290,63 @@ def test_rest_infer_returns_the_whole_text(agent, client):
         answer = rest.infer("tiny", [item], parameters={"max_tokens": 12})
     assert answer.as_numpy("text_output")[0].decode() == text_of(whole)
     assert answer.as_numpy("token_ids").tolist() == whole.as_numpy("token_ids").tolist()
+
+
+def post(address: str, path: str, body: object) -> tuple[int, str, bytes]:
+    """An HTTP POST of `body` as JSON: status, content type and body."""
+    request = urllib.request.Request(f"http://{address}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, answer.headers["Content-Type"], answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers["Content-Type"], error.read()
+
+
+def events(body: bytes) -> list[dict]:
+    """The JSON of each server-sent event in `body`."""
+    chunks = [c for c in body.decode().split("\n\n") if c]
+    assert all(c.startswith("data: ") for c in chunks), chunks
+    return [json.loads(c[len("data: "):]) for c in chunks]
+
+
+def test_rest_generate_answers_the_whole_text_as_json(agent, client):
+    whole = generate(client, max_tokens=12)
+    code, kind, body = post(agent.http_address, "/v2/models/tiny/generate",
+                            {"text_input": PROMPT, "max_tokens": 12, "id": "g1"})
+    assert code == 200 and kind.startswith("application/json")
+    answer = json.loads(body)
+    assert answer["text_output"] == text_of(whole) and answer["id"] == "g1"
+    assert answer["token_ids"] == whole.as_numpy("token_ids").tolist()
+    assert answer["model_name"] == "tiny" and answer["model_version"] == "1"
+    assert answer["parameters"]["mean_logprob"] < 0
+
+
+def test_rest_generate_stream_sends_an_event_a_token(agent, client):
+    whole = generate(client, max_tokens=12, stop="zzz")
+    code, kind, body = post(agent.http_address, "/v2/models/tiny/generate_stream",
+                            {"text_input": PROMPT, "parameters": {"max_tokens": 12},
+                             "stop": ["zzz"]})
+    assert code == 200 and kind.startswith("text/event-stream")
+    sent = events(body)
+    assert [len(e["token_ids"]) for e in sent] == [1] * 12
+    assert [e["parameters"]["triton_final_response"] for e in sent] == [False] * 11 + [True]
+    assert "".join(e["text_output"] for e in sent) == text_of(whole)
+
+
+@pytest.mark.parametrize(("path", "body", "code", "named"), [
+    ("/v2/models/nothing/generate_stream", {"text_input": "x"}, 400, "nothing"),
+    ("/v2/models/tiny/generate_stream", {"text_input": "x", "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("/v2/models/tiny/generate", {"text_input": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v2/models/tiny/generate", {"prompt": "x"}, 400, "prompt"),
+    ("/v2/models/tiny/generate", {"text_input": [{"a": 1}]}, 400, "text_input"),
+    ("/v2/models/tiny/generate", ["text_input"], 400, "request body"),
+])
+def test_rest_generate_errors_name_what_is_wrong(agent, path, body, code, named):
+    got, kind, answer = post(agent.http_address, path, body)
+    assert got == code and kind.startswith("application/json")
+    assert named in json.loads(answer)["error"]
 
 
 def test_front_end_processes_relay_streams_and_cancellation(repository, client):

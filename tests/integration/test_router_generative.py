@@ -242,6 +242,19 @@ def test_rest_infer_through_the_router_returns_the_whole_text(router, client):
     assert answer.as_numpy("token_ids").tolist() == ids_of(whole)
 
 
+def test_rest_generate_stream_through_the_router_sends_an_event_a_token(router, client):
+    whole = generate(client, max_tokens=10)
+    request = urllib.request.Request(
+        f"http://{router.http_address}/v2/models/tiny/generate_stream",
+        data=json.dumps({"text_input": PROMPT, "max_tokens": 10}).encode())
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert answer.headers["Content-Type"].startswith("text/event-stream")
+        sent = [json.loads(chunk.removeprefix("data: "))
+                for chunk in answer.read().decode().split("\n\n") if chunk]
+    assert [len(e["token_ids"]) for e in sent] == [1] * 10
+    assert "".join(e["text_output"] for e in sent) == text_of(whole)
+
+
 def test_an_agent_killed_before_the_first_token_fails_over(router, client, agents, table_path,
                                                           repository):
     spare = AgentProcess("edge", repository).start()

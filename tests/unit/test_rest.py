@@ -207,3 +207,40 @@ def test_requests_beyond_the_in_flight_limit_get_429_and_errors_keep_their_messa
             assert large.status == 413 and "1024 bytes" in (await large.json())["error"]
 
     asyncio.run(scenario())
+
+
+def test_a_generate_body_becomes_typed_inputs_and_parameters():
+    body = json.dumps({"text_input": "hi", "max_tokens": 5, "temperature": 0.5,
+                       "stop": ["a", "b"], "flag": True, "id": "r7",
+                       "parameters": {"seed": 3}}).encode()
+    request = rest.generate_request("m", "2", body)
+    assert (request.model_name, request.model_version, request.id) == ("m", "2", "r7")
+    kinds = {t.name: (t.datatype, list(t.shape)) for t in request.inputs}
+    assert kinds == {"text_input": ("BYTES", [1]), "max_tokens": ("INT64", [1]),
+                     "temperature": ("FP64", [1]), "stop": ("BYTES", [2]),
+                     "flag": ("BOOL", [1])}
+    assert request.parameters["seed"].int64_param == 3
+    assert len(request.raw_input_contents) == len(request.inputs)
+
+
+@pytest.mark.parametrize(("body", "named"), [
+    ({"text_input": []}, "text_input"),
+    ({"text_input": ["a", 1]}, "text_input"),
+    ({"mixed": [1, True]}, "mixed"),
+    ({"text_input": None}, "text_input"),
+])
+def test_a_generate_input_of_no_one_kind_is_refused_by_name(body, named):
+    with pytest.raises(errors.InvalidArgument, match=named):
+        rest.generate_request("m", "", json.dumps(body).encode())
+
+
+def test_a_generate_answer_is_its_outputs_by_name():
+    response = pb.ModelInferResponse(model_name="m", model_version="1", id="r")
+    response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+    response.outputs.add(name="token_ids", datatype="INT64", shape=[1])
+    response.raw_output_contents.extend([
+        len(b"ok").to_bytes(4, "little") + b"ok", np.array([7], np.int64).tobytes()])
+    response.parameters["triton_final_response"].bool_param = True
+    assert rest.generate_json(response) == {
+        "model_name": "m", "model_version": "1", "id": "r", "text_output": "ok",
+        "token_ids": [7], "parameters": {"triton_final_response": True}}

@@ -511,3 +511,8 @@ def test_the_requests_of_a_version_sum_over_tiers():
         "edge": a.TierSamples(a.VersionSamples(requests=5), a.VersionSamples(requests=2)),
         "regional": a.TierSamples(a.VersionSamples(requests=7), a.VersionSamples(requests=3))})
     assert (m.requests("stable"), m.requests("canary")) == (12, 5)
+
+
+def test_energy_without_figures_on_either_side_names_no_source():
+    result = a.judge_energy(MEASURED, [], [], 0.05, "nvml", "nvml")
+    assert result.outcome == a.INCONCLUSIVE and "source" not in result.reason

@@ -38,7 +38,7 @@ from aiohttp import web
 from google.protobuf.descriptor import FieldDescriptor
 
 from tiered.errors import ConfigError, InvalidArgument
-from tiered.protocol import codec, status
+from tiered.protocol import codec, messages, status
 from tiered.protocol import grpc_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -391,6 +391,70 @@ def _json_data(raw: bytes, datatype: str, shape, where: str) -> list:
                               f"as binary data (parameters.{BINARY_DATA}: true)") from None
 
 
+# -- the generate extension ---------------------------------------------------------
+
+
+GENERATE_RESERVED = ("id", "parameters")
+
+
+def generate_request(model: str, version: str, body: bytes) -> pb.ModelInferRequest:
+    """The ModelInferRequest of a generate body (Triton's generate extension):
+    each top-level key but `id` and `parameters` is an input, given as a
+    string, a number, a boolean or a list of one of those."""
+    document = _body_object(body)
+    request = pb.ModelInferRequest(model_name=model, model_version=version,
+                                   id=_string(document, "id", "request", ""))
+    _set_parameters(request.parameters, _scalars(document.get("parameters", {}), "parameters"))
+    for name, value in document.items():
+        if name in GENERATE_RESERVED:
+            continue
+        items = value if isinstance(value, list) else [value]
+        datatype = _generate_datatype(items, name)
+        request.inputs.add(name=name, datatype=datatype, shape=[len(items)])
+        request.raw_input_contents.append(
+            json_tensor_bytes(items, datatype, [len(items)], name))
+    return request
+
+
+def _generate_datatype(items: list, name: str) -> str:
+    kinds = {"BYTES": str, "BOOL": bool}
+    for datatype, kind in kinds.items():
+        if items and all(isinstance(i, kind) for i in items):
+            return datatype
+    if items and not any(isinstance(i, bool) for i in items):
+        if all(isinstance(i, int) for i in items):
+            return "INT64"
+        if all(isinstance(i, (int, float)) for i in items):
+            return "FP64"
+    raise InvalidArgument(f"{name}: expected a string, a number, a boolean or a non-empty "
+                          f"list of one of those, got {items!r}")
+
+
+def generate_json(response: pb.ModelInferResponse) -> dict[str, Any]:
+    """A generate answer: the outputs by name (a BYTES output of one element
+    as its text, any other as a list), beside the model's name and version."""
+    out: dict[str, Any] = {"model_name": response.model_name,
+                           "model_version": response.model_version}
+    if response.id:
+        out["id"] = response.id
+    typed = len(response.raw_output_contents) != len(response.outputs)
+    for index, tensor in enumerate(response.outputs):
+        where = f"outputs {tensor.name!r}"
+        raw = codec.to_raw(codec.from_contents(tensor.contents, tensor.datatype, tensor.shape,
+                                               field=where))[2] \
+            if typed else response.raw_output_contents[index]
+        data = _json_data(raw, tensor.datatype, tensor.shape, where)
+        out[tensor.name] = data[0] if tensor.datatype == "BYTES" and len(data) == 1 else data
+    if response.parameters:
+        out["parameters"] = codec.parameters_of(response.parameters)
+    return out
+
+
+def _event(value: Any) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(value, separators=(",", ":")).encode() + b"\n\n"
+
+
 # -- the HTTP server ---------------------------------------------------------------
 
 
@@ -440,6 +504,8 @@ class RestFrontDoor:
                 web.get(f"{model}/config", self.model_config),
                 web.get(f"{model}/stats", self.statistics),
                 web.post(f"{model}/infer", self.infer),
+                web.post(f"{model}/generate", self.generate),
+                web.post(f"{model}/generate_stream", self.generate_stream),
             ]
         shared = []
         for kind in ("system", "cuda"):
@@ -570,6 +636,46 @@ class RestFrontDoor:
         if request.headers.get("Accept-Encoding"):
             response.enable_compression()  # gzip or deflate, as the client accepts
         return response
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """The whole answer of a generate body, as JSON."""
+        name, version = self._model(request)
+        message = generate_request(name, version, await request.read())
+        return _json(generate_json(await self._call(self.infer_method, message, request)))
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        """A generate body's responses as server-sent events, one a response
+        (a token, for a generative model). An error before the first is an
+        HTTP error; one after it, an event of its own that ends the stream."""
+        name, version = self._model(request)
+        message = generate_request(name, version, await request.read())
+
+        async def requests():
+            yield message
+
+        answers = self.servicer.ModelStreamInfer(requests(), _Context(request))
+        stream: web.StreamResponse | None = None
+        try:
+            async for answer in answers:
+                if answer.error_message:
+                    if stream is None:
+                        return _error(400, answer.error_message)
+                    await stream.write(_event({"error": answer.error_message}))
+                    break
+                if stream is None:
+                    stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                         "Cache-Control": "no-cache"})
+                    await stream.prepare(request)
+                await stream.write(_event(generate_json(answer.infer_response)))
+                final = answer.infer_response.parameters.get(messages.FINAL_RESPONSE)
+                if final is None or final.bool_param:
+                    break
+        finally:
+            await answers.aclose()
+        if stream is None:
+            return _error(500, "the stream ended without a response")
+        await stream.write_eof()
+        return stream
 
     # -- repository
 

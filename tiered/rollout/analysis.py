@@ -608,7 +608,8 @@ def judge_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[f
                "judged": float(gate is None)}
     label = names.energy_sources_label(*sources)
     if gate is None:
-        return replace(result, reason=f"{result.reason}; source {label}", numbers=numbers)
+        said = "" if sources == (None, None) else f"; source {label}"  # none: no figures
+        return replace(result, reason=result.reason + said, numbers=numbers)
     return MetricResult(result.metric, SUCCESSFUL, f"not judged: {gate}. Compared anyway "
                         f"({label}), it would be {result.outcome.lower()}: {result.reason}",
                         numbers)

@@ -33,7 +33,7 @@ from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import messages
 from tiered.protocol.handlers import seconds_left
 from tiered.protocol.security import Authorizer
-from tiered.protocol.status import translate_errors
+from tiered.protocol.status import describe, translate_errors
 from tiered.protocol.streaming import answer_stream
 from tiered.telemetry.tracing import context_from_metadata
 
@@ -132,7 +132,34 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return await self.answer(request, seconds_left, metadata)
         call, generation = self._generation(model, request)
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
-        return self._token_responses(model, call, generation, deadline)
+        responses = self._token_responses(model, call, generation, deadline)
+        return responses if self.tracer is None else self._traced(responses, request, metadata)
+
+    async def _traced(self, responses, request: pb.ModelInferRequest, metadata):
+        """A streamed generation's responses inside a span of their own (not
+        made current: the responses are read across tasks), which counts its
+        tokens and records when the first came."""
+        assert self.tracer is not None
+        span = self.tracer.start_span(
+            "ModelStreamInfer", context=context_from_metadata(metadata),
+            kind=trace.SpanKind.SERVER,
+            attributes={"tiered.model": request.model_name,
+                        "tiered.tier": self.repository.profile.tier})
+        tokens = 0
+        try:
+            async with contextlib.aclosing(responses) as answers:
+                async for response in answers:
+                    if not tokens:
+                        span.add_event("first token")
+                    tokens += messages.token_count(response)
+                    yield response
+        except Exception as error:
+            span.record_exception(error)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, describe(error)))
+            raise
+        finally:
+            span.set_attribute("tiered.output_tokens", tokens)
+            span.end()
 
     def _generation(self, model: GenerativeVersion, request: pb.ModelInferRequest,
                     raw: list | None = None) -> tuple[messages.InferCall, GenerationRequest]:

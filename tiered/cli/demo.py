@@ -13,23 +13,24 @@ def register(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo",
         help="run the whole system locally: serve digits v1 on three tiers, promote v2, "
-        "roll back a heavier v3, write a report",
+        "roll back a heavier v3; the same for a tiny Llama beside it; write reports",
         description="End to end on this machine (about 5 minutes on 2 cores): trains the "
         "sample digits models into build/models (once), starts an agent per tier, the "
         "router and the controller, sends traffic with tritonclient, applies "
         "examples/digits-v2.yaml (promoted) and examples/digits-v3.yaml (rolled back), "
-        "prints every decision and writes OUT/report.html and OUT/report.json. With "
-        "--generative a tiny Llama (examples/tinyllama.yaml) is served beside it on three "
-        "tiers, its v2 promoted and its slower v3 rolled back (OUT/tinyllama/report.html). "
+        "prints every decision and writes OUT/report.html and OUT/report.json. Beside it "
+        "a tiny Llama (examples/tinyllama.yaml) is served on three tiers, its v2 promoted "
+        "and its slower v3 rolled back (OUT/tinyllama/report.html; --no-generative leaves "
+        "it out). "
         "--protocol instead walks one agent through the v2 protocol.",
     )
     demo.add_argument("--out", type=Path, default=Path("build/demo"), metavar="DIR",
                       help="report and state directory (default: build/demo)")
     demo.add_argument("--protocol", action="store_true",
                       help="the short protocol tour: one agent, queried with tritonclient")
-    demo.add_argument("--generative", action="store_true",
-                      help="also the generative act, beside the digits one (about 5 minutes "
-                      "in all on 2 cores)")
+    demo.add_argument("--generative", action=argparse.BooleanOptionalAction, default=True,
+                      help="the generative act, beside the digits one (default: on; "
+                      "--no-generative runs the digits act alone)")
     demo.add_argument("--tier", default="edge", choices=flags.TIER_CHOICES,
                       help="--protocol: tier profile of the agent (default: edge)")
     demo.set_defaults(handler=_run_demo)

@@ -225,17 +225,11 @@ async def _decoupled(stub, model: str, timeout: float) -> bool:
     return reply.config.model_transaction_policy.decoupled
 
 
-def _token_count(response) -> int:
-    """Output tokens in a response: its `token_ids` (INT64) elements."""
-    for index, output in enumerate(response.outputs):
-        if output.name == "token_ids" and index < len(response.raw_output_contents):
-            return len(response.raw_output_contents[index]) // 8
-    return 0
-
-
 async def _stream(stub, request, timeout: float, metadata) -> tuple[int, float]:
     """One request on a stream of its own, read to its final response: its
     output tokens and when the first of them came (perf_counter)."""
+    from tiered.protocol import messages
+
     call = stub.ModelStreamInfer(timeout=timeout, metadata=metadata)
     await call.write(request)
     await call.done_writing()
@@ -244,7 +238,7 @@ async def _stream(stub, request, timeout: float, metadata) -> tuple[int, float]:
         if reply.error_message:
             call.cancel()
             raise StreamError(reply.error_message)
-        count = _token_count(reply.infer_response)
+        count = messages.token_count(reply.infer_response)
         if count and first is None:
             first = time.perf_counter()
         tokens += count
@@ -316,6 +310,7 @@ async def _load(args: argparse.Namespace, router: str) -> int:
     from tiered.errors import ConfigError
     from tiered.protocol import grpc_service_pb2 as pb
     from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
+    from tiered.protocol import messages
     from tiered.protocol.codec import to_raw
     from tiered.protocol.security import channel
 
@@ -362,7 +357,7 @@ async def _load(args: argparse.Namespace, router: str) -> int:
                     answer = await stub.ModelInfer(request, timeout=args.timeout,
                                                    metadata=hints)
                     second.answered((time.perf_counter() - started) * 1000.0,
-                                    _token_count(answer) if generative else 0)
+                                    messages.token_count(answer) if generative else 0)
             except grpc.aio.AioRpcError as error:
                 second.failed(f"{error.code().name}: {(error.details() or '')[:100]}")
             except StreamError as error:

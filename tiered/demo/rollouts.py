@@ -286,7 +286,7 @@ class GenerativeAct:
 
 
 def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
-        generative: bool = False) -> int:
+        generative: bool = True) -> int:
     """The rollout demo; with `generative`, the generative act runs beside it."""
     started = time.monotonic()
     checks: list[tuple[str, bool]] = []

@@ -115,6 +115,15 @@ def stream_response(response: pb.ModelInferResponse, final: bool) -> pb.ModelInf
     return response
 
 
+def token_count(response: pb.ModelInferResponse) -> int:
+    """Output tokens in a generative model's response: its `token_ids` (INT64)
+    elements."""
+    for index, output in enumerate(response.outputs):
+        if output.name == TOKEN_IDS and index < len(response.raw_output_contents):
+            return len(response.raw_output_contents[index]) // 8
+    return 0
+
+
 def tensor_metadata(
     message: pb.ModelMetadataResponse.TensorMetadata, name: str, datatype: str,
     shape: Sequence[int],

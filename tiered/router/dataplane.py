@@ -108,17 +108,19 @@ class Router:
         sent on a stream to one agent (failover before its first response
         only, `streams`), every response relayed in order. Counted once, when
         its last response has gone; the first one's time is its TTFT. Never
-        cascaded (its first agent answers) nor shadowed."""
+        cascaded (its first agent answers); shadowed as a whole generation is,
+        with the token ids it relayed, once it has ended."""
         started = self.clock()
         model = request.model_name
         table = self.table
         route = self.route_of(model)
         first: pb.ModelInferResponse | None = None
+        tokens: list[int] = []
         try:
             hints.refuse_shared_memory(request)
             deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
                                       started)
-            wanted, _, _, ranking = self._rank(request, route, metadata)
+            wanted, choices, _, ranking = self._rank(request, route, metadata)
             try:
                 opened = await streams.open_stream(self.forwarder, request, raw,
                                                    ranking.candidates, route, deadline)
@@ -128,12 +130,15 @@ class Router:
                     raise self._strict_error(error, wanted.tier) from None
                 raise
             tier = opened.candidate.tier
+            shadowed = policies.should_shadow(route.tiers[tier], choices[tier], self.rng)
             async with contextlib.aclosing(streams.relay(opened, self.forwarder)) as responses:
                 async for response in responses:
                     if first is None:
                         first = response
                         self.metrics.first_response(model, tier, response.model_version,
                                                     self.clock() - started)
+                    if shadowed:
+                        tokens += forward.token_ids(response)
                     yield response
         except Exception:  # a client that went away is counted nowhere
             now = self.clock()
@@ -143,6 +148,9 @@ class Router:
         version = first.model_version if first is not None else ""
         self.statistics.succeeded(model, version, now - started, now)
         self.metrics.answered(model, tier, version, now - started)
+        if shadowed:
+            self.shadows.send_generation(request, raw, lambda: tuple(tokens),
+                                         opened.candidate, route, table.timeout_s)
 
     async def _ask_decoupled(self, model: str) -> bool:
         """Whether the model is decoupled, as the first of its agents to answer

@@ -21,7 +21,7 @@ import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -412,6 +412,12 @@ class Forwarder:
         return False
 
 
+def token_ids(response: pb.ModelInferResponse) -> tuple[int, ...]:
+    """A generation's token ids (empty when it has none)."""
+    return tuple(outputs_of(response, messages.TOKEN_IDS).get(
+        messages.TOKEN_IDS, np.empty(0, np.int64)).tolist())
+
+
 def greedy(request: pb.ModelInferRequest) -> bool:
     """Whether a generation request decodes greedily: its `temperature`
     (a request parameter, or an input tensor of that name) is 0 or unset."""
@@ -432,8 +438,9 @@ class Shadows:
     the client's and tallied; a shadow never touches the answer.
 
     A classifier's answers agree when their top-1 classes do; a generation's
-    (an answer that carries `mean_logprob`) when its token ids are the same,
-    for greedy requests only: a sampled one is counted incomparable and not
+    (a whole answer, which carries `mean_logprob`, or a stream the router
+    relayed to its end) when its token ids are the same, for greedy requests
+    only: a sampled one is counted incomparable and not
     sent, since two samples need not agree however alike the versions are."""
 
     def __init__(self, pool: ChannelPool, agreement: counters.ShadowAgreement,
@@ -445,39 +452,61 @@ class Shadows:
 
     def send(self, request: pb.ModelInferRequest, raw: bytes, answer: Answer,
              route: routing.ModelRoute, timeout_s: float) -> None:
-        chosen = answer.candidate
+        """Shadow a whole answer: a classifier's top-1 class, or a greedy
+        generation's token ids (an answer that carries `mean_logprob`)."""
+        if messages.MEAN_LOGPROB in answer.response.parameters:
+            self.send_generation(request, raw, lambda: token_ids(answer.response),
+                                 answer.candidate, route, timeout_s)
+            return
+        output = route.cascade.output
+
+        def top1(response: pb.ModelInferResponse) -> tuple[int, ...] | None:
+            return policies.top1(outputs_of(response, output), output)
+
+        self._start(request, raw, answer.candidate, route, timeout_s,
+                    lambda: top1(answer.response), top1)
+
+    def send_generation(self, request: pb.ModelInferRequest, raw: bytes,
+                        tokens: Callable[[], tuple[int, ...]], chosen: policies.Candidate,
+                        route: routing.ModelRoute, timeout_s: float) -> None:
+        """Shadow a generation, whole or streamed (`tokens`: the ids the client
+        got): the canary's token ids for the same greedy request must be the
+        same."""
+        if not greedy(request):
+            canary = route.tiers[chosen.tier].canary
+            if canary is not None:
+                self.agreement.record(request.model_name, str(canary), chosen.tier,
+                                      counters.INCOMPARABLE)
+            return
+        self._start(request, raw, chosen, route, timeout_s, tokens, token_ids)
+
+    def _start(self, request: pb.ModelInferRequest, raw: bytes, chosen: policies.Candidate,
+               route: routing.ModelRoute, timeout_s: float, expected: Callable[[], Any],
+               seen: Callable[[pb.ModelInferResponse], Any]) -> None:
+        """Compare, in a task, what the client got (`expected()`) with what
+        `seen` reads from the canary's answer to the same request."""
         canary = route.tiers[chosen.tier].canary
         if canary is None or len(self._tasks) >= MAX_SHADOW_IN_FLIGHT:
-            return
-        if messages.MEAN_LOGPROB in answer.response.parameters and not greedy(request):
-            self.agreement.record(request.model_name, str(canary), chosen.tier,
-                                  counters.INCOMPARABLE)
             return
         agents = route.tiers[chosen.tier].agents_for(canary)
         agent = chosen.agent if chosen.agent in agents else self.rng.choice(agents)
         task = asyncio.create_task(self._compare(
-            request.model_name, str(canary), with_version(request, raw, canary),
-            answer.response, chosen.tier, agent, route.cascade.output, timeout_s))
+            request.model_name, str(canary), with_version(request, raw, canary), expected,
+            seen, chosen.tier, agent, timeout_s))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _compare(self, model: str, version: str, request: bytes,
-                       stable: pb.ModelInferResponse, tier: str, agent: str, output: str,
-                       timeout_s: float) -> None:
+                       expected: Callable[[], Any], seen: Callable[[pb.ModelInferResponse], Any],
+                       tier: str, agent: str, timeout_s: float) -> None:
         try:
-            shadow = parse_response(
-                await self.pool.infer(agent)(request, timeout=timeout_s), agent)
-            if messages.MEAN_LOGPROB in stable.parameters:  # a greedy generation: its tokens
-                expected, seen = (tuple(outputs_of(answer, messages.TOKEN_IDS).get(
-                    messages.TOKEN_IDS, np.empty(0, np.int64)).tolist())
-                    for answer in (stable, shadow))
+            shadow = seen(parse_response(
+                await self.pool.infer(agent)(request, timeout=timeout_s), agent))
+            client = expected()
+            if not client or not shadow:
+                result = counters.INCOMPARABLE  # no class scores or tokens: never agreement
             else:
-                expected = policies.top1(outputs_of(stable, output), output)
-                seen = policies.top1(outputs_of(shadow, output), output)
-            if not expected or not seen:
-                result = counters.INCOMPARABLE  # no class scores: never an agreement
-            else:
-                result = counters.AGREE if expected == seen else counters.DISAGREE
+                result = counters.AGREE if client == shadow else counters.DISAGREE
         except Exception as error:  # noqa: BLE001 -- a shadow never touches the answer
             log.debug("shadow call failed: %s", error)
             result = counters.ERROR

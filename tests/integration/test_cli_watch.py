@@ -41,7 +41,7 @@ def write(store: StateStore, message: str, rollout=None, **status) -> None:
 
 def tiered(state: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tiered", *args, "--state", str(state)],
-                            preexec_fn=interruptible,
+                            env=interruptible(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

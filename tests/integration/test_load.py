@@ -85,7 +85,7 @@ def test_ctrl_c_ends_the_load_with_its_summary(router):
 
     process = subprocess.Popen([sys.executable, "-m", "tiered", "load", "mlp", "--rate", "10",
                                 "--router", router.address], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+                               stderr=subprocess.PIPE, text=True, env=interruptible())
     try:
         lines = [process.stdout.readline() for _ in range(3)]  # the heading, two seconds
         assert SECOND.match(lines[-1].rstrip("\n")), lines

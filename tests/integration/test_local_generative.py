@@ -83,7 +83,7 @@ def load(system, store, tinyllama_models):
          "--rate", "20", "--max-tokens", "16", "--stream-share", "0.3", "--timeout", "20",
          "--tier", "edge,regional,datacenter",  # clients at every tier
          "--inputs", str(tinyllama_models / "tinyllama-eval.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=interruptible())
     try:
         yield process
     finally:

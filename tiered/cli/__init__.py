@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from tiered.cli import agent, build, controller, demo, load, models, router, verbs
+from tiered.local.processes import take_sigint
 
 __all__ = ["build_parser", "kubectl_main", "main"]
 
@@ -56,6 +57,7 @@ def kubectl_main() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    take_sigint()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level,

@@ -248,7 +248,7 @@ class GenerativeAct:
                     [sys.executable, "-m", "tiered", "load", GENERATIVE, "--router",
                      self.router, *GENERATIVE_LOAD, "--inputs",
                      str(self.models / "tinyllama-eval.json")],
-                    stdout=output, stderr=subprocess.STDOUT, preexec_fn=interruptible)
+                    stdout=output, stderr=subprocess.STDOUT, env=interruptible())
             try:
                 time.sleep(3.0)
                 self.say("tiered apply -f examples/tinyllama-v2.yaml: the same greedy output")

@@ -24,12 +24,26 @@ _METRICS = re.compile(r"metrics on (http://\S+/metrics)")
 _REST = re.compile(r"REST on https?://(\S+):(\d+)")
 
 
-def interruptible() -> None:
-    """A child's `preexec_fn` for one that will be stopped with SIGINT (Ctrl-C):
-    a shell runs background jobs with SIGINT ignored, and a child inherits that
-    (and a blocked SIGINT), so set it back to its default first."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+INTERRUPTIBLE = "TIERED_INTERRUPTIBLE"  # in a child's environment: see `interruptible`
+
+
+def interruptible(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment (`env`, else this process's) for a child `tiered`
+    command that will be stopped with SIGINT (Ctrl-C): the child takes SIGINT
+    back as it starts (`take_sigint`), since a shell runs background jobs with
+    SIGINT ignored, and a child inherits that (and a blocked SIGINT). Not a
+    `preexec_fn`: that forks through gRPC's fork handlers, whose restarted
+    poller then finds its epoll descriptor closed (close_fds), and the child
+    can hang before it runs."""
+    return {**(os.environ if env is None else env), INTERRUPTIBLE: "1"}
+
+
+def take_sigint() -> None:
+    """In a `tiered` command started with `interruptible`: SIGINT raises
+    KeyboardInterrupt, whatever the parent had it do. Not passed on."""
+    if os.environ.pop(INTERRUPTIBLE, None) == "1":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 class AgentError(RuntimeError):

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-
 from tiered.local.processes import interruptible
 
 WAITS = ("import sys, time; from tiered.local.processes import take_sigint; take_sigint(); "

@@ -135,6 +135,8 @@ class GenerativeVersion:
                     pieces = []
                     for event in events:
                         if isinstance(event, TieredError):
+                            if pieces:  # what came before it goes out first
+                                yield pieces
                             raise event
                         first = previous == 0.0
                         gap = event.at - (job.arrived if first else previous)

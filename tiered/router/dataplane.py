@@ -115,7 +115,7 @@ class Router:
         table = self.table
         route = self.route_of(model)
         first: pb.ModelInferResponse | None = None
-        tokens: list[int] = []
+        relayed: list[pb.ModelInferResponse] = []  # kept when shadowed, read by the shadow
         try:
             hints.refuse_shared_memory(request)
             deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
@@ -138,7 +138,7 @@ class Router:
                         self.metrics.first_response(model, tier, response.model_version,
                                                     self.clock() - started)
                     if shadowed:
-                        tokens += forward.token_ids(response)
+                        relayed.append(response)
                     yield response
         except Exception:  # a client that went away is counted nowhere
             now = self.clock()
@@ -149,8 +149,9 @@ class Router:
         self.statistics.succeeded(model, version, now - started, now)
         self.metrics.answered(model, tier, version, now - started)
         if shadowed:
-            self.shadows.send_generation(request, raw, lambda: tuple(tokens),
-                                         opened.candidate, route, table.timeout_s)
+            self.shadows.send_generation(
+                request, raw, lambda: tuple(t for r in relayed for t in forward.token_ids(r)),
+                opened.candidate, route, table.timeout_s)
 
     async def _ask_decoupled(self, model: str) -> bool:
         """Whether the model is decoupled, as the first of its agents to answer

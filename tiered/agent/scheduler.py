@@ -4,10 +4,11 @@ that owns the engine.
 Requests arrive from the event loop (`submit`), wait in a bounded queue for a
 sequence slot, and join the running batch between two steps; each `step`
 gives every running sequence one token, which goes back to its request's
-asyncio queue (one `call_soon_threadsafe` per step, sent only once the event
-loop has taken the step before: an engine that keeps the GIL through its
-step, as onnxruntime-genai does, would otherwise starve the loop and every
-other call the agent answers until its sequences end). A sequence leaves on its
+asyncio queue (one `call_soon_threadsafe` per step, with at most
+`MAX_UNDELIVERED_STEPS` of them not yet taken by the event loop: an engine
+that keeps the GIL through its step, as onnxruntime-genai does, would
+otherwise starve the loop and every other call the agent answers until its
+sequences end). A sequence leaves on its
 last token, its stop string, its deadline or its client's cancellation, and
 its slot is free for the next step. A request that finds no slot before its
 admission deadline fails RESOURCE_EXHAUSTED; one that cannot fit the context
@@ -39,7 +40,13 @@ from tiered.errors import (
 log = logging.getLogger(__name__)
 
 
-LOOP_WAIT_S = 0.1  # the longest a step's events wait for the loop to take the last
+# Steps whose tokens the event loop has not yet taken, at most: the worker
+# waits for the loop beyond that. 1 made the loop run every step (agent TPOT
+# P50 0.43 ms at one stream against 0.06 in-process, `bench/generate.py`, edge
+# INT4, this 2-core VM); 16 let tokens go out in bursts (P95 52 ms at 64
+# streams); 4: 0.14 ms and 38 ms, with the loop late by 3 ms on average.
+MAX_UNDELIVERED_STEPS = 4
+LOOP_WAIT_S = 0.1  # the longest the worker waits for the loop before going on
 
 
 @dataclass(frozen=True)
@@ -98,8 +105,7 @@ class Scheduler:
         self._queued = 0  # arrived + waiting, under the lock
         self.running = 0  # sequences in the batch, as of the last step (for readers)
         self._closed = False
-        self._delivered = threading.Event()  # the loop took the last step's events
-        self._delivered.set()
+        self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -284,15 +290,16 @@ class Scheduler:
         self.running = len(self._running)
         if not events and not stepped:
             return
-        self._delivered.wait(LOOP_WAIT_S)
-        self._delivered.clear()
+        taken = self._undelivered.acquire(timeout=LOOP_WAIT_S)
         try:
-            self._loop.call_soon_threadsafe(self._deliver, events, step_s, stepped)
+            self._loop.call_soon_threadsafe(self._deliver, events, step_s, stepped, taken)
         except RuntimeError:  # the loop is closed: nobody is left to tell
-            pass
+            if taken:
+                self._undelivered.release()
 
-    def _deliver(self, events: list, step_s: float, stepped: int) -> None:
-        self._delivered.set()
+    def _deliver(self, events: list, step_s: float, stepped: int, taken: bool) -> None:
+        if taken:
+            self._undelivered.release()
         if stepped and self._on_step is not None:
             self._on_step(step_s, stepped)
         for job, event in events:

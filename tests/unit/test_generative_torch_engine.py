@@ -249,3 +249,20 @@ def test_staggered_sequences_answer_as_each_alone(v1):
                 for text, tokens in [*zip(PROMPTS, (3, 12, 5), strict=False),
                                      (PROMPTS[0], 9), (PROMPTS[-1], 4)]]
     assert _staggered(engine) == expected
+
+
+@cuda
+def test_cuda_graph_buckets_stop_at_the_cache_slots(v1):
+    # 5 slots: the bucket of 8 would have rows beyond the cache; it is one of 5.
+    graphs = _engine(v1, device="cuda", precision="fp16", max_sequences=5)
+    eager = _engine(v1, device="cuda", precision="fp16", max_sequences=5, cuda_graphs=False)
+    for engine in (graphs, eager):
+        ids = [engine.start(engine.encode(t), Sampling(max_tokens=6))
+               for t in (*PROMPTS, PROMPTS[0])]
+        out: dict[int, list[int]] = {i: [] for i in ids}
+        while engine.running:
+            for token in engine.step():
+                out[token.sequence].append(token.id)
+        engine.result = [out[i] for i in ids]
+    assert sorted(graphs._graphs) == [5]
+    assert graphs.result == eager.result

@@ -186,6 +186,9 @@ class TorchGenerativeEngine(GenerativeEngine):
         self._ids = itertools.count(1)
         self._graphs: dict[int, _DecodeGraph] = {}
         self._use_graphs = self.device == "cuda" and settings.cuda_graphs
+        # A bucket is a number of slots: none beyond the cache's.
+        self._buckets = sorted({min(b, self.max_sequences)
+                                for b in settings.cuda_graph_batch_sizes})
 
     # -- the interface -------------------------------------------------------
 
@@ -291,8 +294,8 @@ class TorchGenerativeEngine(GenerativeEngine):
         for s in states:
             s.length += 1
         rows = 1 + max(slots)  # the graphs' rows are the first slots
-        bucket = next((b for b in sorted(self.settings.cuda_graph_batch_sizes)
-                       if b >= rows), None) if self._use_graphs else None
+        bucket = next((b for b in self._buckets if b >= rows), None) \
+            if self._use_graphs else None
         if bucket is None:  # eager (beyond the largest bucket too): read what is written
             return self._head(self._forward(
                 torch.tensor(tokens, device=self.device).unsqueeze(1),

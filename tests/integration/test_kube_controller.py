@@ -399,6 +399,16 @@ def test_a_build_refused_for_its_sha256_says_so_in_status(kube, api, controllers
         "spec": edge["spec"]["template"]["spec"]})
     core.patch_namespaced_pod_status(name, NAMESPACE, {"status": {
         "phase": "Pending", "initContainerStatuses": [{
+            "name": render.BUILD_CONTAINER, "ready": False, "restartCount": 0,
+            "image": "tiered-agent:latest", "imageID": "",
+            "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}})
+    building = wait("the build's progress in status", lambda: "edge (building, " in (
+        tiered_model(kube).get("status") or {}).get("message", "") and
+        tiered_model(kube)["status"]["message"])
+    assert building.startswith("version 4: waiting for its agents on ")
+    assert "regional (no pod yet)" in building  # no pod was made for it here
+    core.patch_namespaced_pod_status(name, NAMESPACE, {"status": {
+        "phase": "Pending", "initContainerStatuses": [{
             "name": render.BUILD_CONTAINER, "ready": False, "restartCount": 2,
             "image": "tiered-agent:latest", "imageID": "",
             "state": {"waiting": {"reason": "CrashLoopBackOff"}},

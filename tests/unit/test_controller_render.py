@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone
 
 import kubernetes_validate
 import pytest
@@ -212,3 +213,39 @@ def test_agent_pod_settings_name_what_is_wrong(tmp_path, text, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         chart_pods(tmp_path, text)
     assert str(tmp_path / "agent-pods.yaml") in str(caught.value)
+
+
+NOW = datetime(2026, 12, 1, 12, 0, 30, tzinfo=timezone.utc)
+
+
+def agent_status(state=None, ready=False):
+    return {"name": render.AGENT_CONTAINER, "ready": ready, "state": state or {}}
+
+
+def scheduled(init=(), containers=()):
+    return {"status": {"initContainerStatuses": list(init),
+                       "containerStatuses": list(containers)}}
+
+
+BUILT = build_status(terminated(0, "", "Completed"))
+UNSCHEDULABLE = {"status": {"conditions": [{
+    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+    "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}
+
+
+@pytest.mark.parametrize(("pods", "progress"), [
+    ([], "no pod yet"),
+    ([UNSCHEDULABLE], "unschedulable: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu."),
+    ([{"status": {}}], "scheduled"),
+    ([scheduled([build_status({"waiting": {"reason": "ImagePullBackOff"}})])],
+     "build waiting: ImagePullBackOff"),
+    ([scheduled([build_status({"running": {"startedAt": "2026-12-01T12:00:18Z"}})])],
+     "building, 12 s"),
+    ([scheduled([BUILT], [agent_status({"waiting": {"reason": "ContainerCreating"}})])],
+     "agent ContainerCreating"),
+    ([scheduled([BUILT], [agent_status({"running": {}})])], "loading"),
+    ([scheduled([BUILT], [agent_status({"running": {}}, ready=True)])], "ready"),
+    ([UNSCHEDULABLE, scheduled([build_status({"running": {}})])], "building"),  # the furthest
+])
+def test_pod_progress_says_how_far_the_furthest_pod_is(pods, progress):
+    assert render.pod_progress(pods, NOW) == progress

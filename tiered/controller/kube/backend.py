@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 import yaml
@@ -259,8 +260,12 @@ class KubeBackend:
     def _state(self, spec: TieredModel, tier: str, version: int) -> plan.VersionState:
         if self._available(spec, tier, version):
             return plan.VersionState(plan.READY)
-        why = self._build_failure(spec, tier, version)
-        return plan.VersionState(plan.REFUSED, why) if why else plan.VersionState(plan.PENDING)
+        pods = self._pods(spec, tier, version)
+        why = render.build_failure(pods)
+        if why:
+            return plan.VersionState(plan.REFUSED, why)
+        return plan.VersionState(plan.PENDING,
+                                 render.pod_progress(pods, datetime.now(timezone.utc)))
 
     def _available(self, spec: TieredModel, tier: str, version: int) -> bool:
         per_node = spec.tiers[tier].per_node
@@ -278,13 +283,13 @@ class KubeBackend:
         ready = status.number_available if per_node else status.available_replicas
         return bool(ready and ready >= 1)
 
-    def _build_failure(self, spec: TieredModel, tier: str, version: int) -> str | None:
-        """Why the build failed on a pod of this tier and version, if it did (a
-        sha256 mismatch, an engine that refused the model)."""
+    def _pods(self, spec: TieredModel, tier: str, version: int) -> list[dict[str, Any]]:
+        """The pods of this tier and version, as plain JSON: the kubelet's
+        status as it is (its build's verdict, how far it is from serving)."""
         response = self.core.list_namespaced_pod(
             self.namespace, label_selector=render.pod_selector(spec.name, tier, version),
-            _preload_content=False)  # plain JSON: the kubelet's status as it is
-        return render.build_failure(json.loads(response.data).get("items") or [])
+            _preload_content=False)
+        return json.loads(response.data).get("items") or []
 
     def _agent_pods(self, spec: TieredModel, tier: str, version: int) -> tuple[str, ...]:
         service = render.workload_name(spec.name, tier, version)

@@ -57,6 +57,7 @@ STANDARD_LABELS = {"app.kubernetes.io/name": "tiered", "app.kubernetes.io/part-o
 SPEC_HASH = f"{API_GROUP}/spec-hash"
 FINALIZER = f"{API_GROUP}/routing"
 BUILD_CONTAINER = "build"  # the init container that verifies and builds the artifact
+AGENT_CONTAINER = "agent"  # the container that serves it
 TERMINATION_LOG = "/dev/termination-log"
 
 
@@ -225,7 +226,8 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }],
         "containers": [{
-            "name": "agent", "image": image, "imagePullPolicy": settings.image_pull_policy,
+            "name": AGENT_CONTAINER, "image": image,
+            "imagePullPolicy": settings.image_pull_policy,
             "command": ["tiered", "agent", "--tier", tier, "--model-repository", MODELS_DIR,
                         "--host", "0.0.0.0", "--port", str(AGENT_PORT),
                         "--metrics-port", str(AGENT_METRICS_PORT), *http, *security,
@@ -335,6 +337,50 @@ def build_failure(pods: Iterable[Mapping[str, Any]]) -> str | None:
                         f"the build exited with code {terminated['exitCode']} "
                         f"({terminated.get('reason') or 'Error'}) and no verdict")
     return None
+
+
+def pod_progress(pods: Iterable[Mapping[str, Any]], now: datetime) -> str:
+    """How far the furthest of these pods (as the kubelet reports them) is
+    from serving, for a version that waits for its agents: "no pod yet",
+    "unschedulable: ...", "build waiting: ImagePullBackOff", "building, 12 s",
+    "agent ContainerCreating", "loading", "ready"."""
+    return max((_progress(pod, now) for pod in pods), default=(0, "no pod yet"))[1]
+
+
+def _progress(pod: Mapping[str, Any], now: datetime) -> tuple[int, str]:
+    status = pod.get("status") or {}
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            said = (condition.get("message") or condition.get("reason") or "").strip()
+            return 1, f"unschedulable: {said[:160]}"
+    build = _container(status.get("initContainerStatuses"), BUILD_CONTAINER)
+    agent = _container(status.get("containerStatuses"), AGENT_CONTAINER)
+    built = ((build.get("state") or {}).get("terminated") or {}).get("exitCode") == 0
+    if not built:
+        state = build.get("state") or {}
+        if "running" in state:
+            started = _instant(state["running"].get("startedAt"))
+            return 4, "building" + (f", {(now - started).total_seconds():.0f} s"
+                                    if started is not None else "")
+        waiting = (state.get("waiting") or {}).get("reason")
+        return (3, f"build waiting: {waiting}") if waiting else (2, "scheduled")
+    if agent.get("ready"):
+        return 7, "ready"
+    waiting = ((agent.get("state") or {}).get("waiting") or {}).get("reason")
+    if waiting:
+        return 5, f"agent {waiting}"
+    return 6, "loading" if "running" in (agent.get("state") or {}) else "built"
+
+
+def _container(statuses: Iterable[Mapping[str, Any]] | None, name: str) -> Mapping[str, Any]:
+    return next((c for c in statuses or () if c.get("name") == name), {})
+
+
+def _instant(stamp: str | None) -> datetime | None:
+    try:
+        return datetime.strptime(stamp or "", "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
 
 
 def event(model: str, uid: str, step: plan.Event, now: float, namespace: str

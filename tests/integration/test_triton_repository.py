@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from tests.generation import generate
 from tiered.agent import triton_config
 from tiered.agent.repository import model_file
 from tiered.errors import ConfigError
@@ -72,6 +73,11 @@ def test_a_triton_config_reads_as_the_mapping_config_yaml_would_hold():
     ('default_model_filename: "model.pt"', "must be model.onnx"),
     ("input [ { name: \"x\" dims: [ 1 ] } ]", "data_type: missing"),
     ("max_batch_size: [", "not a Triton model configuration"),
+    ('backend: "onnxruntime-genai"', "a generative backend streams many responses"),
+    ('backend: "onnxruntime" model_transaction_policy { decoupled: true }',
+     "served only by the generative backends"),
+    ('backend: "onnxruntime_genai" model_transaction_policy { decoupled: true } '
+     'default_model_filename: "model.onnx"', "a generative version is a directory"),
 ])
 def test_what_cannot_be_served_is_refused_by_name(text, words):
     with pytest.raises(ConfigError) as caught:
@@ -102,3 +108,26 @@ def test_a_model_with_both_configs_is_refused(tmp_path):
     with pytest.raises(AgentError) as caught:
         AgentProcess("edge", tmp_path).start()
     assert "both config.yaml and config.pbtxt; keep one" in str(caught.value)
+
+
+GENERATIVE_PBTXT = """
+name: "tiny"
+backend: "onnxruntime_genai"
+model_transaction_policy { decoupled: true }
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+"""
+
+
+def test_an_agent_serves_a_decoupled_triton_model_directory(tmp_path, generative_model):
+    import shutil
+
+    shutil.copytree(generative_model, tmp_path / "tiny" / "1")
+    (tmp_path / "tiny" / "config.pbtxt").write_text(GENERATIVE_PBTXT)
+    with AgentProcess("edge", tmp_path) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        config = client.get_model_config("tiny").config
+        assert config.model_transaction_policy.decoupled
+        assert config.backend == "onnxruntime-genai"
+        answer = generate(client, max_tokens=5)
+        assert len(answer.as_numpy("token_ids")) == 5

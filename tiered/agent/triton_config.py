@@ -3,9 +3,10 @@ it stands for. Pure parsing.
 
 The text is parsed into the `inference.ModelConfig` message (protobuf's text
 format, Triton's field names), then mapped: platform or backend (ONNX
-Runtime, TensorRT), max_batch_size, input and output (TYPE_FP32 -> FP32),
-dynamic_batching (preferred sizes, delay, the default queue policy's size),
-version_policy and instance_group counts. Fields of Triton's config that
+Runtime, TensorRT, and the generative onnxruntime-genai and torch-generative,
+which must say `model_transaction_policy { decoupled: true }`), max_batch_size,
+input and output (TYPE_FP32 -> FP32), dynamic_batching (preferred sizes, delay,
+the default queue policy's size), version_policy and instance_group counts. Fields of Triton's config that
 this agent does not read are named in a warning, never silently dropped;
 a platform it cannot serve is an error.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from google.protobuf import text_format
 
+from tiered.engines.generative import GENERATIVE_BACKENDS
 from tiered.errors import ConfigError
 from tiered.protocol import model_config_pb2 as mc
 
@@ -24,7 +26,9 @@ log = logging.getLogger(__name__)
 
 # Triton's platform and backend names -> ours.
 BACKENDS = {"onnxruntime_onnx": "onnxruntime", "onnxruntime": "onnxruntime",
-            "tensorrt_plan": "tensorrt", "tensorrt": "tensorrt"}
+            "tensorrt_plan": "tensorrt", "tensorrt": "tensorrt",
+            "onnxruntime_genai": "onnxruntime-genai", "onnxruntime-genai": "onnxruntime-genai",
+            "torch-generative": "torch-generative"}
 MODEL_FILE = "model.onnx"  # each version's file, as the repository reads it
 
 
@@ -52,6 +56,16 @@ def _mapping(config: mc.ModelConfig, where: str) -> dict[str, Any]:
             raise ConfigError(f"{where}: platform/backend {named!r} is not served here "
                               f"(served: {', '.join(sorted(BACKENDS))})")
         data["backend"] = BACKENDS[named]
+    generative = data.get("backend") in GENERATIVE_BACKENDS
+    if config.model_transaction_policy.decoupled != generative:
+        raise ConfigError(
+            f"{where}.model_transaction_policy.decoupled: "
+            + ("a generative backend streams many responses a request: set it true"
+               if generative else f"served only by the generative backends "
+               f"({', '.join(GENERATIVE_BACKENDS)}); backend {named or 'unset'!r}"))
+    if generative and config.default_model_filename:
+        raise ConfigError(f"{where}.default_model_filename: a generative version is a "
+                          "directory (a built model or a checkpoint); leave it out")
     if config.default_model_filename not in ("", MODEL_FILE):
         raise ConfigError(f"{where}.default_model_filename: each version's model must be "
                           f"{MODEL_FILE}, not {config.default_model_filename!r}")

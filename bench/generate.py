@@ -15,9 +15,12 @@ sequences, greedy, one prompt each from tinyllama-eval.json:
 
 Per row: output tokens/s over the round (first start to last token), TTFT
 (start to first token) and TPOT (between a sequence's tokens) P50/P95 over
-every sequence of every round. The arms alternate round by round, so each is
-measured beside the others in time; client, router and agent share this
-machine's cores.
+every sequence of every round, and mJ per output token: a device-wide
+counter (NVML's GPU 0 on cuda; RAPL on the CPU where readable, else none)
+read around each round, less the idle draw measured before the first row.
+The arms alternate round by round, so each is measured beside the others in
+time (and a round's energy is its arm's); client, router and agent share
+this machine's cores.
 
 Targets (the issue's, for a datacenter torch run on an H200): served
 tokens/s >= 80% of in-process at 64 streams; served TPOT P50 within 10% of
@@ -39,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,7 @@ MODEL = "tinyllama"
 TARGET_TOKENS_RATIO = 0.8  # served / in-process tokens/s at 64 streams
 TARGET_TPOT_RATIO = 1.1  # served / in-process TPOT P50 at 1 stream
 ARMS = ("in-process", "agent", "router")
+IDLE_S = 3.0  # the idle draw is measured over this long, before the first row
 # --model: the trained tiny v1, or a Llama of about 300 million parameters with
 # random weights (the issue's datacenter model; its vocabulary stays tiny)
 MODELS: dict[str, str | tinyllama.TinyLlama] = {
@@ -101,6 +105,7 @@ class Round:
         self.starts: dict[int, float] = {}
         self.tokens: dict[int, list[float]] = {}
         self.errors: list[str] = []
+        self.active_j: float | None = None  # the meter's joules over the round, less idle
 
     def figures(self) -> dict[str, Any]:
         ended = [t[-1] for t in self.tokens.values() if t]
@@ -109,7 +114,7 @@ class Round:
         ttft = [t[0] - self.starts[s] for s, t in self.tokens.items() if t]
         tpot = [b - a for t in self.tokens.values() for a, b in zip(t, t[1:])]
         return {"tokens": count, "seconds": span, "ttft_s": ttft, "tpot_s": tpot,
-                "errors": len(self.errors)}
+                "errors": len(self.errors), "active_j": self.active_j}
 
 
 def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: int) -> Round:
@@ -170,22 +175,24 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
     tokens = sum(f["tokens"] for f in figures)
     ttft = common.percentiles_ms([x for f in figures for x in f["ttft_s"]])
     tpot = common.percentiles_ms([x for f in figures for x in f["tpot_s"]])
+    energy = [f["active_j"] for f in figures]
     return {"tokens": tokens, "tokens_per_s": tokens / seconds if seconds else None,
             "ttft_p50_ms": ttft["p50_ms"], "ttft_p95_ms": ttft["p95_ms"],
             "tpot_p50_ms": tpot["p50_ms"], "tpot_p95_ms": tpot["p95_ms"],
+            "j_per_token": sum(energy) / tokens if tokens and None not in energy else None,
             "errors": sum(f["errors"] for f in figures)}
 
 
 def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], streams: int,
-            max_tokens: int, rounds: int) -> dict[str, Any]:
+            max_tokens: int, rounds: int, meter: Meter) -> dict[str, Any]:
     prompts = [engine.encode(p) for p in text_prompts]
     recorded: dict[str, list[Round]] = {arm: [] for arm in ARMS}
     for arm in ARMS:  # a warm-up round each, not counted
-        run_arm(arm, engine, addresses, prompts, text_prompts, streams, max_tokens)
+        run_arm(arm, engine, addresses, prompts, text_prompts, streams, max_tokens, meter)
     for _ in range(rounds):
         for arm in ARMS:
             recorded[arm].append(run_arm(arm, engine, addresses, prompts, text_prompts,
-                                         streams, max_tokens))
+                                         streams, max_tokens, meter))
     row: dict[str, Any] = {"streams": streams, "max_tokens": max_tokens, "rounds": rounds}
     for arm in ARMS:
         row[arm] = summarize(recorded[arm])
@@ -199,10 +206,51 @@ def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], stre
     return row
 
 
-def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens) -> Round:
+class Meter:
+    """A device-wide joule counter read around each round (the arms take turns,
+    so a round's energy is its arm's), less the idle draw measured first:
+    NVML's GPU 0 on cuda, RAPL's package counters on the CPU where readable.
+    None where neither is: a modeled figure would count this process only."""
+
+    def __init__(self, device: str, idle_s: float) -> None:
+        from tiered.telemetry import energy
+
+        self.meter = energy.gpu_meter(0) if device == "cuda" else None
+        if device == "cpu":
+            try:
+                self.meter = energy.RaplMeter()
+            except (OSError, ValueError):
+                self.meter = None
+        self.source = self.meter.source if self.meter is not None else None
+        self.idle_w = 0.0
+        if self.meter is not None:
+            before = self.meter.read()
+            time.sleep(idle_s)
+            after = self.meter.read()
+            self.idle_w = (after.joules - before.joules) / (after.at - before.at)
+
+    def around(self, run: Callable[[], Round]) -> Round:
+        if self.meter is None:
+            return run()
+        before = self.meter.read()
+        record = run()
+        after = self.meter.read()
+        record.active_j = active_joules(after.joules - before.joules, after.at - before.at,
+                                        self.idle_w)
+        return record
+
+
+def active_joules(joules: float, seconds: float, idle_w: float) -> float:
+    """What a span used above the idle draw (never below zero)."""
+    return max(0.0, joules - idle_w * seconds)
+
+
+def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens,
+            meter: Meter) -> Round:
     if arm == "in-process":
-        return in_process(engine, prompts, streams, max_tokens)
-    return asyncio.run(served(addresses[arm], text_prompts, streams, max_tokens))
+        return meter.around(lambda: in_process(engine, prompts, streams, max_tokens))
+    return meter.around(lambda: asyncio.run(
+        served(addresses[arm], text_prompts, streams, max_tokens)))
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -239,19 +287,29 @@ def report(result: dict[str, Any]) -> str:
                          number(figures.get("tokens_ratio"), 2),
                          number(figures["ttft_p50_ms"], 2), number(figures["ttft_p95_ms"], 2),
                          number(figures["tpot_p50_ms"], 2), number(figures["tpot_p95_ms"], 2),
-                         number(figures.get("tpot_p50_ratio"), 2), figures["errors"]])
+                         number(figures.get("tpot_p50_ratio"), 2),
+                         number(figures.get("j_per_token") and figures["j_per_token"] * 1e3, 3),
+                         figures["errors"]])
     config = result["config"]
     head = (f"generate: {config['model']} ({config['parameters'] / 1e6:.1f} M parameters), "
             f"{config['tier']} {config['backend']} ({config['precision']}) on "
             f"{config['device']}, {config['max_tokens']} tokens a sequence, up to "
             f"{config.get('tokens_per_response', 1)} a response, "
-            f"{config['rounds']} rounds")
+            f"{config['rounds']} rounds; energy: " + _energy_said(config))
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
-                          "tpot p50", "tpot p95", "tpot x", "errors"], rows)
+                          "tpot p50", "tpot p95", "tpot x", "mJ/tok", "errors"], rows)
     checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
                           [[c["name"], number(c["value"], 2)] for c in result["targets"]],
                           [c["verdict"] for c in result["targets"]])
     return f"{head}\n{table}\n\n{checks}"
+
+
+def _energy_said(config: dict[str, Any]) -> str:
+    if "energy_source" not in config:
+        return "not measured (a run from before the bench read a meter)"
+    if config["energy_source"] is None:
+        return "no device-wide counter here"
+    return f"{config['energy_source']}, device-wide, less {config['idle_watts']:.1f} W idle"
 
 
 def parameters(checkpoint: Path) -> int:
@@ -306,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             router = RouterProcess(table, metrics_port=None)
             with common.serving([router]):
                 addresses = {"agent": agent.address, "router": router.address}
-                rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds)
+                meter = Meter(args.device, 0.5 if args.smoke else IDLE_S)
+                rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds, meter)
                         for n in streams]
     result.update({
         "config": {"tier": args.tier, "device": args.device, "backend": config["backend"],
@@ -315,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    or facts.get("precision") or facts.get("build", {}).get("precision"),
                    "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),
                    "tokens_per_response": args.tokens_per_response,
+                   "energy_source": meter.source, "idle_watts": meter.idle_w,
                    "note": "client, router, agent and the in-process engine share this "
                    "machine's cores; tokens/s from each round's first start to its last "
                    "token"},

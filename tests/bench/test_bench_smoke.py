@@ -223,3 +223,28 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
         "router TPOT P50 within 10% of in-process at 1 stream"}
     assert all(t["verdict"] in {"PASS", "MISS"} for t in result["targets"])
     assert_header(stdout, "streams", "arm", "tok/s")
+    assert "mJ/tok" in stdout
+    # Energy per token where a device-wide counter is readable (none on a VM
+    # without RAPL: then every arm says so rather than a one-process model).
+    source = result["config"]["energy_source"]
+    for row in result["rows"]:
+        for arm in ("in-process", "agent", "router"):
+            per_token = row[arm]["j_per_token"]
+            assert (per_token is None) == (source is None), (source, per_token)
+            assert per_token is None or per_token >= 0
+
+
+def test_generate_bench_energy_is_what_a_round_used_above_idle():
+    from bench import generate
+
+    assert generate.active_joules(30.0, 2.0, 10.0) == 10.0
+    assert generate.active_joules(15.0, 2.0, 10.0) == 0.0  # below idle: noise, not negative
+    rounds = []
+    for joules, tokens in ((0.5, 10), (1.5, 30)):
+        record = generate.Round()
+        record.starts, record.tokens = {0: 0.0}, {0: [0.1 * (i + 1) for i in range(tokens)]}
+        record.active_j = joules
+        rounds.append(record)
+    assert generate.summarize(rounds)["j_per_token"] == 2.0 / 40
+    rounds[0].active_j = None  # one round unmetered: no figure, not a partial one
+    assert generate.summarize(rounds)["j_per_token"] is None

@@ -131,6 +131,7 @@ class Load:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     def start(self) -> Load:
+        self.started = time.time()  # before its first request: the first window's start
         self._thread.start()
         return self
 
@@ -286,7 +287,7 @@ class Chaos:
         self.progress(f"{fault}: recovered {recovered - start:.1f} s after")
 
     def baseline(self, seconds: float) -> None:
-        self._mark = time.time()
+        self._mark = self.load.started  # every request sent falls in a window
         time.sleep(seconds)
         self.quiet("none (baseline)", f"{seconds:g} s of load")
 

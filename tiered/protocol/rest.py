@@ -346,7 +346,6 @@ def infer_response(response: pb.ModelInferResponse, binary: BinaryOutputs
     if response.parameters:
         header["parameters"] = codec.parameters_of(response.parameters)
     outputs, buffers = [], []
-    typed = len(response.raw_output_contents) != len(response.outputs)
     for index, tensor in enumerate(response.outputs):
         item: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
                                 "shape": list(tensor.shape)}
@@ -359,12 +358,7 @@ def infer_response(response: pb.ModelInferResponse, binary: BinaryOutputs
                 parameters.pop(key, None)
         else:
             where = f"outputs {tensor.name!r}"
-            if typed:
-                array = codec.from_contents(tensor.contents, tensor.datatype, tensor.shape,
-                                            field=where)
-                raw = codec.to_raw(array)[2]
-            else:
-                raw = response.raw_output_contents[index]
+            raw = _output_bytes(response, index, where)
             if binary.wanted(tensor.name):
                 parameters[BINARY_DATA_SIZE] = len(raw)
                 buffers.append(raw)
@@ -378,6 +372,15 @@ def infer_response(response: pb.ModelInferResponse, binary: BinaryOutputs
     if not buffers:
         return text, None
     return b"".join([text, *buffers]), len(text)
+
+
+def _output_bytes(response: pb.ModelInferResponse, index: int, where: str) -> bytes:
+    """Output `index`'s bytes: its raw content, or its typed contents as raw."""
+    if len(response.raw_output_contents) == len(response.outputs):
+        return response.raw_output_contents[index]
+    tensor = response.outputs[index]
+    return codec.to_raw(codec.from_contents(tensor.contents, tensor.datatype, tensor.shape,
+                                            field=where))[2]
 
 
 def _json_data(raw: bytes, datatype: str, shape, where: str) -> list:
@@ -437,13 +440,10 @@ def generate_json(response: pb.ModelInferResponse) -> dict[str, Any]:
                            "model_version": response.model_version}
     if response.id:
         out["id"] = response.id
-    typed = len(response.raw_output_contents) != len(response.outputs)
     for index, tensor in enumerate(response.outputs):
         where = f"outputs {tensor.name!r}"
-        raw = codec.to_raw(codec.from_contents(tensor.contents, tensor.datatype, tensor.shape,
-                                               field=where))[2] \
-            if typed else response.raw_output_contents[index]
-        data = _json_data(raw, tensor.datatype, tensor.shape, where)
+        data = _json_data(_output_bytes(response, index, where), tensor.datatype,
+                          tensor.shape, where)
         out[tensor.name] = data[0] if tensor.datatype == "BYTES" and len(data) == 1 else data
     if response.parameters:
         out["parameters"] = codec.parameters_of(response.parameters)

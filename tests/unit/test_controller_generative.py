@@ -81,7 +81,7 @@ class Agent:
                 for gap in gaps:
                     recorder.token(float(gap), first=False)
                 recorder.request_succeeded(ttft + float(gaps.sum()), 0.0, 0.01, 1)
-                recorder.batch_ran(0.01)
+                recorder.batch_ran(0.01, "cpu", 1)
         self.clock.now += POLL_S
 
     def stats(self) -> tpb.StatsResponse:

@@ -80,16 +80,16 @@ def test_energy_of_a_span_is_split_among_versions_on_the_same_device_by_busy_tim
     clock.now = 0.5
     for _ in range(3):
         a.request_succeeded(0.01, 0.0, 0.01, 1)
-        a.batch_ran(0.3)
+        a.batch_ran(0.3, "cpu", 1)
     b.request_succeeded(0.01, 0.0, 0.01, 1)
-    b.batch_ran(0.1)
+    b.batch_ran(0.1, "cpu", 1)
     g.request_succeeded(0.01, 0.0, 0.01, 4)
-    g.batch_ran(0.2)
+    g.batch_ran(0.2, "cuda:0", 4)
     ledger.mark(1.0)
     used = ledger.used(0.0, 1.0)
     assert used["cpu"].joules == pytest.approx(10.0) and used["cuda:0"].joules == 100.0
     summaries = {k: r.since(0.0, 1.0) for k, r in {"a": a, "b": b, "g": g}.items()}
-    energy = energy_per_version(used, summaries, {"a": "cpu", "b": "cpu", "g": "cuda:0"})
+    energy = energy_per_version(used, summaries)
     assert energy["a"].joules == pytest.approx(9.0)  # 0.9 of the CPU's busy time
     assert energy["a"].joules_per_inference == pytest.approx(3.0)
     assert energy["b"].joules == pytest.approx(1.0)
@@ -138,13 +138,13 @@ def serve(utilisation: float, idle_slots: int = 2, busy_slots: int = 10):
             clock.now = second - 0.5
             for _ in range(round(100 * utilisation)):
                 recorder.request_succeeded(0.01, 0.0, 0.01, 1)
-                recorder.batch_ran(0.01)
+                recorder.batch_ran(0.01, "cuda", 1)
                 meter.active_j += 0.5
         clock.now = float(second)
-        ledger.mark(clock.now, {"cuda": recorder.busy_s(second - 1, second)})
+        ledger.mark(clock.now, recorder.busy_by_device(second - 1, second))
     start = float(idle_slots)
     used = ledger.used(start, clock.now)
-    energy = energy_per_version(used, {"v": recorder.since(start, clock.now)}, {"v": "cuda"})
+    energy = energy_per_version(used, {"v": recorder.since(start, clock.now)})
     return used["cuda"], energy.get("v")
 
 

@@ -124,6 +124,13 @@ def split(outputs: Arrays, sizes: Sequence[int]) -> list[dict[str, np.ndarray]]:
     return parts
 
 
+def least_loaded(loads: Sequence[int | None]) -> int | None:
+    """The lane with the least queued and running work (None: a lane that is
+    down); ties go to the first, so light traffic keeps batching on one."""
+    up = [(load, index) for index, load in enumerate(loads) if load is not None]
+    return min(up)[1] if up else None
+
+
 RunFn = Callable[[Arrays], dict[str, np.ndarray]]
 StageFn = Callable[[Sequence[Arrays]], Arrays]  # requests -> one batch (`Engine.stage`)
 
@@ -139,6 +146,7 @@ class Batcher:
         on_batch: Callable[[int, BatchTiming], None] = lambda size, timing: None,
         clock: Callable[[], float] = time.monotonic,
         stage: StageFn = merge,
+        inline_below_s: float = INLINE_BELOW_S,
     ) -> None:
         self.policy = policy
         self._run = run
@@ -152,11 +160,18 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._closing = False
         self._typical_infer_s = math.inf  # moving average of engine time per batch
+        self._inline_below_s = inline_below_s  # 0: never run a batch on the loop
+        self._queued_items = self._running_items = 0  # batch elements
         self._loop_task = asyncio.get_running_loop().create_task(self._serve())
 
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def load(self) -> int:
+        """Batch elements queued or running."""
+        return self._queued_items + self._running_items
 
     async def submit(
         self, inputs: Arrays, batch_size: int, signature: Hashable, deadline: float = math.inf
@@ -170,6 +185,7 @@ class Batcher:
             )
         future = asyncio.get_running_loop().create_future()
         self._queue.append(Pending(inputs, batch_size, signature, self._clock(), deadline, future))
+        self._queued_items += batch_size
         self._arrived.set()
         return await future
 
@@ -202,7 +218,9 @@ class Batcher:
             self._drop_dead(now)
             decision = form_batch(self._queue, now, self.policy)
             if decision.take:
-                return [self._queue.popleft() for _ in range(decision.take)]
+                batch = [self._queue.popleft() for _ in range(decision.take)]
+                self._queued_items -= sum(p.batch_size for p in batch)
+                return batch
             if self._closing and not self._queue:
                 return None
             self._arrived.clear()
@@ -234,13 +252,22 @@ class Batcher:
                 continue
             alive.append(pending)
         self._queue = alive
+        self._queued_items = sum(p.batch_size for p in alive)
 
     async def _execute(self, batch: list[Pending]) -> None:
         started = self._clock()
         sizes = [p.batch_size for p in batch]
+        self._running_items += sum(sizes)
+        try:
+            await self._run_and_answer(batch, sizes, started)
+        finally:
+            self._running_items -= sum(sizes)
+
+    async def _run_and_answer(self, batch: list[Pending], sizes: list[int],
+                              started: float) -> None:
         inputs = [p.inputs for p in batch]
         try:
-            if self._typical_infer_s < INLINE_BELOW_S:
+            if self._typical_infer_s < self._inline_below_s:
                 parts, timing = self._run_batch(inputs, sizes)
             else:
                 parts, timing = await asyncio.get_running_loop().run_in_executor(

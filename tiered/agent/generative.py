@@ -67,11 +67,13 @@ class GenerativeVersion:
 
     def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine,
                  built_from: Hashable = None, recorder: VersionRecorder | None = None,
-                 build: Mapping[str, str] | None = None) -> None:
+                 build: Mapping[str, str] | None = None, device: str = "") -> None:
         assert config.generation is not None
         self.config = config
         self.version = version
         self.engine = engine
+        self.devices = (device or engine.device,)  # as the energy ledger names it
+        self.ready = True
         self.built_from = built_from
         self.stats = InferenceStats()  # Triton's shape: a step is an execution
         self.tokens = TokenStats()
@@ -116,7 +118,7 @@ class GenerativeVersion:
     def _stepped(self, seconds: float, sequences: int) -> None:
         self.stats.batch_executed(sequences, BatchTiming(0, int(seconds * 1e9), 0))
         if self.recorder is not None:
-            self.recorder.batch_ran(seconds)
+            self.recorder.batch_ran(seconds, self.devices[0], sequences)
 
     async def generate(self, request: GenerationRequest, deadline: float = math.inf,
                        most: int = 1) -> AsyncIterator[list[Piece]]:

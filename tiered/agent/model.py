@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 from opentelemetry import trace
 
-from tiered.agent.batching import Batcher, BatchPolicy, BatchResult
+from tiered.agent.batching import (
+    INLINE_BELOW_S,
+    Batcher,
+    BatchPolicy,
+    BatchResult,
+    least_loaded,
+)
 from tiered.agent.config import ModelConfig
+from tiered.agent.devices import DeviceEngine, EngineLost
 from tiered.engines.base import Engine
 from tiered.errors import InvalidArgument, TieredError, Unavailable
 from tiered.protocol import codec
@@ -26,6 +35,8 @@ from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
 
 log = logging.getLogger(__name__)
+
+RESTART_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # then every 30 s
 
 
 def batch_policy(config: ModelConfig) -> BatchPolicy:
@@ -123,49 +134,87 @@ class Admissions:
                         self.name, self.version, self.count, timeout_s)
 
 
+@dataclass(eq=False)
+class Lane:
+    """One device of a version: its engine, the batcher that feeds it, and
+    whether it is up (an engine in a process of its own can die)."""
+
+    device: str  # the ledger's name of the device: "cpu", "cuda", "cuda:1"
+    engine: Engine
+    batcher: Batcher
+    executor: ThreadPoolExecutor
+    restarts: int = 0
+    down: str = ""  # why the lane takes no requests; "" while up
+
+    @property
+    def load(self) -> int | None:
+        """Batch elements queued or running; None while down."""
+        return None if self.down else self.batcher.load
+
+
 class ModelVersion:
-    """Created and used on the agent's event loop."""
+    """Created and used on the agent's event loop.
+
+    Runs on one engine per device (`engines`, by device name): one, in the
+    agent's process, unless the tier has several devices; then each is an
+    engine process (`devices.py`) fed by a batcher of its own. A request goes
+    to the device with the least work queued and running; one whose engine
+    process dies goes to another while that one restarts."""
 
     def __init__(
         self,
         config: ModelConfig,
         version: int,
-        engine: Engine,
+        engines: Mapping[str, Engine],
         built_from: Hashable = None,
         recorder: VersionRecorder | None = None,
         build: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
         self.version = version
-        self.engine = engine
         self.built_from = built_from  # a reload rebuilds only when this changes
         self.stats = InferenceStats()  # cumulative, Triton's shape
         self.recorder = recorder  # windowed, for routing and rollouts; None: off
         self.build = dict(build or {})  # key figures of its tier build (build.json)
-        self._executor = ThreadPoolExecutor(
-            config.instance_count, thread_name_prefix=f"{config.name}-v{version}"
-        )
-        self._batcher = Batcher(
-            batch_policy(config), self._run, self._executor, on_batch=self._batch_ran,
-            stage=engine.stage,
-        )
+        self.lanes = [self._lane(device, engine) for device, engine in engines.items()]
+        self.engine = self.lanes[0].engine  # what ModelMetadata describes
         self.admissions = Admissions(config.name, version)
+        self._supervisors = [asyncio.get_running_loop().create_task(self._supervise(lane))
+                             for lane in self.lanes if isinstance(lane.engine, DeviceEngine)]
+
+    def _lane(self, device: str, engine: Engine) -> Lane:
+        executor = ThreadPoolExecutor(self.config.instance_count,
+                                      thread_name_prefix=f"{self.config.name}-v{self.version}")
+        batcher = Batcher(
+            batch_policy(self.config), engine.run, executor,
+            on_batch=lambda size, timing: self._batch_ran(device, size, timing),
+            stage=engine.stage,
+            # a remote engine's batch waits on another process: never on the loop
+            inline_below_s=0.0 if isinstance(engine, DeviceEngine) else INLINE_BELOW_S,
+        )
+        return Lane(device, engine, batcher, executor)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(lane.device for lane in self.lanes)
+
+    @property
+    def ready(self) -> bool:
+        """Some device of it takes requests."""
+        return any(not lane.down for lane in self.lanes)
 
     @property
     def queue_depth(self) -> int:
-        return self._batcher.queue_depth
+        return sum(lane.batcher.queue_depth for lane in self.lanes)
 
     @property
     def in_flight(self) -> int:
         return self.admissions.count
 
-    def _run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.engine.run(inputs)
-
-    def _batch_ran(self, size: int, timing: BatchTiming) -> None:
+    def _batch_ran(self, device: str, size: int, timing: BatchTiming) -> None:
         self.stats.batch_executed(size, timing)
         if self.recorder is not None:
-            self.recorder.batch_ran(timing.infer_ns / 1e9)
+            self.recorder.batch_ran(timing.infer_ns / 1e9, device, size)
 
     def _failed(self, elapsed_ns: int) -> None:
         self.stats.request_failed(elapsed_ns, _now_ms())
@@ -193,7 +242,7 @@ class ModelVersion:
                 inputs = self.engine.accept(inputs)
                 signature = tuple((n, a.dtype.str, a.shape[1:])
                                   for n, a in sorted(inputs.items()))
-                result = await self._batcher.submit(inputs, batch_size, signature, deadline)
+                result = await self._submit(inputs, batch_size, signature, deadline)
             except TieredError:
                 self._failed(time.perf_counter_ns() - started)
                 raise
@@ -209,12 +258,63 @@ class ModelVersion:
             _trace_phases(tracer, result)
         return {name: result.outputs[name] for name in outputs}
 
+    async def _submit(self, inputs, batch_size: int, signature: Hashable,
+                      deadline: float) -> BatchResult:
+        """Queue on the least loaded device; where its engine process is lost
+        on the way, on the next (every device is tried once)."""
+        tried: list[Lane] = []
+        while True:
+            index = least_loaded([None if lane in tried else lane.load for lane in self.lanes])
+            if index is None:
+                raise Unavailable(
+                    f"model {self.config.name!r} version {self.version}: no device takes "
+                    "requests (" + "; ".join(f"{lane.device}: {lane.down or 'lost the request'}"
+                                             for lane in self.lanes) + ")")
+            lane = self.lanes[index]
+            try:
+                return await lane.batcher.submit(inputs, batch_size, signature, deadline)
+            except EngineLost as error:
+                log.warning("%s v%d: %s; trying another device", self.config.name,
+                            self.version, error)
+                tried.append(lane)
+
+    async def _supervise(self, lane: Lane) -> None:
+        """Restart the lane's engine process whenever it dies, backing off while
+        it fails to start (a device that is gone stays down, with the reason)."""
+        engine = lane.engine
+        assert isinstance(engine, DeviceEngine)
+        while True:
+            code = await asyncio.to_thread(engine.wait)
+            if self.admissions.closing:
+                return
+            lane.down = f"engine process exited with code {code}; restarting"
+            log.error("%s v%d on %s: %s", self.config.name, self.version, lane.device, lane.down)
+            for delay in itertools.chain(RESTART_DELAYS_S, itertools.repeat(RESTART_DELAYS_S[-1])):
+                await asyncio.sleep(delay)
+                if self.admissions.closing:
+                    return
+                try:
+                    await asyncio.to_thread(engine.start)
+                except (TieredError, OSError) as error:
+                    lane.down = f"restart failed: {error}"
+                    log.error("%s v%d on %s: %s", self.config.name, self.version,
+                              lane.device, lane.down)
+                    continue
+                lane.restarts += 1
+                lane.down = ""
+                log.info("%s v%d on %s: engine process restarted (pid %s)",
+                         self.config.name, self.version, lane.device, engine.pid)
+                break
+
     async def drain(self, timeout_s: float) -> None:
-        """Refuse new requests, let in-flight ones finish, then release the engine."""
+        """Refuse new requests, let in-flight ones finish, then release the engines."""
         await self.admissions.close(timeout_s)
-        await self._batcher.close()
-        self._executor.shutdown(wait=True)
-        self.engine.close()
+        for task in self._supervisors:
+            task.cancel()
+        for lane in self.lanes:
+            await lane.batcher.close()
+            lane.executor.shutdown(wait=True)
+            await asyncio.to_thread(lane.engine.close)
 
 
 def _trace_phases(tracer: trace.Tracer, result: BatchResult) -> None:

@@ -26,6 +26,7 @@ from tiered.agent.config import (
     complete_with_engine,
     parse_model_config,
 )
+from tiered.agent.devices import DeviceEngine, DevicePool, EngineSpec
 from tiered.agent.generative import GenerativeVersion, with_tensors
 from tiered.agent.model import ModelVersion
 from tiered.engines import Engine, open_engine
@@ -33,7 +34,7 @@ from tiered.engines import build as build_report
 from tiered.engines.base import warm_up
 from tiered.engines.generative import is_checkpoint, open_generative
 from tiered.errors import ConfigError, InvalidArgument, NotFound, TieredError, Unavailable
-from tiered.profiles import TierProfile
+from tiered.profiles import MiB, TierProfile
 from tiered.settings import read_yaml
 from tiered.telemetry.recorder import VersionRecorder
 
@@ -103,11 +104,13 @@ class ModelRepository:
         profile: TierProfile,
         engine_factory: EngineFactory = open_engine,
         telemetry: bool = True,
+        devices: DevicePool | None = None,
     ) -> None:
         if not root.is_dir():
             raise ConfigError(f"model repository {root} is not a directory")
         self.root = root
         self.profile = profile
+        self.devices = devices or DevicePool()  # none: engines run in this process
         self._engine_factory = engine_factory
         self._telemetry = telemetry  # windowed per-version recorders (tiered.v1.Telemetry)
         self._models: dict[str, ModelEntry] = {}
@@ -139,10 +142,9 @@ class ModelRepository:
 
     def is_ready(self, name: str, version: str = "") -> bool:
         try:
-            self.get(name, version)
+            return self.get(name, version).ready
         except TieredError:
             return False
-        return True
 
     def all_versions(self) -> list[Served]:
         return [v for entry in self._models.values() for v in entry.versions.values()]
@@ -250,7 +252,6 @@ class ModelRepository:
     async def _build(
         self, config: ModelConfig, wanted: dict[int, Path], current: dict[int, Served]
     ) -> dict[int, Served]:
-        where = f"{config.name}/config.yaml.engine"
         built: dict[int, Served] = {}
         try:
             for version, path in sorted(wanted.items()):
@@ -262,20 +263,17 @@ class ModelRepository:
                 if config.decoupled:
                     built[version] = await self._build_generative(config, version, path, source)
                     continue
-                engine = await asyncio.to_thread(
-                    self._engine_factory, config.backend, path, config.engine, where
-                )
+                engines = await (self._start_engine_processes(config, version, path)
+                                 if self.devices.devices else self._open_engine(config, path))
                 try:
                     where = f"{config.name}/config.yaml (version {version})"
-                    completed = complete_with_engine(config, engine.inputs, engine.outputs, where)
-                    # Before it takes traffic, so a new canary's first answers are not
-                    # judged by a cold engine.
-                    await asyncio.to_thread(warm_up, engine)
+                    first = next(iter(engines.values()))
+                    completed = complete_with_engine(config, first.inputs, first.outputs, where)
                 except TieredError:
-                    engine.close()
+                    await asyncio.gather(*(asyncio.to_thread(e.close) for e in engines.values()))
                     raise
                 built[version] = ModelVersion(
-                    completed, version, engine, built_from=source,
+                    completed, version, engines, built_from=source,
                     recorder=VersionRecorder(time.monotonic) if self._telemetry else None,
                     build=_build_facts(path.parent),
                 )
@@ -286,6 +284,43 @@ class ModelRepository:
             raise
         return built
 
+    async def _open_engine(self, config: ModelConfig, path: Path) -> dict[str, Engine]:
+        """The engine in this process, warm: a new canary's first answers are not
+        judged by a cold engine."""
+        engine = await asyncio.to_thread(self._engine_factory, config.backend, path,
+                                         config.engine, f"{config.name}/config.yaml.engine")
+        try:
+            await asyncio.to_thread(warm_up, engine)
+        except BaseException:
+            engine.close()
+            raise
+        return {self.devices.label(engine.device): engine}
+
+    async def _start_engine_processes(self, config: ModelConfig, version: int,
+                                      path: Path) -> dict[str, Engine]:
+        """One engine process per device, started side by side (each warms its own)."""
+        spec = EngineSpec(config.backend, path, dict(config.engine),
+                          f"{config.name}/config.yaml (version {version}).engine",
+                          config.instance_count)
+        engines = {device.name: DeviceEngine(device, spec, self.devices,
+                                             self.profile.limits.device_arena_mib * MiB)
+                   for device in self.devices.devices}
+        started = await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines.values()),
+                                       return_exceptions=True)
+        failed = [error for error in started if isinstance(error, BaseException)]
+        strings = [s.name for e in engines.values() for s in e.inputs if s.dtype.hasobject]
+        if failed or strings:
+            await asyncio.gather(*(asyncio.to_thread(e.close) for e in engines.values()))
+        if failed:
+            raise failed[0]
+        if strings:  # string tensors do not fit an arena: this process runs it
+            log.warning("%s v%d: input %r holds strings, which an engine process cannot "
+                        "take; it runs in the agent's process", config.name, version, strings[0])
+            return await self._open_engine(config, path)
+        log.info("%s v%d: one engine process on each of %s", config.name, version,
+                 ", ".join(engines))
+        return engines
+
     async def _build_generative(self, config: ModelConfig, version: int, path: Path,
                                 source: tuple) -> GenerativeVersion:
         where = f"{config.name}/config.yaml (version {version})"
@@ -295,7 +330,7 @@ class ModelRepository:
         return GenerativeVersion(
             completed, version, engine, built_from=source,
             recorder=VersionRecorder(time.monotonic) if self._telemetry else None,
-            build=_build_facts(path.parent))
+            build=_build_facts(path.parent), device=self.devices.label(engine.device))
 
     def _drain_later(self, version: Served) -> None:
         task = asyncio.get_running_loop().create_task(

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from tiered.agent.devices import DevicePool, nvml_gpu_count, resolve_devices
 from tiered.agent.feed import FeedServer
 from tiered.agent.front_end import (
     KEEPALIVE_PERMIT,
@@ -107,7 +108,11 @@ async def serve(settings: AgentSettings) -> None:
     profile = settings.profile
     limits = profile.limits
     sys.setswitchinterval(limits.gil_switch_interval_ms / 1000)
-    repository = ModelRepository(settings.repository, profile, telemetry=settings.telemetry)
+    pool = DevicePool(resolve_devices(profile.devices, os.environ, nvml_gpu_count))
+    if pool.devices:
+        log.info("one engine process per device: %s", ", ".join(d.name for d in pool.devices))
+    repository = ModelRepository(settings.repository, profile, telemetry=settings.telemetry,
+                                 devices=pool)
     failed = await repository.load_all()
     if failed and not settings.allow_failed_models:
         await repository.close()

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 
@@ -48,7 +49,7 @@ class Snapshot:
     start: float
     end: float
     summaries: dict[tuple[str, int], Summary]
-    devices: dict[tuple[str, int], str]
+    devices: dict[tuple[str, int], tuple[str, ...]]
     energy: dict[tuple[str, int], VersionEnergy]
     used: dict[str, meters.DeviceEnergy]
 
@@ -64,11 +65,20 @@ class TelemetryHub:
 
     @classmethod
     def for_this_machine(cls, repository: ModelRepository) -> TelemetryHub:
-        """CPU energy always (RAPL or modeled); GPU energy where NVML answers."""
+        """CPU energy always (RAPL or modeled); GPU energy where NVML answers, per
+        device of the pool (else of GPU 0, as "cuda"); a CPU stand-in's modeled
+        from its engine processes' CPU time."""
         found = {"cpu": meters.cpu_meter()}
-        gpu = meters.gpu_meter(0)
-        if gpu is not None:
-            found["cuda"] = gpu
+        pool = repository.devices
+        for device in pool.devices:
+            meter = (meters.gpu_meter(device.visible) if device.gpu else
+                     meters.ModeledCpuMeter(cpu_seconds=partial(pool.cpu_seconds, device.name)))
+            if meter is not None:
+                found[device.name] = meter
+        if not any(d.gpu for d in pool.devices):
+            gpu = meters.gpu_meter(0)
+            if gpu is not None:
+                found["cuda"] = gpu
         for device, meter in found.items():
             log.info("energy of %s from %s", device, meter.source)
         return cls(repository, found)
@@ -93,8 +103,10 @@ class TelemetryHub:
         where a version keeps no recorder (it may have run: no idle sample)."""
         busy: dict[str, float] = {}
         for served in self.repository.all_versions():
-            seconds = math.inf if served.recorder is None else served.recorder.busy_s(start, end)
-            busy[served.engine.device] = busy.get(served.engine.device, 0.0) + seconds
+            ran = ({d: math.inf for d in served.devices} if served.recorder is None
+                   else served.recorder.busy_by_device(start, end))
+            for device, seconds in ran.items():
+                busy[device] = busy.get(device, 0.0) + seconds
         return busy
 
     def snapshot(self, cursor: float = 0.0, model: str = "", version: str = "") -> Snapshot:
@@ -110,10 +122,14 @@ class TelemetryHub:
                 continue
             key = (served.config.name, served.version)
             summaries[key] = served.recorder.since(start, end)
-            devices[key] = served.engine.device
+            devices[key] = served.devices
         used = self.ledger.used(start, end)
-        return Snapshot(start, end, summaries, devices,
-                        energy_per_version(used, summaries, devices), used)
+        return Snapshot(start, end, summaries, devices, energy_per_version(used, summaries), used)
+
+
+def _lane_states(served) -> dict[str, tuple[str, int]]:
+    """Per device of a version: why it is down ("" while up) and its restarts."""
+    return {lane.device: (lane.down, lane.restarts) for lane in getattr(served, "lanes", ())}
 
 
 class TelemetryServicer(tpb_grpc.TelemetryServicer):
@@ -132,9 +148,11 @@ class TelemetryServicer(tpb_grpc.TelemetryServicer):
         for key, summary in sorted(snap.summaries.items()):
             served = versions[key]
             stats = telemetry_messages.version_stats(
-                key[0], key[1], snap.devices[key], summary, snap.energy.get(key),
+                key[0], key[1], ",".join(snap.devices[key]), summary, snap.energy.get(key),
                 served.queue_depth, served.in_flight, LOWEST_S, GROWTH,
             )
+            stats.devices.extend(telemetry_messages.device_shares(
+                summary, snap.energy.get(key), _lane_states(served)))
             if isinstance(served, GenerativeVersion):
                 stats.generation.CopyFrom(telemetry_messages.generation_stats(
                     summary, snap.energy.get(key), snap.end - snap.start, served.running,

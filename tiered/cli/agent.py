@@ -5,6 +5,7 @@ when they run, so building the parser stays cheap."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -53,6 +54,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                        "process's engines through shared memory; 0 serves gRPC in this "
                        "process (default: the tier profile's front_ends, at most half "
                        "the usable cores, none below 4)")
+    agent.add_argument("--devices", metavar="LIST",
+                       help="one engine process per device: 'auto' (every visible GPU, when "
+                       "two or more), a comma-separated list of GPU indices or UUIDs, 'cpu' "
+                       "entries (CPU engine processes standing in for devices, e.g. cpu,cpu), "
+                       "or 'none' (engines in the agent's process) (default: the tier "
+                       "profile's devices)")
     agent.add_argument("--allow-failed-models", action="store_true",
                        help="start even if some models fail to load (they show as UNAVAILABLE)")
     flags.add_tls_flags(agent, dials=False)
@@ -89,6 +96,11 @@ def _run_agent(args: argparse.Namespace) -> int:
 
     try:
         profile = load_profile(args.tier, args.profile)
+        if args.devices is not None:
+            listed = args.devices.strip()
+            profile = dataclasses.replace(profile, devices=(
+                listed if listed == "auto" else [] if listed == "none"
+                else [e.strip() for e in listed.split(",")]))
         if args.front_ends is not None and not 0 <= args.front_ends <= MAX_FRONT_ENDS:
             raise ConfigError(f"--front-ends: must be in 0..{MAX_FRONT_ENDS}, "
                               f"got {args.front_ends}")

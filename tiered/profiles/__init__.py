@@ -24,6 +24,29 @@ __all__ = ["ServerLimits", "TierProfile", "load_profile"]
 
 MiB = 1 << 20
 MAX_FRONT_ENDS = 64
+AUTO = "auto"
+CPU = "cpu"  # an entry of `devices:`: a CPU engine process standing in for a device
+
+
+def parse_devices(setting: Any, where: str = "devices") -> tuple[str, ...] | None:
+    """The profile's `devices:` as entries (GPU index or UUID, or `cpu`); None for `auto`."""
+    if setting == AUTO:
+        return None
+    if not isinstance(setting, (list, tuple)):
+        raise ConfigError(f"{where}: expected {AUTO!r} or a list of GPU indices, GPU UUIDs "
+                          f"or {CPU!r}, got {setting!r}")
+    entries = []
+    for index, entry in enumerate(setting):
+        text = str(entry).strip()
+        if isinstance(entry, bool) or not (text.isdigit() or text.startswith("GPU-")
+                                           or text == CPU):
+            raise ConfigError(f"{where}[{index}]: {entry!r} is not a GPU index, a GPU UUID "
+                              f"(GPU-...) or {CPU!r}")
+        entries.append(text)
+    duplicated = sorted({e for e in entries if e != CPU and entries.count(e) > 1})
+    if duplicated:
+        raise ConfigError(f"{where}: GPU {duplicated[0]} is listed twice")
+    return tuple(entries)
 
 
 @dataclass(frozen=True)
@@ -40,10 +63,13 @@ class ServerLimits:
     # Each front-end process's arena for request bytes on their way to the
     # engine; a request that does not fit travels through the socket instead.
     front_end_arena_mib: int = 64
+    # Each engine process's arena for the batches on their way to its device
+    # (`devices:`); a batch that does not fit travels through the socket.
+    device_arena_mib: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_concurrent_rpcs", "max_queue_size",
-                     "front_end_arena_mib"):
+                     "front_end_arena_mib", "device_arena_mib"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gil_switch_interval_ms <= 100:
@@ -69,6 +95,10 @@ class TierProfile:
     instance_count: int = 1
     # gRPC front-end processes feeding this process's engines (0: it serves gRPC itself)
     front_ends: int = 0
+    # One engine process per device: `auto` (every visible GPU, when there are
+    # two or more), or a list of GPU indices / UUIDs, or `cpu` entries (CPU
+    # engine processes standing in for devices). [] runs engines in the agent.
+    devices: Any = ()
     limits: ServerLimits = ServerLimits()
 
     @property
@@ -83,6 +113,7 @@ class TierProfile:
             raise ConfigError(f"instance_count: must be >= 1, got {self.instance_count}")
         if not 0 <= self.front_ends <= MAX_FRONT_ENDS:
             raise ConfigError(f"front_ends: must be in 0..{MAX_FRONT_ENDS}, got {self.front_ends}")
+        parse_devices(self.devices)
 
 
 def load_profile(tier: str, path: Path | None = None) -> TierProfile:

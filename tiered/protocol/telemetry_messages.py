@@ -54,6 +54,23 @@ def version_stats(
     return message
 
 
+def device_shares(summary, energy, states: Mapping[str, tuple[str, int]]
+                  ) -> list[tpb.DeviceShare]:
+    """A version's part on each device: what it ran, its energy there, and
+    (`states`: device -> (why it is down, restarts)) whether its engine is up."""
+    by_device = energy.by_device if energy is not None else {}
+    shares = []
+    for device in sorted(set(summary.device_busy_s) | set(states)):
+        down, restarts = states.get(device, ("", 0))
+        share = tpb.DeviceShare(device=device, busy_s=summary.device_busy_s.get(device, 0.0),
+                                inferences=summary.device_inferences.get(device, 0),
+                                up=not down, down_reason=down, restarts=restarts)
+        if device in by_device:
+            share.joules = by_device[device]
+        shares.append(share)
+    return shares
+
+
 def generation_stats(summary, energy, span_s: float, running: int, max_sequences: int,
                      lowest_s: float, growth: float) -> tpb.Generation:
     """A generative version's tokens over a span; J/token from its attributed energy."""

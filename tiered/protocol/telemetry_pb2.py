@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptors.POOL.AddSerializedFile(b'\n\x0ftelemetry.proto\x12\ttiered.v1\"I\n\x0cStatsRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x01\"[\n\tHistogram\x12\x10\n\x08lowest_s\x18\x01 \x01(\x01\x12\x0e\n\x06growth\x18\x02 \x01(\x01\x12\x0e\n\x06\x62ucket\x18\x03 \x03(\r\x12\r\n\x05\x63ount\x18\x04 \x03(\x04\x12\r\n\x05sum_s\x18\x05 \x01(\x01\"`\n\x06\x45nergy\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0e\n\x06joules\x18\x03 \x01(\x01\x12\x17\n\nidle_watts\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_idle_watts\"\xc5\x03\n\x0cVersionStats\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07success\x18\x04 \x01(\x04\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\x04\x12\x12\n\ninferences\x18\x06 \x01(\x04\x12%\n\x07latency\x18\x07 \x01(\x0b\x32\x14.tiered.v1.Histogram\x12#\n\x05queue\x18\x08 \x01(\x0b\x32\x14.tiered.v1.Histogram\x12%\n\x07\x63ompute\x18\t \x01(\x0b\x32\x14.tiered.v1.Histogram\x12\x19\n\x11latency_samples_s\x18\n \x03(\x01\x12\x0e\n\x06\x62usy_s\x18\x0b \x01(\x01\x12\x12\n\nhas_energy\x18\x0c \x01(\x08\x12!\n\x06\x65nergy\x18\r \x01(\x0b\x32\x11.tiered.v1.Energy\x12\x1c\n\x14joules_per_inference\x18\x0e \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\r\x12\x11\n\tin_flight\x18\x10 \x01(\r\x12)\n\ngeneration\x18\x11 \x01(\x0b\x32\x15.tiered.v1.Generation\"\x8b\x02\n\nGeneration\x12\x15\n\routput_tokens\x18\x01 \x01(\x04\x12\x31\n\x13time_to_first_token\x18\x02 \x01(\x0b\x32\x14.tiered.v1.Histogram\x12\x33\n\x15time_per_output_token\x18\x03 \x01(\x0b\x32\x14.tiered.v1.Histogram\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12$\n\x17joules_per_output_token\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x15\n\rmax_sequences\x18\x07 \x01(\rB\x1a\n\x18_joules_per_output_token\"\xac\x01\n\rStatsResponse\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12\x10\n\x08window_s\x18\x04 \x01(\x01\x12)\n\x08versions\x18\x05 \x03(\x0b\x32\x17.tiered.v1.VersionStats\x12\"\n\x07\x64\x65vices\x18\x06 \x03(\x0b\x32\x11.tiered.v1.Energy\x12\x10\n\x08instance\x18\x07 \x01(\t\"=\n\x10\x41greementRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"@\n\rTierAgreement\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x61greed\x18\x02 \x01(\x04\x12\x11\n\tdisagreed\x18\x03 \x01(\x04\"N\n\x11\x41greementResponse\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\'\n\x05tiers\x18\x02 \x03(\x0b\x32\x18.tiered.v1.TierAgreement\"#\n\rRoutesRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"M\n\tTierRoute\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0e\n\x06stable\x18\x03 \x01(\x03\x12\x0e\n\x06\x63\x61nary\x18\x04 \x01(\x03\"M\n\x0eRoutesResponse\x12\x15\n\rtable_version\x18\x01 \x01(\x04\x12$\n\x06routes\x18\x02 \x03(\x0b\x32\x14.tiered.v1.TierRoute2\xd4\x01\n\tTelemetry\x12<\n\x05Stats\x12\x17.tiered.v1.StatsRequest\x1a\x18.tiered.v1.StatsResponse\"\x00\x12H\n\tAgreement\x12\x1b.tiered.v1.AgreementRequest\x1a\x1c.tiered.v1.AgreementResponse\"\x00\x12?\n\x06Routes\x12\x18.tiered.v1.RoutesRequest\x1a\x19.tiered.v1.RoutesResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptors.POOL.AddSerializedFile(b'\n\x0ftelemetry.proto\x12\ttiered.v1\"I\n\x0cStatsRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x01\"[\n\tHistogram\x12\x10\n\x08lowest_s\x18\x01 \x01(\x01\x12\x0e\n\x06growth\x18\x02 \x01(\x01\x12\x0e\n\x06\x62ucket\x18\x03 \x03(\r\x12\r\n\x05\x63ount\x18\x04 \x03(\x04\x12\r\n\x05sum_s\x18\x05 \x01(\x01\"`\n\x06\x45nergy\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x0e\n\x06joules\x18\x03 \x01(\x01\x12\x17\n\nidle_watts\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_idle_watts\"\xee\x03\n\x0cVersionStats\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07success\x18\x04 \x01(\x04\x12\x0f\n\x07\x66\x61ilure\x18\x05 \x01(\x04\x12\x12\n\ninferences\x18\x06 \x01(\x04\x12%\n\x07latency\x18\x07 \x01(\x0b\x32\x14.tiered.v1.Histogram\x12#\n\x05queue\x18\x08 \x01(\x0b\x32\x14.tiered.v1.Histogram\x12%\n\x07\x63ompute\x18\t \x01(\x0b\x32\x14.tiered.v1.Histogram\x12\x19\n\x11latency_samples_s\x18\n \x03(\x01\x12\x0e\n\x06\x62usy_s\x18\x0b \x01(\x01\x12\x12\n\nhas_energy\x18\x0c \x01(\x08\x12!\n\x06\x65nergy\x18\r \x01(\x0b\x32\x11.tiered.v1.Energy\x12\x1c\n\x14joules_per_inference\x18\x0e \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x0f \x01(\r\x12\x11\n\tin_flight\x18\x10 \x01(\r\x12)\n\ngeneration\x18\x11 \x01(\x0b\x32\x15.tiered.v1.Generation\x12\'\n\x07\x64\x65vices\x18\x12 \x03(\x0b\x32\x16.tiered.v1.DeviceShare\"\x94\x01\n\x0b\x44\x65viceShare\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x12\n\ninferences\x18\x02 \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\x03 \x01(\x01\x12\x13\n\x06joules\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\n\n\x02up\x18\x05 \x01(\x08\x12\x13\n\x0b\x64own_reason\x18\x06 \x01(\t\x12\x10\n\x08restarts\x18\x07 \x01(\rB\t\n\x07_joules\"\x8b\x02\n\nGeneration\x12\x15\n\routput_tokens\x18\x01 \x01(\x04\x12\x31\n\x13time_to_first_token\x18\x02 \x01(\x0b\x32\x14.tiered.v1.Histogram\x12\x33\n\x15time_per_output_token\x18\x03 \x01(\x0b\x32\x14.tiered.v1.Histogram\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12$\n\x17joules_per_output_token\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x15\n\rmax_sequences\x18\x07 \x01(\rB\x1a\n\x18_joules_per_output_token\"\xac\x01\n\rStatsResponse\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x01\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x01\x12\x10\n\x08window_s\x18\x04 \x01(\x01\x12)\n\x08versions\x18\x05 \x03(\x0b\x32\x17.tiered.v1.VersionStats\x12\"\n\x07\x64\x65vices\x18\x06 \x03(\x0b\x32\x11.tiered.v1.Energy\x12\x10\n\x08instance\x18\x07 \x01(\t\"=\n\x10\x41greementRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"@\n\rTierAgreement\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x61greed\x18\x02 \x01(\x04\x12\x11\n\tdisagreed\x18\x03 \x01(\x04\"N\n\x11\x41greementResponse\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\'\n\x05tiers\x18\x02 \x03(\x0b\x32\x18.tiered.v1.TierAgreement\"#\n\rRoutesRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"M\n\tTierRoute\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\x0e\n\x06stable\x18\x03 \x01(\x03\x12\x0e\n\x06\x63\x61nary\x18\x04 \x01(\x03\"M\n\x0eRoutesResponse\x12\x15\n\rtable_version\x18\x01 \x01(\x04\x12$\n\x06routes\x18\x02 \x03(\x0b\x32\x14.tiered.v1.TierRoute2\xd4\x01\n\tTelemetry\x12<\n\x05Stats\x12\x17.tiered.v1.StatsRequest\x1a\x18.tiered.v1.StatsResponse\"\x00\x12H\n\tAgreement\x12\x1b.tiered.v1.AgreementRequest\x1a\x1c.tiered.v1.AgreementResponse\"\x00\x12?\n\x06Routes\x12\x18.tiered.v1.RoutesRequest\x1a\x19.tiered.v1.RoutesResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,23 +39,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENERGY']._serialized_start=198
   _globals['_ENERGY']._serialized_end=294
   _globals['_VERSIONSTATS']._serialized_start=297
-  _globals['_VERSIONSTATS']._serialized_end=750
-  _globals['_GENERATION']._serialized_start=753
-  _globals['_GENERATION']._serialized_end=1020
-  _globals['_STATSRESPONSE']._serialized_start=1023
-  _globals['_STATSRESPONSE']._serialized_end=1195
-  _globals['_AGREEMENTREQUEST']._serialized_start=1197
-  _globals['_AGREEMENTREQUEST']._serialized_end=1258
-  _globals['_TIERAGREEMENT']._serialized_start=1260
-  _globals['_TIERAGREEMENT']._serialized_end=1324
-  _globals['_AGREEMENTRESPONSE']._serialized_start=1326
-  _globals['_AGREEMENTRESPONSE']._serialized_end=1404
-  _globals['_ROUTESREQUEST']._serialized_start=1406
-  _globals['_ROUTESREQUEST']._serialized_end=1441
-  _globals['_TIERROUTE']._serialized_start=1443
-  _globals['_TIERROUTE']._serialized_end=1520
-  _globals['_ROUTESRESPONSE']._serialized_start=1522
-  _globals['_ROUTESRESPONSE']._serialized_end=1599
-  _globals['_TELEMETRY']._serialized_start=1602
-  _globals['_TELEMETRY']._serialized_end=1814
+  _globals['_VERSIONSTATS']._serialized_end=791
+  _globals['_DEVICESHARE']._serialized_start=794
+  _globals['_DEVICESHARE']._serialized_end=942
+  _globals['_GENERATION']._serialized_start=945
+  _globals['_GENERATION']._serialized_end=1212
+  _globals['_STATSRESPONSE']._serialized_start=1215
+  _globals['_STATSRESPONSE']._serialized_end=1387
+  _globals['_AGREEMENTREQUEST']._serialized_start=1389
+  _globals['_AGREEMENTREQUEST']._serialized_end=1450
+  _globals['_TIERAGREEMENT']._serialized_start=1452
+  _globals['_TIERAGREEMENT']._serialized_end=1516
+  _globals['_AGREEMENTRESPONSE']._serialized_start=1518
+  _globals['_AGREEMENTRESPONSE']._serialized_end=1596
+  _globals['_ROUTESREQUEST']._serialized_start=1598
+  _globals['_ROUTESREQUEST']._serialized_end=1633
+  _globals['_TIERROUTE']._serialized_start=1635
+  _globals['_TIERROUTE']._serialized_end=1712
+  _globals['_ROUTESRESPONSE']._serialized_start=1714
+  _globals['_ROUTESRESPONSE']._serialized_end=1791
+  _globals['_TELEMETRY']._serialized_start=1794
+  _globals['_TELEMETRY']._serialized_end=2006
 # @@protoc_insertion_point(module_scope)

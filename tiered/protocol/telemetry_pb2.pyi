@@ -44,7 +44,7 @@ class Energy(_message.Message):
     def __init__(self, source: _Optional[str] = ..., device: _Optional[str] = ..., joules: _Optional[float] = ..., idle_watts: _Optional[float] = ...) -> None: ...
 
 class VersionStats(_message.Message):
-    __slots__ = ("model_name", "model_version", "device", "success", "failure", "inferences", "latency", "queue", "compute", "latency_samples_s", "busy_s", "has_energy", "energy", "joules_per_inference", "queue_depth", "in_flight", "generation")
+    __slots__ = ("model_name", "model_version", "device", "success", "failure", "inferences", "latency", "queue", "compute", "latency_samples_s", "busy_s", "has_energy", "energy", "joules_per_inference", "queue_depth", "in_flight", "generation", "devices")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class VersionStats(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     device: str
@@ -79,7 +80,26 @@ class VersionStats(_message.Message):
     queue_depth: int
     in_flight: int
     generation: Generation
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., device: _Optional[str] = ..., success: _Optional[int] = ..., failure: _Optional[int] = ..., inferences: _Optional[int] = ..., latency: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., latency_samples_s: _Optional[_Iterable[float]] = ..., busy_s: _Optional[float] = ..., has_energy: _Optional[bool] = ..., energy: _Optional[_Union[Energy, _Mapping]] = ..., joules_per_inference: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceShare]
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., device: _Optional[str] = ..., success: _Optional[int] = ..., failure: _Optional[int] = ..., inferences: _Optional[int] = ..., latency: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., latency_samples_s: _Optional[_Iterable[float]] = ..., busy_s: _Optional[float] = ..., has_energy: _Optional[bool] = ..., energy: _Optional[_Union[Energy, _Mapping]] = ..., joules_per_inference: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceShare, _Mapping]]] = ...) -> None: ...
+
+class DeviceShare(_message.Message):
+    __slots__ = ("device", "inferences", "busy_s", "joules", "up", "down_reason", "restarts")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    INFERENCES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    JOULES_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    DOWN_REASON_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    inferences: int
+    busy_s: float
+    joules: float
+    up: bool
+    down_reason: str
+    restarts: int
+    def __init__(self, device: _Optional[str] = ..., inferences: _Optional[int] = ..., busy_s: _Optional[float] = ..., joules: _Optional[float] = ..., up: _Optional[bool] = ..., down_reason: _Optional[str] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
     __slots__ = ("output_tokens", "time_to_first_token", "time_per_output_token", "tokens_per_s", "joules_per_output_token", "running", "max_sequences")

@@ -91,11 +91,12 @@ class NvmlMeter(EnergyMeter):
 
     source = NVML
 
-    def __init__(self, pynvml: ModuleType, index: int = 0,
+    def __init__(self, pynvml: ModuleType, index: int | str = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self._handle = (pynvml.nvmlDeviceGetHandleByIndex(int(index)) if str(index).isdigit()
+                        else pynvml.nvmlDeviceGetHandleByUUID(index))
         self._clock = clock
         try:
             self._start_mj = pynvml.nvmlDeviceGetTotalEnergyConsumption(self._handle)
@@ -164,8 +165,8 @@ def cpu_meter(root: Path = Path("/sys/class/powercap"),
         return ModeledCpuMeter(model)
 
 
-def gpu_meter(index: int = 0) -> EnergyMeter | None:
-    """NVML for GPU `index`, or None where there is no NVIDIA driver."""
+def gpu_meter(index: int | str = 0) -> EnergyMeter | None:
+    """NVML for GPU `index` (or its UUID), or None where there is no NVIDIA driver."""
     try:
         import pynvml
     except ImportError:

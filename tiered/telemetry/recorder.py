@@ -44,6 +44,9 @@ class Slot:
     failure: int = 0
     inferences: int = 0
     busy_s: float = 0.0
+    # per device (a version may run on several): engine busy seconds, batch elements
+    device_busy_s: dict[str, float] = field(default_factory=dict)
+    device_inferences: dict[str, int] = field(default_factory=dict)
     # Generative versions: output tokens, time to first token, time per output token.
     output_tokens: int = 0
     first_token: Histogram = field(default_factory=Histogram)
@@ -64,6 +67,8 @@ class Summary:
     failure: int = 0
     inferences: int = 0
     busy_s: float = 0.0
+    device_busy_s: dict[str, float] = field(default_factory=dict)
+    device_inferences: dict[str, int] = field(default_factory=dict)
     output_tokens: int = 0
     first_token: Histogram = field(default_factory=Histogram)
     per_token: Histogram = field(default_factory=Histogram)
@@ -77,9 +82,16 @@ class Summary:
         self.failure += slot.failure
         self.inferences += slot.inferences
         self.busy_s += slot.busy_s
+        _add_into(self.device_busy_s, slot.device_busy_s)
+        _add_into(self.device_inferences, slot.device_inferences)
         self.output_tokens += slot.output_tokens
         self.first_token.merge(slot.first_token)
         self.per_token.merge(slot.per_token)
+
+
+def _add_into(total: dict, more: Mapping) -> None:
+    for key, value in more.items():
+        total[key] = total.get(key, 0) + value
 
 
 def slot_start(now: float, slot_s: float = SLOT_S) -> float:
@@ -128,14 +140,21 @@ class VersionRecorder:
         slot.output_tokens += 1
         (slot.first_token if first else slot.per_token).record(seconds_since_previous)
 
-    def batch_ran(self, compute_s: float) -> None:
-        """The engine was busy this long on one batch (for energy attribution)."""
-        self._slot().busy_s += compute_s
+    def batch_ran(self, compute_s: float, device: str, size: int = 0) -> None:
+        """The engine on `device` was busy this long on a batch of `size`
+        elements (for energy attribution)."""
+        slot = self._slot()
+        slot.busy_s += compute_s
+        slot.device_busy_s[device] = slot.device_busy_s.get(device, 0.0) + compute_s
+        slot.device_inferences[device] = slot.device_inferences.get(device, 0) + size
 
-    def busy_s(self, cursor: float, until: float) -> float:
-        """Engine busy time in the slots `since` would merge (without merging them)."""
-        return sum(slot.busy_s for slot in self._slots
-                   if slot.start >= cursor and slot.start + self.slot_s <= until)
+    def busy_by_device(self, cursor: float, until: float) -> dict[str, float]:
+        """Engine busy time per device in the slots `since` would merge."""
+        busy: dict[str, float] = {}
+        for slot in self._slots:
+            if slot.start >= cursor and slot.start + self.slot_s <= until:
+                _add_into(busy, slot.device_busy_s)
+        return busy
 
     def since(self, cursor: float, until: float) -> Summary:
         """Slots that started at or after `cursor` and ended by `until`."""
@@ -196,33 +215,35 @@ class EnergyLedger:
 
 @dataclass(frozen=True)
 class VersionEnergy:
-    joules: float  # the version's share of its device's active energy
+    joules: float  # the version's share of its devices' active energy
     joules_per_inference: float | None
     source: str
-    idle_watts: float  # of the device, subtracted before the split
+    idle_watts: float  # of its devices, subtracted before the split
+    by_device: Mapping[str, float] = field(default_factory=dict)  # its joules on each
 
 
 def energy_per_version(
-    used: Mapping[str, DeviceEnergy],
-    summaries: Mapping[Hashable, Summary],
-    devices: Mapping[Hashable, str],
+    used: Mapping[str, DeviceEnergy], summaries: Mapping[Hashable, Summary],
 ) -> dict[Hashable, VersionEnergy]:
-    """Each device's active energy split among the versions running on it by
-    busy time, so that a version's J/inference does not depend on how long
-    its device sat idle. Nothing for a device whose idle draw is not known
-    yet: a figure with idle in it would not compare with one without."""
-    result: dict[Hashable, VersionEnergy] = {}
+    """Each device's active energy split among the versions that ran on it by
+    their busy time there, and summed per version over its devices, so that a
+    version's J/inference does not depend on how long its devices sat idle.
+    Nothing from a device whose idle draw is not known yet: a figure with
+    idle in it would not compare with one without."""
+    shares: dict[Hashable, dict[str, float]] = {}
     for device, energy in used.items():
         active = energy.active_joules
         if active is None:
             continue
-        on_device = [k for k in summaries if devices.get(k) == device]
-        shares = attribute(
-            active,
-            {k: summaries[k].busy_s for k in on_device},
-            {k: summaries[k].inferences for k in on_device},
-        )
-        for key, share in shares.items():
-            result[key] = VersionEnergy(share.joules, share.joules_per_inference, energy.source,
-                                        energy.idle_watts or 0.0)  # known: active is not None
+        split = attribute(active, {k: s.device_busy_s[device] for k, s in summaries.items()
+                                   if device in s.device_busy_s}, {})
+        for key, share in split.items():
+            shares.setdefault(key, {})[device] = share.joules
+    result: dict[Hashable, VersionEnergy] = {}
+    for key, by_device in shares.items():
+        joules, count = sum(by_device.values()), summaries[key].inferences
+        sources = sorted({used[d].source for d in by_device})
+        result[key] = VersionEnergy(
+            joules, joules / count if count else None, "+".join(sources),
+            sum(used[d].idle_watts or 0.0 for d in by_device), by_device)
     return result

@@ -561,3 +561,25 @@ def test_batches_faster_than_a_thread_hop_run_on_the_event_loop() -> None:
 def test_slow_batches_stay_on_worker_threads() -> None:
     threads = _thread_of_each_batch(engine_s=0.002)
     assert threading.main_thread().name not in threads
+
+
+def test_load_counts_the_batch_elements_queued_and_running() -> None:
+    engine = FakeEngine(sleep_s=0.1)
+    seen = []
+
+    async def scenario(executor):
+        batcher = Batcher(BatchPolicy(0, 0.0, (), 8, instances=1), engine, executor)
+        assert batcher.load == 0
+        sizes = (2, 3, 1)
+        tasks = [asyncio.ensure_future(batcher.submit(_x(0, rows=n), n, "s")) for n in sizes]
+        await asyncio.sleep(0.05)  # the first runs, the others wait
+        seen.append(batcher.load)
+        await tasks[0]
+        await asyncio.sleep(0.05)
+        seen.append(batcher.load)
+        await asyncio.gather(*tasks)
+        seen.append(batcher.load)
+        await batcher.close()
+
+    _run(scenario)
+    assert seen == [6, 4, 0]

@@ -249,3 +249,29 @@ UNSCHEDULABLE = {"status": {"conditions": [{
 ])
 def test_pod_progress_says_how_far_the_furthest_pod_is(pods, progress):
     assert render.pod_progress(pods, NOW) == progress
+
+
+def gpu_spec(gpus):
+    return load_tiered_model({
+        "name": "digits", "artifact": {"uri": "https://models.example/digits.onnx", "sha256": SHA},
+        "tiers": {"edge": {"resources": {"limits": {"cpu": 2}}},
+                  "datacenter": {"resources": {"limits": {"nvidia.com/gpu": gpus}}}},
+        "rollout": {"stages": [{"name": "all", "weights": {"edge": 50, "datacenter": 50}}]}})
+
+
+@pytest.mark.parametrize("gpus", [4, "2"])
+def test_a_pod_given_gpus_runs_an_engine_process_on_each(gpus):
+    artifact = ArtifactVersion(3, spec().artifact.uri, SHA)
+    owner, settings = render.Owner("digits", "uid-1"), render.ClusterSettings("models")
+    datacenter = render.agent_workload(gpu_spec(gpus), "datacenter", artifact, owner, settings)
+    agent = agent_container(datacenter)
+    assert agent["resources"]["limits"] == {"nvidia.com/gpu": str(gpus)}
+    assert agent["command"][agent["command"].index("--devices") + 1] == "auto"
+    edge = render.agent_workload(gpu_spec(gpus), "edge", artifact, owner, settings)
+    assert "--devices" not in agent_container(edge)["command"]
+    kubernetes_validate.validate(datacenter, "1.30.0", strict=True)
+
+
+def test_a_fraction_of_a_gpu_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"limits\.nvidia\.com/gpu: a whole number of GPUs"):
+        gpu_spec("500m")

@@ -146,7 +146,6 @@ class Batcher:
         on_batch: Callable[[int, BatchTiming], None] = lambda size, timing: None,
         clock: Callable[[], float] = time.monotonic,
         stage: StageFn = merge,
-        inline_below_s: float = INLINE_BELOW_S,
     ) -> None:
         self.policy = policy
         self._run = run
@@ -160,7 +159,7 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._closing = False
         self._typical_infer_s = math.inf  # moving average of engine time per batch
-        self._inline_below_s = inline_below_s  # 0: never run a batch on the loop
+        self.inline_below_s = INLINE_BELOW_S  # 0: never run a batch on the loop
         self._queued_items = self._running_items = 0  # batch elements
         self._loop_task = asyncio.get_running_loop().create_task(self._serve())
 
@@ -267,7 +266,7 @@ class Batcher:
                               started: float) -> None:
         inputs = [p.inputs for p in batch]
         try:
-            if self._typical_infer_s < self._inline_below_s:
+            if self._typical_infer_s < self.inline_below_s:
                 parts, timing = self._run_batch(inputs, sizes)
             else:
                 parts, timing = await asyncio.get_running_loop().run_in_executor(

@@ -31,6 +31,7 @@ to start; its lanes stay down, with the reason, in health and status.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -165,6 +166,7 @@ def _process_cpu_s(pid: int) -> float:
 class EngineSpec:
     """What an engine process loads, and how many batches it runs at once."""
 
+    name: str  # the model version, for logs: "resnet v3"
     backend: str
     path: Path
     settings: Mapping[str, Any]
@@ -245,6 +247,29 @@ def _error_of(header: tuple[str, str]) -> TieredError:
 
 # -- the agent's side ------------------------------------------------------------------
 
+async def in_thread(call: Callable[..., Any], *args: Any) -> Any:
+    """`call(*args)` on a thread of its own. Engine processes start, stop and are
+    waited for this way, not on asyncio's default executor: a few long waits
+    there would leave no thread for anything else."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome: Any, failed: bool) -> None:
+        if not future.done():
+            (future.set_exception if failed else future.set_result)(outcome)
+
+    def run() -> None:
+        try:
+            outcome, failed = call(*args), False
+        except BaseException as error:  # handed to the awaiting task
+            outcome, failed = error, True
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, outcome, failed)
+
+    threading.Thread(target=run, daemon=True, name=getattr(call, "__name__", "call")).start()
+    return await future
+
+
 class _InArena(dict):
     """A batch staged in the arena: its arrays, the block that holds them and
     where each array begins in the arena."""
@@ -302,7 +327,8 @@ class DeviceEngine(Engine):
         arena = Arena(self._arena_bytes)
         ours, theirs = socket.socketpair()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": self._device.visible,
-               "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+               "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # GPU indices as NVML counts them
+               "TIERED_DEVICE": self.label, "TIERED_ENGINE": self._spec.name}
         spec = EngineSpec(**{**self._spec.__dict__, "socket_fd": theirs.fileno(),
                              "arena_fd": arena.fd, "arena_bytes": arena.size})
         try:
@@ -498,7 +524,7 @@ def main() -> int:
     os.close(spec.arena_fd)
     send_frame(sock, send_lock, 0, HELLO,
                EngineFacts(engine.inputs, engine.outputs, engine.device, engine.describe()))
-    log.info("engine on %s ready (pid %d)", os.environ.get("CUDA_VISIBLE_DEVICES") or "cpu",
+    log.info("%s on %s ready (pid %d)", spec.name, os.environ.get("TIERED_DEVICE", "?"),
              os.getpid())
 
     def serve(call_id: int, header, payload: memoryview) -> None:

@@ -89,6 +89,11 @@ async def families(hub: TelemetryHub) -> list[Family]:
         "tiered_energy_joules_per_output_token", "gauge",
         f"Active energy (above the device's idle draw) per output token over the last "
         f"{RECENT_S:.0f} s; source nvml or rapl: measured, model: an estimate")
+    engine_up = Family("tiered_engine_up", "gauge",
+                       "1 while a version's engine process on a device takes requests, 0 "
+                       "while it is down (restarting, or its device gone)")
+    restarts = Family("tiered_engine_restarts_total", "counter",
+                      "Times a version's engine process on a device was restarted")
     snap = hub.snapshot(cursor=hub.clock() - RECENT_S)
     for served in hub.repository.all_versions():
         labels = {"model": served.config.name, "version": str(served.version), "tier": tier}
@@ -103,6 +108,10 @@ async def families(hub: TelemetryHub) -> list[Family]:
             family.add_histogram(labels, getattr(stats, field))
         pending.add(labels, served.queue_depth)
         in_flight.add(labels, served.in_flight)
+        for lane in getattr(served, "lanes", ()):
+            if lane.own_process:
+                engine_up.add({**labels, "device": lane.device}, 0 if lane.down else 1)
+                restarts.add({**labels, "device": lane.device}, lane.restarts)
         energy = snap.energy.get((served.config.name, served.version))
         if energy is not None and energy.joules_per_inference is not None:
             per_inference.add({**labels, "source": energy.source}, energy.joules_per_inference)
@@ -129,7 +138,8 @@ async def families(hub: TelemetryHub) -> list[Family]:
             idle.add(labels, watts)
     return [success, failure, count, executions, *(f for f, _ in durations), pending,
             *(f for f, _ in histograms), in_flight, per_inference,
-            *(f for f, _ in token_histograms), output_tokens, running, per_token, total, idle]
+            *(f for f, _ in token_histograms), output_tokens, running, per_token, engine_up,
+            restarts, total, idle]
 
 
 def serve_metrics(hub: TelemetryHub, host: str, port: int) -> int:

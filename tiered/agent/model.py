@@ -20,14 +20,13 @@ import numpy as np
 from opentelemetry import trace
 
 from tiered.agent.batching import (
-    INLINE_BELOW_S,
     Batcher,
     BatchPolicy,
     BatchResult,
     least_loaded,
 )
 from tiered.agent.config import ModelConfig
-from tiered.agent.devices import DeviceEngine, EngineLost
+from tiered.agent.devices import DeviceEngine, EngineLost, in_thread
 from tiered.engines.base import Engine
 from tiered.errors import InvalidArgument, TieredError, Unavailable
 from tiered.protocol import codec
@@ -147,6 +146,11 @@ class Lane:
     down: str = ""  # why the lane takes no requests; "" while up
 
     @property
+    def own_process(self) -> bool:
+        """Its engine runs in an engine process (`devices.py`), not the agent's."""
+        return isinstance(self.engine, DeviceEngine)
+
+    @property
     def load(self) -> int | None:
         """Batch elements queued or running; None while down."""
         return None if self.down else self.batcher.load
@@ -180,7 +184,7 @@ class ModelVersion:
         self.engine = self.lanes[0].engine  # what ModelMetadata describes
         self.admissions = Admissions(config.name, version)
         self._supervisors = [asyncio.get_running_loop().create_task(self._supervise(lane))
-                             for lane in self.lanes if isinstance(lane.engine, DeviceEngine)]
+                             for lane in self.lanes if lane.own_process]
 
     def _lane(self, device: str, engine: Engine) -> Lane:
         executor = ThreadPoolExecutor(self.config.instance_count,
@@ -189,10 +193,11 @@ class ModelVersion:
             batch_policy(self.config), engine.run, executor,
             on_batch=lambda size, timing: self._batch_ran(device, size, timing),
             stage=engine.stage,
-            # a remote engine's batch waits on another process: never on the loop
-            inline_below_s=0.0 if isinstance(engine, DeviceEngine) else INLINE_BELOW_S,
         )
-        return Lane(device, engine, batcher, executor)
+        lane = Lane(device, engine, batcher, executor)
+        if lane.own_process:  # its batches wait on another process: never on the loop
+            batcher.inline_below_s = 0.0
+        return lane
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -284,7 +289,7 @@ class ModelVersion:
         engine = lane.engine
         assert isinstance(engine, DeviceEngine)
         while True:
-            code = await asyncio.to_thread(engine.wait)
+            code = await in_thread(engine.wait)
             if self.admissions.closing:
                 return
             lane.down = f"engine process exited with code {code}; restarting"
@@ -294,7 +299,7 @@ class ModelVersion:
                 if self.admissions.closing:
                     return
                 try:
-                    await asyncio.to_thread(engine.start)
+                    await in_thread(engine.start)
                 except (TieredError, OSError) as error:
                     lane.down = f"restart failed: {error}"
                     log.error("%s v%d on %s: %s", self.config.name, self.version,
@@ -314,7 +319,7 @@ class ModelVersion:
         for lane in self.lanes:
             await lane.batcher.close()
             lane.executor.shutdown(wait=True)
-            await asyncio.to_thread(lane.engine.close)
+            await in_thread(lane.engine.close)
 
 
 def _trace_phases(tracer: trace.Tracer, result: BatchResult) -> None:

@@ -26,7 +26,7 @@ from tiered.agent.config import (
     complete_with_engine,
     parse_model_config,
 )
-from tiered.agent.devices import DeviceEngine, DevicePool, EngineSpec
+from tiered.agent.devices import DeviceEngine, DevicePool, EngineSpec, in_thread
 from tiered.agent.generative import GenerativeVersion, with_tensors
 from tiered.agent.model import ModelVersion
 from tiered.engines import Engine, open_engine
@@ -270,7 +270,7 @@ class ModelRepository:
                     first = next(iter(engines.values()))
                     completed = complete_with_engine(config, first.inputs, first.outputs, where)
                 except TieredError:
-                    await asyncio.gather(*(asyncio.to_thread(e.close) for e in engines.values()))
+                    await asyncio.gather(*(in_thread(e.close) for e in engines.values()))
                     raise
                 built[version] = ModelVersion(
                     completed, version, engines, built_from=source,
@@ -299,18 +299,18 @@ class ModelRepository:
     async def _start_engine_processes(self, config: ModelConfig, version: int,
                                       path: Path) -> dict[str, Engine]:
         """One engine process per device, started side by side (each warms its own)."""
-        spec = EngineSpec(config.backend, path, dict(config.engine),
+        spec = EngineSpec(f"{config.name} v{version}", config.backend, path, dict(config.engine),
                           f"{config.name}/config.yaml (version {version}).engine",
                           config.instance_count)
         engines = {device.name: DeviceEngine(device, spec, self.devices,
                                              self.profile.limits.device_arena_mib * MiB)
                    for device in self.devices.devices}
-        started = await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines.values()),
+        started = await asyncio.gather(*(in_thread(e.start) for e in engines.values()),
                                        return_exceptions=True)
         failed = [error for error in started if isinstance(error, BaseException)]
         strings = [s.name for e in engines.values() for s in e.inputs if s.dtype.hasobject]
         if failed or strings:
-            await asyncio.gather(*(asyncio.to_thread(e.close) for e in engines.values()))
+            await asyncio.gather(*(in_thread(e.close) for e in engines.values()))
         if failed:
             raise failed[0]
         if strings:  # string tensors do not fit an arena: this process runs it

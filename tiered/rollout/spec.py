@@ -190,6 +190,9 @@ class Toleration(_Checked):
                              enum=("", "NoSchedule", "PreferNoSchedule", "NoExecute"))
 
 
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
 @dataclass(frozen=True)
 class Resources(_Checked):
     """Container resources of the tier's agents, as Kubernetes quantities."""
@@ -198,6 +201,19 @@ class Resources(_Checked):
                                                   doc="e.g. {cpu: 2, memory: 4Gi}")
     limits: Mapping[str, Quantity] = spec_field(default_factory=dict,
                                                 doc="e.g. {nvidia.com/gpu: 1}")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for kind in ("requests", "limits"):
+            gpus = str(getattr(self, kind).get(GPU_RESOURCE, "0"))
+            if not gpus.isdigit():
+                raise ConfigError(f"resources.{kind}.{GPU_RESOURCE}: a whole number of GPUs, "
+                                  f"got {gpus!r}")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs a pod asks for: the limit, else the request (they must agree)."""
+        return int(str(self.limits.get(GPU_RESOURCE) or self.requests.get(GPU_RESOURCE) or 0))
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,9 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
         agent_mounts = mounts
     resources = {k: dict(v) for k, v in (("requests", tier_spec.resources.requests),
                                          ("limits", tier_spec.resources.limits)) if v}
+    # A pod given GPUs sees those alone (the device plugin): one engine process
+    # on each, when there are several.
+    devices = ["--devices", "auto"] if tier in GPU_TIERS and tier_spec.resources.gpus else []
     pod = {
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
         "initContainers": [{
@@ -231,7 +234,7 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
             "command": ["tiered", "agent", "--tier", tier, "--model-repository", MODELS_DIR,
                         "--host", "0.0.0.0", "--port", str(AGENT_PORT),
                         "--metrics-port", str(AGENT_METRICS_PORT), *http, *security,
-                        *extra.extra_args],
+                        *devices, *extra.extra_args],
             "ports": [{"name": "grpc", "containerPort": AGENT_PORT},
                       {"name": "metrics", "containerPort": AGENT_METRICS_PORT},
                       *([{"name": "http", "containerPort": pods.http_port}]

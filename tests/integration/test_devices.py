@@ -1,5 +1,5 @@
 """One agent, one engine process per device: CPU engine processes stand in
-for GPUs (`--devices cpu,cpu,cpu`). Requests spread by load, each device
+for GPUs (`--devices cpu,cpu,cpu`), behind two front-end processes. Requests spread by load, each device
 forms its own batches, statistics and energy are kept per device and summed
 per version, a dead engine process is restarted while its requests go to the
 others (none lost), and a device that cannot come back is reported.
@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tiered.agent.repository import model_file, write_config
@@ -45,9 +46,12 @@ def repository(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def agent(repository):
     with AgentProcess("edge", repository,
-                      extra_args=["--devices", "cpu,cpu,cpu", "--front-ends", "0"]) as process:
+                      extra_args=["--devices", "cpu,cpu,cpu", "--front-ends", "2"]) as process:
         yield process
         assert process.alive(), process.log_tail()
+        engines = [pid for pids in engine_processes(process).values() for pid in pids]
+    # a stopped agent leaves no engine process behind
+    assert engines and not [pid for pid in engines if Path(f"/proc/{pid}").exists()]
 
 
 def engine_processes(agent) -> dict[str, list[int]]:
@@ -75,6 +79,11 @@ def stats(agent, model: str) -> tpb.VersionStats:
         reply = tpb_grpc.TelemetryStub(channel).Stats(tpb.StatsRequest(model_name=model))
     (version,) = reply.versions
     return version
+
+
+def health(agent) -> int:
+    with grpc.insecure_channel(agent.address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
 
 
 def shares(agent, model: str) -> dict[str, tpb.DeviceShare]:
@@ -225,6 +234,8 @@ def test_a_device_that_cannot_come_back_is_reported_and_the_others_serve(agent, 
                 os.kill(pids[device], signal.SIGKILL)
             wait_for(lambda: not client.is_model_ready("add_sub"), 30,
                      "the model to be not ready with no device up")
+            wait_for(lambda: health(agent) == health_pb2.HealthCheckResponse.NOT_SERVING, 10,
+                     "health to say NOT_SERVING")
             with pytest.raises(InferenceServerException) as refused:
                 client.infer("add_sub", add_sub_inputs(rows))
             assert "no device takes requests" in str(refused.value)
@@ -233,6 +244,8 @@ def test_a_device_that_cannot_come_back_is_reported_and_the_others_serve(agent, 
             wait_for(lambda: client.is_model_ready("add_sub"), 60, "a device to come back")
             wait_for(lambda: all(s.up for s in shares(agent, "add_sub").values()), 60,
                      "every device to come back")
+            wait_for(lambda: health(agent) == health_pb2.HealthCheckResponse.SERVING, 10,
+                     "health to say SERVING again")
             result = client.infer("add_sub", add_sub_inputs(rows))
             np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows + rows)
     finally:

@@ -210,6 +210,8 @@ async def serve(settings: AgentSettings) -> None:
     servicer.ready = http_servicer.ready = True
     for service in ("", descriptors.INFERENCE_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    watching = (asyncio.get_running_loop().create_task(_watch_devices(repository, health_servicer))
+                if pool.devices else None)
     models = ", ".join(sorted({v.config.name for v in repository.all_versions()})) or "none"
     fronted = f"; {processes} front-end processes" if processes else ""
     if rest_server is not None:
@@ -228,6 +230,8 @@ async def serve(settings: AgentSettings) -> None:
     await stop.wait()
 
     log.info("shutting down: refusing new requests, draining in-flight ones")
+    if watching is not None:
+        watching.cancel()
     servicer.ready = http_servicer.ready = False
     await health_servicer.enter_graceful_shutdown()
     # REST drains beside gRPC: both answer their in-flight calls from here.
@@ -241,6 +245,28 @@ async def serve(settings: AgentSettings) -> None:
     await hub.stop()
     await repository.close()
     log.info("stopped")
+
+
+DEVICE_CHECK_S = 1.0
+
+
+async def _watch_devices(repository: ModelRepository,
+                         health_servicer: health.aio.HealthServicer) -> None:
+    """Health says NOT_SERVING while some model has no device up (its engine
+    processes all down: their GPUs gone, say), so probes and routers see it."""
+    serving = True
+    while True:
+        await asyncio.sleep(DEVICE_CHECK_S)
+        stranded = sorted({v.config.name for v in repository.all_versions() if not v.ready})
+        if serving != (not stranded):
+            serving = not stranded
+            if stranded:
+                log.error("no device takes requests for %s: health is NOT_SERVING",
+                          ", ".join(stranded))
+            status = (health_pb2.HealthCheckResponse.SERVING if serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for service in ("", descriptors.INFERENCE_SERVICE):
+                await health_servicer.set(service, status)
 
 
 async def _close_feed(feed: FeedServer, held: socket.socket, private: Path) -> None:

@@ -127,15 +127,15 @@ def gpu() -> dict[str, Any]:
 
 
 class NvmlEnergy:
-    """NVML's total-energy counter of GPU 0 (mJ since driver load, Volta and
+    """NVML's total-energy counter of one GPU (mJ since driver load, Volta and
     later), in joules. Raises where there is no driver, library or counter."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
         import pynvml
 
         pynvml.nvmlInit()
         self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         self.read()  # fails here, not in the middle of a window
 
     def read(self) -> float:
@@ -380,6 +380,9 @@ class Load:
     # any); none asked: the server sends them all.
     outputs: Mapping[str, tuple[int, ...] | None] = field(default_factory=dict)
     timeout_s: float = 60.0
+    # Inputs from system shared memory: each client process writes each input
+    # once into a region of its own and registers it; requests name the region.
+    shared_memory: bool = False
 
     @classmethod
     def random(cls, model: str, input_name: str, shape: Sequence[int], *, pool: int = 1,
@@ -401,6 +404,34 @@ class Load:
                 request.append(item)
             pool.append(request)
         return pool
+
+    async def prepare(self, client: aioclient.InferenceServerClient
+                      ) -> tuple[list[list[grpcclient.InferInput]], Callable[[], Any]]:
+        """The request pool for one client, and what releases it afterwards."""
+        if not self.shared_memory:
+            return self.requests(), lambda: None
+        import tritonclient.utils.shared_memory as shm
+
+        pool, handles = [], []
+        for index, arrays in enumerate(self.inputs):
+            request = []
+            for name, array in arrays.items():
+                region = f"bench-{os.getpid()}-{id(client)}-{index}-{name}"
+                handle = shm.create_shared_memory_region(region, f"/{region}", array.nbytes)
+                handles.append(handle)
+                shm.set_shared_memory_region(handle, [np.ascontiguousarray(array)])
+                await client.register_system_shared_memory(region, f"/{region}", array.nbytes)
+                item = grpcclient.InferInput(name, list(array.shape),
+                                             np_to_triton_dtype(array.dtype))
+                item.set_shared_memory(region, array.nbytes)
+                request.append(item)
+            pool.append(request)
+
+        def release() -> None:
+            for handle in handles:
+                shm.destroy_shared_memory_region(handle)
+
+        return pool, release
 
     def requested_outputs(self) -> list[grpcclient.InferRequestedOutput] | None:
         return [grpcclient.InferRequestedOutput(name) for name in self.outputs] or None
@@ -479,16 +510,20 @@ def _client_main(address: str, load: Load, workers: int, control: Any, results: 
     request, waits for its schedule, runs `workers` workers, sends its tally."""
     async def main() -> Tally:
         async with aioclient.InferenceServerClient(address) as client:
-            requests = load.requests()
-            error = await _send(client, load, requests[0], load.requested_outputs())
-            if error is not None:
-                raise RuntimeError(f"first request to {address} failed: {error}")
-            results.put(("ready", None))
-            schedule = await asyncio.get_running_loop().run_in_executor(None, control.get)
-            tally = Tally()
-            await asyncio.gather(_cpu_during(schedule, tally), *(
-                _worker(client, load, requests, n, schedule, tally) for n in range(workers)))
-            return tally
+            requests, release = await load.prepare(client)
+            try:
+                error = await _send(client, load, requests[0], load.requested_outputs())
+                if error is not None:
+                    raise RuntimeError(f"first request to {address} failed: {error}")
+                results.put(("ready", None))
+                schedule = await asyncio.get_running_loop().run_in_executor(None, control.get)
+                tally = Tally()
+                await asyncio.gather(_cpu_during(schedule, tally), *(
+                    _worker(client, load, requests, n, schedule, tally)
+                    for n in range(workers)))
+                return tally
+            finally:
+                release()
 
     try:
         results.put(("done", asyncio.run(main())))

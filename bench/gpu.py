@@ -692,6 +692,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunSettings, argparse.Namesp
                         help=f"whole agents sharing the GPU (default {defaults.scale_out_agents})")
     parser.add_argument("--front-ends", type=int, help="front-end processes of the agent "
                         f"measured against its one-process self (default {defaults.front_ends})")
+    parser.add_argument("--devices", type=int, metavar="N",
+                        help="instead: one agent over 1, 2, 4 .. N GPUs (one engine process "
+                        "each), against the one-GPU agent, shared-memory inputs "
+                        "(bench/devices.py; --device cpu: CPU stand-ins); writes "
+                        "bench/results/gpu-devices.json unless --out")
+    parser.add_argument("--request-batch", type=int, default=8,
+                        help="images per request with --devices (default 8)")
     common.add_arguments(parser, "gpu")
     args = common.parse(parser, argv, "gpu")
     given = {
@@ -715,6 +722,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunSettings, argparse.Namesp
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings, args = parse_args(argv)
+    if args.devices:
+        return devices_main(settings, args)
     result = run(settings, args.smoke)
     print(report(result))
     common.write(result, args.out)
@@ -724,6 +733,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "inprocess": (result["inprocess"], ("img_per_s", "p50_ms")),
             "comparison": (result["comparison"], ("served_img_per_s", "served_vs_best_host")),
         })
+    return 0
+
+
+def devices_main(settings: RunSettings, args: argparse.Namespace) -> int:
+    from bench import devices
+
+    if args.devices < 1 or args.request_batch < 1:
+        raise SystemExit("--devices and --request-batch: must be >= 1")
+    settings = replace(settings, max_batch_size=max(settings.max_batch_size, args.request_batch))
+    result = devices.run(settings, args.devices, args.request_batch, args.smoke,
+                         write_repository)
+    print(devices.report(result))
+    out = args.out
+    if out == common.RESULTS / "gpu.json":
+        out = common.RESULTS / "gpu-devices.json"
+    common.write(result, out)
+    if args.smoke:
+        return common.smoke_exit({"rows": (result["rows"], ("img_per_s", "p50_ms", "p99_ms"))})
     return 0
 
 

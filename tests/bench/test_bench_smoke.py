@@ -169,6 +169,24 @@ def test_gpu_bench_runs_its_served_setups_and_diagnostics_on_a_cpu(tmp_path):
     assert_header(stdout, "setup", "c", "procs", "img/s")
 
 
+def test_gpu_bench_over_devices_spreads_one_agent_over_cpu_stand_ins(tmp_path):
+    result, stdout = run_smoke("gpu", tmp_path, "--device", "cpu", "--devices", "2")
+    rows = {r["setup"]: r for r in result["rows"]}
+    assert list(rows) == ["in the agent's process, 1 device", "1 engine process",
+                          "2 engine processes"]
+    for row in rows.values():
+        assert_window(row)
+        assert positive(row["img_per_s"]) and row["request_batch"] == 8
+    # the agent's own per-device figures: each engine process ran a share
+    assert set(rows["2 engine processes"]["device_share"]) == {"cpu:0", "cpu:1"}
+    assert sum(rows["2 engine processes"]["device_share"].values()) == pytest.approx(1.0)
+    assert rows["in the agent's process, 1 device"]["vs_one_device"] == 1.0
+    assert rows["in the agent's process, 1 device"]["j_per_img_node"] is None  # no NVML
+    assert_targets(result["targets"], {"2 devices", "4 devices"})
+    assert {t["name"]: t["verdict"] for t in result["targets"]}["4 devices"] == "N/A"
+    assert_header(stdout, "setup", "c", "img/s", "x", "one", "p50")
+
+
 def test_energy_bench_aligns_agent_and_direct_energy_on_a_cpu(tmp_path):
     result, stdout = run_smoke("energy", tmp_path, "--device", "cpu")
     (row,) = result["served"]

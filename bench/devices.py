@@ -89,6 +89,13 @@ def per_device(address: str, since: float) -> dict[str, Mapping[str, float]]:
             for version in reply.versions for share in version.devices}
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds of process `pid` alone, and of its live children together."""
+    own = common._stat(pid)
+    alone = (int(own[11]) + int(own[12])) / common._clock_ticks() if own else 0.0
+    return alone, (common.process_cpu_s(pid) or 0.0) - alone
+
+
 def setup_point(name: str, devices_flag: str, used: int, concurrency: int,
                 settings: Any, request_batch: int, repo: Path,
                 meters: Meters) -> dict[str, Any]:
@@ -102,10 +109,10 @@ def setup_point(name: str, devices_flag: str, used: int, concurrency: int,
     with common.serving([agent]) as (started,):
         stats = grpcclient.InferenceServerClient(started.address)
 
-        def probe() -> tuple[float, list[float], dict[str, int]]:
+        def probe() -> tuple[float, list[float], dict[str, int], tuple[float, float]]:
             totals = common.stats_totals(stats.get_inference_statistics(MODEL, as_json=True),
                                          MODEL)
-            return time.monotonic(), meters.read(), totals
+            return time.monotonic(), meters.read(), totals, cpu_seconds(started.pid)
 
         try:
             window = common.closed_loop([started.address], load, concurrency, settings.warmup_s,
@@ -118,7 +125,7 @@ def setup_point(name: str, devices_flag: str, used: int, concurrency: int,
         finally:
             stats.close()
         log_tail = started.log_tail(6)
-    (t0, j0, before), (t1, j1, after) = window.before, window.after
+    (t0, j0, before, cpu0), (t1, j1, after, cpu1) = window.before, window.after
     summary = window.summary()
     images = summary["requests"] * request_batch
     seconds = t1 - t0
@@ -133,6 +140,10 @@ def setup_point(name: str, devices_flag: str, used: int, concurrency: int,
         "formed_batch": common.formed_batch(delta),
         # of the images the agent ran over the window, the share each device ran
         "device_share": {d: common.ratio(s["inferences"], ran) for d, s in sorted(shares.items())},
+        # CPU cores busy: the agent's own process (batchers, merge into the
+        # engines' arenas), and its children (front ends, engine processes)
+        "agent_cpu_cores": common.ratio(cpu1[0] - cpu0[0], seconds),
+        "children_cpu_cores": common.ratio(cpu1[1] - cpu0[1], seconds),
         "j_per_img_node": common.ratio(sum(joules), images or None) if joules else None,
         "j_per_img_device": [common.ratio(j * len(joules), images or None) for j in joules],
         "watts_per_device": [common.ratio(j, seconds) for j in joules],
@@ -187,10 +198,11 @@ def targets(rows: Sequence[Mapping[str, Any]], asked: int) -> list[common.Target
 
 def report(result: Mapping[str, Any]) -> str:
     table = common.table(
-        ["setup", "c", "img/s", "x one", "p50 ms", "p99 ms", "batch", "err", "device share",
-         "J/img node", "J/img per device"],
+        ["setup", "c", "img/s", "x one", "p50 ms", "p99 ms", "batch", "err", "agent cpu",
+         "children cpu", "device share", "J/img node", "J/img per device"],
         [[r["setup"], r["concurrency"], r["img_per_s"], r["vs_one_device"], r["p50_ms"],
-          r["p99_ms"], r["formed_batch"], r["errors"],
+          r["p99_ms"], r["formed_batch"], r["errors"], r["agent_cpu_cores"],
+          r["children_cpu_cores"],
           " ".join(f"{d}:{cell(s)}" for d, s in r["device_share"].items()),
           r["j_per_img_node"], " ".join(cell(j) for j in r["j_per_img_device"])]
          for r in result["rows"]])

@@ -53,7 +53,7 @@ import numpy as np
 
 from tiered import errors
 from tiered.agent.feed import IN_ARENA, INLINE, Arena, Block
-from tiered.engines.base import Engine, TensorSpec, concatenate_into
+from tiered.engines.base import Engine, TensorSpec
 from tiered.errors import ConfigError, EngineError, TieredError, Unavailable
 from tiered.profiles import CPU, parse_devices
 
@@ -385,7 +385,9 @@ class DeviceEngine(Engine):
             shape = (sum(p.shape[0] for p in ps), *ps[0].shape[1:])
             out = np.frombuffer(arena.memory, ps[0].dtype, sizes[name] // ps[0].itemsize,
                                 at).reshape(shape)
-            staged[name] = concatenate_into(ps, out) if len(ps) > 1 else _copy(ps[0], out)
+            # numpy lets the GIL go while it copies: the batches of several
+            # devices (and instances) merge on as many cores at once
+            staged[name] = np.concatenate(ps, out=out) if len(ps) > 1 else _copy(ps[0], out)
             staged.offsets[name] = at
             at += sizes[name]
         return staged
@@ -497,7 +499,7 @@ class DeviceEngine(Engine):
 
 
 def _copy(part: np.ndarray, out: np.ndarray) -> np.ndarray:
-    out[...] = part
+    np.copyto(out, part)
     return out
 
 

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from opentelemetry import trace
@@ -36,6 +36,7 @@ from tiered.telemetry.recorder import VersionRecorder
 log = logging.getLogger(__name__)
 
 RESTART_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # then every 30 s
+BATCHES_AHEAD = 2  # an engine process's batches in flight, per instance of its engine
 
 
 def batch_policy(config: ModelConfig) -> BatchPolicy:
@@ -187,10 +188,14 @@ class ModelVersion:
                              for lane in self.lanes if lane.own_process]
 
     def _lane(self, device: str, engine: Engine) -> Lane:
-        executor = ThreadPoolExecutor(self.config.instance_count,
+        policy = batch_policy(self.config)
+        if isinstance(engine, DeviceEngine):
+            # the next batches merge here while the engine process runs its own
+            policy = replace(policy, instances=policy.instances * BATCHES_AHEAD)
+        executor = ThreadPoolExecutor(policy.instances,
                                       thread_name_prefix=f"{self.config.name}-v{self.version}")
         batcher = Batcher(
-            batch_policy(self.config), engine.run, executor,
+            policy, engine.run, executor,
             on_batch=lambda size, timing: self._batch_ran(device, size, timing),
             stage=engine.stage,
         )

@@ -19,8 +19,9 @@ Frames on a socket pair, little-endian:
     <IQBI>  length of the rest, call id, kind, header length;
             the header (pickled); the payload (raw bytes).
 
-    agent -> engine  RUN     header (where, [(name, dtype, shape, offset, bytes)]):
-                             inputs in the arena, or inline after the header
+    agent -> engine  RUN     header (where, [(name, dtype, shape, offset, bytes)],
+                             outputs wanted or None): inputs in the arena, or
+                             inline after the header
     engine -> agent  HELLO   header EngineFacts (call id 0), once it is warm
                      DONE    header [(name, dtype, shape, bytes)], outputs inline
                      FAILED  header (error class name, message)
@@ -404,13 +405,14 @@ class DeviceEngine(Engine):
                 call_id = self._next_id
                 self._calls[call_id] = future
                 sock = self._socket
+            wanted = list(outputs) if outputs else None
             if staged is not None:
                 header = (IN_ARENA, [(n, a.dtype.str, a.shape, inputs.offsets[n], a.nbytes)
-                                     for n, a in inputs.items()])
+                                     for n, a in inputs.items()], wanted)
                 payload = []
             else:
                 described, payload = _described(inputs)
-                header = (INLINE, [(n, d, s, 0, b) for n, d, s, b in described])
+                header = (INLINE, [(n, d, s, 0, b) for n, d, s, b in described], wanted)
             try:
                 send_frame(sock, self._send_lock, call_id, RUN, header, payload)
             except OSError as error:
@@ -420,7 +422,7 @@ class DeviceEngine(Engine):
             if staged is not None:
                 with self._arena_lock:
                     staged.arena.free(staged.block)
-        return result if outputs is None else {n: result[n] for n in outputs}
+        return result
 
     def _read_replies(self, sock: socket.socket, arena: Arena) -> None:
         try:
@@ -530,7 +532,7 @@ def main() -> int:
              os.getpid())
 
     def serve(call_id: int, header, payload: memoryview) -> None:
-        where, described = header
+        where, described, wanted = header
         try:
             if where == IN_ARENA:
                 inputs = {name: np.frombuffer(arena, dtype, size // np.dtype(dtype).itemsize,
@@ -538,7 +540,7 @@ def main() -> int:
                           for name, dtype, shape, offset, size in described}
             else:
                 inputs = _arrays([(n, d, s, b) for n, d, s, _, b in described], payload)
-            outputs = engine.run(engine.accept(inputs))
+            outputs = engine.run(engine.accept(inputs), wanted)
             reply, data = _described(outputs)
             send_frame(sock, send_lock, call_id, DONE, reply, data)
         except OSError:

@@ -56,3 +56,19 @@ def test_generative_versions_show_their_token_figures():
     assert float(tokens["ttft p50"]) == pytest.approx(20, rel=0.02)
     assert float(tokens["tpot p50"]) == pytest.approx(5, rel=0.02)
     assert cnn[-5:] == ("-",) * 5
+
+
+def test_a_version_over_several_devices_lists_them_and_marks_one_down():
+    from tiered.protocol import telemetry_pb2 as tpb
+
+    version = tpb.VersionStats(model_name="cnn", model_version="1", device="cuda:0,cuda:1",
+                               devices=[tpb.DeviceShare(device="cuda:0", up=True),
+                                        tpb.DeviceShare(device="cuda:1", up=False,
+                                                        down_reason="restart failed")])
+    idle = [tpb.Energy(device="cuda:0", idle_watts=60.0), tpb.Energy(device="cuda:1",
+                                                                      idle_watts=70.0)]
+    [row] = top.rows("a:1", tpb.StatsResponse(tier="datacenter", start=0, end=2,
+                                              versions=[version], devices=idle))
+    fields = dict(zip(top.HEADERS, row))
+    assert fields["dev"] == "cuda:0,cuda:1 DOWN"
+    assert fields["idle W"] == "130"

@@ -3,7 +3,8 @@
 Polls every agent's Stats RPC with the cursor it got last time, so each row
 covers exactly the span since the previous refresh. J/inf is the version's
 active energy (above its device's idle draw, shown as idle W) per inference,
-beside its source. Generative versions add output tokens per second, time to
+beside its source; a version over several devices lists them, each engine
+process that is down marked DOWN, and their idle draw summed. Generative versions add output tokens per second, time to
 first token and time per output token (P50) and joules per output token (same
 source); other versions show "-" there. Rendering is a pure function of the
 responses; the loop around it is a thin adapter.
@@ -37,6 +38,19 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
+def _devices(v: tpb.VersionStats) -> str:
+    """Where a version runs; a device whose engine process is down says so."""
+    if not v.devices:
+        return v.device
+    return ",".join(d.device if d.up else f"{d.device} DOWN" for d in v.devices)
+
+
+def _idle_watts(v: tpb.VersionStats, idle: dict[str, float]) -> str:
+    """Its devices' idle draw together; "-" while one is unknown."""
+    devices = [d.device for d in v.devices] or [v.device]
+    return f"{sum(idle[d] for d in devices):.3g}" if all(d in idle for d in devices) else "-"
+
+
 def rows(address: str, response: tpb.StatsResponse) -> list[tuple[str, ...]]:
     span = max(response.end - response.start, 1e-9)
     idle = {d.device: d.idle_watts for d in response.devices if d.HasField("idle_watts")}
@@ -44,14 +58,14 @@ def rows(address: str, response: tpb.StatsResponse) -> list[tuple[str, ...]]:
     for v in response.versions:
         answered = v.success + v.failure
         table.append((
-            address, response.tier, v.model_name, v.model_version, v.device,
+            address, response.tier, v.model_name, v.model_version, _devices(v),
             f"{v.success / span:.1f}",
             f"{100 * v.failure / answered:.1f}" if answered else "-",
             _ms(quantile(v.latency, 0.5)), _ms(quantile(v.latency, 0.95)),
             _ms(quantile(v.latency, 0.99)), _ms(quantile(v.queue, 0.5)),
             f"{v.joules_per_inference:.4g}" if v.has_energy and v.inferences else "-",
             v.energy.source if v.has_energy else "-",
-            f"{idle[v.device]:.3g}" if v.device in idle else "-",
+            _idle_watts(v, idle),
             str(v.in_flight), str(v.queue_depth),
             *_generation(v),
         ))

@@ -21,6 +21,7 @@ import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from tests.integration.test_front_ends import add_sub
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentProcess
 from tiered.models import zoo
@@ -100,15 +101,6 @@ def wait_for(condition, timeout_s: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def add_sub_inputs(rows: np.ndarray):
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        item = grpcclient.InferInput(name, list(rows.shape), "FP32")
-        item.set_data_from_numpy(rows)
-        inputs.append(item)
-    return inputs
-
-
 def image_inputs(count: int = 1):
     item = grpcclient.InferInput("input", [count, 3, 64, 64], "FP32")
     item.set_data_from_numpy(np.random.default_rng(count).standard_normal(
@@ -153,7 +145,7 @@ def test_every_device_runs_the_model_in_a_process_of_its_own(agent):
     assert len(processes["slow"]) == len(processes["add_sub"]) == len(DEVICES), processes
     with grpcclient.InferenceServerClient(agent.address) as client:
         rows = np.arange(32, dtype=np.float32).reshape(2, 16)
-        result = client.infer("add_sub", add_sub_inputs(rows))
+        result = client.infer("add_sub", add_sub(rows))
         np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows + rows)
         metadata = client.get_model_metadata("slow", as_json=True)
     assert stats(agent, "slow").device == ",".join(DEVICES)
@@ -228,7 +220,7 @@ def test_a_device_that_cannot_come_back_is_reported_and_the_others_serve(agent, 
         rows = np.ones((1, 16), np.float32)
         with grpcclient.InferenceServerClient(agent.address) as client:
             for _ in range(20):  # the other devices answer every request
-                client.infer("add_sub", add_sub_inputs(rows))
+                client.infer("add_sub", add_sub(rows))
             assert client.is_model_ready("add_sub")
             for device in ("cpu:0", "cpu:1"):
                 os.kill(pids[device], signal.SIGKILL)
@@ -237,7 +229,7 @@ def test_a_device_that_cannot_come_back_is_reported_and_the_others_serve(agent, 
             wait_for(lambda: health(agent) == health_pb2.HealthCheckResponse.NOT_SERVING, 10,
                      "health to say NOT_SERVING")
             with pytest.raises(InferenceServerException) as refused:
-                client.infer("add_sub", add_sub_inputs(rows))
+                client.infer("add_sub", add_sub(rows))
             assert "no device takes requests" in str(refused.value)
             assert "cpu:2: restart failed" in str(refused.value)
             model.write_bytes(original)  # the devices come back
@@ -246,7 +238,7 @@ def test_a_device_that_cannot_come_back_is_reported_and_the_others_serve(agent, 
                      "every device to come back")
             wait_for(lambda: health(agent) == health_pb2.HealthCheckResponse.SERVING, 10,
                      "health to say SERVING again")
-            result = client.infer("add_sub", add_sub_inputs(rows))
+            result = client.infer("add_sub", add_sub(rows))
             np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows + rows)
     finally:
         model.write_bytes(original)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,12 +18,15 @@ from tiered.models import zoo
 CPU = Device("cpu:0", "")
 
 
+HUNG_AFTER_S = 2.0
+
+
 @pytest.fixture()
 def engine(tmp_path):
     path = zoo.add_sub(tmp_path / "add_sub.onnx")
     pool = DevicePool([CPU])
     spec = EngineSpec("add_sub v1", "onnxruntime", path, {}, "test", instances=2)
-    engine = DeviceEngine(CPU, spec, pool, arena_bytes=4096)
+    engine = DeviceEngine(CPU, spec, pool, arena_bytes=4096, batch_timeout_s=HUNG_AFTER_S)
     engine.start()
     yield engine, pool
     engine.close()
@@ -84,6 +88,18 @@ def test_a_killed_engine_process_fails_its_calls_and_starts_again(engine):
     assert engine.up and engine.pid != first
     np.testing.assert_allclose(engine.run(engine.stage([rows(1, 1.0)]))["OUTPUT0"], 2.0)
     assert pool.cpu_seconds("cpu:0") > 0  # the dead process's CPU time is kept
+
+
+def test_a_hung_engine_process_is_killed_and_its_batch_fails_over(engine):
+    engine, _ = engine
+    os.kill(engine.pid, signal.SIGSTOP)  # what a stalled GPU looks like from here
+    started = time.monotonic()
+    with pytest.raises(EngineLost, match="hung"):
+        engine.run(engine.stage([rows(1, 1.0)]))
+    assert HUNG_AFTER_S <= time.monotonic() - started < HUNG_AFTER_S + 5
+    assert engine.wait() == -signal.SIGKILL and not engine.up
+    engine.start()
+    np.testing.assert_allclose(engine.run(engine.stage([rows(1, 1.0)]))["OUTPUT0"], 2.0)
 
 
 def test_an_engine_that_cannot_load_says_why(tmp_path):

@@ -286,8 +286,9 @@ class DeviceEngine(Engine):
     block: call them from worker threads (the batcher's executor does)."""
 
     def __init__(self, device: Device, spec: EngineSpec, pool: DevicePool,
-                 arena_bytes: int) -> None:
+                 arena_bytes: int, batch_timeout_s: float = 300.0) -> None:
         self.label = device.name
+        self._batch_timeout_s = batch_timeout_s
         self._device = device
         self._spec = spec
         self._pool = pool
@@ -417,7 +418,14 @@ class DeviceEngine(Engine):
                 send_frame(sock, self._send_lock, call_id, RUN, header, payload)
             except OSError as error:
                 self._lose(f"the engine process is gone ({error})", sock)
-            result = future.result()
+            try:
+                result = future.result(self._batch_timeout_s)
+            except concurrent.futures.TimeoutError:
+                log.error("%s: a batch took over %.0f s; the engine process is taken for hung "
+                          "and killed", self.label, self._batch_timeout_s)
+                self._kill(sock)
+                raise EngineLost(f"{self.label}: the engine process hung (no answer in "
+                                 f"{self._batch_timeout_s:.0f} s); restarting it") from None
         finally:
             if staged is not None:
                 with self._arena_lock:
@@ -469,11 +477,13 @@ class DeviceEngine(Engine):
             self._pool.exited(self.label, process.pid, 0.0)
         return process.returncode if process.returncode is not None else -1
 
-    def kill(self) -> None:
-        """End the engine process now (what a crash looks like)."""
-        if self._process is not None:
+    def _kill(self, sock: socket.socket | None) -> None:
+        """End the engine process that `sock` leads to (not a newer one)."""
+        with self._calls_lock:
+            process = self._process if sock is self._socket else None
+        if process is not None:
             with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
+                process.kill()
 
     def describe(self) -> dict[str, str]:
         return {**self._facts.facts, "engine_process": self.label}

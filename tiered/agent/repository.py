@@ -302,8 +302,10 @@ class ModelRepository:
         spec = EngineSpec(f"{config.name} v{version}", config.backend, path, dict(config.engine),
                           f"{config.name}/config.yaml (version {version}).engine",
                           config.instance_count)
+        limits = self.profile.limits
         engines = {device.name: DeviceEngine(device, spec, self.devices,
-                                             self.profile.limits.device_arena_mib * MiB)
+                                             limits.device_arena_mib * MiB,
+                                             limits.engine_batch_timeout_s)
                    for device in self.devices.devices}
         started = await asyncio.gather(*(in_thread(e.start) for e in engines.values()),
                                        return_exceptions=True)

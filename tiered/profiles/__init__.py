@@ -66,12 +66,19 @@ class ServerLimits:
     # Each engine process's arena for the batches on their way to its device
     # (`devices:`); a batch that does not fit travels through the socket.
     device_arena_mib: int = 256
+    # An engine process that holds a batch longer than this is taken for hung
+    # (a GPU gone can stall it rather than end it): it is killed and restarted,
+    # and its requests go to the other devices.
+    engine_batch_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_concurrent_rpcs", "max_queue_size",
                      "front_end_arena_mib", "device_arena_mib"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.engine_batch_timeout_s > 0:
+            raise ConfigError(f"engine_batch_timeout_s: must be > 0, got "
+                              f"{self.engine_batch_timeout_s}")
         if not 0 < self.gil_switch_interval_ms <= 100:
             raise ConfigError(
                 f"gil_switch_interval_ms: must be in (0, 100], got {self.gil_switch_interval_ms}"

@@ -23,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.integration.test_front_ends import add_sub
 from tiered.agent.repository import model_file, write_config
+from tiered.controller.judge import RolloutJudge
 from tiered.local.processes import AgentProcess
 from tiered.models import zoo
 from tiered.protocol import telemetry_pb2 as tpb
@@ -217,6 +218,12 @@ def test_a_device_that_cannot_come_back_is_reported_and_the_others_serve(agent, 
                  30, "the restart to fail")
         share = shares(agent, "add_sub")["cpu:2"]
         assert not share.up and "cannot load the model" in share.down_reason
+        # what the controller reads during a rollout, and names in Degraded
+        with grpc.insecure_channel(agent.address) as channel:
+            _, unreadable, down = RolloutJudge(lambda address: channel)._readings(
+                "add_sub", {"edge": [agent.address]})
+        assert not unreadable
+        assert down == [f"{agent.address} cpu:2: {share.down_reason}"]
         rows = np.ones((1, 16), np.float32)
         with grpcclient.InferenceServerClient(agent.address) as client:
             for _ in range(20):  # the other devices answer every request

@@ -122,3 +122,23 @@ def test_a_blind_stage_survives_the_status_round_trip():
     plain = to_plain(TieredModelStatus(rollout=went))
     assert plain["rollout"]["blindSince"] == "1970-01-01T00:08:20.000000Z"
     assert load_status(plain, "status").rollout == went
+
+
+def test_an_engine_process_down_on_an_agent_degrades_the_model_naming_it():
+    down = "10.0.0.7:8001 cuda:1: restart failed: the engine process did not start"
+    reading = plan.StageReading(canary_version=2, stage_index=0, measurements=None,
+                                devices_down=(down,))
+    status = TieredModelStatus(
+        rollout=RolloutStatus(stable_version=1, canary_version=2, stage_started_at=1000.0,
+                              phase=names.Phase.PROGRESSING, message="started"),
+        artifacts=ARTIFACTS)
+    made = plan.plan(SPEC, status, plan.Observation(1, READY, frozenset({1, 2}), reading),
+                     1002.0)
+    (degraded,) = [c for c in made.status.conditions if c.type == "Degraded"]
+    assert (degraded.status, degraded.reason) == ("True", "DeviceDown")
+    assert down in degraded.message
+    healthy = plan.StageReading(canary_version=2, stage_index=0, measurements=None)
+    again = plan.plan(SPEC, made.status, plan.Observation(1, READY, frozenset({1, 2}), healthy),
+                      1004.0)
+    (degraded,) = [c for c in again.status.conditions if c.type == "Degraded"]
+    assert (degraded.status, degraded.reason) == ("False", "AsExpected")

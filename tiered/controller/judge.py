@@ -88,7 +88,7 @@ class RolloutJudge:
         # share a number): a failure counts once per look, not once per poll,
         # and each window's energy is one J/inference sample.
         window = int(now // spec.rollout.analysis.interval_s)
-        readings, unreadable = self._readings(spec.name, agents)
+        readings, unreadable, down = self._readings(spec.name, agents)
         stage.add(readings, window)
         stage.set_shadow(shadow)
         tiers = [t for t, w in engine.canary_weights(spec, status).items() if w > 0]
@@ -98,7 +98,7 @@ class RolloutJudge:
                             stage.measurements(status.stable_version, tiers, window),
                             stage.summary(status.stable_version, tiers, spec.kind),
                             tuple(unreadable),
-                            {**stage.state(), "cursors": cursors})
+                            {**stage.state(), "cursors": cursors}, devices_down=tuple(down))
 
     def forget(self, model: str) -> None:
         """No live rollout: the next one's samples start when it does."""
@@ -106,9 +106,10 @@ class RolloutJudge:
         self._stages.pop(model, None)
 
     def _readings(self, model: str, agents: Mapping[str, Sequence[str]]
-                  ) -> tuple[list[VersionReading], list[str]]:
-        """This poll's readings, and the agents that could not be read."""
-        readings, unreadable = [], []
+                  ) -> tuple[list[VersionReading], list[str], list[str]]:
+        """This poll's readings, the agents that could not be read, and the
+        engine processes the others report down."""
+        readings, unreadable, down = [], [], []
         for tier, addresses in agents.items():
             for agent in addresses:
                 key = (agent, model)
@@ -121,6 +122,9 @@ class RolloutJudge:
                     log.warning("telemetry of %s unreadable: %s", agent, error.code().name)
                     unreadable.append(agent)
                     continue
+                down += [f"{agent} {share.device}: {share.down_reason}"
+                         for version in reply.versions for share in version.devices
+                         if not share.up]
                 first = key not in self._cursors or reply.instance != instance
                 self._cursors[key] = (reply.instance, reply.end)
                 if first:
@@ -129,7 +133,7 @@ class RolloutJudge:
                     # this stage's.
                     continue
                 readings.extend(readings_of(tier, reply))
-        return readings, unreadable
+        return readings, unreadable, down
 
     def routed(self, model: str, routers: Sequence[str]) -> plan.Routed:
         """Whether the routing table each router uses routes `model` (None

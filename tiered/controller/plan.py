@@ -80,6 +80,8 @@ class StageReading:
     numbers: Mapping[str, Any] = field(default_factory=dict)  # headline numbers
     unreadable: tuple[str, ...] = ()  # agents whose telemetry could not be read
     state: Mapping[str, Any] | None = None  # the stage's samples, kept in the status
+    # engine processes down, as "<agent> <device>: <why>" (a GPU gone, say)
+    devices_down: tuple[str, ...] = ()
 
 
 # Each router asked, and whether the routing table it uses routes the model
@@ -223,11 +225,12 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
     requeue = min([v for v in (requeue, *waits) if v is not None], default=None)
     refused = refusals(spec, wanted, observed.states)
     unreadable = observed.reading.unreadable if observed.reading is not None else ()
+    down = observed.reading.devices_down if observed.reading is not None else ()
     written = TieredModelStatus(
         rollout=rollout, artifacts=wanted.artifacts, **status_fields(spec, rollout),
         observed_generation=observed.generation, message=message,
         conditions=conditions(status.conditions, rollout, blocked, refused, unreadable,
-                              observed.generation, now, observed.routed),
+                              observed.generation, now, observed.routed, down),
         history=(*status.history, *steps)[-HISTORY_LIMIT:], retiring=retiring,
         stage_samples=_stage_samples(status, rollout, observed.reading))
     keep = tuple(sorted({*still, *(r.version for r in retiring if r.version not in due)}))
@@ -307,8 +310,8 @@ def status_fields(spec: TieredModel, rollout: RolloutStatus | None) -> Mapping[s
 
 def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
                blocked: str | None, refused: Mapping[str, str], unreadable: Sequence[str],
-               generation: int, now: float, routed: Routed | None = None
-               ) -> tuple[Condition, ...]:
+               generation: int, now: float, routed: Routed | None = None,
+               devices_down: Sequence[str] = ()) -> tuple[Condition, ...]:
     """Ready, Progressing and Degraded, each keeping its lastTransitionTime
     while its status stays the same. Ready means routable: a version serves
     and the routers' tables route the model."""
@@ -336,6 +339,9 @@ def conditions(previous: Sequence[Condition], rollout: RolloutStatus | None,
                     f"telemetry unreadable from {', '.join(unreadable)}")
     elif rollout is not None and rollout.phase == names.Phase.ROLLED_BACK:
         degraded = ("True", "RolledBack", rollout.message)
+    elif devices_down:
+        degraded = ("True", "DeviceDown",
+                    f"engine processes down: {'; '.join(devices_down)}")
     else:
         degraded = ("False", "AsExpected", "")
     stamp = datetime.fromtimestamp(now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

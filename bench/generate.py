@@ -17,7 +17,9 @@ Per row: output tokens/s over the round (first start to last token), TTFT
 (start to first token) and TPOT (between a sequence's tokens) P50/P95 over
 every sequence of every round, and mJ per output token: a device-wide
 counter (NVML's GPU 0 on cuda; RAPL on the CPU where readable, else none)
-read around each round, less the idle draw measured before the first row.
+read around each round, less the idle draw measured before the first row;
+"-" where an arm's rounds were metered for less than 2 s in all or used no
+more than the idle estimate (too short to read, not free).
 The arms alternate round by round, so each is measured beside the others in
 time (and a round's energy is its arm's); client, router and agent share
 this machine's cores.
@@ -106,6 +108,7 @@ class Round:
         self.tokens: dict[int, list[float]] = {}
         self.errors: list[str] = []
         self.active_j: float | None = None  # the meter's joules over the round, less idle
+        self.metered_s = 0.0  # how long the meter's two readings lie apart
 
     def figures(self) -> dict[str, Any]:
         ended = [t[-1] for t in self.tokens.values() if t]
@@ -114,7 +117,8 @@ class Round:
         ttft = [t[0] - self.starts[s] for s, t in self.tokens.items() if t]
         tpot = [b - a for t in self.tokens.values() for a, b in zip(t, t[1:])]
         return {"tokens": count, "seconds": span, "ttft_s": ttft, "tpot_s": tpot,
-                "errors": len(self.errors), "active_j": self.active_j}
+                "errors": len(self.errors), "active_j": self.active_j,
+                "metered_s": self.metered_s}
 
 
 def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: int) -> Round:
@@ -175,11 +179,10 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
     tokens = sum(f["tokens"] for f in figures)
     ttft = common.percentiles_ms([x for f in figures for x in f["ttft_s"]])
     tpot = common.percentiles_ms([x for f in figures for x in f["tpot_s"]])
-    energy = [f["active_j"] for f in figures]
     return {"tokens": tokens, "tokens_per_s": tokens / seconds if seconds else None,
             "ttft_p50_ms": ttft["p50_ms"], "ttft_p95_ms": ttft["p95_ms"],
             "tpot_p50_ms": tpot["p50_ms"], "tpot_p95_ms": tpot["p95_ms"],
-            "j_per_token": sum(energy) / tokens if tokens and None not in energy else None,
+            "j_per_token": j_per_token(figures, tokens),
             "errors": sum(f["errors"] for f in figures)}
 
 
@@ -235,14 +238,23 @@ class Meter:
         before = self.meter.read()
         record = run()
         after = self.meter.read()
-        record.active_j = active_joules(after.joules - before.joules, after.at - before.at,
-                                        self.idle_w)
+        record.metered_s = after.at - before.at
+        record.active_j = after.joules - before.joules - self.idle_w * record.metered_s
         return record
 
 
-def active_joules(joules: float, seconds: float, idle_w: float) -> float:
-    """What a span used above the idle draw (never below zero)."""
-    return max(0.0, joules - idle_w * seconds)
+MIN_METERED_S = 2.0  # an arm's rounds together: NVML's counter moves in steps and
+# a GPU's power state lags its load, so shorter spans read noise
+
+
+def j_per_token(figures: Sequence[dict[str, Any]], tokens: int) -> float | None:
+    """An arm's joules above idle per output token over its rounds; None where
+    unmeasured, metered less than MIN_METERED_S in all, or not above the idle
+    estimate (a figure of 0 there would be false, not small)."""
+    energy = [f["active_j"] for f in figures]
+    if not tokens or None in energy or sum(f["metered_s"] for f in figures) < MIN_METERED_S:
+        return None
+    return sum(energy) / tokens if sum(energy) > 0 else None
 
 
 def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens,

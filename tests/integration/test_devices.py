@@ -148,9 +148,10 @@ def test_every_device_runs_the_model_in_a_process_of_its_own(agent):
         rows = np.arange(32, dtype=np.float32).reshape(2, 16)
         result = client.infer("add_sub", add_sub(rows))
         np.testing.assert_allclose(result.as_numpy("OUTPUT0"), rows + rows)
-        metadata = client.get_model_metadata("slow", as_json=True)
+        config = client.get_model_config("slow", as_json=True)["config"]
     assert stats(agent, "slow").device == ",".join(DEVICES)
-    assert metadata["name"] == "slow"
+    facts = {k: v["string_value"] for k, v in config["parameters"].items()}
+    assert facts["devices"] == ",".join(DEVICES) and facts["engine"] == "onnxruntime"
 
 
 def test_load_spreads_over_devices_and_is_counted_per_device_and_summed(agent):

@@ -486,7 +486,7 @@ class DeviceEngine(Engine):
                 process.kill()
 
     def describe(self) -> dict[str, str]:
-        return {**self._facts.facts, "engine_process": self.label}
+        return dict(self._facts.facts)
 
     def close(self) -> None:
         """Ask the engine process to finish (end of its stream) and wait for it."""

@@ -86,6 +86,10 @@ class GenerativeVersion:
             name=f"{config.name}-v{version}")
         self.admissions = Admissions(config.name, version)
 
+    def describe(self) -> dict[str, str]:
+        """Facts of its engine for users."""
+        return self.engine.describe()
+
     @property
     def queue_depth(self) -> int:
         return self.scheduler.waiting

@@ -188,9 +188,9 @@ class ModelVersion:
                              for lane in self.lanes if lane.own_process]
 
     def _lane(self, device: str, engine: Engine) -> Lane:
+        own_process = isinstance(engine, DeviceEngine)
         policy = batch_policy(self.config)
-        if isinstance(engine, DeviceEngine):
-            # the next batches merge here while the engine process runs its own
+        if own_process:  # the next batches merge here while the engine process runs its own
             policy = replace(policy, instances=policy.instances * BATCHES_AHEAD)
         executor = ThreadPoolExecutor(policy.instances,
                                       thread_name_prefix=f"{self.config.name}-v{self.version}")
@@ -199,10 +199,16 @@ class ModelVersion:
             on_batch=lambda size, timing: self._batch_ran(device, size, timing),
             stage=engine.stage,
         )
-        lane = Lane(device, engine, batcher, executor)
-        if lane.own_process:  # its batches wait on another process: never on the loop
+        if own_process:  # its batches wait on another process: never on the loop
             batcher.inline_below_s = 0.0
-        return lane
+        return Lane(device, engine, batcher, executor)
+
+    def describe(self) -> dict[str, str]:
+        """Facts of its engine for users, and the devices it runs on."""
+        facts = self.engine.describe()
+        if self.lanes[0].own_process:
+            facts["devices"] = ",".join(self.devices)
+        return facts
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -82,7 +82,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def ModelConfig(self, request, context):
         model = self.repository.get(request.name, request.version)
-        facts = {"tier": self.repository.profile.tier, **model.engine.describe(),
+        facts = {"tier": self.repository.profile.tier, **model.describe(),
                  **model.build}
         config = messages.model_config(
             model.config, PLATFORMS[model.config.backend], model.config.backend,

@@ -12,12 +12,14 @@ import signal
 import threading
 import time
 import urllib.request
+from importlib import resources
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -46,9 +48,14 @@ def repository(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def agent(repository):
-    with AgentProcess("edge", repository,
-                      extra_args=["--devices", "cpu,cpu,cpu", "--front-ends", "2"]) as process:
+def agent(repository, tmp_path_factory):
+    # the edge profile with small arenas: 6 engine processes need not hold 1.5 GiB
+    profile = yaml.safe_load(resources.files("tiered.profiles").joinpath("edge.yaml").read_text())
+    profile.setdefault("limits", {})["device_arena_mib"] = 8
+    path = tmp_path_factory.mktemp("profile") / "edge.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    with AgentProcess("edge", repository, extra_args=[
+            "--profile", str(path), "--devices", "cpu,cpu,cpu", "--front-ends", "2"]) as process:
         yield process
         assert process.alive(), process.log_tail()
         engines = [pid for pids in engine_processes(process).values() for pid in pids]

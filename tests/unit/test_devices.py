@@ -3,6 +3,8 @@ figures add up: the pure parts of one agent over several devices."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tiered.agent.batching import least_loaded
@@ -96,3 +98,16 @@ def test_a_versions_energy_is_the_sum_of_its_shares_of_each_device():
     assert energy["b"].source == "nvml"
     assert summaries["a"].device_inferences == {"cuda:0": 4, "cuda:1": 2}
     assert summaries["a"].device_busy_s == pytest.approx({"cuda:0": 0.3, "cuda:1": 0.1})
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("0,gpu1", r"--devices\[1\]: 'gpu1' is not a GPU index"),
+    ("0,0", "--devices: GPU 0 is listed twice"),
+])
+def test_a_bad_devices_flag_stops_the_agent_naming_the_flag(tmp_path, capsys, flag, message):
+    from tiered.cli import main
+
+    code = main(["agent", "--tier", "edge", "--model-repository", str(tmp_path), "--insecure",
+                 "--devices", flag])
+    assert code == 2
+    assert re.search(message, capsys.readouterr().err)

@@ -91,16 +91,17 @@ def _run_agent(args: argparse.Namespace) -> int:
         print(f"tiered agent: needs the agent's packages ({AGENT_EXTRA}): {error}",
               file=sys.stderr)
         return 2
-    from tiered.profiles import MAX_FRONT_ENDS, load_profile
+    from tiered.profiles import MAX_FRONT_ENDS, load_profile, parse_devices
     from tiered.telemetry.tracing import TracingSettings
 
     try:
         profile = load_profile(args.tier, args.profile)
         if args.devices is not None:
             listed = args.devices.strip()
-            profile = dataclasses.replace(profile, devices=(
-                listed if listed == "auto" else [] if listed == "none"
-                else [e.strip() for e in listed.split(",")]))
+            devices = (listed if listed == "auto" else [] if listed == "none"
+                       else [e.strip() for e in listed.split(",")])
+            parse_devices(devices, "--devices")  # an error names the flag, not the profile
+            profile = dataclasses.replace(profile, devices=devices)
         if args.front_ends is not None and not 0 <= args.front_ends <= MAX_FRONT_ENDS:
             raise ConfigError(f"--front-ends: must be in 0..{MAX_FRONT_ENDS}, "
                               f"got {args.front_ends}")

@@ -34,6 +34,7 @@ import grpc
 import tritonclient.grpc as grpcclient
 
 from bench import common
+from tiered.agent.devices import nvml_gpu_count
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.tables import cell
@@ -57,16 +58,6 @@ def device_counts(available: int) -> list[int]:
     if available not in counts:
         counts.append(available)
     return counts
-
-
-def gpu_count() -> int:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetCount()
-    except Exception:  # no driver: no GPUs
-        return 0
 
 
 class Meters:
@@ -156,7 +147,7 @@ def run(settings: Any, count: int, request_batch: int, smoke: bool,
     """The setups above on up to `count` devices (GPUs, or CPU stand-ins), over
     the repository bench/gpu.py writes."""
     on_gpu = settings.device == "cuda"
-    available = min(count, gpu_count()) if on_gpu else count
+    available = min(count, nvml_gpu_count()) if on_gpu else count
     result = common.record("gpu", smoke, with_gpu=on_gpu)  # its --devices part
     result.update(settings=asdict(settings), request_batch=request_batch, asked_devices=count,
                   available_devices=available,

@@ -389,7 +389,7 @@ class DeviceEngine(Engine):
                                 at).reshape(shape)
             # numpy lets the GIL go while it copies: the batches of several
             # devices (and instances) merge on as many cores at once
-            staged[name] = np.concatenate(ps, out=out) if len(ps) > 1 else _copy(ps[0], out)
+            staged[name] = np.concatenate(ps, out=out)
             staged.offsets[name] = at
             at += sizes[name]
         return staged
@@ -508,11 +508,6 @@ class DeviceEngine(Engine):
         if self._arena is not None:
             self._arena.close()
             self._arena = None
-
-
-def _copy(part: np.ndarray, out: np.ndarray) -> np.ndarray:
-    np.copyto(out, part)
-    return out
 
 
 # -- the engine process ----------------------------------------------------------------

@@ -299,6 +299,52 @@ def test_the_slo_choice_moves_off_a_tier_that_became_slow(router, client, agents
         first, moved, router.log_tail())
 
 
+def requests_by_version(process) -> dict[str, int]:
+    """Requests one agent answered per version of digits, from its own statistics."""
+    with grpcclient.InferenceServerClient(process.address) as c:
+        stats = c.get_inference_statistics("digits", as_json=True)["model_stats"]
+    return {s["version"]: figure(s, "inference_stats", "success", "count") for s in stats}
+
+
+def test_a_live_stage_gets_unhinted_requests_the_policy_sends_elsewhere(router, client, agents,
+                                                                        table_path):
+    # The README's case: a stage on edge (20% canary) while slo-energy sends
+    # every un-hinted request to another tier. Here edge's stable version is
+    # the slow one, so it misses the SLO and regional takes everything.
+    staged = {"edge": {"agents": [agents["edge"].address], "stable": SLOW, "canary": 2,
+                       "canary_weight": 0.2},
+              "regional": {"agents": [agents["regional"].address], "stable": 1}}
+    use_table(router, table_path, table(agents, 0, tiers=staged, slo_ms=5, stage_floor=0))
+    wide = inputs_of(images(64))
+    for tier in staged:  # both tiers measured on wide batches: slow edge, fast regional
+        for _ in range(4):
+            client.infer("digits", wide, headers={"tiered-tier": tier})
+    time.sleep(1.5)  # a telemetry poll; edge's figures then hold while it serves nothing
+    one = inputs_of(images())
+    before = requests_by_version(agents["edge"])
+    for _ in range(20):
+        client.infer("digits", one)
+    starved = delta(before, requests_by_version(agents["edge"]))
+    # The floor off: the stage starves (a request may go out on a figure read
+    # before the slow version's telemetry).
+    assert sum(starved.values()) <= 2, (starved, router.log_tail())
+
+    use_table(router, table_path, table(agents, 0, tiers=staged, slo_ms=5))  # floor: default
+    floored = metric(router, "tiered_router_stage_floor_total")
+    before = requests_by_version(agents["edge"])
+    for _ in range(90):
+        client.infer("digits", one)
+    got = delta(before, requests_by_version(agents["edge"]))
+    # About a third of the requests (30), a fifth of those to the canary.
+    assert sum(got.values()) >= 15 and got.get("2", 0) > 0, (got, router.log_tail())
+    assert metric(router, "tiered_router_stage_floor_total") - floored >= 15
+    # A tier hint is never moved.
+    before = requests_by_version(agents["edge"])
+    for _ in range(10):
+        client.infer("digits", one, headers={"tiered-tier": "regional"})
+    assert sum(delta(before, requests_by_version(agents["edge"])).values()) == 0
+
+
 def test_cascade_escalates_unsure_answers_only(router, client, agents, table_path,
                                                digits_repository):
     use_table(router, table_path, table(

@@ -10,17 +10,22 @@ import yaml
 
 from tiered import names
 from tiered.controller.desired import (
+    STAGE_FLOOR,
     ArtifactVersion,
     build_args,
+    explain_starvation,
     follow_spec,
     live,
     routing_table,
     same_agents,
     served_versions,
+    starved_stage,
+    unrouted_tiers,
     version_of,
     wanted_versions,
 )
-from tiered.protocol.routing import dump_table, parse_table
+from tiered.protocol.routing import DEFAULT_STAGE_FLOOR, dump_table, parse_table
+from tiered.rollout import engine
 from tiered.rollout.spec import Artifact, RolloutStatus, load_tiered_model
 
 SHA_A, SHA_B, SHA_C = "aa" * 32, "bb" * 32, "cc" * 32
@@ -338,3 +343,79 @@ def test_build_args_pin_the_digest_and_carry_the_tier_settings():
                      "--eval": "/m/eval.npz"}
     edge = build_args(spec, "edge", ArtifactVersion(3, "/m/digits.onnx", SHA_B), "/repo")
     assert "--precision" not in edge and "--backend" not in edge  # the profile's own
+
+
+# --- a stage's tiers get un-hinted traffic, or the stage says why not --------
+
+THREE = ("edge", "regional", "datacenter")
+EDGE_FIRST = [{"name": "edge-canary", "weights": {"edge": 20}},
+              {"name": "region", "weights": {"edge": 50, "regional": 50}}]
+
+
+def cascade(*tiers):
+    return {"policy": "cascade", "cascade": {"tiers": list(tiers)}}
+
+
+def test_the_table_carries_the_stage_floor_at_its_documented_default():
+    document, parsed = table([(model(tiers=THREE, stages=EDGE_FIRST), status())])
+    assert STAGE_FLOOR == DEFAULT_STAGE_FLOOR == pytest.approx(1 / 3)
+    assert "stage_floor" not in document["models"]["digits"]  # the default: left out
+    route = parsed.models["digits"]
+    assert route.stage_floor == STAGE_FLOOR and route.staged_tiers() == ("edge",)
+
+
+# routing, stage index, rollout phase -> staged tiers no un-hinted request reaches
+UNROUTED = {
+    "slo-energy-reaches-every-tier-by-its-floor": (None, 0, names.Phase.PROGRESSING, ()),
+    "cascade-listing-the-tier": (cascade("edge", "datacenter"), 0, names.Phase.PROGRESSING,
+                                 ()),
+    "cascade-pinned-to-datacenter": (cascade("datacenter"), 0, names.Phase.PROGRESSING,
+                                     ("edge",)),
+    "cascade-without-edge-stage-two": (cascade("regional", "datacenter"), 1,
+                                       names.Phase.PROGRESSING, ("edge",)),
+    "cascade-pinned-stage-two": (cascade("datacenter"), 1, names.Phase.PROGRESSING,
+                                 ("edge", "regional")),
+    "paused-is-still-live": (cascade("datacenter"), 0, names.Phase.PAUSED, ("edge",)),
+    "rolled-back-stages-nothing": (cascade("datacenter"), 0, names.Phase.ROLLED_BACK, ()),
+}
+
+
+@pytest.mark.parametrize("routing, stage, phase, tiers", UNROUTED.values(), ids=UNROUTED)
+def test_unrouted_tiers(routing, stage, phase, tiers):
+    spec = model(tiers=THREE, stages=EDGE_FIRST, routing=routing)
+    assert unrouted_tiers(spec, status(stage_index=stage, phase=phase)) == tiers
+
+
+def test_a_rollout_into_a_starved_stage_says_why_as_it_starts():
+    spec = model(tiers=THREE, stages=EDGE_FIRST, routing=cascade("datacenter"))
+    t = follow_spec(spec, status(canary_version=None, phase=names.Phase.PROMOTED), 2, NOW)
+    assert t is not None and t.action == "start"
+    assert t.reason == (
+        "rolling out version 2 over 1: stage 1/2 'edge-canary': the routing policy (a cascade "
+        "of datacenter alone) pins every request without a tiered-tier hint to datacenter, "
+        "so edge gets none; only requests hinted 'tiered-tier: edge' reach the canary there "
+        "(list edge in routing.cascade.tiers, or send such requests)")
+    assert t.status.message == t.reason
+
+
+def test_slo_energy_starts_without_a_warning():
+    spec = model(tiers=THREE, stages=EDGE_FIRST)
+    t = follow_spec(spec, status(canary_version=None, phase=names.Phase.PROMOTED), 2, NOW)
+    assert t is not None and t.reason == "rolling out version 2 over 1: stage 1/2 'edge-canary'"
+    assert starved_stage(spec, t.status) is None
+
+
+def test_an_advance_into_a_starved_stage_says_why_and_each_hold_keeps_saying_it():
+    spec = model(tiers=THREE, stages=EDGE_FIRST, routing=cascade("edge", "datacenter"))
+    advanced = dataclasses.replace(status(), stage_index=1, message="stage 1/2 passed")
+    decision = engine.Decision(names.Action.ADVANCE, "stage 1/2 passed", advanced)
+    explained = explain_starvation(spec, decision)
+    why = ("stage 2/2 'region': the routing policy (a cascade over edge, datacenter) sends no "
+           "request without a tiered-tier hint to regional; only requests hinted "
+           "'tiered-tier: regional' reach the canary there (list regional in "
+           "routing.cascade.tiers, or send such requests)")
+    assert explained.reason == f"stage 1/2 passed; {why}"
+    assert explained.status.message == explained.reason
+    assert explain_starvation(spec, explained) == explained  # said once, not piled up
+    fine = model(tiers=THREE, stages=EDGE_FIRST)
+    assert explain_starvation(fine, decision) is decision

@@ -90,3 +90,12 @@ def test_agents_are_up_or_held_down_per_address_and_tier():
         in text
     states.watch([("r:1", "regional")], down)  # e:1 left the table: its series goes
     assert 'agent="e:1"' not in generate_latest(metrics.registry).decode()
+
+
+def test_requests_a_stage_floor_moved_are_counted_per_model_and_tier():
+    metrics = RouterMetrics(ShadowAgreement())
+    for tier in ("edge", "edge", "regional"):
+        metrics.floored("m", tier)
+    text = generate_latest(metrics.registry).decode()
+    assert 'tiered_router_stage_floor_total{model="m",tier="edge"} 2.0' in text
+    assert 'tiered_router_stage_floor_total{model="m",tier="regional"} 1.0' in text

@@ -416,3 +416,155 @@ GENERATION_ESCALATE = {
 def test_a_generation_escalates_on_its_geometric_mean_token_probability(
         mean_logprob, threshold, escalate):
     assert p.should_escalate_generation(mean_logprob, threshold) == escalate
+
+
+# -- a live stage's floor: un-hinted requests reach the staged tiers ---------------------
+
+def staged_route(policy="slo-energy", weights=None, floor=None, cascade=None):
+    """digits on every tier, version 2 a canary at `weights` (tier -> share)."""
+    weights = {"edge": 0.2} if weights is None else weights
+    tiers = {}
+    for tier, agent in (("edge", "e:1"), ("regional", "r:1"), ("datacenter", "d:1")):
+        tiers[tier] = {"agents": [agent], "stable": 1, "canary": 2,
+                       "canary_weight": weights.get(tier, 0.0)}
+    route = {"policy": policy, "tiers": tiers}
+    if floor is not None:
+        route["stage_floor"] = floor
+    if cascade is not None:
+        route["cascade"] = {"tiers": cascade}
+    return parse_table({"version": 1, "models": {"m": route}}).models["m"]
+
+
+# The README's case: datacenter models the fewest joules, so slo-energy sends
+# every request there and a stage on edge saw none.
+DC_CHEAPEST = {"e:1": obs(5, 0.19, source="model"), "r:1": obs(5, 0.1, source="model"),
+               "d:1": obs(5, 0.041, source="model")}
+
+
+def first_tiers(route, request, observations=DC_CHEAPEST, n=2000, seed=0):
+    """Share of `n` requests whose ranking starts at each tier, and the rankings."""
+    rng = random.Random(seed)
+    counts: dict[str, int] = {}
+    rankings = []
+    candidates = (E1, R1, D1)
+    for _ in range(n):
+        ranking = p.policy_for(route, request).choose(candidates, request, observations, rng)
+        counts[ranking.candidates[0].tier] = counts.get(ranking.candidates[0].tier, 0) + 1
+        rankings.append(ranking)
+    return {tier: count / n for tier, count in counts.items()}, rankings
+
+
+# route, request -> share of requests each tier gets first (within 0.03)
+FLOOR = {
+    "no-stage-the-policy-decides": (
+        staged_route(weights={}), p.RouteRequest("m"), {"datacenter": 1.0}),
+    "edge-stage-gets-a-third": (
+        staged_route(), p.RouteRequest("m"), {"edge": 1 / 3, "datacenter": 2 / 3}),
+    "two-staged-tiers-split-it": (
+        staged_route(weights={"edge": 0.5, "regional": 0.5}), p.RouteRequest("m"),
+        {"edge": 1 / 6, "regional": 1 / 6, "datacenter": 2 / 3}),
+    "a-staged-tier-the-policy-prefers-keeps-all": (
+        staged_route(weights={"datacenter": 0.2}), p.RouteRequest("m"), {"datacenter": 1.0}),
+    "the-documented-setting-changes-the-share": (
+        staged_route(floor=0.5), p.RouteRequest("m"), {"edge": 0.5, "datacenter": 0.5}),
+    "floor-zero-is-off": (
+        staged_route(floor=0.0), p.RouteRequest("m"), {"datacenter": 1.0}),
+    "a-tier-hint-is-never-moved": (
+        staged_route(), p.RouteRequest("m", tier="regional"), {"regional": 1.0}),
+    "a-strict-pin-is-never-moved": (
+        staged_route(), p.RouteRequest("m", tier="datacenter", strict=True),
+        {"datacenter": 1.0}),
+    "an-slo-hint-is-no-tier-hint": (
+        staged_route(), p.RouteRequest("m", slo_ms=50), {"edge": 1 / 3, "datacenter": 2 / 3}),
+    "a-tier-that-misses-the-slo-still-gets-its-share": (  # the stage needs it; see StageFloor
+        staged_route(), p.RouteRequest("m", slo_ms=10), {"edge": 1 / 3, "datacenter": 2 / 3}),
+    "cascade-starts-a-third-at-the-staged-tier": (
+        staged_route("cascade", weights={"datacenter": 0.2}), p.RouteRequest("m"),
+        {"edge": 2 / 3, "datacenter": 1 / 3}),
+    "cascade-staged-on-its-first-tier-is-unchanged": (
+        staged_route("cascade"), p.RouteRequest("m"), {"edge": 1.0}),
+    "cascade-never-floors-a-tier-it-does-not-ask": (  # the controller says so instead
+        staged_route("cascade", weights={"edge": 0.2}, cascade=["regional", "datacenter"]),
+        p.RouteRequest("m"), {"regional": 1.0}),
+}
+
+
+@pytest.mark.parametrize("route, request_, shares", FLOOR.values(), ids=FLOOR)
+def test_a_live_stage_gets_its_floor_of_unhinted_requests(route, request_, shares):
+    if request_.slo_ms == 10:  # edge predicted at 30 ms: it misses the SLO
+        observations = {**DC_CHEAPEST, "e:1": obs(30, 0.19, source="model")}
+    else:
+        observations = DC_CHEAPEST
+    got, rankings = first_tiers(route, request_, observations)
+    assert set(got) == set(shares), got
+    for tier, share in shares.items():
+        assert got[tier] == pytest.approx(share, abs=0.03), (tier, got)
+    if request_.tier is None and route.policy == "slo-energy":  # all kept, for failover
+        assert all(sorted(r.candidates, key=str) == sorted((E1, R1, D1), key=str)
+                   for r in rankings)
+
+
+def test_the_floor_is_seeded_by_the_injected_rng():
+    route = staged_route(weights={"edge": 0.5, "regional": 0.5})
+    _, once = first_tiers(route, p.RouteRequest("m"), n=200, seed=7)
+    _, again = first_tiers(route, p.RouteRequest("m"), n=200, seed=7)
+    assert once == again
+
+
+def test_a_floored_request_keeps_the_policys_order_behind_it():
+    route = staged_route(weights={"regional": 0.2})
+    _, rankings = first_tiers(route, p.RouteRequest("m"), n=300)
+    moved = [r for r in rankings if r.floored]
+    assert moved and all(r.floored == "regional" for r in moved)
+    # regional first, then slo-energy's order of the rest: datacenter, edge
+    assert {tuple(c.tier for c in r.candidates) for r in moved} == {
+        ("regional", "datacenter", "edge")}
+    assert not any(r.floored for r in rankings if r.candidates[0].tier == "datacenter")
+
+
+def test_a_floored_cascade_escalates_only_upwards_from_the_staged_tier():
+    route = staged_route("cascade", weights={"regional": 0.2})
+    _, rankings = first_tiers(route, p.RouteRequest("m"), n=300)
+    orders = {tuple(c.tier for c in r.candidates) for r in rankings}
+    # never back down to edge: a floored request starts at regional
+    assert orders == {("edge", "regional", "datacenter"), ("regional", "datacenter")}
+
+
+def test_a_floored_tier_held_down_fails_over_in_the_policys_order():
+    route = staged_route()
+    request = p.RouteRequest("m")
+    rng = random.Random(0)
+    for _ in range(200):
+        ranking = p.rank(p.policy_for(route, request), (E1, R1, D1), request, DC_CHEAPEST,
+                         rng, {"e:1"})
+        assert ranking.candidates == (D1, R1, E1)  # edge down: as if no floor
+
+
+FLOOR_DRAWS = {
+    "below-the-share-picks-a-tier": (("edge", "regional"), 0.4, 0.1, "edge"),
+    "its-upper-half-the-second": (("edge", "regional"), 0.4, 0.3, "regional"),
+    "at-the-share-the-policy": (("edge", "regional"), 0.4, 0.4, None),
+    "share-one-always-floors": (("datacenter",), 1.0, 0.999, "datacenter"),
+}
+
+
+class FixedRng(random.Random):
+    def __init__(self, point: float) -> None:
+        super().__init__(0)
+        self.point = point
+
+    def random(self) -> float:
+        return self.point
+
+
+@pytest.mark.parametrize("tiers, share, point, tier", FLOOR_DRAWS.values(), ids=FLOOR_DRAWS)
+def test_one_draw_says_whether_and_which_staged_tier(tiers, share, point, tier):
+    assert p.StageFloor(tiers, share).draw(FixedRng(point)) == tier
+
+
+def test_stage_floor_of_a_route():
+    assert p.stage_floor(staged_route(weights={})) is None
+    assert p.stage_floor(staged_route(floor=0.0)) is None
+    assert p.stage_floor(staged_route(weights={"edge": 0.2, "datacenter": 0.1})) == \
+        p.StageFloor(("edge", "datacenter"), 1 / 3)
+    assert p.stage_floor(staged_route(), ("regional", "datacenter")) is None

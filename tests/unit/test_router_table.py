@@ -10,6 +10,7 @@ import yaml
 
 from tiered.errors import ConfigError
 from tiered.protocol.routing import (
+    DEFAULT_STAGE_FLOOR,
     CascadeSettings,
     ModelRoute,
     RoutingTable,
@@ -86,6 +87,10 @@ def test_a_full_table_loads_into_frozen_values(tmp_path):
     pytest.param(table(cascade={"tiers": ["edge", "edge"]}), "listed twice",
                  id="cascade-tier-twice"),
     pytest.param(tier(stable="one"), "stable: expected an integer", id="version-type"),
+    pytest.param(table(stage_floor=1.5), "models.m.stage_floor: expected 0..1",
+                 id="stage-floor-above-one"),
+    pytest.param(table(stage_floor=-0.1), "stage_floor: expected 0..1",
+                 id="stage-floor-negative"),
 ])
 def test_an_invalid_table_is_rejected_naming_the_field(document, message):
     with pytest.raises(ConfigError) as caught:
@@ -124,7 +129,7 @@ def full_table() -> RoutingTable:
     return RoutingTable(version=9, timeout_s=5.0, models={
         "digits": ModelRoute(
             policy="cascade", slo_ms=20.0, failover_attempts=2, max_in_flight=8,
-            cascade=CascadeSettings(tiers=("edge", "datacenter"), threshold=0.8,
+            stage_floor=0.5, cascade=CascadeSettings(tiers=("edge", "datacenter"), threshold=0.8,
                                     output="logits"),
             tiers={
                 "edge": TierRoute(agents=("10.0.0.1:8001", "10.0.0.2:8001"), stable=1,
@@ -158,3 +163,12 @@ def test_a_table_built_in_code_takes_lists_and_checks_itself():
         TierRoute(agents="10.0.0.1:8001")
     with pytest.raises(ConfigError, match="canary_weight: is above 0 but no canary"):
         TierRoute(agents=("10.0.0.1:8001",), canary_weight=0.5)
+
+
+def test_a_live_stage_names_its_tiers_and_the_floor_they_get():
+    route = full_table().models["digits"]
+    assert route.staged_tiers() == ("edge",)  # datacenter has no canary weight
+    assert route.stage_floor == 0.5
+    assert table_document(full_table())["models"]["digits"]["stage_floor"] == 0.5
+    plain = full_table().models["plain"]
+    assert plain.staged_tiers() == () and plain.stage_floor == DEFAULT_STAGE_FLOOR

@@ -96,7 +96,67 @@ def follow_spec(spec: TieredModel, status: RolloutStatus | None, target: int,
     started = engine.start(spec, status.stable_version, target, now)
     reason = (f"rolling out version {target} over {status.stable_version}{replaced}: "
               f"stage 1/{len(spec.rollout.stages)} {spec.rollout.stages[0].name!r}")
+    starved = starved_stage(spec, started, where=False)
+    if starved is not None:  # said as the stage starts, not at its max_duration_s
+        reason = f"{reason}: {starved}"
     return Transition("start", reason, dataclasses.replace(started, message=reason))
+
+
+# The share of requests without a tier hint that a live stage's tiers get
+# first (`routing.DEFAULT_STAGE_FLOOR` says why a third), written into every
+# route of the table.
+STAGE_FLOOR = routing.DEFAULT_STAGE_FLOOR
+
+
+def unrouted_tiers(spec: TieredModel, status: RolloutStatus | None) -> tuple[str, ...]:
+    """The tiers the live stage sends canary traffic to that no request
+    without a tier hint reaches under the spec's routing policy: those a
+    cascade does not list. Under slo-energy there are none: while a stage is
+    live its floor (`STAGE_FLOOR`) sends un-hinted requests to its tiers."""
+    if not live(status) or spec.routing.policy != names.Policy.CASCADE:
+        return ()
+    asked = spec.routing.cascade.tiers
+    return tuple(tier for tier, weight in engine.canary_weights(spec, status).items()
+                 if weight > 0 and tier not in asked)
+
+
+def starved_stage(spec: TieredModel, status: RolloutStatus | None,
+                  where: bool = True) -> str | None:
+    """Why the live stage's canary gets no request without a tier hint on
+    some of its tiers (`where`: led by the stage's name), said as the stage
+    starts, so nobody waits out its max_duration_s to learn it; None when
+    every staged tier gets some. The policy stands (a cascade's tiers are
+    the spec's choice) and hinted requests still reach those tiers, so the
+    stage is not stopped."""
+    tiers = unrouted_tiers(spec, status)
+    if not tiers:
+        return None
+    assert status is not None
+    index = min(status.stage_index, len(spec.rollout.stages) - 1)
+    stage = f"stage {index + 1}/{len(spec.rollout.stages)} {spec.rollout.stages[index].name!r}: "
+    starved = ", ".join(tiers)
+    asked = spec.routing.cascade.tiers
+    policy = (f"the routing policy (a cascade of {asked[0]} alone) pins every request "
+              f"without a tiered-tier hint to {asked[0]}, so {starved} "
+              f"{'gets' if len(tiers) == 1 else 'get'} none"
+              if len(asked) == 1 else
+              f"the routing policy (a cascade over {', '.join(asked)}) sends no request "
+              f"without a tiered-tier hint to {starved}")
+    hinted = " or ".join(f"'tiered-tier: {tier}'" for tier in tiers)
+    return (f"{stage if where else ''}{policy}; only requests hinted {hinted} reach the "
+            f"canary there (list {starved} in routing.cascade.tiers, or send such requests)")
+
+
+def explain_starvation(spec: TieredModel, decision: engine.Decision) -> engine.Decision:
+    """`decision` with `starved_stage`'s reason added when the stage it
+    leaves live starves on some tier: an advance to such a stage says so at
+    once, and each hold of it keeps saying so."""
+    starved = starved_stage(spec, decision.status)
+    if starved is None or starved in decision.reason:
+        return decision
+    reason = f"{decision.reason}; {starved}"
+    return dataclasses.replace(decision, reason=reason,
+                               status=dataclasses.replace(decision.status, message=reason))
 
 
 @dataclass(frozen=True)
@@ -197,7 +257,9 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
                   agents_of: AgentsOf) -> routing.RoutingTable:
     """The router's table for these models (`tiered.protocol.routing`, the
     schema the router reads with), each tier's canary weight from the
-    rollout's current stage. Where the canary runs on other agents than
+    rollout's current stage, and the stage floor that sends un-hinted
+    requests to the staged tiers whatever the policy prefers (`STAGE_FLOOR`).
+    Where the canary runs on other agents than
     stable (Kubernetes: a Deployment per version), the tier lists them as
     `canary_agents`."""
     table: dict[str, routing.ModelRoute] = {}
@@ -225,7 +287,7 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
         # A cascade with none of its tiers up routes like slo-energy until one is.
         table[spec.name] = routing.ModelRoute(
             tiers, policy=spec.routing.policy if cascade_tiers else "slo-energy",
-            slo_ms=spec.routing.slo_ms,
+            slo_ms=spec.routing.slo_ms, stage_floor=STAGE_FLOOR,
             cascade=routing.CascadeSettings(cascade_tiers, cascade.threshold, cascade.output)
             if cascade_tiers else routing.CascadeSettings())
     return routing.RoutingTable(version, table)

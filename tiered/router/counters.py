@@ -150,6 +150,11 @@ class RouterMetrics:
             "meeting the SLO had J/inference of different sources (nvml, rapl, model), so "
             "energy decided nothing and the fastest went first", ["model"],
             registry=self.registry)
+        self.stage_floor = Counter(
+            "tiered_router_stage_floor", "Requests without a tier hint that a live rollout "
+            "stage's floor sent to a tier it stages ahead of the policy's first choice, by "
+            "that tier (routing table `stage_floor`)", ["model", "tier"],
+            registry=self.registry)
         self.latency = Histogram(
             "tiered_router_request_duration_seconds", "Answered requests' time in the router, "
             "from arrival to answer (a streamed request: to its last response), by the tier "
@@ -182,6 +187,10 @@ class RouterMetrics:
 
     def failed_over(self, model: str, tier: str, reason: str) -> None:
         self._child(self.failovers, model, tier, reason).inc()
+
+    def floored(self, model: str, tier: str) -> None:
+        """Count one request a stage's floor moved to `tier` (`Ranking.floored`)."""
+        self._child(self.stage_floor, model, tier).inc()
 
     def ranked_without_energy(self, model: str) -> None:
         """Count one choice that energy could not decide (`Ranking.energy_incomparable`)."""

@@ -183,6 +183,8 @@ class Router:
         ranking = policies.rank(policy, candidates, wanted, seen, self.rng, self.health.down)
         if ranking.energy_incomparable:
             self.metrics.ranked_without_energy(model)
+        if ranking.floored:
+            self.metrics.floored(model, ranking.floored)
         for passed in ranking.passed_over:
             self.metrics.failed_over(model, passed.tier, counters.DOWN)
         return wanted, choices, policy, ranking

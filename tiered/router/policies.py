@@ -3,7 +3,10 @@
 Each policy is one method, `choose(candidates, request, observations, rng)
 -> Ranking`: the candidates in the order the router should try them;
 `rank` then puts the agents the router holds down after every agent that is
-up (`healthy_first`). The canary split (`pick_version`), the shadow decision
+up (`healthy_first`). While a rollout stage is live, the policies that route
+requests without a tier hint (slo-energy, cascade) send a share of them to
+the stage's tiers first (`StageFloor`), so a stage is never starved by what
+the policy prefers. The canary split (`pick_version`), the shadow decision
 and the cascade's confidence test (`should_escalate`) live here too. Nothing here
 does I/O, reads a clock or owns randomness: the router passes in what it
 observed and an `random.Random`. Never import gRPC or agent code here.
@@ -91,6 +94,9 @@ class Ranking:
     # Agents held down that the policy had put before the first agent that is
     # up: passed over (`healthy_first`); the router counts them as failovers.
     passed_over: tuple[Candidate, ...] = ()
+    # The tier a live stage's floor put first, ahead of the policy's own first
+    # choice ("" when the floor moved nothing): the router counts these.
+    floored: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,66 @@ class Preferred:
         return Ranking(tuple(ranked))
 
 
+@dataclass(frozen=True)
+class StageFloor:
+    """While a rollout stage is live: the share of requests with no tier hint
+    that go first to the tiers the stage names, split evenly among them,
+    whatever the policy prefers (`routing.DEFAULT_STAGE_FLOOR` says why a
+    third). Each staged tier gets at least share / len(tiers) of them; the
+    policy's own choices come on top. A hinted request is never moved: its
+    tier is the client's word.
+
+    The SLO is not consulted. A staged tier predicted to miss it would
+    otherwise get nothing, and a stage that sees no request can decide
+    nothing: the silent stall the floor is there to end. Its latency is what
+    the stage measures (a canary slower than stable is caught there, not
+    hidden), the share it costs is bounded, and a tier that fails still fails
+    over to the policy's order."""
+
+    tiers: tuple[str, ...]
+    share: float
+
+    def draw(self, rng: random.Random) -> str | None:
+        """The tier this request must go to first, or None: the policy decides.
+        One draw picks both whether and which."""
+        point = rng.random()
+        if point >= self.share:
+            return None
+        return self.tiers[min(int(point / self.share * len(self.tiers)), len(self.tiers) - 1)]
+
+
+def stage_floor(route: routing.ModelRoute, reachable: Sequence[str] = names.TIERS
+                ) -> StageFloor | None:
+    """The floor of the route's live stage over the tiers the policy may send
+    a request to (a cascade: its tiers), or None when no stage is live there."""
+    if route.stage_floor <= 0:
+        return None
+    staged = tuple(t for t in route.staged_tiers() if t in reachable)
+    return StageFloor(staged, route.stage_floor) if staged else None
+
+
+def floored(ranking: Ranking, floor: StageFloor | None, rng: random.Random,
+            escalating: bool = False) -> Ranking:
+    """`ranking` with the floor's tier first when the floor draws one. The
+    other candidates follow in the policy's order, for failover; a cascade
+    (`escalating`) starts at the floor's tier and escalates only to the tiers
+    after it: the cheaper ones before it are left out, since an unsure answer
+    must never be handed down to a less sure tier."""
+    if floor is None:
+        return ranking
+    tier = floor.draw(rng)
+    candidates = ranking.candidates
+    if tier is None or not candidates or candidates[0].tier == tier:
+        return ranking
+    first = [c for c in candidates if c.tier == tier]
+    if not first:  # no agent of it here (not in the route, or outside the cascade)
+        return ranking
+    after = candidates[candidates.index(first[0]):] if escalating else candidates
+    return dataclasses.replace(ranking, candidates=(*first, *(c for c in after
+                                                              if c.tier != tier)),
+                               floored=tier)
+
+
 MIXED = "mixed"  # a tier whose agents' energy figures have more than one source
 
 
@@ -263,8 +329,9 @@ class SloEnergy:
     SLO, and the ranking says so for the router to count.
     """
 
-    def __init__(self, default_slo_ms: float) -> None:
+    def __init__(self, default_slo_ms: float, floor: StageFloor | None = None) -> None:
         self.default_slo_ms = default_slo_ms
+        self.floor = floor
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
                observations: Observations, rng: random.Random) -> Ranking:
@@ -285,15 +352,21 @@ class SloEnergy:
         ranked: list[Candidate] = []
         for estimate in meeting + missing:
             ranked.extend(order_agents(tiers[estimate.tier], observations, rng))
-        return Ranking(tuple(ranked), energy_incomparable=not comparable)
+        return floored(Ranking(tuple(ranked), energy_incomparable=not comparable),
+                       self.floor, rng)
 
 
 class Cascade:
     """Cheapest tier first, in the configured order; the router escalates
-    along this order while `should_escalate` says the answer is unsure."""
+    along this order while `should_escalate` says the answer is unsure.
+    While a stage is live, the floor's share of requests starts at a staged
+    tier of the cascade instead (a tier the cascade does not list is the
+    spec's choice: the controller says that such a stage gets no un-hinted
+    request)."""
 
-    def __init__(self, tiers: Sequence[str]) -> None:
+    def __init__(self, tiers: Sequence[str], floor: StageFloor | None = None) -> None:
         self.tiers = tuple(tiers)
+        self.floor = floor
 
     def choose(self, candidates: Sequence[Candidate], request: RouteRequest,
                observations: Observations, rng: random.Random) -> Ranking:
@@ -301,7 +374,7 @@ class Cascade:
         ranked: list[Candidate] = []
         for tier in self.tiers:
             ranked.extend(order_agents(tiers.get(tier, ()), observations, rng))
-        return Ranking(tuple(ranked))
+        return floored(Ranking(tuple(ranked)), self.floor, rng, escalating=True)
 
 
 def confidence(outputs: Mapping[str, np.ndarray], output_name: str = "") -> float:
@@ -371,12 +444,12 @@ Policy = Pinned | Preferred | SloEnergy | Cascade
 
 def policy_for(route: routing.ModelRoute, request: RouteRequest) -> Policy:
     """A tier hint wins whenever it is present (a pin when strict, else a
-    preference); else the model's policy."""
+    preference); else the model's policy, with the live stage's floor."""
     if request.tier is not None:
         return Pinned() if request.strict else Preferred()
     if route.policy == names.Policy.CASCADE:
-        return Cascade(route.cascade.tiers)
-    return SloEnergy(route.slo_ms)
+        return Cascade(route.cascade.tiers, stage_floor(route, route.cascade.tiers))
+    return SloEnergy(route.slo_ms, stage_floor(route))
 
 
 def healthy_first(ranking: Ranking, down: Container[str]) -> Ranking:

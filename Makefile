@@ -27,8 +27,11 @@ $(HELM): | $(PY)
 demo: $(STAMP)
 	$(PY) -m tiered demo
 
+# The test files run on TEST_WORKERS pytest-xdist workers, each file whole on
+# one worker (its module fixtures, such as a local system, start once).
+TEST_WORKERS ?= 3
 test: $(STAMP) $(HELM)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The benchmarks that run on a CPU machine, each writing bench/results/NAME.json.
 # bench/gpu.py and bench/energy.py need a GPU by default: run them on one

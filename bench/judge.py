@@ -44,8 +44,20 @@ over that interval's requests against 1.1 x stable's, 5 failed checks in a
 row roll back; stages advance on the same min_requests and min_duration_s.
 It judges latency only, as its name says.
 
+Before the simulation, the evidence each stage of the demo's files can
+collect (`stage_evidence`, exact, no simulation): at the demo's own traffic
+(`tiered.demo.rollouts`: 80 requests/s over the tiers in its client mix; the
+generative act's `tiered load` at 20/s over three tiers), how many seconds
+a healthy canary's stage needs before every test can pass (min samples per
+version, a bound on stable's p95, agreement shown above its min at the
+agreement the demo's healthy versions have, the stage's minRequests and
+minDurationSeconds), against its maxDurationSeconds. Target: each stage
+decides a healthy version in at most half its maximum duration, so that a
+machine serving at half the pace still decides it.
+
 `--smoke --out PATH` runs two rollouts per row of the demo's settings, to
-show the bench still runs (its rates mean nothing).
+show the bench still runs (its rates mean nothing); the evidence table is
+the same in both modes.
 """
 
 from __future__ import annotations
@@ -74,8 +86,10 @@ from tiered.rollout.analysis import (  # noqa: E402
     Measurements,
     TierSamples,
     VersionSamples,
+    binomial_log_e,
     rollout_tests,
 )
+from tiered.rollout.analysis import quantile_upper_rank as engine_quantile_rank  # noqa: E402
 from tiered.rollout.spec import TieredModel, load_tiered_model, to_plain  # noqa: E402
 
 SHARES = (5.0, 20.0)
@@ -162,6 +176,107 @@ def with_first_share(document: Mapping[str, Any], share: float) -> TieredModel:
     stages = [dict(s) for s in document["rollout"]["stages"]]
     stages[0]["weights"] = {tier: share for tier, w in stages[0]["weights"].items() if w > 0}
     return load_tiered_model({**document, "rollout": {**document["rollout"], "stages": stages}})
+
+
+# --------------------------------------------------------------------------- stage evidence
+
+# What the demo's healthy versions are like: digits v2, retrained, answers as
+# v1 does on about 98% of inputs (0.978-0.980 seen in demo runs); tinyllama v2
+# gives the same greedy output.
+DEMO_AGREEMENT = {"demo": 0.975, "demo-generative": 0.99}
+EVIDENCE_MARGIN = 2.0  # maxDurationSeconds / the seconds a healthy stage needs
+
+
+def demo_rates() -> dict[str, dict[str, float]]:
+    """Requests/s per tier the demo's two acts send (both versions together)."""
+    from tiered.demo import rollouts
+
+    generative_rate = float(rollouts.GENERATIVE_LOAD[rollouts.GENERATIVE_LOAD.index(
+        "--rate") + 1])
+    return {"demo": {t: rollouts.RATE_PER_S * share for t, share in rollouts.TIER_MIX.items()},
+            "demo-generative": {t: generative_rate / 3 for t in names.TIERS}}
+
+
+def _least_n(passes: Any, start: int, limit: int = 10 ** 7) -> int | None:
+    """The least n >= start with passes(n), by doubling then bisection
+    (passes is monotone in n); None beyond limit."""
+    high = max(start, 1)
+    while not passes(high):
+        high *= 2
+        if high > limit:
+            return None
+    low = max(start, high // 2)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if not passes(middle) else (low, middle)
+    return high
+
+
+def stage_evidence(profile: str, spec: TieredModel, rates: Mapping[str, float],
+                   agreement: float) -> list[dict[str, Any]]:
+    """Per stage: the seconds until a healthy canary (same latencies as
+    stable, `agreement` with it) can pass each test of its analysis at
+    `rates` requests/s per tier, the largest of them, and the stage's
+    maxDurationSeconds against it."""
+    analysis = spec.rollout.analysis
+    alpha = (1 - analysis.confidence) / rollout_tests(analysis, spec.rollout.stages, spec.kind)
+    judged = analysis.judged(spec.kind)
+    tails = [m for m in ("latency_p95", "latency_p99", "ttft_p95") if m in judged]
+    # Generative shadows are whole-text requests only (the rest stream).
+    shadowed_share = 0.7 if spec.kind == names.ModelKind.GENERATIVE else 1.0
+    rows = []
+    for index, stage in enumerate(spec.rollout.stages):
+        weights = {t: w / 100 for t, w in stage.weights.items() if w > 0}
+        needs: dict[str, float] = {"minDurationSeconds": stage.min_duration_s,
+                                   "minRequests": stage.min_requests
+                                   / sum(rates[t] * w for t, w in weights.items())}
+        for tier, w in weights.items():
+            stable, canary = rates[tier] * (1 - w), rates[tier] * w
+            needs[f"minSamples on {tier}"] = analysis.min_samples / min(stable, canary)
+            for metric in tails:
+                q = 0.99 if metric.endswith("p99") else 0.95
+                n = _least_n(lambda n: engine_quantile_rank(n, q, alpha / 2) is not None, 1)
+                needs[f"{metric} bound on {tier}"] = math.inf if n is None else n / stable
+        if analysis.agreement is not None:
+            shadows = spec.rollout.shadow_fraction * shadowed_share * sum(
+                rates[t] * (1 - w) for t, w in weights.items())
+            floor = math.log(1 / alpha)
+            n = _least_n(lambda n: binomial_log_e(int(agreement * n), n, analysis.agreement.min)
+                         >= floor, analysis.min_samples) if agreement > analysis.agreement.min \
+                else None
+            needs["agreement"] = math.inf if n is None or shadows == 0 else n / shadows
+        slowest = max(needs, key=needs.get)
+        seconds = needs[slowest]
+        margin = stage.max_duration_s / seconds if seconds > 0 else math.inf
+        rows.append({
+            "profile": profile, "stage": index + 1, "name": stage.name,
+            "weights": dict(stage.weights), "rates": dict(rates), "agreement": agreement,
+            "needs_s": {k: round(v, 1) for k, v in needs.items()}, "slowest": slowest,
+            "seconds": round(seconds, 1), "max_duration_s": stage.max_duration_s,
+            "margin": round(margin, 2),
+            "target": common.judge(f"{profile} stage {index + 1}", "a healthy canary decided "
+                                   "within maxDurationSeconds / margin", margin, ">=",
+                                   EVIDENCE_MARGIN)})
+    return rows
+
+
+def evidence_rows() -> list[dict[str, Any]]:
+    documents = {"demo": "digits-v2.yaml", "demo-generative": "tinyllama-v2.yaml"}
+    rates = demo_rates()
+    return [row for profile, path in documents.items()
+            for row in stage_evidence(profile, load_tiered_model(yaml.safe_load(
+                (REPO_ROOT / "examples" / path).read_text())), rates[profile],
+                DEMO_AGREEMENT[profile])]
+
+
+def print_evidence(rows: Sequence[Mapping[str, Any]]) -> None:
+    print("stage evidence: seconds until a healthy canary can pass every test at the demo's "
+          "traffic (the slowest test named), against maxDurationSeconds")
+    headers = ["settings", "stage", "needs s", "slowest", "max s", "margin", "target"]
+    print(common.table(headers, [
+        [r["profile"], f"{r['stage']} {r['name']}", r["seconds"], r["slowest"],
+         f"{r['max_duration_s']:g}", r["margin"], f">= {EVIDENCE_MARGIN:g}"] for r in rows],
+        [r["target"].verdict for r in rows]))
 
 
 # --------------------------------------------------------------------------- one rollout
@@ -480,7 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if done % 20 == 0:
                 common.progress(f"{done}/{len(work)} tasks")
     rows = rows_of(results, settings)
-    targets = [r["target"] for r in rows]
+    evidence = evidence_rows()
+    targets = [r["target"] for r in evidence + rows]
     result.update({
         "seconds": round(time.monotonic() - started, 1),
         "traffic": traffic, "trials": trials, "more_trials": scale,
@@ -489,13 +605,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "tests_in_rollout": rollout_tests(spec.rollout.analysis,
                                                            spec.rollout.stages)}
                      for p, spec in settings.items()},
-        "rows": rows, "targets": targets, "verdict": common.overall(targets),
+        "stage_evidence": evidence, "rows": rows, "targets": targets,
+        "verdict": common.overall(targets),
     })
     common.write(result, args.out)
+    print_evidence(evidence)
     print_tables(rows)
     if args.smoke:
         return common.smoke_exit({"rows": (rows, ("judge.rollouts", "judge.mean_looks",
-                                                  "flagger.rollouts", "flagger.mean_looks"))})
+                                                  "flagger.rollouts", "flagger.mean_looks")),
+                                  "stage_evidence": (evidence, ("seconds", "margin"))})
     return 0 if result["verdict"] == "PASS" else 1
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,25 @@ def build_repository(root: Path) -> Path:
     zoo.resnet18(model_file(root, "slow", 1), image_size=96, num_classes=10)
     write_config(root, "slow", {"max_batch_size": 1, "max_queue_size": 1})
     return root
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Path:
+    """Folder `name`, filled by `make(folder)` once per test run: under
+    pytest-xdist the workers share one copy (the first makes it while the
+    others wait on a lock), so a model trained for the session is trained
+    once, not once a worker."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder, above every worker's own
+    folder, done = base / name, base / f"{name}.done"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -80,16 +103,17 @@ def generative_model(tmp_path_factory) -> Path:
     pytest.importorskip("onnxruntime_genai")
     from tiered.models.tinyllama import TinyLlama, write_checkpoint
 
-    out = tmp_path_factory.mktemp("generative")
-    untrained = {"train_steps": 0} if "train_steps" in TinyLlama.__dataclass_fields__ else {}
-    shape = TinyLlama(context=4096, layers=4, hidden=256, intermediate=512, **untrained)
-    checkpoint = write_checkpoint(out / "checkpoint", shape)
-    built = subprocess.run(
-        [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint),
-         "-i", str(checkpoint), "-o", str(out / "model"), "-p", "int4", "-e", "cpu",
-         "-c", str(out / "cache")], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-2000:]
-    return out / "model"
+    def make(out: Path) -> None:
+        untrained = {"train_steps": 0} if "train_steps" in TinyLlama.__dataclass_fields__ else {}
+        shape = TinyLlama(context=4096, layers=4, hidden=256, intermediate=512, **untrained)
+        checkpoint = write_checkpoint(out / "checkpoint", shape)
+        built = subprocess.run(
+            [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(checkpoint),
+             "-i", str(checkpoint), "-o", str(out / "model"), "-p", "int4", "-e", "cpu",
+             "-c", str(out / "cache")], capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr[-2000:]
+
+    return made_once(tmp_path_factory, "generative", make) / "model"
 
 
 def add_generative(root: Path, name: str, model_dir: Path, config: dict) -> Path:
@@ -106,9 +130,8 @@ def digits_models(tmp_path_factory) -> Path:
     """The trained digits variants (v1, v2, heavy) and their data files, once per session."""
     from tiered.local.supervisor import prepare_sample_models
 
-    out = tmp_path_factory.mktemp("digits-models")
-    prepare_sample_models(out, lambda line: None)
-    return out
+    return made_once(tmp_path_factory, "digits-models",
+                     lambda out: prepare_sample_models(out, lambda line: None))
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +141,8 @@ def tinyllama_models(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     from tiered.models import tinyllama
 
-    out = tmp_path_factory.mktemp("tinyllama-models")
-    for variant in tinyllama.VARIANTS:
-        tinyllama.write_tinyllama(out, variant)
-    return out
+    def make(out: Path) -> None:
+        for variant in tinyllama.VARIANTS:
+            tinyllama.write_tinyllama(out, variant)
+
+    return made_once(tmp_path_factory, "tinyllama-models", make)

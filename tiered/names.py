@@ -1,6 +1,6 @@
 """The names every part of tiered shares: tiers, engines, precisions, routing
-policies, rollout phases and actions, on_failure values, metric outcomes and
-energy sources.
+policies, rollout phases and actions, onFailure and onUndecided values, metric
+outcomes and energy sources.
 
 Each set is one `StrEnum`, defined here once. A member equals its string, so
 YAML, JSON, the CRD and the wire carry the same plain words as before, and a
@@ -60,10 +60,20 @@ class Policy(StrEnum):
 
 
 class OnFailure(StrEnum):
-    """What a failed or undecided rollout stage does."""
+    """What a rollout stage does once its analysis has failed
+    consecutiveFailureLimit times in a row."""
 
     ROLLBACK = "rollback"
     PAUSE = "pause"
+
+
+class OnUndecided(StrEnum):
+    """What a rollout stage still undecided at its maxDurationSeconds does:
+    too little data to decide is no evidence against the canary, so by
+    default a person decides (pause)."""
+
+    PAUSE = "pause"
+    ROLLBACK = "rollback"
 
 
 class Phase(StrEnum):
@@ -91,12 +101,15 @@ class Action(StrEnum):
 
 
 class Outcome(StrEnum):
-    """A metric's (and an analysis run's) outcome."""
+    """A metric's (and an analysis run's) outcome. NotJudged is a metric's
+    only: shown with its comparison, it neither holds nor fails a stage (an
+    energy figure that is not a measurement), so a run is never NotJudged."""
 
     SUCCESSFUL = "Successful"
     FAILED = "Failed"
     INCONCLUSIVE = "Inconclusive"
     ERROR = "Error"
+    NOT_JUDGED = "NotJudged"
 
 
 class EnergySource(StrEnum):

@@ -8,13 +8,20 @@ and well-formed, and its table must print with the verdict column.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.bench.test_bench_smoke import VERDICTS, assert_header, positive, run_smoke
 
 SCENARIOS = set("abcdefg")
 
 
-def test_judge_bench_simulates_every_scenario_at_both_shares_beside_a_fixed_threshold(tmp_path):
-    result, stdout = run_smoke("judge", tmp_path)
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    return run_smoke("judge", tmp_path_factory.mktemp("judge"))
+
+
+def test_judge_bench_simulates_every_scenario_at_both_shares_beside_a_fixed_threshold(smoke):
+    result, stdout = smoke
     rows = result["rows"]
     assert {(r["profile"], r["canary_percent"], r["scenario"]) for r in rows} == {
         ("demo", share, key) for share in (5.0, 20.0) for key in SCENARIOS}
@@ -31,3 +38,19 @@ def test_judge_bench_simulates_every_scenario_at_both_shares_beside_a_fixed_thre
     assert result["flagger"] == {"ratio": 1.1, "checks_in_a_row": 5}
     assert_header(stdout, "settings", "canary", "%", "scenario", "rollouts")
     assert "verdict" in stdout
+
+
+def test_every_stage_of_the_demo_decides_a_healthy_canary_with_room_to_spare(smoke):
+    """The stage-evidence table is exact (no simulation): at the demo's own
+    traffic each stage of the demo's files can pass a healthy version (digits
+    v2 agreeing on 97.5%, tinyllama v2 on 99%) within half its
+    maxDurationSeconds. A setting changed beyond that fails here, before a
+    demo rolls back a good version for lack of samples."""
+    result, stdout = smoke
+    rows = result["stage_evidence"]
+    assert {(r["profile"], r["stage"]) for r in rows} == {
+        ("demo", 1), ("demo", 2), ("demo", 3), ("demo-generative", 1), ("demo-generative", 2)}
+    for row in rows:
+        assert 0 < row["seconds"] <= row["max_duration_s"] / 2, row
+        assert row["target"]["verdict"] == "PASS", row
+    assert_header(stdout, "settings", "stage", "needs", "s", "slowest", "max", "s", "margin")

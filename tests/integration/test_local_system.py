@@ -15,10 +15,10 @@ from YAML, traffic through the router with tritonclient, verbs through the
   at the build, and the status says so; once the pinned bytes are back, the
   build is tried again.
 - The judge on canaries made in code from the stable network, each changed in
-  one way only: one answering differently on 12% of inputs (as fast and as
-  cheap) is rolled back on agreement in stage 1; one whose brightest 10% of
-  inputs take a detour (a slower tail, the median unchanged) is rolled back
-  on latency_p95; the same network as other bytes is promoted; a stage that
+  one way only: one answering another class wherever it answered one class
+  (about 10% of inputs; as fast and as cheap) is rolled back on agreement in
+  stage 1; one whose brightest 10% of inputs take a detour (a slower tail,
+  the median unchanged) is rolled back on latency_p95; the same network as other bytes is promoted; a stage that
   sends the canary no traffic pauses and says so.
 - Every client request in the module is answered.
 """
@@ -172,9 +172,9 @@ def test_a_healthy_version_is_promoted_across_a_controller_restart(system, store
 
     assert "paused by hand" in tiered(state, "rollout", "pause", "digits").stdout
     paused = wait_for(local, store, lambda s: s.phase == names.Phase.PAUSED, 10)
-    # Paused is not an end: watching it gives up at the timeout, with exit code 4.
-    timed_out = tiered(state, "rollout", "status", "digits", "--timeout", "1.5", code=4)
-    assert "still Paused after 1.5 s" in timed_out.stderr
+    # A pause waits for a person: watching it ends at once, with exit code 5.
+    watched = tiered(state, "rollout", "status", "digits", "--timeout", "30", code=5)
+    assert "paused: `tiered rollout resume digits` goes on" in watched.stderr
     assert status_of(store).rollout.stage_index == paused.stage_index
     assert "resumed by hand" in tiered(state, "rollout", "resume", "digits").stdout
 
@@ -291,7 +291,7 @@ def test_a_canary_answering_differently_is_rolled_back_on_agreement_in_stage_1(
     images = np.load(digits_models / "digits-eval.npz")["input"]
     artifact = tmp_path / "digits-disagreeing.onnx"
     share = canaries.answering_differently(digits_models / "digits-v2.onnx", artifact, images)
-    assert 0.10 <= share <= 0.14, share  # as fast and as cheap; 12% other answers
+    assert 0.06 <= share <= 0.14, share  # one class in ten answered otherwise
     final, version = rolled_out(
         local, store, canary(digits_models, artifact, analysis={"agreement": {"min": 0.99}}),
         lambda s, v: s.canary_version == v and s.phase in (names.Phase.PROMOTED, names.Phase.ROLLED_BACK), 120)
@@ -304,10 +304,12 @@ def test_a_canary_slower_only_in_its_tail_is_rolled_back_on_latency_p95(
     local, _, _ = system
     images = np.load(digits_models / "digits-eval.npz")["input"]
     artifact = tmp_path / "digits-slow-tail.onnx"
-    # About 3 ms more for the brightest 10%: well past 1.15 x stable's p95 on a
-    # loaded machine. One long stage: a bound on stable's p95 from 10 s of a
-    # few hundred requests can be wide enough to pass a tail that 30 s catch.
-    canaries.slower_in_its_tail(digits_models / "digits-v2.onnx", artifact, images, layers=96)
+    # About 8 ms more for the brightest 10% (256 dense layers; the digits
+    # network itself takes well under 1 ms): past 1.15 x stable's p95 even
+    # while other test workers share the two cores and stretch both versions'
+    # tails alike. One long stage: a bound on stable's p95 from 10 s of a few
+    # hundred requests can be wide enough to pass a tail that 30 s catch.
+    canaries.slower_in_its_tail(digits_models / "digits-v2.onnx", artifact, images, layers=256)
     stage = [{"name": "edge", "weights": {"edge": 50}, "min_requests": 150,
               "min_duration_s": 30, "max_duration_s": 120}]
     final, _ = rolled_out(

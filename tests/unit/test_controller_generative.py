@@ -187,8 +187,8 @@ def test_an_unchanged_canary_passes_the_stage():
 
 def test_missing_token_telemetry_holds_inconclusive_until_the_stage_ends():
     decision, _ = roll(Agent(seed=6, with_generation=False))
-    assert decision.action == names.Action.ROLLBACK
-    assert "undecided at max_duration_s" in decision.reason
+    assert decision.action == names.Action.PAUSE  # onUndecided: pause, the default
+    assert "undecided at maxDurationSeconds" in decision.reason
     pending = {m.metric for m in decision.analysis.with_outcome(names.Outcome.INCONCLUSIVE)}
     assert pending == {"ttft_p95", "ttft_shift", "tpot_p95", "energy_per_token"}
 

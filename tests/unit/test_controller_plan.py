@@ -1,11 +1,18 @@
-"""The one reconcile step (`plan.plan`): which decisions become Events."""
+"""The one reconcile step (`plan.plan`): which decisions become Events, and what the
+conditions say."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from tiered import names
 from tiered.controller import plan
+from tiered.rollout import engine
 from tiered.rollout.spec import (
     ArtifactVersion,
+    Condition,
     RolloutStatus,
     TieredModelStatus,
     load_status,
@@ -113,8 +120,8 @@ def test_a_stage_held_blind_stops_its_clock_and_goes_on_when_it_reads_again():
     assert "unreadable" in still.message and "(500 s in)" in still.message
     assert back.blind_since is None and back.stage_started_at == 410.0  # 410 s held
     assert back.phase == later.phase == names.Phase.PROGRESSING
-    assert out.phase == names.Phase.ROLLED_BACK  # 610 s of its own: max reached
-    assert "max_duration" in out.message
+    assert out.phase == names.Phase.PAUSED  # 610 s of its own: max reached, onUndecided
+    assert "undecided at maxDurationSeconds" in out.message
 
 
 def test_a_blind_stage_survives_the_status_round_trip():
@@ -142,3 +149,71 @@ def test_an_engine_process_down_on_an_agent_degrades_the_model_naming_it():
                       1004.0)
     (degraded,) = [c for c in again.status.conditions if c.type == "Degraded"]
     assert (degraded.status, degraded.reason) == ("False", "AsExpected")
+
+
+def routed_ready(version: int, message: str) -> Condition:
+    return Condition(type="Ready", status="True", reason=plan.ROUTED, message=message,
+                          observedGeneration=1, lastTransitionTime="2026-01-01T00:00:00Z")
+
+
+V1_ROUTED = "version 1 serves on every tier and the routers route it"
+
+
+@pytest.mark.parametrize("stable, before, routed, expected", [
+    # Routed once and not asked again: the message follows the stable version.
+    (1, routed_ready(1, V1_ROUTED), None, V1_ROUTED),
+    (1, routed_ready(1, V1_ROUTED + " (r1:1 did not answer)"), None,
+     V1_ROUTED + " (r1:1 did not answer)"),
+    (2, routed_ready(1, V1_ROUTED), None,
+     "version 2 serves on every tier and the routers route it"),
+    (12, routed_ready(1, V1_ROUTED), None,
+     "version 12 serves on every tier and the routers route it"),
+    (2, None, None, "version 2 serves on every tier; no router to ask"),
+    (2, None, (("r0:1", True),), "version 2 serves on every tier and the routers route it"),
+    (2, None, (("r0:1", False),),
+     "version 2 serves on every tier; routers not routing it yet: r0:1"),
+])
+def test_ready_names_the_stable_version(stable, before, routed, expected):
+    rollout = RolloutStatus(stable_version=stable, phase=names.Phase.PROMOTED)
+    (ready,) = [c for c in plan.conditions((before,) if before else (), rollout, None, {}, (),
+                                           1, 3000.0, routed) if c.type == "Ready"]
+    assert ready.message == expected
+
+
+def test_ready_follows_a_promotion_by_hand_on_the_next_pass():
+    """v1 routed; `rollout promote --full` makes v2 stable in the status (its
+    conditions as they were); the next pass names version 2."""
+    status = TieredModelStatus(
+        rollout=RolloutStatus(stable_version=1, canary_version=2, stage_started_at=1000.0,
+                              phase=names.Phase.PROGRESSING, message="started"),
+        artifacts=ARTIFACTS, conditions=(routed_ready(1, V1_ROUTED),))
+    promoted = engine.promote(SPEC, status.rollout, 1010.0, full=True).status
+    status = dataclasses.replace(status, rollout=promoted)
+    assert not plan.asks_routers(status)  # routed before: the routers are not asked again
+    made = plan.plan(SPEC, status, plan.Observation(1, READY, frozenset({1, 2}), None), 1012.0)
+    (ready,) = [c for c in made.status.conditions if c.type == "Ready"]
+    assert (ready.status, ready.reason) == ("True", plan.ROUTED)
+    assert ready.message == "version 2 serves on every tier and the routers route it"
+
+
+def test_a_stage_whose_tier_the_cascade_never_asks_says_so_at_every_pass():
+    spec = load_tiered_model({**to_plain(SPEC, spell=None), "tiers": {"edge": {},
+                              "datacenter": {}},
+                              "routing": {"policy": "cascade",
+                                          "cascade": {"tiers": ["datacenter"]}}})
+    status = TieredModelStatus(
+        rollout=RolloutStatus(stable_version=1, canary_version=2, stage_started_at=1000.0,
+                              phase=names.Phase.PROGRESSING, message="started"),
+        artifacts=ARTIFACTS)
+    states = {(tier, v): plan.VersionState(plan.READY) for tier in ("edge", "datacenter")
+              for v in (1, 2)}
+    told = []
+    for at in (1002.0, 1004.0):
+        made = plan.plan(spec, status, plan.Observation(1, states, frozenset({1, 2})), at)
+        status = made.status
+        told.append(made.events)
+        (progressing,) = [c for c in status.conditions if c.type == "Progressing"]
+        assert "pins every request without a tiered-tier hint to datacenter, so edge gets " \
+               "none" in progressing.message
+        assert progressing.message == status.rollout.message
+    assert len(told[0]) == 1 and told[1] == ()  # said once as an Event, kept in the status

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tiered.cli.progress import ProgressLines, progress_line, weights_label
+from tiered.cli.progress import (
+    ProgressLines,
+    progress_line,
+    quiet_tail,
+    still_line,
+    weights_label,
+)
 from tiered.controller.plan import make_snapshot
 from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, load_tiered_model
 
@@ -88,3 +94,18 @@ def test_a_hold_is_shown_again_only_when_its_reason_changes():
     assert shown("hold", "too short: 5 of 10 s") is not None  # another reason
     assert shown("advance", "stage 1 passed") is not None  # a decision always shows
     assert shown("hold", "too short: 6 of 10 s") is not None  # after it, shown again
+
+
+@pytest.mark.parametrize("quiet_s, stage, tail", [
+    (31.4, None, "nothing new for 31 s"),
+    (30.0, (45.2, 120.0),
+     "nothing new for 30 s; stage 45 s in, maxDurationSeconds 120 (75 s left)"),
+    (60.0, (130.0, 120.0),
+     "nothing new for 60 s; stage 130 s in, maxDurationSeconds 120 (0 s left)"),
+])
+def test_a_long_hold_says_for_how_long_in_the_yamls_words(quiet_s, stage, tail):
+    assert quiet_tail(quiet_s, stage) == tail
+    reason = "stage 2/2 'wide': too little data: 35 of 1000 canary requests"
+    line = still_line(0.0, make_snapshot(SPEC, live(None), "hold", reason), quiet_s, stage)
+    assert "digits v1->v2 Progressing stage 2/2 wide [all tiers 50%]" in line
+    assert line.endswith(f"| hold: {reason} | {tail}")

@@ -150,6 +150,10 @@ def test_worst_outcome_order():
     assert a.worst([a.ERROR, a.FAILED]) == a.FAILED
     assert a.worst([a.SUCCESSFUL, a.INCONCLUSIVE]) == a.INCONCLUSIVE
     assert a.worst([]) == a.INCONCLUSIVE  # nothing judged is not a pass
+    # A metric shown but not judged neither holds nor fails: it counts as Successful.
+    assert a.worst([a.NOT_JUDGED, a.SUCCESSFUL]) == a.SUCCESSFUL
+    assert a.worst([a.NOT_JUDGED]) == a.SUCCESSFUL
+    assert a.worst([a.NOT_JUDGED, a.INCONCLUSIVE]) == a.INCONCLUSIVE
 
 
 def lognormal(rng, median_ms, n, sigma=0.5):
@@ -213,6 +217,20 @@ def test_the_tail_test_sees_the_tail_the_location_test_does_not():
     assert shift.numbers["median_ratio"] == pytest.approx(1.0, rel=0.05)
 
 
+def test_a_tail_test_short_of_stable_samples_says_how_many_it_needs():
+    # 100 samples meet minSamples 50 but cannot bound a p95 at this share.
+    rng = np.random.default_rng(3)
+    stable, canary = lognormal(rng, 20, 100), lognormal(rng, 20, 100)
+    result = a.judge_latency_quantile(0.95, LatencyBound(1.05), stable, canary, ALPHA, 50)
+    need = a.least_samples_to_bound(0.95, ALPHA / 2)
+    assert result.outcome == a.INCONCLUSIVE
+    assert f"too few stable samples to bound its p95 at this confidence: 100, need {need}" \
+        in result.reason
+    assert a.quantile_upper_rank(need - 1, 0.95, ALPHA / 2) is None
+    assert a.quantile_upper_rank(need, 0.95, ALPHA / 2) is not None
+    assert result.numbers["stable_samples_to_bound"] == need
+
+
 def test_p99_is_judged_at_its_own_quantile():
     result = a.judge_latency_quantile(0.99, LatencyBound(1.1), STABLE, TWICE, ALPHA, 50)
     assert result.metric == "latency_p99" and result.outcome == a.FAILED
@@ -267,7 +285,27 @@ def test_the_error_test_weighs_the_canary_share_of_all_errors():
     result = a.judge_error_rate(ErrorRateBound(None, 2.0), 20, 4000, 20, 400, ALPHA, 50)
     # With no regression beyond 2x, at most 2 * 400 / (2 * 400 + 4000) of the errors.
     assert result.numbers["canary_share_of_errors_max"] == pytest.approx(800 / 4800)
-    assert "20 of 40 errors" in result.reason
+    assert "20 of the 40 errors are the canary's" in result.reason
+
+
+# name: (stable errors/requests, canary errors/requests, words in the reason, words not in it)
+ERROR_REASONS = {
+    "no errors says so, not a share of none": (
+        (0, 4000), (0, 400), "no errors in 400 canary and 4000 stable requests", "0 of 0"),
+    "no canary requests yet": ((3, 4000), (0, 0), "no canary requests yet (stable 4000; need 50 "
+                               "each, minSamples)", "too few"),
+    "too few canary requests": ((3, 4000), (0, 10), "too few requests: canary 10, stable 4000, "
+                                "need 50 each, minSamples", "no canary"),
+    "errors on stable only": ((8, 4000), (0, 400), "0 of the 8 errors are the canary's",
+                              "no errors"),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_REASONS)
+def test_error_rate_reasons_say_what_is_true(case):
+    (se, sn), (ce, cn), said, unsaid = ERROR_REASONS[case]
+    result = a.judge_error_rate(ErrorRateBound(0.05, 2.0), se, sn, ce, cn, ALPHA, 50)
+    assert said in result.reason and unsaid not in result.reason, result.reason
 
 
 def windows(centre, n=20, spread=0.01):
@@ -307,19 +345,21 @@ ENERGY_SOURCES = {
     "rapl both: an unchanged canary passes": (
         MEASURED, "rapl", "rapl", windows(1.0), a.SUCCESSFUL, 1.0, 1.0, "source rapl"),
     "model both: a 30% regression is not judged by default": (
-        MEASURED, "model", "model", windows(1.3), a.SUCCESSFUL, 0.0, 0.0, "allow_modeled"),
+        MEASURED, "model", "model", windows(1.3), a.NOT_JUDGED, 0.0, 0.0,
+        "set energyPerInference.allowModeled: true"),
     "model both with allow_modeled: the 30% regression fails": (
         MODELED, "model", "model", windows(1.3), a.FAILED, 1.0, 0.0, "model, estimate"),
     "unknown source is not a measurement": (
-        MEASURED, "", "", windows(1.3), a.SUCCESSFUL, 0.0, 0.0, "source unknown"),
+        MEASURED, "", "", windows(1.3), a.NOT_JUDGED, 0.0, 0.0, "source unknown"),
     "nvml against model: sources differ": (
-        MEASURED, "nvml", "model", windows(1.3), a.SUCCESSFUL, 0.0, 0.0, "different sources"),
+        MEASURED, "nvml", "model", windows(1.3), a.NOT_JUDGED, 0.0, 0.0, "different sources"),
     "nvml against rapl: sources differ even with allow_modeled": (
-        MODELED, "nvml", "rapl", windows(1.3), a.SUCCESSFUL, 0.0, 1.0, "different sources"),
+        MODELED, "nvml", "rapl", windows(1.3), a.NOT_JUDGED, 0.0, 1.0, "different sources"),
     "one measured side without figures yet waits": (
-        MEASURED, "nvml", "nvml", [], a.INCONCLUSIVE, 1.0, 1.0, "too few"),
-    "a modeled side passes before the other has figures": (
-        MEASURED, "model", "", [], a.SUCCESSFUL, 0.0, 0.0, "stable model, estimate, canary no "
+        MEASURED, "nvml", "nvml", [], a.INCONCLUSIVE, 1.0, 1.0,
+        "no canary J/inference windows yet (stable 20; need 5 each, minWindows)"),
+    "a modeled side is not judged before the other has figures": (
+        MEASURED, "model", "", [], a.NOT_JUDGED, 0.0, 0.0, "stable model, estimate, canary no "
         "figure yet"),
 }
 
@@ -337,7 +377,9 @@ def test_energy_is_judged_only_on_measurements_of_one_source(case):
 def test_an_unjudged_estimate_still_reports_its_comparison():
     result = a.judge_energy(EnergyBound(1.1, 5), windows(1.0), windows(1.3), ALPHA,
                             "model", "model")
-    assert result.reason.startswith("not judged: ")
+    assert result.outcome == a.NOT_JUDGED
+    assert result.reason.startswith("the figures are not measurements (set "
+                                    "energyPerInference.allowModeled: true")
     assert "(model, estimate), it would be failed: canary uses more than 1.1x" in result.reason
     assert result.numbers["ratio"] == pytest.approx(1.3) and result.numbers["p_value"] < ALPHA
 
@@ -347,10 +389,12 @@ def test_analyze_passes_each_versions_energy_source_to_the_judge():
     def tier(source):
         return a.TierSamples(stable=a.VersionSamples((), 100, 0, windows(1.0), source),
                              canary=a.VersionSamples((), 100, 0, windows(1.3), source))
-    for source, verdict in (("nvml", a.FAILED), ("model", a.SUCCESSFUL)):
+    for source, verdict, outcome in (("nvml", a.FAILED, a.FAILED),
+                                     ("model", a.SUCCESSFUL, a.NOT_JUDGED)):
         run = a.analyze(spec, a.Measurements(window=1, stage=0, tiers={"edge": tier(source)}),
                         tests=1)
         assert run.verdict == verdict, run.summary()
+        assert run.metrics[0].outcome == outcome, run.summary()
 
 
 def test_pooled_energy_has_one_source_or_none():
@@ -377,6 +421,22 @@ def test_agreement(case):
     result = a.judge_agreement(AgreementBound(0.99), agreed, compared, ALPHA, 50)
     assert result.outcome == expected, result.reason
     assert result.numbers["compared"] == compared
+
+
+def test_agreement_not_yet_shown_says_how_many_comparisons_would_show_it():
+    result = a.judge_agreement(AgreementBound(0.95), 978, 1000, 0.000152, 50)
+    assert result.outcome == a.INCONCLUSIVE
+    assert "agreement 0.978 over 1000 shadowed requests: not yet significantly above 0.95" \
+        in result.reason
+    need = int(result.numbers["shadowed_to_decide"])
+    assert f"about {need} would show it if the rate holds" in result.reason
+    assert 1000 < need < 2000
+    held = round(0.978 * need)  # the same rate over that many: shown
+    assert a.judge_agreement(AgreementBound(0.95), held, need, 0.000152, 50).outcome \
+        == a.SUCCESSFUL
+    # At or below the minimum no count would show it: nothing promised.
+    never = a.judge_agreement(AgreementBound(0.95), 950, 1000, 0.000152, 50)
+    assert never.outcome == a.INCONCLUSIVE and "would show it" not in never.reason
 
 
 def test_a_run_takes_the_worst_metric_and_skips_null_ones():
@@ -503,7 +563,7 @@ def test_with_no_traffic_anywhere_every_tier_is_inconclusive():
 def test_a_tier_with_stable_traffic_and_no_canary_is_inconclusive_not_skipped():
     run = a.analyze(LATENCY_ONLY, a.Measurements(window=1, stage=0, tiers={
         "edge": a.TierSamples(version(lognormal_ms(10, 300, 7)), a.VersionSamples())}))
-    assert run.verdict == a.INCONCLUSIVE and "too few samples" in run.metrics[0].reason
+    assert run.verdict == a.INCONCLUSIVE and "no canary samples yet" in run.metrics[0].reason
 
 
 def test_the_requests_of_a_version_sum_over_tiers():

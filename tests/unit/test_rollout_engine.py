@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import sys
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +18,13 @@ from tiered import names
 from tiered.errors import InvalidArgument
 from tiered.rollout import analysis as a
 from tiered.rollout import engine as e
+from tiered.rollout import spec as s
 from tiered.rollout.spec import RolloutStatus, load_tiered_model
 
 SHA = "cd" * 32
 
 
-def model(on_failure="rollback", limit=1, **analysis):
+def model(on_failure="rollback", limit=1, on_undecided=None, **analysis):
     return load_tiered_model({
         "name": "digits",
         "artifact": {"uri": "digits.onnx", "sha256": SHA},
@@ -37,6 +40,8 @@ def model(on_failure="rollback", limit=1, **analysis):
                          "agreement": {"min": 0.95}, "consecutive_failure_limit": limit,
                          **analysis},
             "on_failure": on_failure,
+            # None: the default (pause)
+            **({} if on_undecided is None else {"on_undecided": on_undecided}),
         },
     })
 
@@ -76,7 +81,8 @@ TABLE = {
                                     names.Action.PROMOTE, "promoting version 2"),
     "too few canary requests hold": (SPEC, status(), measure(requests=100), 1100, names.Action.HOLD,
                                      "too little data: 100 of 300"),
-    "too short holds": (SPEC, status(), measure(), 1030, names.Action.HOLD, "too short: 30 of 60 s"),
+    "too short holds": (SPEC, status(), measure(), 1030, names.Action.HOLD,
+                        "too short: 30 of 60 s (minDurationSeconds)"),
     "no measurements hold": (SPEC, status(), None, 1100, names.Action.HOLD, "no measurements"),
     "measurements of another stage hold": (SPEC, status(), measure(stage=1), 1100, names.Action.HOLD,
                                            "no measurements"),
@@ -84,6 +90,14 @@ TABLE = {
                                             1100, names.Action.HOLD, "analysis inconclusive"),
     "latency regression rolls back": (SPEC, status(), measure(canary_ms=SLOW_MS), 1100,
                                       names.Action.ROLLBACK, "latency_p95"),
+    "a failed analysis follows onFailure, whatever onUndecided says": (
+        model(on_undecided="pause"), status(), measure(canary_ms=SLOW_MS), 1100,
+        names.Action.ROLLBACK, "rolling back to version 1 (onFailure: rollback)"),
+    "a failed analysis pauses with onFailure: pause, whatever onUndecided says": (
+        model("pause", on_undecided="rollback"), status(), measure(errors=40), 1100,
+        names.Action.PAUSE, "pausing (onFailure: pause)"),
+    "a failed analysis at max duration still follows onFailure": (
+        SPEC, status(), measure(errors=40), 1600, names.Action.ROLLBACK, "(onFailure: rollback)"),
     "latency regression fails fast, before min duration": (
         SPEC, status(), measure(canary_ms=SLOW_MS), 1010, names.Action.ROLLBACK, "latency_p95"),
     "errors roll back": (SPEC, status(), measure(errors=40), 1100, names.Action.ROLLBACK, "error_rate"),
@@ -91,24 +105,43 @@ TABLE = {
                                      "energy_per_inference"),
     "disagreement rolls back": (SPEC, status(), measure(agreed=300), 1100, names.Action.ROLLBACK,
                                 "agreement"),
-    "failure pauses when on_failure is pause": (model("pause"), status(),
-                                                measure(errors=40), 1100, names.Action.PAUSE,
-                                                "on_failure: pause"),
+    "failure pauses when onFailure is pause": (model("pause"), status(),
+                                               measure(errors=40), 1100, names.Action.PAUSE,
+                                               "onFailure: pause"),
     "one failure of two allowed holds": (model(limit=2), status(), measure(errors=40), 1100,
                                          names.Action.HOLD, "1 of 2 in a row"),
     "second failure in a row rolls back": (
         model(limit=2), status(consecutive_failures=1), measure(window=2, errors=40), 1100,
         names.Action.ROLLBACK, "2 of 2 in a row"),
-    "inconclusive past max_duration rolls back": (
-        SPEC, status(), measure(canary_ms=SAME_MS[:10]), 1600, names.Action.ROLLBACK,
-        "undecided at max_duration_s"),
-    "inconclusive past max_duration pauses": (
+    "inconclusive past max_duration pauses by default, though onFailure rolls back": (
+        SPEC, status(), measure(canary_ms=SAME_MS[:10]), 1600, names.Action.PAUSE,
+        "undecided at maxDurationSeconds (600 s)"),
+    "inconclusive past max_duration rolls back with onUndecided: rollback": (
+        model(on_undecided="rollback"), status(), measure(canary_ms=SAME_MS[:10]), 1600,
+        names.Action.ROLLBACK, "rolling back to version 1 (onUndecided: rollback)"),
+    "inconclusive past max_duration pauses with onUndecided: pause": (
+        model(on_undecided="pause"), status(), measure(canary_ms=SAME_MS[:10]), 1600,
+        names.Action.PAUSE, "pausing (onUndecided: pause)"),
+    "inconclusive past max_duration pauses with onFailure: pause too": (
         model("pause"), status(), measure(canary_ms=SAME_MS[:10]), 1600, names.Action.PAUSE,
-        "undecided at max_duration_s"),
-    "no data past max_duration rolls back": (SPEC, status(), None, 1600, names.Action.ROLLBACK,
-                                             "no measurements"),
-    "no canary traffic past max_duration pauses, whatever on_failure says": (
+        "undecided at maxDurationSeconds"),
+    "too few canary requests past max_duration pause": (
+        SPEC, status(), measure(requests=100), 1600, names.Action.PAUSE,
+        "too little data: 100 of 300 canary requests (minRequests)"),
+    "too few canary requests past max_duration roll back with onUndecided: rollback": (
+        model(on_undecided="rollback"), status(), measure(requests=100), 1600,
+        names.Action.ROLLBACK, "too little data: 100 of 300 canary requests (minRequests)"),
+    "no data past max_duration pauses": (SPEC, status(), None, 1600, names.Action.PAUSE,
+                                         "no measurements"),
+    "no data past max_duration rolls back with onUndecided: rollback": (
+        model(on_undecided="rollback"), status(), None, 1600, names.Action.ROLLBACK,
+        "no measurements"),
+    "no canary traffic past max_duration pauses, whatever onFailure says": (
         SPEC, status(), measure(canary_ms=(), requests=0, agreed=0, compared=0), 1600,
+        names.Action.PAUSE, "no canary traffic in 600 s"),
+    "no canary traffic past max_duration pauses, whatever onUndecided says": (
+        model(on_undecided="rollback"), status(),
+        measure(canary_ms=(), requests=0, agreed=0, compared=0), 1600,
         names.Action.PAUSE, "no canary traffic in 600 s"),
     "no canary traffic yet holds": (
         SPEC, status(), measure(canary_ms=(), requests=0, agreed=0, compared=0), 1100,
@@ -127,6 +160,74 @@ def test_decide(case):
     assert decision.action == action, decision.reason
     assert words in decision.reason
     assert decision.status.message == decision.reason
+    paused = action == names.Action.PAUSE
+    assert (decision.status.phase == "Paused") == (paused or before.phase == "Paused")
+    assert decision.status.paused == (paused or before.paused)
+    if paused or action == names.Action.ROLLBACK:
+        assert decision.status.stage_index == before.stage_index
+
+
+def _snake_spec_fields() -> set[str]:
+    """The spec's snake_case field names, but the metrics' (a metric is
+    named by its identifier in results, as the status and Prometheus do)."""
+    seen, todo = set(), [s.TieredModel]
+    while todo:
+        cls = todo.pop()
+        seen.add(cls)
+        for hint in s._hints(cls).values():
+            inner = [hint, *typing.get_args(hint)]
+            for each in [*inner, *(arg for i in inner for arg in typing.get_args(i))]:
+                if dataclasses.is_dataclass(each) and each not in seen:
+                    todo.append(each)
+    metrics = {m for ms in s.METRICS_OF_KIND.values() for m in ms}
+    return {f.name for cls in seen for f in dataclasses.fields(cls)
+            if "_" in f.name and f.name not in metrics}
+
+
+SNAKE = re.compile(r"\b(" + "|".join(sorted(_snake_spec_fields())) + r")\b")
+
+
+@pytest.mark.parametrize("case", TABLE)
+def test_reasons_name_spec_fields_as_the_yaml_writes_them(case):
+    spec, before, measurements, now, _, _ = TABLE[case]
+    reason = e.decide(spec, before, measurements, now).reason
+    assert not SNAKE.search(reason), reason
+    assert "max_duration" not in reason and "on_failure" not in reason, reason
+
+
+def test_an_undecided_pause_says_what_is_missing_and_what_to_do():
+    decision = e.decide(SPEC, status(), measure(canary_ms=SAME_MS[:10], requests=100), 1600)
+    assert decision.action == names.Action.PAUSE
+    reason = decision.reason
+    # Why: each test short of samples, with its numbers, and the canary's requests.
+    assert reason.startswith("stage 1/2 'edge-5' undecided at maxDurationSeconds (600 s): "
+                             "too little data: 100 of 300 canary requests (minRequests); "
+                             "analysis inconclusive: "), reason
+    assert ("latency_p95 on edge: too few samples: canary 10, stable 2000, need 50 each, "
+            "minSamples") in reason
+    # What: nothing failed; resume (another maxDurationSeconds), traffic, promote, abort.
+    assert "pausing (onUndecided: pause): nothing failed" in reason
+    for remedy in ("Resume to give the stage another 600 s", "send the canary more traffic",
+                   "promote", "abort"):
+        assert remedy in reason, remedy
+    assert decision.analysis is not None and decision.analysis.verdict == a.INCONCLUSIVE
+    # Resumed, it runs another maxDurationSeconds: held, not undecided again at once.
+    resumed = e.resume(SPEC, decision.status, 1600)
+    again = e.decide(SPEC, resumed.status, measure(window=2, canary_ms=SAME_MS[:10],
+                                                   requests=100), 1610)
+    assert again.action == names.Action.HOLD and resumed.status.stage_started_at == 1600
+    late = e.decide(SPEC, again.status, measure(window=3, canary_ms=SAME_MS[:10],
+                                                requests=100), 2200)
+    assert late.action == names.Action.PAUSE and "undecided" in late.reason
+
+
+def test_a_version_short_of_data_is_never_rolled_back_by_default():
+    # The users' case: healthy numbers, one test not yet significant at the end.
+    decision = e.decide(SPEC, status(stage_index=1), measure(stage=1, agreed=390), 1600)
+    assert decision.action == names.Action.PAUSE, decision.reason
+    assert "agreement: agreement 0.975 over 400 shadowed requests: not yet significantly " \
+        "above 0.95" in decision.reason
+    assert decision.status.stable_version == 1 and decision.status.canary_version == 2
 
 
 def test_rollback_carries_the_failing_numbers_and_zero_canary_weights():
@@ -241,7 +342,7 @@ def test_verbs_on_a_finished_rollout_are_refused(verb, phase):
 def test_start_begins_at_stage_zero_and_refuses_the_stable_version():
     begun = e.start(SPEC, 1, 2, 500.0)
     assert (begun.stage_index, begun.phase, begun.stage_started_at) == (0, "Progressing", 500)
-    with pytest.raises(InvalidArgument, match="canary_version"):
+    with pytest.raises(InvalidArgument, match="canaryVersion"):
         e.start(SPEC, 3, 3, 0.0)
 
 

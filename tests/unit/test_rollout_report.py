@@ -3,6 +3,7 @@ values, rollout summaries, atomic files, and the edge cases (no or one snapshot)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -179,3 +180,139 @@ def test_energy_figures_name_their_source():
     assert (final["energy_source_stable"], final["energy_source_canary"]) == ("model", "model")
     plain = report.render_html(history(), "t", {})  # a history that names no source
     assert "Energy per inference</text>" in plain and "estimate" not in plain
+
+
+def test_a_retried_rollout_is_a_rollout_of_its_own():
+    """v2 rolled back, retried and aborted, retried and promoted: three rollouts,
+    each with its own outcome and duration; nothing runs on to the retry."""
+    points = [snap(0, "start", "rollout of v2"), snap(30),
+              snap(60, "rollback", "failed", phase="RolledBack"),
+              snap(100, "retry", "retrying version 2 by hand", canary=None),
+              snap(110, "start", "rollout of v2"), snap(130),
+              snap(150, "abort", "aborted by hand", phase="Aborted"),
+              snap(200, "retry", "retrying version 2 by hand", canary=None),
+              snap(210, "start", "rollout of v2"),
+              snap(240, "advance", "on to stage 2", stage=1),
+              snap(300, "promote", "promoted", stable=2, canary=None, stage=1,
+                   phase="Promoted")]
+    rollouts = report.report_json(points, "r", {})["rollouts"]
+    assert [(r["stable_version"], r["canary_version"], r["outcome"], r["started_s"],
+             r["duration_s"]) for r in rollouts] == [(1, 2, "RolledBack", 0, 60),
+                                                      (1, 2, "Aborted", 100, 50),
+                                                      (1, 2, "Promoted", 200, 100)]
+    assert [[d["label"] for d in r["decisions"]] for r in rollouts] == [
+        ["start v2", "rollback v2"], ["retry v2", "start v2", "abort v2"],
+        ["retry v2", "start v2", "advance to stage 2", "promote v2"]]
+    page = report.render_html(points, "r", {})
+    assert page.count('class="badge Progressing"') == 0
+
+
+def test_a_new_version_applied_after_a_retry_starts_its_own_rollout():
+    points = [snap(0, "start", "rollout of v2"),
+              snap(60, "rollback", "failed", phase="RolledBack"),
+              snap(100, "retry", "retrying version 2 by hand", canary=None),
+              snap(110, "start", "rollout of v3", canary=3),
+              snap(200, "promote", "promoted", stable=3, canary=None, phase="Promoted")]
+    rollouts = report.report_json(points, "r", {})["rollouts"]
+    assert [(r["canary_version"], r["outcome"]) for r in rollouts] == [
+        (2, "RolledBack"), (None, "Progressing"), (3, "Promoted")]
+
+
+# --- what feeds the report, on either backend ----------------------------------
+
+SHAS = {v: f"{v:x}" * 64 for v in (1, 2)}
+DOCUMENT = {"name": "digits", "artifact": {"uri": "/m/v2.onnx", "sha256": SHAS[2]},
+            "tiers": {"edge": {}},
+            "rollout": {"stages": [{"name": "edge", "weights": {"edge": 10}}]}}
+
+
+def retried_twice(controller, verb):
+    """v2 over v1: rolled back by the controller, retried by hand, aborted by
+    hand, retried, promoted; `controller(rollout, action, reason, t)` records
+    what a controller pass would, `verb(name, t)` runs a manual verb."""
+    from tiered.rollout import engine
+    from tiered.rollout.spec import load_tiered_model
+
+    spec = load_tiered_model(DOCUMENT)
+    started = engine.start(spec, 1, 2, 10.0)
+    controller(started, "start", "rolling out version 2", 10.0)
+    controller(dataclasses.replace(started, phase="RolledBack"), "rollback", "failed", 70.0)
+    verb("retry", 100.0)
+    controller(engine.start(spec, 1, 2, 110.0), "start", "rolling out version 2", 110.0)
+    verb("abort", 150.0)
+    verb("retry", 200.0)
+    again = engine.start(spec, 1, 2, 210.0)
+    controller(again, "start", "rolling out version 2", 210.0)
+    controller(engine.promote(spec, again, 310.0, full=True).status, "promote", "passed", 310.0)
+
+
+EXPECTED = [(1, 2, "RolledBack", 0.0, 60.0), (1, 2, "Aborted", 90.0, 50.0),
+            (1, 2, "Promoted", 190.0, 110.0)]
+
+
+def outcomes(data):
+    return [(r["stable_version"], r["canary_version"], r["outcome"], r["started_s"],
+             r["duration_s"]) for r in data["rollouts"]]
+
+
+def test_the_local_report_of_retried_rollouts(tmp_path):
+    """`tiered rollout report` on a local store written as the controller and
+    the verbs write it."""
+    from tiered.cli import main
+    from tiered.controller import verbs
+    from tiered.controller.plan import make_snapshot
+    from tiered.controller.reconciler import decode_status
+    from tiered.controller.store import StateStore
+    from tiered.rollout.spec import ArtifactVersion, TieredModelStatus, to_plain
+
+    artifacts = tuple(ArtifactVersion(v, f"/m/v{v}.onnx", SHAS[v]) for v in (1, 2))
+    with StateStore(tmp_path / "state" / "state.db") as store:
+        record = store.apply("digits", DOCUMENT)
+        spec = verbs.spec_of(record)
+
+        def controller(rollout, action, reason, t):
+            record = store.get("digits")
+            status = TieredModelStatus(rollout=dataclasses.replace(rollout, message=reason),
+                                       artifacts=artifacts,
+                                       observed_generation=record.generation)
+            store.write_status("digits", record.revision, status=to_plain(status))
+            store.record("digits", make_snapshot(spec, status.rollout, action, reason), t)
+
+        retried_twice(controller, lambda name, t: verbs.rollout_verb(
+            store, "digits", name, now=lambda: t))
+        assert decode_status("digits", store.get("digits").status).rollout.phase == "Promoted"
+    assert main(["rollout", "report", "digits", "--state", str(tmp_path / "state"),
+                 "--out", str(tmp_path / "report")]) == 0
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert outcomes(data) == EXPECTED
+
+
+def test_the_kubernetes_report_of_retried_rollouts_reads_the_same():
+    """On Kubernetes the report reads the status's steps: the verbs record
+    theirs there too, so the same rollouts come out."""
+    from tiered.controller import verbs
+    from tiered.controller.plan import _step
+    from tiered.rollout import engine
+    from tiered.rollout.spec import TieredModelStatus, load_tiered_model
+
+    spec = load_tiered_model(DOCUMENT)
+    status = TieredModelStatus()
+
+    def controller(rollout, action, reason, t):
+        nonlocal status
+        rollout = dataclasses.replace(rollout, message=reason)
+        status = dataclasses.replace(status, rollout=rollout,
+                                     history=(*status.history, _step(spec, rollout, action,
+                                                                     reason, t)))
+
+    def verb(name, t):
+        nonlocal status
+        extra = {"target": 2} if name == "retry" else {}
+        decision = getattr(engine, name)(spec, status.rollout, t, **extra)
+        status = verbs.with_decision(status, decision, spec, t)
+
+    retried_twice(controller, verb)
+    history = verbs.snapshots_of(spec, status)
+    t0 = history[0]["t"]
+    data = report.report_json([dict(s, t=s["t"] - t0) for s in history], "r", {})
+    assert outcomes(data) == EXPECTED

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import yaml
@@ -176,6 +177,8 @@ INVALID = {
     "error max above 1": (_set("rollout.analysis.error_rate.max", 2),
                           "error_rate.max: must be <= 1"),
     "unknown on_failure": (_set("rollout.on_failure", "panic"), "on_failure: 'panic' is not"),
+    "unknown on_undecided": (_set("rollout.on_undecided", "wait"),
+                             "on_undecided: 'wait' is not one of pause, rollback"),
     "typo in a key": (_set("rollout.stages.0.min_request", 5),
                       "stages[0]: unknown key 'min_request'"),
     "string for a number": (_set("rollout.stages.0.min_requests", "many"),
@@ -195,6 +198,52 @@ def test_an_invalid_spec_is_refused_naming_the_field(case):
     with pytest.raises(ConfigError) as raised:
         s.load_tiered_model(data)
     assert message in str(raised.value)
+
+
+# name: (edit of the current version's spec, the error names the field as written)
+INVALID_AS_WRITTEN = {
+    "min duration above max": (
+        _set("rollout.stages.0.minDurationSeconds", 900),
+        "TieredModel.spec.rollout.stages[0].maxDurationSeconds: must be at least the minimum"),
+    "zero min requests": (_set("rollout.stages.0.minRequests", 0),
+                          "TieredModel.spec.rollout.stages[0].minRequests: must be >= 1"),
+    "unknown onUndecided": (_set("rollout.onUndecided", "wait"),
+                            "TieredModel.spec.rollout.onUndecided: 'wait' is not one of pause, "
+                            "rollback"),
+    "unknown onFailure": (_set("rollout.onFailure", "panic"),
+                          "TieredModel.spec.rollout.onFailure: 'panic' is not"),
+    "the old spelling": (_set("rollout.on_undecided", "pause"),
+                         "TieredModel.spec.rollout: unknown key 'on_undecided'"),
+    "allowModeled not a bool": (
+        _set("rollout.analysis.energyPerInference", {"allowModeled": 3}),
+        "TieredModel.spec.rollout.analysis.energyPerInference.allowModeled: expected true"),
+    "limit of failures": (_set("rollout.analysis.consecutiveFailureLimit", 0),
+                          "TieredModel.spec.rollout.analysis.consecutiveFailureLimit: must be "
+                          ">= 1"),
+    "every metric of the kind null": (
+        _set("rollout.analysis", {"latencyP95": None, "latencyShift": None,
+                                  "errorRate": None, "energyPerInference": None,
+                                  "agreement": None}),
+        "every metric a predictive model is judged on (latencyP95, latencyP99, latencyShift, "
+        "errorRate, energyPerInference, agreement) is null"),
+    "every metric null": (
+        _set("rollout.analysis", {m: None for m in (
+            "latencyP95", "latencyShift", "errorRate", "energyPerInference", "agreement",
+            "ttftP95", "ttftShift", "tpotP95", "energyPerToken")}),
+        "TieredModel.spec.rollout.analysis: every metric is null"),
+}
+
+
+@pytest.mark.parametrize("case", INVALID_AS_WRITTEN)
+def test_an_invalid_object_is_refused_naming_the_field_as_the_yaml_writes_it(case):
+    edit, message = INVALID_AS_WRITTEN[case]
+    obj = s.as_resource(document())
+    edit(obj["spec"])
+    with pytest.raises(ConfigError) as raised:
+        s.load_tiered_model(obj)
+    assert message in str(raised.value)
+    snake = re.search(r"\b[a-z]+_[a-z0-9_]+\b", str(raised.value).replace("on_undecided", ""))
+    assert snake is None, str(raised.value)
 
 
 def test_a_kubernetes_object_of_another_kind_is_refused():
@@ -239,12 +288,19 @@ def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
     assert analysis["confidence"]["exclusiveMaximum"] is True
     assert spec["properties"]["rollout"]["properties"]["onFailure"]["enum"] == [
         "rollback", "pause"]
+    undecided = spec["properties"]["rollout"]["properties"]["onUndecided"]
+    assert (undecided["enum"], undecided["default"]) == (["pause", "rollback"], "pause")
+    assert "maxDurationSeconds" in undecided["description"]
+    assert "onUndecided" in items["properties"]["maxDurationSeconds"]["description"]
     assert spec["properties"]["artifact"]["properties"]["sha256"]["pattern"].startswith("^")
     status = root["properties"]["status"]["properties"]
     assert status["artifacts"]["items"]["properties"]["version"]["minimum"] == 1
     status = status["rollout"]["properties"]
     assert status["phase"]["enum"] == list(names.Phase)
-    assert status["lastAnalysis"]["properties"]["verdict"]["enum"] == list(names.Outcome)
+    # A metric may be NotJudged; a run's verdict never is.
+    last = status["lastAnalysis"]["properties"]
+    assert last["metrics"]["items"]["properties"]["outcome"]["enum"] == list(names.Outcome)
+    assert last["verdict"]["enum"] == [o for o in names.Outcome if o != "NotJudged"]
     # Structural: every node has a type (or preserves unknown fields, or is a
     # quantity: int-or-string, as Kubernetes declares its own).
     for path, node in _walk(root):

@@ -4,6 +4,8 @@ decision tables; then the same verbs on a real local store."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tiered import names
@@ -206,3 +208,40 @@ def test_undo_on_a_store_points_the_spec_at_the_earlier_artifact(store):
                                                               "/m/eval.npz")
     again = verbs.rollout_undo(store, "digits", to_version=2)  # the spec names it already
     assert again.unchanged and store.get("digits").generation == record.generation
+
+
+# --- where `rollout status --watch` ends ------------------------------------------
+
+
+def watched(before: RolloutStatus, *, seen: int = 1, generation: int = 1):
+    return TieredModelStatus(rollout=before, artifacts=ARTIFACTS, observed_generation=seen), \
+        generation
+
+
+@pytest.mark.parametrize("before, seen, end", [
+    (rollout(), 1, None),  # going on
+    (rollout("Paused"), 1, "Paused"),  # by hand
+    (e.pause(SPEC, rollout(), 0.0).status, 1, "Paused"),
+    (dataclasses.replace(rollout(), paused=True), 1, "Paused"),  # not yet seen by a pass
+    (rollout("Paused"), 0, None),  # the controller has not seen the applied spec yet
+    (rollout("Paused", canary=2, stable=1), 1, None),  # another version's pause
+    (rollout("RolledBack"), 1, "RolledBack"),
+    (rollout("Aborted"), 1, "Aborted"),
+    (rollout("Promoted", canary=None, stable=3), 1, "Promoted"),
+    (rollout(canary=None), 1, None),  # retried: waits for its agents
+])
+def test_a_watch_ends_on_an_outcome_or_a_pause(before, seen, end):
+    status, generation = watched(before, seen=seen)
+    assert verbs.watch_end(SPEC, status, generation) == end
+
+
+@pytest.mark.parametrize("verb", ["pause", "abort"])
+def test_a_manual_verb_is_a_step_of_the_status_history(store, verb):
+    stored(store, rollout(), history=())
+    verbs.rollout_verb(store, "digits", verb, now=lambda: 100.0)
+    status = decode_status("digits", store.get("digits").status)
+    (step,) = status.history
+    assert (step.t, step.action, step.phase, step.stable_version, step.canary_version,
+            step.stage) == (100.0, verb, status.rollout.phase, 2, 3, "1/2 edge")
+    ((_, t, snap),) = store.history("digits")
+    assert (t, snap["action"]) == (100.0, verb)

@@ -71,9 +71,16 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="live table of agents' model versions: rates, latency, energy per inference",
         description="Poll each agent's tiered.v1.Telemetry service and show, per model "
         "version, requests/s, error rate, latency quantiles, queueing and joules per "
-        "inference (with the energy source: nvml, rapl or model) since the last refresh.",
+        "inference (with the energy source: nvml, rapl or model) since the last refresh. "
+        "With no address, the agents of the local system in --state (as `tiered up` "
+        "recorded them).",
     )
-    top.add_argument("agents", nargs="+", metavar="HOST:PORT", help="agent gRPC addresses")
+    top.add_argument("agents", nargs="*", metavar="HOST:PORT",
+                     help="agent gRPC addresses (default: the local system's agents)")
+    top.add_argument("--state", type=Path, default=Path(".tiered"), metavar="DIR",
+                     help=f"{flags.STATE_HELP}; where the agents are found when no "
+                     "address is given (plaintext, as `tiered up` runs them, unless "
+                     "--tls-* flags say otherwise)")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true",
                      help="print the whole window once and exit (no screen clearing)")
@@ -128,13 +135,20 @@ def _run_agent(args: argparse.Namespace) -> int:
 
 def _run_top(args: argparse.Namespace) -> int:
     from tiered.cli import top
+    from tiered.protocol.security import PLAINTEXT
 
     try:
-        transport = flags.security_from_args(args)
+        agents = args.agents or top.local_agents(args.state)
+        tls = args.tls_cert or args.tls_key or args.tls_ca or args.insecure
+        # The local system's agents speak plaintext on loopback, as `tiered up` runs them.
+        transport = (flags.security_from_args(args) if args.agents or tls
+                     else PLAINTEXT)
     except ConfigError as error:
         print(f"tiered top: {error}", file=sys.stderr)
         return 2
     try:
-        return top.run(args.agents, args.interval, args.once, args.model, transport)
+        return top.run(agents, args.interval, args.once, args.model, transport,
+                       "" if args.agents else f"no agent of the local system in {args.state} "
+                       "answered: is it running? (`tiered up -f FILE` starts it)")
     except KeyboardInterrupt:
         return 0

@@ -260,13 +260,25 @@ def _tiers(value: str) -> tuple[str, ...]:
     return tiers
 
 
-def _router(args: argparse.Namespace) -> str:
+def _router(args: argparse.Namespace) -> tuple[str, str]:
+    """The router's address and where it came from (said when it does not answer)."""
     if args.router:
-        return args.router
+        return args.router, "--router"
     from tiered.controller.local import RunningSystem, StateLayout
 
-    running = RunningSystem.read(StateLayout(args.state).system)
-    return running.router if running is not None else DEFAULT_ROUTER
+    layout = StateLayout(args.state)
+    running = RunningSystem.read(layout.system)
+    if running is not None:
+        return running.router, f"the local system's, from {layout.system}"
+    return DEFAULT_ROUTER, f"the default: no local system in {args.state}"
+
+
+def unreachable(router: str, source: str, code: str, details: str) -> str:
+    """What to say when the router did not answer: the address tried, where it
+    came from, and how to start one or name another."""
+    return (f"no router answered at {router} ({source}): {code} {details}; "
+            "`tiered up -f FILE` starts the local system, or --router HOST:PORT names "
+            "another router")
 
 
 def _security(args: argparse.Namespace):
@@ -282,7 +294,7 @@ def _security(args: argparse.Namespace):
 def _run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tiered.cli.verbs import until_closed
+    from tiered.cli.watch import until_closed
     from tiered.errors import TieredError
 
     if args.rate <= 0 or args.max_in_flight < 1 or args.timeout <= 0:
@@ -294,14 +306,14 @@ def _run(args: argparse.Namespace) -> int:
               "--temperature at least 0", file=sys.stderr)
         return 2
     try:
-        total = until_closed(lambda: asyncio.run(_load(args, _router(args))))
+        total = until_closed(lambda: asyncio.run(_load(args, *_router(args))))
     except TieredError as error:
         print(f"tiered load: {error}", file=sys.stderr)
         return 1
     return total
 
 
-async def _load(args: argparse.Namespace, router: str) -> int:
+async def _load(args: argparse.Namespace, router: str, source: str = "--router") -> int:
     import asyncio
 
     import grpc
@@ -321,6 +333,9 @@ async def _load(args: argparse.Namespace, router: str) -> int:
             metadata = await stub.ModelMetadata(pb.ModelMetadataRequest(name=args.model),
                                                 timeout=args.timeout)
         except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise ConfigError(unreachable(router, source, error.code().name,
+                                              error.details() or "")) from None
             raise ConfigError(f"{router}: no metadata for model {args.model!r}: "
                               f"{error.code().name} {error.details()}") from None
         inputs = [(t.name, t.datatype, list(t.shape)) for t in metadata.inputs]

@@ -2,7 +2,8 @@
 canary's samples, p95s and J/inference (with its source; a generative
 model's TTFT and TPOT p95s and J/token instead), agreement and the
 decision with its reason, for `tiered rollout status` and the demo's live
-progress; `ProgressLines` leaves out a hold whose reason has not changed.
+progress; `ProgressLines` leaves out a hold whose reason has not changed, and
+`still_line` says what a long hold waits for.
 Formatting only: it reads no store and no clock."""
 
 from __future__ import annotations
@@ -82,6 +83,25 @@ def progress_line(t: float, snap: Mapping[str, Any]) -> str:
                 + ("-" if agreement is None else f"{agreement:.1%}")
                 + f" ({snap.get('agreement_compared', 0)})")
     return f"{head} | {numbers} | {decision}"
+
+
+def quiet_tail(quiet_s: float, stage: tuple[float, float] | None = None) -> str:
+    """How long a watch has had nothing new, and, while a stage is judged,
+    (seconds it has run, its maxDurationSeconds): how long it may still hold."""
+    tail = f"nothing new for {quiet_s:.0f} s"
+    if stage is not None:
+        ran, most = stage
+        tail += (f"; stage {ran:.0f} s in, maxDurationSeconds {most:g} "
+                 f"({max(most - ran, 0.0):.0f} s left)")
+    return tail
+
+
+def still_line(t: float, snap: Mapping[str, Any], quiet_s: float,
+               stage: tuple[float, float] | None = None) -> str:
+    """The line a watch prints when nothing new was decided for a while: where
+    the rollout stands and what it waits for (a hold snapshot's reason), then
+    for how long (`quiet_tail`)."""
+    return f"{progress_line(t, snap)} | {quiet_tail(quiet_s, stage)}"
 
 
 def hold_key(snap: Mapping[str, Any]) -> tuple:

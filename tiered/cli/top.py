@@ -16,10 +16,12 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from tiered import names
+from tiered.errors import ConfigError
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
@@ -99,8 +101,34 @@ class _Agent:
     cursor: float = 0.0
 
 
+def local_agents(state: Path) -> list[str]:
+    """The agents `tiered up` started on the state directory, cheapest tier
+    first, as it recorded them (system.json, also what the controller reads)."""
+    from tiered.controller.local import RunningSystem, StateLayout
+
+    path = StateLayout(Path(state)).system
+    try:
+        system = RunningSystem.read(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"{path}: unreadable: {error}") from None
+    addresses = [] if system is None else [
+        address for tier in sorted(system.agents, key=_tier_order)
+        for address in system.agents[tier]]
+    if not addresses:
+        raise ConfigError(f"no agent address given and no local system in {state} "
+                          "(`tiered up -f FILE` starts one; or give agents as HOST:PORT, "
+                          "or --state DIR)")
+    return addresses
+
+
+def _tier_order(tier: str) -> int:
+    return names.TIERS.index(tier) if tier in names.TIERS else len(names.TIERS)
+
+
 def run(addresses: Sequence[str], interval_s: float = 2.0, once: bool = False,
-        model: str = "", transport: TransportSecurity = PLAINTEXT) -> int:
+        model: str = "", transport: TransportSecurity = PLAINTEXT,
+        unanswered: str = "") -> int:
+    """Poll and show the agents; `unanswered`: a line for stderr when none answers."""
     agents = [_Agent(a, tpb_grpc.TelemetryStub(channel(a, transport))) for a in addresses]
     while True:
         table, errors = [], []
@@ -118,6 +146,8 @@ def run(addresses: Sequence[str], interval_s: float = 2.0, once: bool = False,
         print(render(table))
         for line in errors:
             print(line, file=sys.stderr)
+        if unanswered and len(errors) == len(agents):
+            print(unanswered, file=sys.stderr)
         if once:
             return 1 if errors and not table else 0
         time.sleep(interval_s)

@@ -11,26 +11,34 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiered import names
 from tiered.cli import flags
+from tiered.cli.watch import EXIT_INTERRUPTED, until_closed, wait
 from tiered.errors import ConfigError, TieredError
 
+if TYPE_CHECKING:
+    from tiered.rollout.spec import TieredModel, TieredModelStatus
+
 WATCH_INTERVAL_S = 1.0
+STILL_EVERY_S = 30.0  # rollout status --watch: a line at least this often while a stage holds
 MAX_CELL = 80  # `tiered get`'s columns, MESSAGE above all
 # Beside 1 (an error, as for every verb) and 2 (a usage error):
 EXIT_DEGRADED = 3  # rolled back or aborted
 EXIT_TIMED_OUT = 4  # --timeout passed while the rollout was still going
-EXIT_INTERRUPTED = 130  # Ctrl-C ended a --watch, as a shell reports SIGINT
+EXIT_PAUSED = 5  # paused, by hand or by the rollout: it waits for a person
 _ENDED = {names.Phase.PROMOTED: 0, names.Phase.ROLLED_BACK: EXIT_DEGRADED,
-          names.Phase.ABORTED: EXIT_DEGRADED}
+          names.Phase.ABORTED: EXIT_DEGRADED, names.Phase.PAUSED: EXIT_PAUSED}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     apply_cmd = commands.add_parser(
         "apply", help="create or update TieredModels from a YAML file",
         description="Validate every TieredModel in FILE (--- separated), pin each "
-        "artifact's path and sha256, and store them; a changed artifact starts a rollout.")
+        "artifact's path and sha256, and store them; a changed artifact starts a rollout. "
+        "Relative artifact paths (artifact.uri, artifact.calibration, artifact.eval) are "
+        "taken relative to FILE's folder, not the working directory.")
     apply_cmd.add_argument("-f", "--file", required=True, type=Path, metavar="FILE")
     flags.add_backend_flags(apply_cmd)
     apply_cmd.set_defaults(handler=_verb("apply", _apply))
@@ -41,7 +49,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                      help="table (default), or the whole record as yaml or json")
     get.add_argument("--watch", "-w", action="store_true",
                      help="keep looking: print the table again whenever it changes (looked "
-                     f"at every --interval seconds); Ctrl-C ends it (exit code {EXIT_INTERRUPTED})")
+                     "at every --interval seconds); Ctrl-C ends it (exit code "
+                     f"{EXIT_INTERRUPTED}), and so does closing its pipe (`| head -1`: exit "
+                     "code 0)")
     get.add_argument("--interval", type=float, default=WATCH_INTERVAL_S, metavar="S",
                      help=f"--watch: seconds between looks (default {WATCH_INTERVAL_S:g})")
     flags.add_backend_flags(get)
@@ -66,9 +76,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "tier and version, and (local) the tier builds' accuracy. "
         "A verb already in effect (pause when paused, abort when aborted, ...) changes "
         "nothing, says so and exits 0. "
-        f"status exits 0 when the rollout of the spec's version is promoted or still going, "
-        f"{EXIT_DEGRADED} when it was rolled back or aborted, {EXIT_TIMED_OUT} when "
-        "--timeout passed first.")
+        f"status exits 0 when the rollout of the spec's version is promoted (or, without "
+        f"--watch, still going), {EXIT_DEGRADED} when it was rolled back or aborted, "
+        f"{EXIT_TIMED_OUT} when --timeout passed first, {EXIT_PAUSED} when it is paused (by "
+        "hand, or by the rollout itself: a stage undecided at its maxDurationSeconds "
+        "(onUndecided: pause, the default), a failed one under onFailure: pause), "
+        f"{EXIT_INTERRUPTED} on Ctrl-C; a closed pipe (`| head`) ends a watch with 0.")
     rollout.add_argument("verb", choices=("status", "pause", "resume", "promote", "abort",
                                           "retry", "undo", "report"))
     rollout.add_argument("name", help="the TieredModel")
@@ -78,11 +91,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     rollout.add_argument("--out", type=Path, metavar="DIR",
                          help="report: where to write it (default: NAME-report)")
     rollout.add_argument("--watch", "-w", action="store_true",
-                         help="status: follow the rollout until it is promoted, rolled back "
-                         "or aborted")
+                         help="status: follow the rollout until it is promoted, rolled back, "
+                         "aborted or paused")
     rollout.add_argument("--timeout", type=float, metavar="S",
                          help="status: follow (as --watch) for at most S seconds; still going "
                          f"then: exit code {EXIT_TIMED_OUT}")
+    rollout.add_argument("--still-every", type=float, default=STILL_EVERY_S, metavar="S",
+                         help="status --watch: while nothing new is decided (a stage holds, "
+                         "a version is built), say every S seconds what it waits for and "
+                         f"for how long (default {STILL_EVERY_S:g})")
     flags.add_backend_flags(rollout)
     rollout.set_defaults(handler=_verb("rollout", _rollout))
 
@@ -102,15 +119,25 @@ def _cluster(args: argparse.Namespace):
     return ClusterVerbs(api_client(args.kubeconfig, args.context), namespace)
 
 
-def _store(args: argparse.Namespace):
-    from tiered.controller.local import StateLayout
+def _store(args: argparse.Namespace, verb: str | None = None):
+    """The local system's store; with `verb`, a line on stderr when no
+    controller runs on it (nothing would act on what the verb writes, and the
+    status it shows is as last written)."""
+    from tiered.controller.local import StateLayout, controller_running
     from tiered.controller.store import StateStore
 
     layout = StateLayout(args.state)
     if not layout.store.is_file():
         raise ConfigError(f"no local system state in {args.state} (start one with "
                           "`tiered up -f FILE`, or pass --state DIR)")
+    if verb is not None and not controller_running(layout):
+        print(no_controller(verb, args.state), file=sys.stderr, flush=True)
     return StateStore(layout.store)
+
+
+def no_controller(verb: str, state: Path) -> str:
+    return (f"tiered {verb}: no controller is running on {state}, so nothing acts on what "
+            "is applied and statuses are as last written; `tiered up -f FILE` starts it")
 
 
 def _verb(name: str, body) -> Callable[[argparse.Namespace], int]:
@@ -130,7 +157,7 @@ def _apply(args: argparse.Namespace) -> int:
     if args.kubernetes:
         results = _cluster(args).apply_file(args.file)
     else:
-        with _store(args) as store:
+        with _store(args, "apply") as store:
             results = apply_file(store, args.file)
     for name, result in results:
         print(f"tieredmodel/{name} {result}")
@@ -139,7 +166,6 @@ def _apply(args: argparse.Namespace) -> int:
 
 def _get(args: argparse.Namespace) -> int:
     import json
-    import time
 
     import yaml
 
@@ -164,7 +190,7 @@ def _get(args: argparse.Namespace) -> int:
 
     with contextlib.ExitStack() as stack:
         cluster = _cluster(args) if args.kubernetes else None
-        store = None if args.kubernetes else stack.enter_context(_store(args))
+        store = None if args.kubernetes else stack.enter_context(_store(args, "get"))
         if not args.watch:
             print(look(), end="")
             return 0
@@ -178,25 +204,9 @@ def _get(args: argparse.Namespace) -> int:
                         print()
                     print(text, end="", flush=True)
                     shown = text
-                time.sleep(max(args.interval, 0.1))
+                wait(max(args.interval, 0.1))
 
         return until_closed(watch)
-
-
-def until_closed(follow: Callable[[], int]) -> int:
-    """Run a --watch loop; a closed pipe (`| head`) ends it quietly with 0, Ctrl-C
-    with EXIT_INTERRUPTED, neither with a traceback."""
-    import os
-
-    try:
-        return follow()
-    except BrokenPipeError:
-        # Python flushes stdout again at exit: point it at /dev/null so that
-        # flush neither fails nor prints an 'Exception ignored' note.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
 
 
 def _cell(value: str) -> str:
@@ -216,7 +226,7 @@ def _rollout(args: argparse.Namespace) -> int:
     if args.kubernetes:
         decision = _cluster(args).rollout_verb(args.name, args.verb, full=args.full)
     else:
-        with _store(args) as store:
+        with _store(args, "rollout") as store:
             decision = verbs.rollout_verb(store, args.name, args.verb, full=args.full)
     print(f"{args.name}: {decision.action}: {decision.reason}")
     return 0
@@ -228,7 +238,7 @@ def _rollout_undo(args: argparse.Namespace) -> int:
     if args.kubernetes:
         found = _cluster(args).rollout_undo(args.name, args.to_version)
     else:
-        with _store(args) as store:
+        with _store(args, "rollout") as store:
             found = verbs.rollout_undo(store, args.name, args.to_version)
     print(f"{args.name}: {'unchanged' if found.unchanged else 'undo'}: {found.reason}"
           + ("; nothing to do" if found.unchanged else ""))
@@ -296,8 +306,12 @@ def _build_reports(state: Path, spec, status) -> list[dict]:
 
 def _rollout_status(args: argparse.Namespace) -> int:
     """Print where the rollout stands; with --watch or --timeout, follow its
-    steps until it ends. The exit code says how it ended (see --help)."""
+    steps until it ends or pauses, saying what a long hold waits for. One loop
+    for both backends: each gives a look (spec, status, new lines). The exit
+    code says how it ended (see --help)."""
     import time
+
+    from tiered.controller import verbs
 
     follow = args.watch or args.timeout is not None
     deadline = time.monotonic() + args.timeout if args.timeout is not None else None
@@ -305,22 +319,79 @@ def _rollout_status(args: argparse.Namespace) -> int:
         if args.kubernetes:
             poll = _cluster_steps(_cluster(args), args.name)
         else:
-            poll = _store_steps(stack.enter_context(_store(args)), args.name)
+            poll = _store_steps(stack.enter_context(_store(args, "rollout status")), args.name)
 
         def steps() -> int:
+            said = new = time.monotonic()  # when a line was printed; a new one
             while True:
-                phase, ended, lines = poll()
-                for line in lines:
+                look = poll()
+                for line in look.lines:
                     print(line, flush=True)
-                if ended or not follow:
-                    return _ENDED.get(phase, 0) if ended else 0
-                if deadline is not None and time.monotonic() >= deadline:
+                now = time.monotonic()
+                if look.lines:
+                    said = new = now
+                end = verbs.watch_end(look.spec, look.status, look.generation)
+                if end is not None or not follow:
+                    if end == names.Phase.PAUSED:
+                        print(f"{args.name}: paused: `tiered rollout resume {args.name}` goes "
+                              "on, promote or abort ends it", file=sys.stderr)
+                    return _ENDED.get(end, 0)
+                if deadline is not None and now >= deadline:
+                    phase = look.status.rollout.phase if look.status.rollout else "Pending"
                     print(f"{args.name}: still {phase} after {args.timeout:g} s",
                           file=sys.stderr)
                     return EXIT_TIMED_OUT
-                time.sleep(WATCH_INTERVAL_S)
+                if now - said >= args.still_every:
+                    print(still(look, time.time(), now - new), flush=True)
+                    said = now
+                wait(WATCH_INTERVAL_S)
 
         return until_closed(steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Look:
+    """One look of `rollout status` at a backend: the model and the lines
+    that are new since the last look."""
+
+    name: str
+    spec: TieredModel
+    status: TieredModelStatus
+    generation: int
+    lines: tuple[str, ...]
+
+
+def still(look: Look, now: float, quiet_s: float) -> str:
+    """The line for a watch with nothing new for `quiet_s` seconds: what the
+    rollout waits for (the controller, a version's agents, a stage's data)
+    and, while a stage is judged, how long it has run against its
+    maxDurationSeconds. From the status alone, so both backends say the same."""
+    import time
+
+    from tiered.cli.progress import quiet_tail, still_line
+    from tiered.controller import desired
+    from tiered.controller.plan import make_snapshot
+
+    spec, status = look.spec, look.status
+    rollout = status.rollout
+    if status.observed_generation < look.generation:
+        reason = (f"the controller has not seen the applied spec yet (generation "
+                  f"{look.generation}; it has seen {status.observed_generation})")
+    elif desired.live(rollout):
+        reason = rollout.message
+    else:
+        reason = status.message or (rollout.message if rollout else "")
+    if rollout is None:
+        clock = time.strftime("%H:%M:%S", time.localtime(now))
+        return f"{clock} {look.name} | {reason or 'no version serves yet'} | " \
+            f"{quiet_tail(quiet_s)}"
+    stage = None
+    if desired.live(rollout) and status.observed_generation >= look.generation:
+        index = min(rollout.stage_index, len(spec.rollout.stages) - 1)
+        ran = (rollout.blind_since or now) - rollout.stage_started_at  # blind: clock stopped
+        stage = (ran, spec.rollout.stages[index].max_duration_s)
+    snap = make_snapshot(spec, rollout, names.Action.HOLD, reason)
+    return still_line(now, snap, quiet_s, stage)
 
 
 def _summary_line(row: dict[str, str]) -> str:
@@ -328,9 +399,10 @@ def _summary_line(row: dict[str, str]) -> str:
     return "  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-"))
 
 
-def _store_steps(store, name: str):
-    """A poll of the local store: (phase, lines to print); the first call
-    prints the summary, the analysis and the last steps, later ones new steps."""
+def _store_steps(store, name: str) -> Callable[[], Look]:
+    """A poll of the local store: the first look prints the summary, the
+    analysis and the last steps, later ones new steps (a hold only when its
+    reason changed)."""
     from tiered.cli.progress import ProgressLines
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
@@ -338,16 +410,15 @@ def _store_steps(store, name: str):
     last = None
     shown = ProgressLines()
 
-    def poll() -> tuple[str, bool, list[str]]:
+    def poll() -> Look:
         nonlocal last
         record = store.get(name)
         status = decode_status(name, record.status)
-        rollout = status.rollout
         lines = []
         if last is None:
             row = verbs.summary_row(record)
             lines.append(_summary_line(row))
-            lines += verbs.analysis_lines(rollout)
+            lines += verbs.analysis_lines(status.rollout)
             history = store.history(name)[-10:]
             last = 0
         else:
@@ -357,13 +428,12 @@ def _store_steps(store, name: str):
             if line is not None:
                 lines.append(line)
             last = entry_id
-        ended = verbs.ended(verbs.spec_of(record), status, record.generation)
-        return (rollout.phase if rollout else ""), ended, lines
+        return Look(name, verbs.spec_of(record), status, record.generation, tuple(lines))
 
     return poll
 
 
-def _cluster_steps(cluster, name: str):
+def _cluster_steps(cluster, name: str) -> Callable[[], Look]:
     """As `_store_steps`, from the TieredModel's status on Kubernetes."""
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
@@ -371,12 +441,10 @@ def _cluster_steps(cluster, name: str):
 
     shown: float | None = None
 
-    def poll() -> tuple[str, bool, list[str]]:
+    def poll() -> Look:
         nonlocal shown
         obj = cluster.get(name)
         status = decode_status(name, obj.get("status"))
-        done = verbs.ended(load_tiered_model(obj, name), status,
-                           obj["metadata"].get("generation", 0))
         lines = []
         if shown is None:
             row = cluster.rows(name)[0]
@@ -390,7 +458,8 @@ def _cluster_steps(cluster, name: str):
             shown = fresh[-1].t
         elif shown is None:
             shown = 0.0
-        return (status.rollout.phase if status.rollout else ""), done, lines
+        return Look(name, load_tiered_model(obj, name), status,
+                    obj["metadata"].get("generation", 0), tuple(lines))
 
     return poll
 

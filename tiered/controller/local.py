@@ -17,7 +17,9 @@ module only observes and applies:
   repository's config.yaml names them, so a restarted controller knows what
   is loaded); a retired version is dropped from it;
 - status and history live in the SQLite store, the routing table in a file
-  the router re-reads.
+  the router re-reads;
+- while it runs, it holds a shared lock on `controller.lock`, which the
+  kernel lets go however it ends, so the verbs can tell that none runs.
 
 All progress lives in the store, so a restarted controller resumes the stage
 where it was; only the stage's samples start afresh (the stage clock does not).
@@ -85,6 +87,12 @@ class StateLayout:
         return self.root / "up.lock"
 
     @property
+    def controller_lock(self) -> Path:
+        """Locked (shared) by every controller running on this directory, so the
+        verbs can say when none is (`controller_running`)."""
+        return self.root / "controller.lock"
+
+    @property
     def admin_token(self) -> Path:
         """The token the agents accept for load and unload (mode 0600)."""
         return self.root / "admin.token"
@@ -113,6 +121,39 @@ class StateLayout:
     def builds(self) -> Path:
         """The records of the tier builds (see `tiered.controller.local_builds`)."""
         return self.root / "builds"
+
+
+def hold_shared_lock(path: Path) -> int:
+    """Take a shared flock on `path` (created when missing) and return its
+    descriptor; closing it, or the process ending however it ends, lets go."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a probe's instant (see `lock_held`)
+    return fd
+
+
+def lock_held(path: Path) -> bool:
+    """Whether a live process holds a lock on `path`: an exclusive lock taken
+    at once means nobody does (and is let go at once)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also lets go of the probe's lock
+    return False
+
+
+def controller_running(layout: StateLayout) -> bool:
+    """Whether a controller runs on the state directory now."""
+    return lock_held(layout.controller_lock)
 
 
 @dataclass(frozen=True)
@@ -324,12 +365,16 @@ class LocalController:
 
     def run(self, stop: threading.Event) -> None:
         self.progress(f"controller: state in {self.layout.root}, every {self.interval_s:g} s")
-        while not stop.is_set():
-            try:
-                self.reconcile_all()
-            except TieredError as error:
-                self.progress(f"controller: {error}")
-            stop.wait(self.interval_s)
+        lock = hold_shared_lock(self.layout.controller_lock)  # the verbs see it runs
+        try:
+            while not stop.is_set():
+                try:
+                    self.reconcile_all()
+                except TieredError as error:
+                    self.progress(f"controller: {error}")
+                stop.wait(self.interval_s)
+        finally:
+            os.close(lock)
 
     def reconcile_all(self) -> None:
         system = RunningSystem.read(self.layout.system)

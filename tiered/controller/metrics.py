@@ -47,7 +47,7 @@ class RolloutMetrics:
                         "Percent of each tier's traffic on the canary")
         analysis = Family("tiered_rollout_analysis", "gauge",
                           "The latest analysis: 1 for each metric and tier's outcome "
-                          "(Successful, Failed, Inconclusive), 0 for the others")
+                          "(Successful, Failed, Inconclusive, Error, NotJudged), 0 for the others")
         p_value = Family("tiered_rollout_analysis_p_value", "gauge",
                          "The p-value of each metric and tier's latest test, where it has one")
         decisions = Family("tiered_rollout_decisions_total", "counter",

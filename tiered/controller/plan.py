@@ -200,6 +200,7 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
         elif desired.live(rollout):
             held = rollout.message  # the reason of the last decision
             decision, numbers = _judge(spec, rollout, observed.reading, now)
+            decision = desired.explain_starvation(spec, decision)
             rollout = decision.status
             snapshot = make_snapshot(spec, rollout, decision.action, decision.reason, numbers)
             if decision.action == names.Action.HOLD:
@@ -249,7 +250,7 @@ def _judge(spec: TieredModel, rollout: RolloutStatus, reading: StageReading | No
     Partial data is never judged: an unreadable agent holds the stage, and
     its clock stops while it is blind (judged at the moment it went blind),
     so an agent away for a while delays the stage instead of running out its
-    max_duration; the time held moves the stage's start on once it reads again."""
+    maxDurationSeconds; the time held moves the stage's start on once it reads again."""
     if reading is None or (reading.canary_version, reading.stage_index) != (
             rollout.canary_version, rollout.stage_index):
         return engine.decide(spec, rollout, None, rollout.blind_since or now), {}
@@ -363,7 +364,9 @@ def _ready(rollout: RolloutStatus, routed: Routed | None,
     serving = f"version {rollout.stable_version} serves on every tier"
     if routed is None:  # not asked this pass: routed before, or no router to ask
         if before is not None and before.reason == ROUTED and before.status == "True":
-            return "True", ROUTED, before.message
+            # Routed stays, but a promotion since changed which version serves.
+            return "True", ROUTED, (before.message if before.message.startswith(serving)
+                                    else f"{serving} and the routers route it")
         return "True", "Serving", f"{serving}; no router to ask"
     if not routed:
         return "True", "Serving", f"{serving}; no router to ask"
@@ -412,7 +415,8 @@ def make_snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason:
         "action": action, "reason": reason,
         "verdict": run.verdict if run is not None else None,
         # what keeps the analysis from passing: metric labels, with their tier
-        "pending": [m.label for m in run.metrics if m.outcome != names.Outcome.SUCCESSFUL]
+        "pending": [m.label for m in run.metrics
+                    if m.outcome not in (names.Outcome.SUCCESSFUL, names.Outcome.NOT_JUDGED)]
         if run is not None else [],
         **{key: None for key in ("stable_requests", "canary_requests", "p95_stable_ms",
                                  "p95_canary_ms", "jpi_stable", "jpi_canary", "agreement")},

@@ -22,7 +22,7 @@ import yaml
 
 from tiered import names
 from tiered.controller import desired
-from tiered.controller.plan import SOURCE_OF, make_snapshot
+from tiered.controller.plan import HISTORY_LIMIT, SOURCE_OF, make_snapshot
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import Record, StateStore
 from tiered.errors import ConfigError, Conflict
@@ -30,6 +30,7 @@ from tiered.files import sha256_file, sha256_tree
 from tiered.rollout import engine
 from tiered.rollout.spec import (
     ArtifactVersion,
+    HistoryEntry,
     RolloutStatus,
     TieredModel,
     TieredModelStatus,
@@ -172,20 +173,48 @@ def history_lines(status: TieredModelStatus, last: int = 10) -> list[str]:
     return lines
 
 
+def _target(spec: TieredModel, status: TieredModelStatus, generation: int) -> int | None:
+    """The spec's version once the controller has seen the spec, else None."""
+    if status.rollout is None or status.observed_generation < generation:
+        return None
+    if spec.artifact.sha256 is None:
+        return None
+    return next((a.version for a in status.artifacts if a.sha256 == spec.artifact.sha256),
+                None)
+
+
 def ended(spec: TieredModel, status: TieredModelStatus, generation: int) -> bool:
     """Whether the rollout of the spec's version is over (promoted, rolled back,
     aborted, or the spec's version simply serving): not while the controller
     has yet to see the spec, nor while a new version is built or rolled out."""
-    rollout = status.rollout
-    if rollout is None or status.observed_generation < generation:
+    rollout, target = status.rollout, _target(spec, status, generation)
+    if target is None:
         return False
-    if spec.artifact.sha256 is None:
-        return False
-    target = next((a.version for a in status.artifacts if a.sha256 == spec.artifact.sha256),
-                  None)
     if target == rollout.stable_version:
         return not desired.live(rollout)
     return target == rollout.canary_version and rollout.phase in engine.FINISHED
+
+
+def paused(spec: TieredModel, status: TieredModelStatus, generation: int) -> bool:
+    """Whether the rollout of the spec's version is paused, by hand or by the
+    rollout itself (a stage undecided at its maxDurationSeconds under onUndecided:
+    pause, a failed one under onFailure: pause): it
+    waits for a person (resume, promote or abort)."""
+    rollout, target = status.rollout, _target(spec, status, generation)
+    return (target is not None and target == rollout.canary_version
+            and desired.live(rollout)
+            and (rollout.phase == names.Phase.PAUSED or rollout.paused))
+
+
+def watch_end(spec: TieredModel, status: TieredModelStatus, generation: int) -> str | None:
+    """The phase that ends `rollout status --watch` (Promoted, RolledBack,
+    Aborted or Paused), None while the spec's version is still coming or
+    going on; one rule for both backends."""
+    if paused(spec, status, generation):
+        return names.Phase.PAUSED
+    if ended(spec, status, generation):
+        return status.rollout.phase
+    return None
 
 
 def report_thresholds(spec: TieredModel) -> dict[str, float | None]:
@@ -282,10 +311,24 @@ def manual_decision(name: str, spec: TieredModel, status: TieredModelStatus, ver
     return VERBS[verb](spec, status.rollout, now, **extra)
 
 
-def with_decision(status: TieredModelStatus, decision: engine.Decision) -> TieredModelStatus:
+def with_decision(status: TieredModelStatus, decision: engine.Decision,
+                  spec: TieredModel | None = None, now: float | None = None
+                  ) -> TieredModelStatus:
     """The status after a manual verb: the controller's next pass recomputes
-    the rest (weights, conditions) and the history records the step."""
-    return dataclasses.replace(status, rollout=decision.status, message=decision.reason)
+    the rest (weights, conditions). Given the spec and the time, the status's
+    history records the step too, as it records the controller's: the
+    rollout's steps (a pause, an abort, a retry) then read the same on
+    Kubernetes, whose report and watch have only the status."""
+    history = status.history
+    if spec is not None and now is not None:
+        rollout = decision.status
+        step = HistoryEntry(
+            t=now, action=decision.action, reason=decision.reason, phase=rollout.phase,
+            stable_version=rollout.stable_version, canary_version=rollout.canary_version,
+            stage=desired.stage_label(spec, rollout) if rollout.canary_version else "")
+        history = (*history, step)[-HISTORY_LIMIT:]
+    return dataclasses.replace(status, rollout=decision.status, message=decision.reason,
+                               history=history)
 
 
 def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
@@ -297,16 +340,17 @@ def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
         record = store.get(name)
         spec = spec_of(record)
         status = decode_status(name, record.status)
-        decision = manual_decision(name, spec, status, verb, full=full, now=now())
+        when = now()
+        decision = manual_decision(name, spec, status, verb, full=full, now=when)
         if decision.action == names.Action.HOLD:
             return decision
         try:
             store.write_status(name, record.revision,
-                               status=to_plain(with_decision(status, decision)))
+                               status=to_plain(with_decision(status, decision, spec, when)))
         except Conflict:
             continue
         store.record(name, make_snapshot(spec, decision.status, decision.action,
-                                         decision.reason))
+                                         decision.reason), when)
         return decision
     raise Conflict(f"{name}: the controller kept writing; try again")
 

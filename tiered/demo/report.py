@@ -90,26 +90,41 @@ def _canary(group: Sequence[Mapping]) -> int | None:
 
 
 def _rollouts(history: Sequence[Mapping]) -> list[list[Mapping]]:
-    """Snapshots grouped per rollout: one begins at 'start' or at a model's new canary version;
-    idle snapshots after a finished rollout belong to none."""
+    """Snapshots grouped per rollout: one begins at 'start', at 'retry' (a
+    rolled-back or aborted canary rolled out again is a rollout of its own)
+    or at a model's new canary version, and ends at its outcome (promoted,
+    rolled back, aborted): what comes after a finished rollout belongs to none
+    until the next one begins. A retry's own 'start', once its agents are up,
+    stays in the retry's rollout."""
     groups: list[list[Mapping]] = []
     current: dict[Any, list[Mapping]] = {}
+    retried: dict[Any, Any] = {}  # per model, the canary version its last retry rolls out
     for s in history:
         model, canary, group = s.get("model"), s.get("canary_version"), current.get(s.get("model"))
-        if s.get("action") == names.Action.START or (
+        action = s.get("action") or names.Action.HOLD
+        if action == names.Action.RETRY:
+            retried[model] = _canary(group) if group else None
+            group = current[model] = []
+            groups.append(group)
+        elif (action == names.Action.START and group and group[-1].get("action")
+              == names.Action.RETRY and canary == retried.get(model)):
+            pass  # the retry's rollout starting, its agents up again
+        elif action == names.Action.START or (
                 canary is not None and (group is None or canary != _canary(group))):
             group = current[model] = []
             groups.append(group)
-        elif group is None or (group[-1].get("phase") in engine.FINISHED
-                               and (s.get("action") or names.Action.HOLD) == names.Action.HOLD):
+        elif group is None or group[-1].get("phase") in engine.FINISHED:
             continue
         group.append(s)
     return groups
 
 
-def _decisions(history: Sequence[Mapping]) -> list[Mark]:
-    """Every non-hold snapshot with a short label: 'advance to stage 2', 'rollback v3'."""
-    found, canary = [], {}
+def _decisions(history: Sequence[Mapping], canary: Mapping[Any, Any] | None = None
+               ) -> list[Mark]:
+    """Every non-hold snapshot with a short label: 'advance to stage 2', 'rollback v3'.
+    `canary`: each model's canary version as known before the first snapshot (a
+    retry names the version it rolls out again before its start does)."""
+    found, canary = [], dict(canary or {})
     for s in history:
         if s.get("canary_version") is not None:
             canary[s.get("model")] = s["canary_version"]
@@ -119,12 +134,18 @@ def _decisions(history: Sequence[Mapping]) -> list[Mark]:
         if action == names.Action.ADVANCE:
             label = f"advance to stage {(s.get('stage_index') or 0) + 1}"
         elif action in (names.Action.START, names.Action.PROMOTE, names.Action.ROLLBACK,
-                        names.Action.ABORT) and s.get("model") in canary:
+                        names.Action.ABORT, names.Action.RETRY) and s.get("model") in canary:
             label = f"{action} v{canary[s.get('model')]}"
         else:
             label = action
         found.append((s, label))
     return found
+
+
+def _known_canary(group: Sequence[Mapping]) -> dict[Any, Any]:
+    """The rollout's canary version, known from its first snapshot on."""
+    version = _canary(group)
+    return {} if version is None else {group[0].get("model"): version}
 
 
 def _summary(group: Sequence[Mapping]) -> dict[str, Any]:
@@ -141,7 +162,8 @@ def _summary(group: Sequence[Mapping]) -> dict[str, Any]:
             "stages_reached": max((s.get("stage_index") or 0) for s in group) + 1,
             "stages": last.get("stages"),
             "decisions": [{"t": s.get("t"), "action": s.get("action"), "label": label,
-                           "reason": s.get("reason")} for s, label in _decisions(group)],
+                           "reason": s.get("reason")}
+                          for s, label in _decisions(group, _known_canary(group))],
             "final": final}
 
 

@@ -63,7 +63,7 @@ TIER_MIX = {"edge": 0.6, "regional": 0.25, "datacenter": 0.15}  # where clients 
 RATE_PER_S = 80.0
 CONCURRENCY = 8
 USERS = 500  # distinct tiered-key values: each user sticks to one version
-ROLLOUT_TIMEOUT_S = 300.0  # builds and stages slow down beside the generative act
+SERVED_TIMEOUT_S = 300.0  # a v1's builds on three tiers (tinyllama's beside the digits act)
 
 
 @dataclass
@@ -142,14 +142,20 @@ def _status(store: StateStore, model: str = MODEL) -> RolloutStatus | None:
     return decode_status(model, store.get(model).status).rollout
 
 
+class Undecided(Exception):
+    """A rollout the demo waits on stopped short of its outcome: paused, or
+    still going at the deadline. Its message is the status's own."""
+
+
 def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None], bool],
             last_id: int, timeout_s: float, say: Callable[[str], None], model: str = MODEL,
             supervise: bool = True) -> int:
-    """Print new rollout snapshots until `done(status)` or the timeout; returns the
-    last history id shown."""
+    """Print new rollout snapshots until `done(status)`; returns the last
+    history id shown. Raises Undecided on a pause (nothing goes on by itself
+    then) or at the timeout."""
     deadline = time.monotonic() + timeout_s
     shown = ProgressLines()
-    while time.monotonic() < deadline:
+    while True:
         if supervise:  # one thread looks after the processes
             up.restart_dead()
             up.echo_controller()
@@ -158,18 +164,32 @@ def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None
             if line is not None:
                 say(line)
             last_id = entry_id
-        if done(_status(store, model)):
+        status = _status(store, model)
+        if done(status):
             return last_id
+        message = decode_status(model, store.get(model).status).message
+        if status is not None and status.phase == names.Phase.PAUSED:
+            raise Undecided(f"{model}: paused: {message}")
+        if time.monotonic() > deadline:
+            raise Undecided(f"{model}: no outcome within {timeout_s:.0f} s: {message}")
         time.sleep(0.5)
-    message = decode_status(model, store.get(model).status).message
-    raise TimeoutError(f"no outcome within {timeout_s:.0f} s: {message}")
+
+
+def rollout_timeout_s(spec_file: Path, builds_s: float = 180.0) -> float:
+    """How long the demo waits for a rollout of `spec_file`: its builds, then
+    every stage to its maxDurationSeconds (a stage undecided then pauses, and
+    the wait ends there)."""
+    import yaml
+
+    from tiered.rollout.spec import load_tiered_model
+
+    spec = load_tiered_model(yaml.safe_load(spec_file.read_text()))
+    return builds_s + sum(stage.max_duration_s for stage in spec.rollout.stages)
 
 
 GENERATIVE = "tinyllama"
 GENERATIVE_LOAD = ("--rate", "20", "--max-tokens", "16", "--stream-share", "0.3",
                    "--tier", "edge,regional,datacenter", "--timeout", "20")
-GENERATIVE_TIMEOUT_S = 240.0  # a version's builds on three tiers, then its rollout
-
 
 def prepare_tinyllama(models: Path, say: Callable[[str], None]) -> None:
     """Train the tiny Llama checkpoints into `models` unless they are there."""
@@ -238,7 +258,7 @@ class GenerativeAct:
                     GENERATIVE).status).conditions if c.type == "Ready"), False)
 
         with StateStore(StateLayout(self.state.resolve()).store) as store:
-            last = _follow(store, self.up, served, 0, GENERATIVE_TIMEOUT_S, self.say,
+            last = _follow(store, self.up, served, 0, SERVED_TIMEOUT_S, self.say,
                            GENERATIVE, supervise=False)
             self.say("v1 serves on three tiers; `tiered load` sends it text prompts "
                      "through the router (greedy, 30% streamed)")
@@ -252,23 +272,27 @@ class GenerativeAct:
             try:
                 time.sleep(3.0)
                 self.say("tiered apply -f examples/tinyllama-v2.yaml: the same greedy output")
-                apply_file(store, EXAMPLES / "tinyllama-v2.yaml")
+                v2 = EXAMPLES / "tinyllama-v2.yaml"
+                apply_file(store, v2)
                 last = _follow(store, self.up, lambda s: s is not None and s.canary_version
-                               is None and s.stable_version == 2 or s.phase in (
-                                   names.Phase.ROLLED_BACK, names.Phase.PAUSED),
-                               last, GENERATIVE_TIMEOUT_S, self.say, GENERATIVE, False)
+                               is None and s.stable_version == 2 or s.phase
+                               == names.Phase.ROLLED_BACK,
+                               last, rollout_timeout_s(v2), self.say, GENERATIVE, False)
                 self.check("tinyllama v2 promoted through every stage",
                            _status(store, GENERATIVE).stable_version == 2)
                 self.say("tiered apply -f examples/tinyllama-v3.yaml: slower per token")
-                apply_file(store, EXAMPLES / "tinyllama-v3.yaml")
+                v3 = EXAMPLES / "tinyllama-v3.yaml"
+                apply_file(store, v3)
                 last = _follow(store, self.up, lambda s: s is not None and s.canary_version
                                == 3 and s.phase in (names.Phase.PROMOTED,
                                                     names.Phase.ROLLED_BACK),
-                               last, GENERATIVE_TIMEOUT_S, self.say, GENERATIVE, False)
+                               last, rollout_timeout_s(v3), self.say, GENERATIVE, False)
                 final = _status(store, GENERATIVE)
                 self.check("tinyllama v3 rolled back on token latency",
                            final.phase == names.Phase.ROLLED_BACK and final.stable_version == 2
                            and any(m in final.message for m in ("ttft", "tpot")))
+            except Undecided as undecided:
+                self.check(f"the generative act's rollouts decided ({undecided})", False)
             finally:
                 load.send_signal(signal.SIGINT)
                 load.wait(60)
@@ -283,6 +307,30 @@ class GenerativeAct:
                                "tiered demo: tinyllama v1 -> v2 (promoted) -> v3 (rolled back)",
                                {"traffic": " ".join(GENERATIVE_LOAD), "load": summary[0]})
         self.say(f"report: {html}")
+
+
+def _digits_rollouts(store: StateStore, up: LocalUp, last: int, say: Callable[[str], None],
+                     check: Callable[[str, bool], None], beside_generative: bool) -> None:
+    """Steps 5 and 6 once v2 is applied: v2 promoted, then v3 rolled back."""
+    v2, v3 = EXAMPLES / "digits-v2.yaml", EXAMPLES / "digits-v3.yaml"
+    last = _follow(store, up, lambda s: s is not None and s.phase == names.Phase.PROMOTED
+                   and s.stable_version == 2, last, rollout_timeout_s(v2), say)
+    check("version 2 promoted through every stage", _status(store).stable_version == 2)
+
+    print("6. tiered apply -f examples/digits-v3.yaml: a heavier network")
+    apply_file(store, v3)
+    _follow(store, up, lambda s: s is not None and s.canary_version == 3
+            and s.phase in (names.Phase.PROMOTED, names.Phase.ROLLED_BACK),
+            last, rollout_timeout_s(v3), say)
+    final = _status(store)
+    check("version 3 rolled back automatically", final.phase == names.Phase.ROLLED_BACK
+          and final.stable_version == 2)
+    # Alone on two cores it goes in its first stage; beside the generative
+    # act's builds and traffic a stage later at times.
+    if beside_generative:
+        check("before its last stage", final.stage_index < 2)
+    else:
+        check("in its first stage", final.stage_index == 0)
 
 
 def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
@@ -321,7 +369,7 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
             print("3. tiered apply -f examples/digits.yaml: version 1 on three tiers")
             apply_file(store, EXAMPLES / "digits.yaml")
             last = _follow(store, up, lambda s: s is not None and s.stable_version == 1,
-                           0, 120, say)
+                           0, SERVED_TIMEOUT_S, say)
             images = np.load(models / "digits-eval.npz")["input"]
             _wait_until_served(running.router, images[:1], say)
             traffic = Traffic(running.router, images)
@@ -340,29 +388,16 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
                 apply_file(store, EXAMPLES / "tinyllama.yaml")
                 act = GenerativeAct(state, up, running.router, models.resolve(), out)
                 act.start()
-            last = _follow(store, up, lambda s: s is not None and s.phase == names.Phase.PROMOTED
-                           and s.stable_version == 2, last, ROLLOUT_TIMEOUT_S, say)
-            check("version 2 promoted through every stage", _status(store).stable_version == 2)
-
-            print("6. tiered apply -f examples/digits-v3.yaml: a heavier network")
-            apply_file(store, EXAMPLES / "digits-v3.yaml")
-            last = _follow(store, up, lambda s: s is not None and s.canary_version == 3
-                           and s.phase in (names.Phase.PROMOTED, names.Phase.ROLLED_BACK),
-                           last, ROLLOUT_TIMEOUT_S, say)
-            final = _status(store)
-            check("version 3 rolled back automatically", final.phase == names.Phase.ROLLED_BACK
-                  and final.stable_version == 2)
-            # Alone on two cores it goes in its first stage; beside the generative
-            # act's builds and traffic a stage later at times.
-            if act is None:
-                check("in its first stage", final.stage_index == 0)
-            else:
-                check("before its last stage", final.stage_index < 2)
+            try:
+                _digits_rollouts(store, up, last, say, check, beside_generative=act is not None)
+            except Undecided as undecided:
+                check(f"the digits rollouts decided ({undecided})", False)
             time.sleep(3.0)  # answers in flight while the table changes
             traffic.finish()
             if act is not None:
                 print("   waiting for the generative act")
-                checks += act.join(2 * GENERATIVE_TIMEOUT_S)
+                checks += act.join(SERVED_TIMEOUT_S + sum(rollout_timeout_s(
+                    EXAMPLES / f"{GENERATIVE}-{v}.yaml") for v in ("v2", "v3")))
 
             history = [dict(snap, t=t) for _, t, snap in store.history(MODEL)]
         ok = traffic.outcomes["ok"]
@@ -378,6 +413,8 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
                                  "traffic": f"{RATE_PER_S:g}/s, {CONCURRENCY} clients",
                                  "demo seconds": round(time.monotonic() - started, 1)})
         print(f"8. Report: {html} and {js}")
+    except Undecided as undecided:  # v1 never served: nothing to roll out
+        check(f"version 1 served ({undecided})", False)
     finally:
         if act is not None:
             act.close()

@@ -4,7 +4,10 @@ Each metric is judged per tier (agreement over all tiers), ends Successful,
 Failed, Inconclusive or Error and carries every number it was decided from;
 a run's verdict is the worst of them (Failed > Error > Inconclusive >
 Successful). Missing data, or fewer samples than the spec's minimum, is
-Inconclusive: never a pass.
+Inconclusive: never a pass. A metric shown but not judged (an energy figure
+that is not a measurement, below) is NotJudged, which neither holds nor
+fails a stage. Reasons give the numbers a test lacks and name spec fields
+as the YAML writes them.
 
 The false-rollback budget. `confidence` holds per rollout: a canary with no
 regression is rolled back with probability at most alpha = 1 - confidence,
@@ -42,8 +45,8 @@ after a controller restart.
   max_ratio margin, normal mixture; judged only when both versions' figures
   are measurements of one source (nvml or rapl). A modeled figure (the
   CPU-time model: an estimate) or one of unknown source is reported with its
-  comparison and passes unjudged unless allow_modeled; figures of different
-  sources (nvml vs model) do not compare and pass unjudged always. Why: on
+  comparison, NotJudged, unless allow_modeled; figures of different sources
+  (nvml vs model) do not compare and are NotJudged always. Why: on
   a CPU the model makes canary/stable a ratio of CPU time, which the latency
   tests judge already, and a figure that is not energy must not roll back a
   version for its energy.
@@ -130,11 +133,13 @@ from tiered.rollout.spec import (
     MetricResult,
     ShiftBound,
     Stage,
+    wire_key,
+    wire_path,
 )
 
-SUCCESSFUL, FAILED, INCONCLUSIVE, ERROR = (
+SUCCESSFUL, FAILED, INCONCLUSIVE, ERROR, NOT_JUDGED = (
     names.Outcome.SUCCESSFUL, names.Outcome.FAILED, names.Outcome.INCONCLUSIVE,
-    names.Outcome.ERROR)
+    names.Outcome.ERROR, names.Outcome.NOT_JUDGED)
 _SEVERITY = {SUCCESSFUL: 0, INCONCLUSIVE: 1, ERROR: 2, FAILED: 3}
 _NORMAL = NormalDist()
 
@@ -152,8 +157,10 @@ _EDGE = 1e-12
 
 
 def worst(outcomes: Sequence[str]) -> str:
-    """The run's verdict: Failed > Error > Inconclusive > Successful."""
-    return max(outcomes, key=_SEVERITY.__getitem__, default=INCONCLUSIVE)
+    """The run's verdict: Failed > Error > Inconclusive > Successful; a
+    metric not judged holds nothing, so it counts as Successful."""
+    return max((SUCCESSFUL if o == NOT_JUDGED else o for o in outcomes),
+               key=_SEVERITY.__getitem__, default=INCONCLUSIVE)
 
 
 # --- measurements -----------------------------------------------------------
@@ -314,6 +321,21 @@ def quantile_upper_rank(n: int, q: float, alpha: float) -> int | None:
     return int(counts[hits[0]]) if len(hits) and counts[hits[0]] >= 1 else None
 
 
+@functools.lru_cache(maxsize=256)
+def least_samples_to_bound(q: float, alpha: float) -> int:
+    """The fewest samples from which `quantile_upper_rank` has a bound: what
+    a tail test short of stable samples needs. More samples never lose the
+    bound (all n below the quantile is ever stronger evidence), so a bisection."""
+    low, high = 0, 1
+    while quantile_upper_rank(high, q, alpha) is None:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if quantile_upper_rank(middle, q, alpha) is None \
+            else (low, middle)
+    return high
+
+
 # --- the rank test ------------------------------------------------------------
 
 
@@ -397,11 +419,19 @@ def _checked_pair(name: str, what: str, stable: Sequence[float], canary: Sequenc
     return np.sort(s), np.sort(c)
 
 
-def _too_few(name: str, what: str, n_stable: int, n_canary: int, need: int,
+def _too_few(name: str, what: str, n_stable: int, n_canary: int, need: int, setting: str,
              numbers: dict[str, float]) -> MetricResult | None:
+    """Inconclusive while either version has fewer than `need` (the spec's
+    `setting`) samples."""
     if n_stable < need or n_canary < need:
-        return MetricResult(name, INCONCLUSIVE, f"too few {what}: canary {n_canary}, stable "
-                            f"{n_stable}, need {need} each", numbers)
+        wanted = f"need {need} each, {wire_key(setting)}"
+        if n_canary == 0 and n_stable == 0:
+            reason = f"no {what} yet from either version ({wanted})"
+        elif n_canary == 0:
+            reason = f"no canary {what} yet (stable {n_stable}; {wanted})"
+        else:
+            reason = f"too few {what}: canary {n_canary}, stable {n_stable}, {wanted}"
+        return MetricResult(name, INCONCLUSIVE, reason, numbers)
     return None
 
 
@@ -459,7 +489,7 @@ def judge_latency_quantile(q: float, bound: LatencyBound, stable: Sequence[float
     numbers = {"n_stable": float(len(s)), "n_canary": float(len(c)),
                "min_samples": float(min_samples), "max_ratio": bound.max_ratio,
                "quantile": q, "alpha": alpha}
-    too_few = _too_few(name, "samples", len(s), len(c), min_samples, numbers)
+    too_few = _too_few(name, "samples", len(s), len(c), min_samples, "min_samples", numbers)
     if too_few is not None:
         return too_few
     # Half the share bounds stable's quantile, half tests the canary's count.
@@ -471,9 +501,11 @@ def judge_latency_quantile(q: float, bound: LatencyBound, stable: Sequence[float
                     "expected_share_above": 1 - q})
     if q_s > 0:
         numbers[f"p{pct}_ratio"] = q_c / q_s
-    if rank is None:
-        return MetricResult(name, INCONCLUSIVE, f"too few stable samples ({len(s)}) to bound "
-                            f"its p{pct}", numbers)
+    if rank is None:  # minSamples met, but too few for this test's share of the budget
+        need = least_samples_to_bound(q, alpha / 2)
+        numbers["stable_samples_to_bound"] = float(need)
+        return MetricResult(name, INCONCLUSIVE, f"too few stable samples to bound its p{pct} "
+                            f"at this confidence: {len(s)}, need {need}", numbers)
     upper = float(s[rank - 1])
     threshold = bound.max_ratio * upper
     above = len(c) - int(np.searchsorted(c, threshold, "right"))
@@ -526,7 +558,7 @@ def judge_latency_shift(bound: ShiftBound, stable: Sequence[float], canary: Sequ
     s, c = checked
     numbers = {"n_stable": float(len(s)), "n_canary": float(len(c)),
                "min_samples": float(min_samples), "max_ratio": bound.max_ratio, "alpha": alpha}
-    too_few = _too_few(name, "samples", len(s), len(c), min_samples, numbers)
+    too_few = _too_few(name, "samples", len(s), len(c), min_samples, "min_samples", numbers)
     if too_few is not None:
         return too_few
     p, detail = _shift_p("ms", "ms", bound.max_ratio, s, c, RHO_REQUESTS, numbers)
@@ -548,7 +580,8 @@ def judge_error_rate(bound: ErrorRateBound, stable_errors: int, stable_requests:
     if not (0 <= stable_errors <= stable_requests and 0 <= canary_errors <= canary_requests):
         return MetricResult(name, ERROR, "error counts are negative or exceed the requests",
                             numbers)
-    too_few = _too_few(name, "requests", stable_requests, canary_requests, min_samples, numbers)
+    too_few = _too_few(name, "requests", stable_requests, canary_requests, min_samples,
+                       "min_samples", numbers)
     if too_few is not None:
         return too_few
     rate_s, rate_c = stable_errors / stable_requests, canary_errors / canary_requests
@@ -558,10 +591,13 @@ def judge_error_rate(bound: ErrorRateBound, stable_errors: int, stable_requests:
     p = p_value(binomial_log_e(canary_errors, errors, share_max)) if errors else 1.0
     numbers.update(rate_stable=rate_s, rate_canary=rate_c, canary_share_of_errors_max=share_max,
                    p_value=p)
-    detail = (f"canary {rate_c:.3g} ({canary_errors} of {errors} errors, at most "
-              f"{share_max:.1%} expected) vs stable {rate_s:.3g}")
+    # The test is of the canary's share of the errors; with none there is
+    # nothing to share, and the reason says so rather than bound a share of 0.
+    detail = (f"canary {rate_c:.3g} vs stable {rate_s:.3g}: {canary_errors} of the {errors} "
+              f"errors are the canary's, at most {share_max:.1%} expected" if errors else
+              f"no errors in {canary_requests} canary and {stable_requests} stable requests")
     checks = [_verdict(p, alpha, f"canary error rate above {bound.max_ratio:g}x stable's: "
-                       f"{detail}", f"error rate {detail}")]
+                       f"{detail}", f"error rate {detail}" if errors else detail)]
     if bound.max is not None:
         p_max = p_value(binomial_log_e(canary_errors, canary_requests, bound.max))
         numbers.update(max=bound.max, p_value_max=p_max)
@@ -586,7 +622,7 @@ def energy_gate(allow_modeled: bool, stable: str | None, canary: str | None,
     if len(seen) == 2 and all(seen) and stable != canary:
         return "figures of different sources do not compare"
     if not allow_modeled and not _measured(seen):
-        return (f"the figures are not measurements (set {metric}.allow_modeled: "
+        return (f"the figures are not measurements (set {wire_path(metric, 'allow_modeled')}: "
                 "true to judge them anyway)")
     return None
 
@@ -599,8 +635,8 @@ def judge_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[f
                  alpha: float, stable_source: str = "", canary_source: str = "",
                  metric: str = "energy_per_inference") -> MetricResult:
     """The rank test of J/inference (`metric` energy_per_token: J/token), or
-    (see `energy_gate`) its comparison reported and passed unjudged; the
-    reason names the figures' sources."""
+    (see `energy_gate`) its comparison reported, NotJudged; the reason names
+    the figures' sources."""
     sources = (stable_source if len(stable) else None, canary_source if len(canary) else None)
     gate = energy_gate(bound.allow_modeled, *sources, metric=metric)
     result = _compare_energy(bound, stable, canary, alpha, metric)
@@ -610,9 +646,8 @@ def judge_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[f
     if gate is None:
         said = "" if sources == (None, None) else f"; source {label}"  # none: no figures
         return replace(result, reason=result.reason + said, numbers=numbers)
-    return MetricResult(result.metric, SUCCESSFUL, f"not judged: {gate}. Compared anyway "
-                        f"({label}), it would be {result.outcome.lower()}: {result.reason}",
-                        numbers)
+    return MetricResult(result.metric, NOT_JUDGED, f"{gate}. Compared anyway ({label}), it "
+                        f"would be {result.outcome.lower()}: {result.reason}", numbers)
 
 
 def _compare_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequence[float],
@@ -625,7 +660,8 @@ def _compare_energy(bound: EnergyBound, stable: Sequence[float], canary: Sequenc
     numbers = {"n_stable": float(len(s)), "n_canary": float(len(c)),
                "min_windows": float(bound.min_windows), "max_ratio": bound.max_ratio,
                "alpha": alpha}
-    too_few = _too_few(name, f"{unit} windows", len(s), len(c), bound.min_windows, numbers)
+    too_few = _too_few(name, f"{unit} windows", len(s), len(c), bound.min_windows,
+                       "min_windows", numbers)
     if too_few is not None:
         return too_few
     mean_s, mean_c = float(np.mean(s)), float(np.mean(c))
@@ -650,7 +686,7 @@ def judge_agreement(bound: AgreementBound, agreed: int, compared: int, alpha: fl
         return MetricResult(name, ERROR, "agreed count is negative or exceeds compared", numbers)
     if compared < min_samples:
         return MetricResult(name, INCONCLUSIVE, f"too few shadowed requests: {compared}, need "
-                            f"{min_samples}", numbers)
+                            f"{min_samples} ({wire_key('min_samples')})", numbers)
     rate = agreed / compared
     below = p_value(binomial_log_e(agreed, compared, bound.min, above=False))
     above = 0.0 if bound.min <= 0 else p_value(binomial_log_e(agreed, compared, bound.min))
@@ -661,8 +697,34 @@ def judge_agreement(bound: AgreementBound, agreed: int, compared: int, alpha: fl
     if above <= alpha:
         return MetricResult(name, SUCCESSFUL, f"agreement {rate:.4g} above {bound.min:g} "
                             f"(p={above:.3g} <= {alpha:.3g})", numbers)
-    return MetricResult(name, INCONCLUSIVE, f"agreement {rate:.4g}: not yet significantly "
-                        f"above {bound.min:g} (p={above:.3g} > {alpha:.3g})", numbers)
+    reason = (f"agreement {rate:.4g} over {compared} shadowed requests: not yet "
+              f"significantly above {bound.min:g} (p={above:.3g} > {alpha:.3g})")
+    need = _shadows_to_show(rate, bound.min, alpha)
+    if need is not None:
+        numbers["shadowed_to_decide"] = float(need)
+        reason += f"; about {need} would show it if the rate holds"
+    return MetricResult(name, INCONCLUSIVE, reason, numbers)
+
+
+def _shadows_to_show(rate: float, least: float, alpha: float) -> int | None:
+    """The fewest shadowed requests at which agreement `rate`, held, would be
+    shown above `least` at `alpha`; None when it never would. The log
+    e-value is convex in the count and 0 at none, so once it reaches the
+    threshold it stays: double, then bisect."""
+    if not 0 < least < rate:
+        return None
+    threshold = math.log(1 / alpha)
+    def shown(n: int) -> bool:
+        return binomial_log_e(rate * n, n, least) >= threshold
+    low, high = 0, 1
+    while not shown(high):
+        if high > 10**9:
+            return None
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if shown(middle) else (middle, high)
+    return high
 
 
 def analyze(spec: AnalysisSpec, measurements: Measurements,

@@ -7,15 +7,23 @@ a restarted controller resumes where it stopped. The same measurement window
 judged twice counts once toward the consecutive-failure limit.
 
 A stage passes when its analysis is Successful, the canary has served
-`min_requests` and `min_duration_s` has passed. It fails fast: a Failed
-analysis counts at any time, and `consecutive_failure_limit` failures in a
-row trigger `on_failure` (rollback or pause). A stage still undecided at
-`max_duration_s` follows `on_failure` too: no data is never a pass. A
-stage whose canary served no request at all pauses instead, saying so:
-there was nothing to judge, so nothing failed. Every
-analysis of the rollout shares one false-rollback budget, split over the
-tests of all its stages (`analysis.rollout_tests`); the tests are
-anytime-valid, so judging at every interval spends nothing more.
+`minRequests` and `minDurationSeconds` has passed. It fails fast: a Failed
+analysis counts at any time, and `consecutiveFailureLimit` failures in a
+row trigger `onFailure` (rollback or pause). A stage still undecided at
+`maxDurationSeconds` (too few canary requests, a test short of samples or
+not yet significant, no measurements) follows `onUndecided` instead, pause
+by default: no data is never a pass, and it is no failure either, so a good
+version is not rolled back for want of traffic. The pause says what each
+test lacks, with its numbers, and what a person can do: resume (another
+`maxDurationSeconds`, on the samples so far), send more traffic, promote or
+abort. A stage whose canary served no request at all pauses whatever
+`onUndecided` says: there was nothing to judge, and the traffic or the
+routes are what to look at. Every analysis of the rollout shares one
+false-rollback budget, split over the tests of all its stages
+(`analysis.rollout_tests`); the tests are anytime-valid, so judging at
+every interval spends nothing more.
+
+Reasons name spec fields as the YAML writes them (`spec.wire_key`).
 
 The manual verbs (pause, resume, promote, abort, retry) are pure functions
 of the same kind, with one rule for a verb already in effect (see below). Weight arithmetic is pure: each tier's canary percent comes from
@@ -34,7 +42,7 @@ from types import MappingProxyType
 from tiered import names
 from tiered.errors import InvalidArgument
 from tiered.rollout.analysis import Measurements, analyze, rollout_tests
-from tiered.rollout.spec import AnalysisRun, RolloutStatus, Stage, TieredModel
+from tiered.rollout.spec import AnalysisRun, RolloutStatus, Stage, TieredModel, wire_key
 
 # The phases a rollout does not leave by itself.
 FINISHED = (names.Phase.PROMOTED, names.Phase.ROLLED_BACK, names.Phase.ABORTED)
@@ -43,6 +51,11 @@ FINISHED = (names.Phase.PROMOTED, names.Phase.ROLLED_BACK, names.Phase.ABORTED)
 # when a stage deadline comes first.
 POLL_INTERVAL_S = 30.0
 _FIGURES = re.compile(r"\d+(\.\d+)?")
+
+# Spec fields as reasons name them: as the YAML writes them.
+MAX_DURATION, MIN_DURATION, MIN_REQUESTS = (
+    wire_key("max_duration_s"), wire_key("min_duration_s"), wire_key("min_requests"))
+ON_FAILURE, ON_UNDECIDED = wire_key("on_failure"), wire_key("on_undecided")
 
 
 def reason_gist(reason: str) -> str:
@@ -97,7 +110,8 @@ def start(spec: TieredModel, stable_version: int, canary_version: int,
           now: float) -> RolloutStatus:
     """The status of a rollout of `canary_version` that begins now, at stage 0."""
     if canary_version == stable_version:
-        raise InvalidArgument(f"canary_version: {canary_version} is already the stable version")
+        raise InvalidArgument(f"{wire_key('canary_version')}: {canary_version} is already "
+                              "the stable version")
     return RolloutStatus(stable_version=stable_version, canary_version=canary_version,
                          stage_index=0, phase=names.Phase.PROGRESSING, stage_started_at=now)
 
@@ -111,7 +125,9 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
     if status.canary_version is None:
         return _decision(spec, names.Action.HOLD, "no canary version to roll out", status)
     if status.paused or status.phase == names.Phase.PAUSED:
-        return _decision(spec, names.Action.HOLD, "paused: resume, promote or abort to go on",
+        # The reason it paused (why, and what to do) stays the message.
+        return _decision(spec, names.Action.HOLD,
+                         status.message or "paused: resume, promote or abort to go on",
                          dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True),
                          status.last_analysis)
 
@@ -122,11 +138,11 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
     where = f"stage {index + 1}/{len(stages)} {stage.name!r}"
 
     if measurements is None or measurements.stage != index:
-        why = f"{where}: no measurements yet ({elapsed:.0f} s in)"
         if timed_out:
-            return _on_failure(spec, status, f"{why}, max_duration_s "
-                               f"{stage.max_duration_s:g} reached", status.last_analysis)
-        return _decision(spec, names.Action.HOLD, why, status, status.last_analysis,
+            return _on_undecided(spec, status, where, stage, [
+                f"no measurements of the stage in {elapsed:.0f} s"], status.last_analysis)
+        return _decision(spec, names.Action.HOLD, f"{where}: no measurements yet "
+                         f"({elapsed:.0f} s in)", status, status.last_analysis,
                          _requeue(stage, elapsed))
 
     last = status.last_analysis
@@ -153,15 +169,15 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
     if timed_out and requests == 0:
         # Nothing was judged, so nothing failed: the traffic or the routes are
         # what to look at, not the version.
-        return _decision(spec, names.Action.PAUSE, f"{where}: no canary traffic in "
-                         f"{stage.max_duration_s:g} s: pausing (the stage's weights send "
-                         "no requests to the canary; check the traffic and the routes, "
-                         "then resume)",
-                         dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True), run)
+        return _paused(spec, status, f"{where}: no canary traffic in "
+                       f"{stage.max_duration_s:g} s: pausing (the stage's weights send "
+                       "no requests to the canary; check the traffic and the routes, "
+                       "then resume)", run)
     if requests < stage.min_requests:
-        why.append(f"too little data: {requests} of {stage.min_requests} canary requests")
+        why.append(f"too little data: {requests} of {stage.min_requests} canary requests "
+                   f"({MIN_REQUESTS})")
     if elapsed < stage.min_duration_s:
-        why.append(f"too short: {elapsed:.0f} of {stage.min_duration_s:g} s")
+        why.append(f"too short: {elapsed:.0f} of {stage.min_duration_s:g} s ({MIN_DURATION})")
     if run.verdict in (names.Outcome.INCONCLUSIVE, names.Outcome.ERROR):
         pending = (run.with_outcome(names.Outcome.INCONCLUSIVE)
                    + run.with_outcome(names.Outcome.ERROR))
@@ -169,8 +185,7 @@ def decide(spec: TieredModel, status: RolloutStatus, measurements: Measurements 
                    "; ".join(f"{m.label}: {m.reason}" for m in pending))
     if why:
         if timed_out:
-            return _on_failure(spec, status, f"{where} undecided at max_duration_s "
-                               f"{stage.max_duration_s:g}: {'; '.join(why)}", run)
+            return _on_undecided(spec, status, where, stage, why, run)
         return _decision(spec, names.Action.HOLD, f"{where}: {'; '.join(why)}", status, run,
                          _requeue(stage, elapsed))
 
@@ -191,10 +206,35 @@ def _requeue(stage: Stage, elapsed: float) -> float:
 def _on_failure(spec: TieredModel, status: RolloutStatus, reason: str,
                 run: AnalysisRun | None) -> Decision:
     if spec.rollout.on_failure == names.OnFailure.PAUSE:
-        return _decision(spec, names.Action.PAUSE, f"{reason}; pausing (on_failure: pause)",
-                         dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True), run)
-    return _decision(spec, names.Action.ROLLBACK, f"{reason}; rolling back to version "
-                     f"{status.stable_version}",
+        return _paused(spec, status, f"{reason}; pausing ({ON_FAILURE}: pause)", run)
+    return _rolled_back(spec, status, f"{reason}; rolling back to version "
+                        f"{status.stable_version} ({ON_FAILURE}: rollback)", run)
+
+
+def _on_undecided(spec: TieredModel, status: RolloutStatus, where: str, stage: Stage,
+                  why: list[str], run: AnalysisRun | None) -> Decision:
+    """A stage out of time with too little data to decide: nothing failed, so
+    by default a person decides, told what is missing and what to do."""
+    limit = f"{stage.max_duration_s:g}"
+    reason = f"{where} undecided at {MAX_DURATION} ({limit} s): {'; '.join(why)}"
+    if spec.rollout.on_undecided == names.OnUndecided.ROLLBACK:
+        return _rolled_back(spec, status, f"{reason}; rolling back to version "
+                            f"{status.stable_version} ({ON_UNDECIDED}: rollback)", run)
+    return _paused(spec, status, f"{reason}; pausing ({ON_UNDECIDED}: pause): nothing "
+                   "failed, but the data does not decide yet. Resume to give the stage another "
+                   f"{limit} s (its samples so far count), send the canary more traffic, "
+                   "promote to pass the stage as it is, or abort", run)
+
+
+def _paused(spec: TieredModel, status: RolloutStatus, reason: str,
+            run: AnalysisRun | None) -> Decision:
+    return _decision(spec, names.Action.PAUSE, reason,
+                     dataclasses.replace(status, phase=names.Phase.PAUSED, paused=True), run)
+
+
+def _rolled_back(spec: TieredModel, status: RolloutStatus, reason: str,
+                 run: AnalysisRun | None) -> Decision:
+    return _decision(spec, names.Action.ROLLBACK, reason,
                      dataclasses.replace(status, phase=names.Phase.ROLLED_BACK, paused=False), run)
 
 
@@ -226,7 +266,8 @@ def _require_live(status: RolloutStatus, verb: str) -> None:
     if status.phase in FINISHED:
         raise InvalidArgument(f"phase: the rollout is {status.phase}; nothing to {verb}")
     if status.canary_version is None:
-        raise InvalidArgument(f"canary_version: no canary version; nothing to {verb}")
+        raise InvalidArgument(f"{wire_key('canary_version')}: no canary version; nothing to "
+                              f"{verb}")
 
 
 def _already(spec: TieredModel, status: RolloutStatus, reason: str) -> Decision:

@@ -54,6 +54,13 @@ def wire_key(name: str) -> str:
         rest[-1] = _UNITS[rest[-1]]
     return first + "".join(part[:1].upper() + part[1:] for part in rest)
 
+
+def wire_path(*names: str) -> str:
+    """Nested fields as written, for messages a user reads beside the YAML
+    (`wire_path("energy_per_inference", "allow_modeled")` ->
+    `energyPerInference.allowModeled`)."""
+    return ".".join(wire_key(name) for name in names)
+
 _CONSTRAINTS = frozenset({
     "minimum", "maximum", "exclusive_minimum", "exclusive_maximum", "enum",
     "min_items", "max_items", "min_length", "pattern", "keys",
@@ -276,8 +283,8 @@ class Stage(_Checked):
     min_duration_s: float = spec_field(
         600.0, doc="seconds the stage runs at least before it can pass", minimum=0.0)
     max_duration_s: float = spec_field(
-        3600.0, doc="seconds after which a stage still undecided follows onFailure",
-        minimum=0.0, exclusive_minimum=True)
+        3600.0, doc="seconds after which a stage still undecided (too few requests or samples "
+        "to decide) follows onUndecided", minimum=0.0, exclusive_minimum=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -387,7 +394,7 @@ class AnalysisSpec(_Checked):
         super().__post_init__()
         if not any(getattr(self, metric) for metrics in METRICS_OF_KIND.values()
                    for metric in metrics):
-            raise ConfigError("latency_p95: every metric is null; judge at least one")
+            raise ConfigError("every metric is null; judge at least one")
 
     def judged(self, kind: str) -> dict[str, Any]:
         """The metrics a model of `kind` is judged on, name -> bound, in
@@ -412,9 +419,17 @@ class RolloutSpec(_Checked):
                                            max_items=32)
     analysis: AnalysisSpec = spec_field(default_factory=AnalysisSpec,
                                         doc="how each stage is judged")
-    on_failure: str = spec_field(names.OnFailure.ROLLBACK,
-                                 doc="what a failed or undecided stage does",
-                                 enum=tuple(names.OnFailure))
+    on_failure: str = spec_field(
+        names.OnFailure.ROLLBACK, doc="what a stage does once its analysis has failed "
+        "consecutiveFailureLimit times in a row: rollback, or pause for a person to decide",
+        enum=tuple(names.OnFailure))
+    on_undecided: str = spec_field(
+        names.OnUndecided.PAUSE, doc="what a stage still undecided at its maxDurationSeconds "
+        "does (too few canary requests, a test short of samples, no measurements): pause, "
+        "for a person to resume it (another maxDurationSeconds), promote or abort it; or "
+        "rollback. Too little data is no evidence against the canary, hence the default. "
+        "A stage whose canary served no request at all pauses whatever this says",
+        enum=tuple(names.OnUndecided))
     shadow_fraction: float = spec_field(
         0.1, doc="share of stable requests also sent to the canary to measure agreement",
         minimum=0.0, maximum=1.0)
@@ -450,8 +465,8 @@ class TieredModel(_Checked):
             raise ConfigError("tiers: needs at least one tier")
         if not self.rollout.analysis.judged(self.kind):
             raise ConfigError(f"rollout.analysis: every metric a {self.kind} model is judged "
-                              f"on ({', '.join(METRICS_OF_KIND[self.kind])}) is null; judge "
-                              "at least one")
+                              f"on ({', '.join(map(wire_key, METRICS_OF_KIND[self.kind]))}) "
+                              "is null; judge at least one")
         for index, stage in enumerate(self.rollout.stages):
             for tier, weight in stage.weights.items():
                 if tier not in self.tiers and weight > 0:
@@ -544,6 +559,10 @@ def _respell(hint: Any, value: Any) -> Any:
 # --- status -----------------------------------------------------------------
 
 
+# An analysis run's verdicts: a metric not judged counts as Successful in it.
+VERDICTS = tuple(o for o in names.Outcome if o != names.Outcome.NOT_JUDGED)
+
+
 @dataclass(frozen=True)
 class MetricResult:
     """One metric's outcome and every number it was decided from."""
@@ -551,7 +570,8 @@ class MetricResult:
     metric: str = spec_field(doc="latency_p95, latency_p99, latency_shift, error_rate, "
                              "energy_per_inference, agreement; of a generative model "
                              "ttft_p95, ttft_shift, tpot_p95, energy_per_token")
-    outcome: str = spec_field(doc="the metric's outcome", enum=tuple(names.Outcome))
+    outcome: str = spec_field(doc="the metric's outcome; NotJudged: shown, neither holding "
+                              "nor failing the stage", enum=tuple(names.Outcome))
     reason: str = spec_field(doc="the outcome in words, with its numbers")
     numbers: Mapping[str, float] = spec_field(
         default_factory=dict, doc="samples, quantiles, test statistic, p-value, thresholds")
@@ -568,7 +588,7 @@ class AnalysisRun:
     """One analysis of canary vs stable: the worst metric outcome wins."""
 
     window: int = spec_field(doc="measurement window judged; the same window counts once")
-    verdict: str = spec_field(doc="worst outcome of the metrics", enum=tuple(names.Outcome))
+    verdict: str = spec_field(doc="worst outcome of the metrics judged", enum=VERDICTS)
     metrics: tuple[MetricResult, ...] = spec_field(default=(), doc="per metric")
 
     def with_outcome(self, outcome: str) -> tuple[MetricResult, ...]:
@@ -593,7 +613,8 @@ class RolloutStatus:
         None, doc="when the stage's telemetry became unreadable: its clock stops (min and "
         "max duration) until every agent reads again")
     consecutive_failures: int = spec_field(0, doc="failed analyses in a row", minimum=0)
-    paused: bool = spec_field(False, doc="true while paused (by hand or by onFailure)")
+    paused: bool = spec_field(False, doc="true while paused (by hand, by onFailure or "
+                              "onUndecided)")
     last_analysis: AnalysisRun | None = spec_field(None, doc="the latest analysis")
     message: str = spec_field("", doc="the latest decision's reason")
 

@@ -144,13 +144,13 @@ class ClusterVerbs:
         for _ in range(CONFLICT_RETRIES):
             obj = self._call("get", name)
             status = decode_status(name, obj.get("status"))
-            decision = manual_decision(name, load_tiered_model(obj, name), status, verb,
-                                       full=full, now=now())
+            spec, when = load_tiered_model(obj, name), now()
+            decision = manual_decision(name, spec, status, verb, full=full, now=when)
             if decision.action == names.Action.HOLD:  # already in effect: nothing to write
                 return decision
             try:
                 self._call("replace_status", name,
-                           status_body(obj, with_decision(status, decision)))
+                           status_body(obj, with_decision(status, decision, spec, when)))
             except Conflict:
                 continue
             return decision

@@ -31,9 +31,10 @@ while both versions run 2x slower in 10 s bursts (a quarter of the 10 s
 blocks on each tier: a noisy neighbour).
 
 Outcomes per rollout: caught (rolled back on a Failed analysis, so within its
-stage's max_duration), timed out (rolled back undecided at max_duration) or
-promoted. Targets: a regression caught in >= 99% of rollouts; an unchanged
-canary rolled back (either way) in <= 0.5%. Each rate comes with its 95%
+stage's maxDurationSeconds), timed out (undecided at maxDurationSeconds:
+paused under onUndecided's default, rolled back under onUndecided: rollback)
+or promoted. Targets: a regression caught in >= 99% of rollouts; an
+unchanged canary stopped (either way) in <= 0.5%. Each rate comes with its 95%
 Wilson interval: 100 rollouts a regression row and 150 an unchanged one
 (three times as many for the demo's cheap rows) bound what a few minutes on
 two cores can show.

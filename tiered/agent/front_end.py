@@ -33,9 +33,11 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
+from tiered.agent import drain
 from tiered.agent.feed import Arena, FedError, FeedClient
 from tiered.errors import ConfigError, TieredError
 from tiered.protocol import descriptors
@@ -51,6 +53,9 @@ READY = "ready"
 START_TIMEOUT_S = 60.0
 RESTART_DELAY_S = 1.0
 PORT_WAIT_S = 5.0
+# A stopping front end drains within the drain timeout (`drain.stop`); past
+# that and this much more, it is killed.
+EXIT_SLACK_S = 5.0
 MIN_CORES = 4  # below this a profile's front ends are not started
 MAX_STREAM_IN_FLIGHT = 256
 DECOUPLED_TTL_S = 5.0  # how long a front end trusts what it learned of a model
@@ -178,19 +183,25 @@ class FrontEnds:
     async def stop(self) -> None:
         """Each front end refuses new calls and finishes its in-flight ones."""
         self._stopping = True
-        for process in list(self._processes):
+        # Watchers first: one replacing a front end adds its process before
+        # anything else, so once they are gone every process is in the set.
+        watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        processes = list(self._processes)
+        for process in processes:
             with contextlib.suppress(ProcessLookupError):
                 process.terminate()
-        waits = [p.wait() for p in list(self._processes)]
         try:
-            await asyncio.wait_for(asyncio.gather(*waits),
-                                   self.settings.drain_timeout_s + 5)
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in processes)),
+                                   self.settings.drain_timeout_s + EXIT_SLACK_S)
         except asyncio.TimeoutError:
-            for process in list(self._processes):
+            for process in processes:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
-        for watcher in list(self._watchers):
-            watcher.cancel()
+            await asyncio.gather(*(p.wait() for p in processes))  # none left behind
+        self._processes.clear()
 
 
 # -- a front-end process -------------------------------------------------------------
@@ -346,14 +357,21 @@ async def serve(settings: FrontEndSettings) -> int:
     engine = grpc.aio.insecure_channel(settings.engine, options=options)
     server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1), *KEEPALIVE_PERMIT],
                              maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
-    server.add_generic_rpc_handlers([_Handlers(feed, engine, settings.authorizer)])
+    server.add_generic_rpc_handlers([_Handlers(feed, engine, settings.authorizer),
+                                     drain.Marker()])
     add_port(server, f"{settings.host}:{settings.port}", settings.security)
+    # Its own socket, beside the engine's, to drain itself through (`drain.stop`).
+    own = f"unix:{Path(settings.feed).parent / f'front-end-{os.getpid()}.sock'}"
+    server.add_insecure_port(own)
     await server.start()
     print(READY, flush=True)
     engine_gone = loop.create_task(feed.closed.wait())
     signalled = loop.create_task(stop.wait())
     await asyncio.wait([engine_gone, signalled], return_when=asyncio.FIRST_COMPLETED)
-    await server.stop(grace=0 if feed.closed.is_set() else settings.drain_timeout_s)
+    if feed.closed.is_set():
+        await server.stop(grace=0)  # nothing in flight can be answered now
+    else:
+        await drain.stop(server, own, settings.drain_timeout_s)
     await engine.close()
     lost = feed.closed.is_set() and not stop.is_set()
     for task in (engine_gone, signalled):

@@ -8,6 +8,9 @@ Tracing is set up here when an OTLP endpoint is configured. With the
 profile's `front_ends: N`, this process keeps the engines and serves those
 services on a private unix socket, and N front-end processes share the port
 (`front_end.py`); REST is served by this process.
+On SIGTERM the agent answers every call it has received, within the
+profile's `drain_timeout_s`: the front ends drain first (their calls are
+answered here), then this process's own server (`drain.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+from tiered.agent import drain
 from tiered.agent.devices import DevicePool, nvml_gpu_count, resolve_devices
 from tiered.agent.feed import FeedServer
 from tiered.agent.front_end import (
@@ -100,11 +104,23 @@ def _grpc_server(limits, servicer: InferenceServicer, hub: TelemetryHub,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, services)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
         descriptors.reflection_service_names(), pool=descriptors.reflection_pool()), services)
+    server.add_generic_rpc_handlers([drain.Marker()])
     return server
 
 
 async def serve(settings: AgentSettings) -> None:
     """Run until SIGTERM or SIGINT, then drain and return."""
+    # Unix sockets of this agent alone: its front ends reach it through them,
+    # and it reaches its own gRPC server through one to drain it (`drain.stop`).
+    private = Path(tempfile.mkdtemp(prefix="tiered-agent-"))
+    log.info("private sockets in %s", private)
+    try:
+        await _serve(settings, private)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+async def _serve(settings: AgentSettings, private: Path) -> None:
     profile = settings.profile
     limits = profile.limits
     sys.setswitchinterval(limits.gil_switch_interval_ms / 1000)
@@ -139,6 +155,8 @@ async def serve(settings: AgentSettings) -> None:
     hub = TelemetryHub.for_this_machine(repository)
     health_servicer = health.aio.HealthServicer()
     server = _grpc_server(limits, servicer, hub, health_servicer)
+    own = f"unix:{private / 'grpc.sock'}"
+    server.add_insecure_port(own)
     front_ends = None
     address = f"{settings.host}:{settings.port}"
     if processes:
@@ -148,16 +166,13 @@ async def serve(settings: AgentSettings) -> None:
             await repository.close()
             raise
         port = held.getsockname()[1]
-        private = Path(tempfile.mkdtemp(prefix="tiered-agent-"))
-        log.info("front ends reach this process through %s", private)
-        server.add_insecure_port(f"unix:{private / 'grpc.sock'}")
         await server.start()
         feed = FeedServer(str(private / "feed.sock"), servicer.answer_fed,
                           limits.max_message_bytes + FEED_FRAME_SLACK)
         front_ends = FrontEnds(processes, FrontEndSettings(
             host=settings.host, port=port, security=settings.security,
             authorizer=settings.authorizer, feed=feed.path,
-            engine=f"unix:{private / 'grpc.sock'}",
+            engine=own,
             max_message_bytes=limits.max_message_bytes,
             max_concurrent_rpcs=limits.max_concurrent_rpcs,
             drain_timeout_s=limits.drain_timeout_s,
@@ -165,7 +180,7 @@ async def serve(settings: AgentSettings) -> None:
         try:
             await front_ends.start()
         except ConfigError:
-            await _close_feed(feed, held, private)
+            await _close_feed(feed, held)
             await server.stop(0)
             await repository.close()
             raise
@@ -186,7 +201,7 @@ async def serve(settings: AgentSettings) -> None:
         except ConfigError:
             if front_ends is not None:
                 await front_ends.stop()
-                await _close_feed(feed, held, private)
+                await _close_feed(feed, held)
             await server.stop(0)
             await repository.close()
             raise
@@ -198,7 +213,7 @@ async def serve(settings: AgentSettings) -> None:
         except OSError as error:
             if front_ends is not None:
                 await front_ends.stop()
-                await _close_feed(feed, held, private)
+                await _close_feed(feed, held)
             if rest_server is not None:
                 await rest_server.stop()
             await server.stop(0)
@@ -238,8 +253,8 @@ async def serve(settings: AgentSettings) -> None:
     rest_stopped = asyncio.ensure_future(rest_server.stop()) if rest_server else None
     if front_ends is not None:
         await front_ends.stop()  # each drains its calls, answered from here
-        await _close_feed(feed, held, private)
-    await server.stop(grace=limits.drain_timeout_s)
+        await _close_feed(feed, held)
+    await drain.stop(server, own, limits.drain_timeout_s)
     if rest_stopped is not None:
         await rest_stopped
     await hub.stop()
@@ -269,10 +284,9 @@ async def _watch_devices(repository: ModelRepository,
                 await health_servicer.set(service, status)
 
 
-async def _close_feed(feed: FeedServer, held: socket.socket, private: Path) -> None:
+async def _close_feed(feed: FeedServer, held: socket.socket) -> None:
     await feed.close()
     held.close()
-    shutil.rmtree(private, ignore_errors=True)
 
 
 def run(settings: AgentSettings) -> int:

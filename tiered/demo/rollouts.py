@@ -310,7 +310,7 @@ class GenerativeAct:
 
 
 def _digits_rollouts(store: StateStore, up: LocalUp, last: int, say: Callable[[str], None],
-                     check: Callable[[str, bool], None], beside_generative: bool) -> None:
+                     check: Callable[[str, bool], None]) -> None:
     """Steps 5 and 6 once v2 is applied: v2 promoted, then v3 rolled back."""
     v2, v3 = EXAMPLES / "digits-v2.yaml", EXAMPLES / "digits-v3.yaml"
     last = _follow(store, up, lambda s: s is not None and s.phase == names.Phase.PROMOTED
@@ -325,12 +325,13 @@ def _digits_rollouts(store: StateStore, up: LocalUp, last: int, say: Callable[[s
     final = _status(store)
     check("version 3 rolled back automatically", final.phase == names.Phase.ROLLED_BACK
           and final.stable_version == 2)
-    # Alone on two cores it goes in its first stage; beside the generative
-    # act's builds and traffic a stage later at times.
-    if beside_generative:
-        check("before its last stage", final.stage_index < 2)
-    else:
-        check("in its first stage", final.stage_index == 0)
+    # On evidence, whichever stage found it: the heavy network costs edge's
+    # INT8 a fraction of a millisecond, which a first stage on a busy machine
+    # may not yet show (alone on two cores it is mostly caught there).
+    failed = (final.last_analysis.with_outcome(names.Outcome.FAILED)
+              if final.last_analysis is not None else ())
+    check(f"on a failed analysis ({', '.join(sorted({m.label for m in failed})) or 'none'}) "
+          f"in stage {final.stage_index + 1}", bool(failed))
 
 
 def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
@@ -389,7 +390,7 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
                 act = GenerativeAct(state, up, running.router, models.resolve(), out)
                 act.start()
             try:
-                _digits_rollouts(store, up, last, say, check, beside_generative=act is not None)
+                _digits_rollouts(store, up, last, say, check)
             except Undecided as undecided:
                 check(f"the digits rollouts decided ({undecided})", False)
             time.sleep(3.0)  # answers in flight while the table changes

@@ -27,11 +27,11 @@ $(HELM): | $(PY)
 demo: $(STAMP)
 	$(PY) -m tiered demo
 
-# The test files run on TEST_WORKERS pytest-xdist workers, each file whole on
-# one worker (its module fixtures, such as a local system, start once).
+# The tests run on TEST_WORKERS pytest-xdist workers, each file whole on
+# one worker but for those tests/conftest.py spreads (see there).
 TEST_WORKERS ?= 3
 test: $(STAMP) $(HELM)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The benchmarks that run on a CPU machine, each writing bench/results/NAME.json.
 # bench/gpu.py and bench/energy.py need a GPU by default: run them on one

@@ -146,3 +146,25 @@ def tinyllama_models(tmp_path_factory) -> Path:
             tinyllama.write_tinyllama(out, variant)
 
     return made_once(tmp_path_factory, "tinyllama-models", make)
+
+
+# `make test` runs the files on pytest-xdist workers (`--dist loadgroup`):
+# each file is one group, whole on one worker, so its module fixtures (a
+# local system, an agent) start once and its tests keep their order. The
+# files here hold independent tests that each start their own processes:
+# their tests are shared out one by one instead.
+SPREAD_FILES = {"test_bench_smoke.py"}
+# The longest files start first, so that none begins last and runs alone.
+LONGEST_FIRST = ("test_local_generative.py", "test_chaos.py", "test_local_system.py",
+                 "test_bench_smoke.py", "test_background_builds.py",
+                 "test_generative_builds.py", "test_both_backends.py", "test_router.py",
+                 "test_kube_controller.py", "test_local_builds.py", "test_generative.py",
+                 "test_router_generative.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        spread = item.path.name in SPREAD_FILES
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if spread else str(item.path)))
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept

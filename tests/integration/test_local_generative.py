@@ -148,6 +148,7 @@ def test_v1_is_pinned_by_its_files_and_served_on_every_tier(system, store, load,
         assert answer.as_numpy("text_output")[0].decode().startswith(" fox jumps"), tier
 
 
+@pytest.mark.timeout(600)  # three generative builds, then two stages: beside other workers
 def test_the_same_greedy_output_is_promoted(system, store, load, tinyllama_models):
     local, _, state = system
     apply(state, spec("v2", tinyllama_models))
@@ -159,6 +160,7 @@ def test_the_same_greedy_output_is_promoted(system, store, load, tinyllama_model
     assert "tpot_p95 on edge: Successful" in status and "agreement: Successful" in status
 
 
+@pytest.mark.timeout(600)
 def test_a_slower_version_is_rolled_back_on_token_latency(system, store, load,
                                                           tinyllama_models):
     local, _, state = system

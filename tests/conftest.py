@@ -148,23 +148,25 @@ def tinyllama_models(tmp_path_factory) -> Path:
     return made_once(tmp_path_factory, "tinyllama-models", make)
 
 
-# `make test` runs the files on pytest-xdist workers (`--dist loadgroup`):
+# `make test` runs the tests on pytest-xdist workers (`--dist loadgroup`):
 # each file is one group, whole on one worker, so its module fixtures (a
 # local system, an agent) start once and its tests keep their order. The
-# files here hold independent tests that each start their own processes:
-# their tests are shared out one by one instead.
+# files that run whole local systems through rollouts are one group: they
+# run one after another on one worker, so that two never share the two
+# cores (each is CPU-hungry, and its stages judge latencies), and start
+# first, being the longest. The bench smoke tests are independent, each
+# starting its own processes: they are shared out one by one.
+LOCAL_SYSTEMS = ("test_local_system.py", "test_local_generative.py", "test_chaos.py",
+                 "test_background_builds.py", "test_both_backends.py")
 SPREAD_FILES = {"test_bench_smoke.py"}
-# The longest files start first, so that none begins last and runs alone.
-LONGEST_FIRST = ("test_local_generative.py", "test_chaos.py", "test_local_system.py",
-                 "test_bench_smoke.py", "test_background_builds.py",
-                 "test_generative_builds.py", "test_both_backends.py", "test_router.py",
-                 "test_kube_controller.py", "test_local_builds.py", "test_generative.py",
-                 "test_router_generative.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        spread = item.path.name in SPREAD_FILES
-        item.add_marker(pytest.mark.xdist_group(item.nodeid if spread else str(item.path)))
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
+        name = item.path.name
+        group = ("local systems" if name in LOCAL_SYSTEMS
+                 else item.nodeid if name in SPREAD_FILES else str(item.path))
+        item.add_marker(pytest.mark.xdist_group(group))
+    first = (*LOCAL_SYSTEMS, *SPREAD_FILES)
+    items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first
+               else len(first))  # a stable sort: each file's order is kept

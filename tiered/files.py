@@ -1,4 +1,5 @@
-"""Files shared between processes: written all or nothing, identified by digest.
+"""Files shared between processes: written all or nothing, identified by
+digest, locked by whoever runs on them.
 
 Agents, routers and builds read files other processes write (config.yaml,
 the routing table, build reports, TensorRT plans). Each is written to a
@@ -10,6 +11,7 @@ the old file or the whole new one.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import tempfile
@@ -67,3 +69,28 @@ def sha256_tree(directory: Path) -> str:
                    for path in directory.rglob("*") if path.is_file())
     manifest = "".join(f"{sha256_file(path)}  {name}\n" for name, path in files)
     return hashlib.sha256(manifest.encode()).hexdigest()
+
+
+def hold_shared_lock(path: Path) -> int:
+    """Take a shared flock on `path` (created when missing) and return its
+    descriptor; closing it, or the process ending however it ends, lets go."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a probe's instant (see `lock_held`)
+    return fd
+
+
+def lock_held(path: Path) -> bool:
+    """Whether a live process holds a lock on `path`: an exclusive lock taken
+    at once means nobody does (and is let go at once). A file that cannot be
+    opened is held by no one this process can see."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also lets go of the probe's lock
+    return False

@@ -21,14 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tiered.controller.local import (
-    RunningSystem,
-    StateLayout,
-    controller_running,
-    hold_shared_lock,
-)
+from tiered.controller.local import RunningSystem, StateLayout, controller_running
 from tiered.controller.plan import make_snapshot
 from tiered.controller.store import StateStore
+from tiered.files import hold_shared_lock
 from tiered.local.processes import AgentProcess, interruptible
 from tiered.rollout import engine
 from tiered.rollout.spec import (

@@ -47,7 +47,7 @@ from tiered.controller.local_builds import LOADING, BuildKey, BuildRequest, Buil
 from tiered.controller.reconciler import Reconciler, Stored, routed
 from tiered.controller.store import StateStore
 from tiered.errors import ConfigError, Conflict, NotFound, TieredError
-from tiered.files import write_atomically
+from tiered.files import hold_shared_lock, lock_held, write_atomically
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import routing
@@ -121,34 +121,6 @@ class StateLayout:
     def builds(self) -> Path:
         """The records of the tier builds (see `tiered.controller.local_builds`)."""
         return self.root / "builds"
-
-
-def hold_shared_lock(path: Path) -> int:
-    """Take a shared flock on `path` (created when missing) and return its
-    descriptor; closing it, or the process ending however it ends, lets go."""
-    import fcntl
-
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a probe's instant (see `lock_held`)
-    return fd
-
-
-def lock_held(path: Path) -> bool:
-    """Whether a live process holds a lock on `path`: an exclusive lock taken
-    at once means nobody does (and is let go at once)."""
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also lets go of the probe's lock
-    return False
 
 
 def controller_running(layout: StateLayout) -> bool:

@@ -30,7 +30,6 @@ artifact file changes.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
@@ -46,7 +45,7 @@ from typing import NamedTuple
 
 from tiered.controller import plan
 from tiered.errors import ConfigError
-from tiered.files import write_atomically
+from tiered.files import lock_held, write_atomically
 from tiered.protocol.verdict import read_verdict
 
 log = logging.getLogger(__name__)
@@ -311,7 +310,7 @@ class Builds:
             pid, stamp = None, None
             started = _mtime(record / "lock") or self.clock()
         run = _Running(pid, started, stamp, None)
-        if _locked(record / "lock"):
+        if lock_held(record / "lock"):
             self._running[key] = run
             self.progress(f"{key.model}: version {key.version} for {key.tier} is still "
                           f"building (pid {pid})")
@@ -332,7 +331,7 @@ class Builds:
     def _alive(self, key: BuildKey, run: _Running) -> bool:
         if run.process is not None:
             return run.process.poll() is None
-        return _locked(self._record(key) / "lock")
+        return lock_held(self._record(key) / "lock")
 
     @staticmethod
     def _signal(run: _Running, signum: int) -> None:
@@ -378,23 +377,6 @@ class Builds:
                 return stream.read().decode(errors="replace")
         except OSError:
             return ""
-
-
-def _locked(path: Path) -> bool:
-    """Whether a process holds the lock on `path` (a running build)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return True
-        raise
-    finally:
-        os.close(fd)  # closing lets our own lock go
-    return False
 
 
 def _mtime(path: Path) -> float | None:

@@ -161,6 +161,7 @@ LOCAL_SYSTEMS = ("test_local_system.py", "test_local_generative.py", "test_chaos
 SPREAD_FILES = {"test_bench_smoke.py"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         name = item.path.name

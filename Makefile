@@ -27,11 +27,11 @@ $(HELM): | $(PY)
 demo: $(STAMP)
 	$(PY) -m tiered demo
 
-# The tests run on TEST_WORKERS pytest-xdist workers, each file whole on
-# one worker but for those tests/conftest.py spreads (see there).
+# The tests run on TEST_WORKERS pytest-xdist workers, each file whole on one
+# worker, the local systems' files one after another (tests/conftest.py).
 TEST_WORKERS ?= 3
 test: $(STAMP) $(HELM)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # The benchmarks that run on a CPU machine, each writing bench/results/NAME.json.
 # bench/gpu.py and bench/energy.py need a GPU by default: run them on one

@@ -148,26 +148,39 @@ def tinyllama_models(tmp_path_factory) -> Path:
     return made_once(tmp_path_factory, "tinyllama-models", make)
 
 
-# `make test` runs the tests on pytest-xdist workers (`--dist loadgroup`):
-# each file is one group, whole on one worker, so its module fixtures (a
-# local system, an agent) start once and its tests keep their order. The
-# files that run whole local systems through rollouts are one group: they
-# run one after another on one worker, so that two never share the two
-# cores (each is CPU-hungry, and its stages judge latencies), and start
-# first, being the longest. The bench smoke tests are independent, each
-# starting its own processes: they are shared out one by one.
+# `make test` runs the tests on pytest-xdist workers, scheduled by
+# `pytest_xdist_make_scheduler` below: each file is one scope, whole on one
+# worker, so its module fixtures (a local system, an agent) start once and
+# its tests keep their order. The files that run whole local systems through
+# rollouts are one scope: they run one after another on one worker, so that
+# two never share the two cores (each is CPU-hungry, and its stages judge
+# latencies), and start first, being the longest. The bench smoke tests are
+# independent, each starting its own processes: they are shared out one by
+# one.
 LOCAL_SYSTEMS = ("test_local_system.py", "test_local_generative.py", "test_chaos.py",
                  "test_background_builds.py", "test_both_backends.py")
-SPREAD_FILES = {"test_bench_smoke.py"}
+SPREAD_FILES = ("test_bench_smoke.py",)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def scope_of(nodeid: str) -> str:
+    """The scope a test runs in: one worker runs a scope's tests in order."""
+    path = nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    return "local systems" if name in LOCAL_SYSTEMS else nodeid if name in SPREAD_FILES \
+        else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return ByScope(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        name = item.path.name
-        group = ("local systems" if name in LOCAL_SYSTEMS
-                 else item.nodeid if name in SPREAD_FILES else str(item.path))
-        item.add_marker(pytest.mark.xdist_group(group))
     first = (*LOCAL_SYSTEMS, *SPREAD_FILES)
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first
                else len(first))  # a stable sort: each file's order is kept

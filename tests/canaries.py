@@ -133,11 +133,13 @@ def brightness(images: np.ndarray) -> np.ndarray:
     return images.reshape(len(images), -1).sum(1)
 
 
-def bright_inputs(images: np.ndarray, scale: float) -> np.ndarray:
-    """`images`, each scaled to `scale` times the brightest one's brightness."""
-    target = scale * brightness(images).max()
-    return (images * (target / brightness(images)).reshape(-1, *[1] * (images.ndim - 1))
-            ).astype(images.dtype)
+def bright_inputs(images: np.ndarray, lift: float) -> np.ndarray:
+    """`images` with every pixel raised by `lift` times the data's top value,
+    kept within the data's range: an INT8 build's input scale, calibrated on
+    that range, clips what lies beyond it (a brighter scale would not read
+    brighter there)."""
+    top = float(images.max())
+    return np.clip(images + lift * top, images.min(), top).astype(images.dtype)
 
 
 def the_same(source: Path, out: Path) -> None:

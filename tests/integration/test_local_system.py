@@ -315,7 +315,8 @@ def test_a_canary_slower_only_in_its_tail_is_rolled_back_on_latency_p95(
                                 threshold=1.2 * canaries.brightness(images).max())
     stage = [{"name": "edge", "weights": {"edge": 50}, "min_requests": 150,
               "min_duration_s": 30, "max_duration_s": 120}]
-    bright = Traffic(running.router, canaries.bright_inputs(images, 1.5), rate_per_s=8.0)
+    bright = Traffic(running.router, canaries.bright_inputs(images, 0.6), rate_per_s=8.0)
+    assert canaries.brightness(bright.images).min() > 1.4 * canaries.brightness(images).max()
     bright.start()
     try:
         final, _ = rolled_out(

@@ -517,7 +517,9 @@ def test_an_agent_killed_mid_traffic_costs_no_client_error(router, agents, table
         for thread in threads:
             thread.join(30)
         assert not failures, failures[:3]
-        assert answered > 50
+        # Traffic flowed through the kill: about 100 answers on an idle
+        # machine, half that beside other test workers; 10 is far from either.
+        assert answered > 10
     finally:
         spare.kill()
 

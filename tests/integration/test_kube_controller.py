@@ -320,7 +320,13 @@ def test_the_cli_verbs_speak_to_the_cluster(kube, api, controllers, tmp_path):
     make_available(kube, api, 1)
     wait("v1 stable again", lambda: rollout(kube).get("stable_version") == 1)
     assert "Promoted" in tiered("get")
-    document.write_text(yaml.safe_dump(model(2)))
+    # Stages long enough that the verbs below come while v2 is still rolling
+    # out: with the module's 1.5 s stages, a pass could promote it between two
+    # CLI processes on a busy machine.
+    slow = model(2)
+    for stage in slow["spec"]["rollout"]["stages"]:
+        stage["minDurationSeconds"] = 60
+    document.write_text(yaml.safe_dump(slow))
     assert "tieredmodel/digits configured" in tiered("apply", "-f", str(document))
     make_available(kube, api, 2)
     wait("the v2 rollout", lambda: rollout(kube).get("phase") == "Progressing")

@@ -304,23 +304,27 @@ def test_a_canary_slower_only_in_its_tail_is_rolled_back_on_latency_p95(
     local, running, _ = system
     images = np.load(digits_models / "digits-eval.npz")["input"]
     artifact = tmp_path / "digits-slow-tail.onnx"
-    # Inputs brighter than any of the build's data take a ~40 ms detour on the
-    # canary: far past 1.15 x stable's p95, even while other test workers
-    # share the two cores and stretch both versions' tails to tens of ms.
-    # Beside the module's traffic, one request in eight is such an input: the
-    # tail; the median is unchanged. One long stage: a bound on stable's p95
+    # Inputs brighter than any of the build's data take a ~25 ms detour on the
+    # canary: past 1.15 x stable's p95 (16 ms at most seen beside other test
+    # workers), and the detour stretches with the machine as the tail does.
+    # Beside the module's traffic, one request in sixteen is such an input:
+    # the tail. Rare enough that the canary's queue, and so its median, stays
+    # as it was (at one in eight of a 40 ms detour the median doubled and the
+    # shift test caught it first); the location test is off here, so that
+    # this is the tail test's catch. One long stage: a bound on stable's p95
     # from 10 s of a few hundred requests can be wide enough to pass a tail
     # that 30 s catch.
     canaries.slower_in_its_tail(digits_models / "digits-v2.onnx", artifact,
-                                threshold=1.2 * canaries.brightness(images).max())
+                                threshold=1.2 * canaries.brightness(images).max(), steps=700)
     stage = [{"name": "edge", "weights": {"edge": 50}, "min_requests": 150,
               "min_duration_s": 30, "max_duration_s": 120}]
-    bright = Traffic(running.router, canaries.bright_inputs(images, 0.6), rate_per_s=8.0)
+    bright = Traffic(running.router, canaries.bright_inputs(images, 0.6), rate_per_s=4.0)
     assert canaries.brightness(bright.images).min() > 1.4 * canaries.brightness(images).max()
     bright.start()
     try:
         final, _ = rolled_out(
-            local, store, canary(digits_models, artifact, stages=stage),
+            local, store, canary(digits_models, artifact, stages=stage,
+                                 analysis={"latency_shift": None}),
             lambda s, v: s.canary_version == v and s.phase in (
                 names.Phase.PROMOTED, names.Phase.ROLLED_BACK, names.Phase.PAUSED), 150)
     finally:

@@ -44,7 +44,7 @@ from tiered.cli.progress import ProgressLines
 from tiered.controller.local import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
-from tiered.controller.verbs import apply_file
+from tiered.controller.verbs import apply_file, read_documents
 from tiered.demo.report import write_report
 from tiered.local.processes import interruptible
 from tiered.local.supervisor import (
@@ -179,11 +179,10 @@ def rollout_timeout_s(spec_file: Path, builds_s: float = 180.0) -> float:
     """How long the demo waits for a rollout of `spec_file`: its builds, then
     every stage to its maxDurationSeconds (a stage undecided then pauses, and
     the wait ends there)."""
-    import yaml
-
     from tiered.rollout.spec import load_tiered_model
 
-    spec = load_tiered_model(yaml.safe_load(spec_file.read_text()))
+    (document,) = read_documents(spec_file)
+    spec = load_tiered_model(document)
     return builds_s + sum(stage.max_duration_s for stage in spec.rollout.stages)
 
 

@@ -337,7 +337,11 @@ def test_a_live_stage_gets_unhinted_requests_the_policy_sends_elsewhere(router, 
     got = delta(before, requests_by_version(agents["edge"]))
     # About a third of the requests (30), a fifth of those to the canary.
     assert sum(got.values()) >= 15 and got.get("2", 0) > 0, (got, router.log_tail())
-    assert metric(router, "tiered_router_stage_floor_total") - floored >= 15
+    # The counter counts the requests the floor moved. Once edge's fast canary
+    # answers reach its telemetry, the policy may choose edge by itself: those
+    # are not the floor's, so the count lies between one and what edge answered.
+    moved = metric(router, "tiered_router_stage_floor_total") - floored
+    assert 0 < moved <= sum(got.values()), (moved, got)
     # A tier hint is never moved.
     before = requests_by_version(agents["edge"])
     for _ in range(10):

@@ -154,6 +154,23 @@ def tiered_model(kube) -> dict:
         GROUP, VERSION, NAMESPACE, PLURAL, "digits")
 
 
+def set_spec(kube, spec: dict, namespace: str = NAMESPACE) -> None:
+    """Replace the TieredModel's spec as `kubectl edit` does: read, change,
+    write; read again when the controller wrote in between (409 Conflict)."""
+    custom = client.CustomObjectsApi(kube)
+    for _ in range(20):
+        obj = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "digits")
+        obj["spec"] = spec
+        try:
+            custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "digits",
+                                                    obj)
+            return
+        except client.exceptions.ApiException as error:
+            if error.status != 409:
+                raise
+    raise AssertionError("the spec could not be written: 20 conflicts in a row")
+
+
 def rollout(kube) -> dict:
     """The rollout's status, decoded, with the Python field names."""
     return to_plain(decode_status("digits", tiered_model(kube).get("status")).rollout,
@@ -224,10 +241,7 @@ def test_first_version_serves_with_its_objects(kube, api, controllers):
 
 def test_a_healthy_version_is_promoted_across_a_leader_change(kube, api, controllers):
     started, _ = controllers
-    custom = client.CustomObjectsApi(kube)
-    obj = tiered_model(kube)
-    obj["spec"] = model(2)["spec"]
-    custom.replace_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+    set_spec(kube, model(2)["spec"])
     make_available(kube, api, 2)
     wait("the v2 rollout", lambda: rollout(kube).get("canary_version") == 2)
     edge = wait("the canary in the table",
@@ -257,10 +271,7 @@ def test_a_regression_is_rolled_back_after_the_watch_expired(kube, api, controll
                                                              tmp_path):
     api.compact()  # the controller's next watch resumes too late: 410 Gone, re-list
     api.drop_watches()
-    obj = tiered_model(kube)
-    obj["spec"] = model(3)["spec"]
-    client.CustomObjectsApi(kube).replace_namespaced_custom_object(
-        GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+    set_spec(kube, model(3)["spec"])
     make_available(kube, api, 3)
     final = wait("the v3 outcome", lambda: rollout(kube).get("canary_version") == 3
                  and rollout(kube)["phase"] in ("RolledBack", "Promoted") and rollout(kube))
@@ -357,16 +368,13 @@ def test_kubectl_runs_the_plugin_in_the_kubeconfig_namespace(kube, api, controll
 
 def test_an_unreadable_agent_holds_the_stage_until_it_is_back(kube, api, controllers,
                                                               monkeypatch):
-    obj = tiered_model(kube)
     assert rollout(kube)["stable_version"] == 2
     # The model was deleted and applied again, so the next artifact is version 3
     # of this incarnation: here a healthy one.
     monkeypatch.setitem(BEHAVIOUR, 3, BEHAVIOUR[4])
-    obj["spec"] = model(4)["spec"]
     UNREACHABLE.add(render.workload_name("digits", "edge", 3))
     try:
-        client.CustomObjectsApi(kube).replace_namespaced_custom_object(
-            GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+        set_spec(kube, model(4)["spec"])
         make_available(kube, api, 3)
         held = wait("a hold on partial data", lambda: "telemetry unreadable" in
                     (tiered_model(kube).get("status") or {}).get("message", "") and rollout(kube))
@@ -386,10 +394,7 @@ def test_a_build_refused_for_its_sha256_says_so_in_status(kube, api, controllers
     TieredModel's status, and the refused version never takes traffic."""
     before = rollout(kube)
     assert before["phase"] == "Promoted" and before["stable_version"] == 3
-    obj = tiered_model(kube)
-    obj["spec"] = model(3)["spec"]  # an artifact not seen in this incarnation: version 4
-    custom = client.CustomObjectsApi(kube)
-    custom.replace_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+    set_spec(kube, model(3)["spec"])  # an artifact not seen in this incarnation: version 4
     wait("workloads of v4", lambda: len(workloads(api, 4)) == len(TIERS))
     edge = next(d for d in workloads(api, 4) if d["metadata"]["labels"][render.LABEL_TIER]
                 == "edge")
@@ -429,9 +434,7 @@ def test_a_build_refused_for_its_sha256_says_so_in_status(kube, api, controllers
     assert "canary" not in routing_table(kube)["models"]["digits"]["tiers"]["edge"]
 
     core.delete_namespaced_pod(name, NAMESPACE)
-    obj = tiered_model(kube)
-    obj["spec"] = model(4)["spec"]  # back to the stable artifact: version 4 is retired
-    custom.replace_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "digits", obj)
+    set_spec(kube, model(4)["spec"])  # back to the stable artifact: version 4 is retired
     wait("v4 retired", lambda: not workloads(api, 4), 30)
     assert rollout(kube)["stable_version"] == 3
 
@@ -482,9 +485,7 @@ def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
     try:
         mark_available(1)
         wait("v1", lambda: state()[1] == 1)
-        obj = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "digits")
-        obj["spec"] = model(2)["spec"]
-        custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "digits", obj)
+        set_spec(kube, model(2)["spec"], namespace)
         mark_available(2)
         seen = [state()]
         while seen[-1][:2] != ("Promoted", 2):

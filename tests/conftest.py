@@ -152,13 +152,16 @@ def tinyllama_models(tmp_path_factory) -> Path:
 # `pytest_xdist_make_scheduler` below: each file is one scope, whole on one
 # worker, so its module fixtures (a local system, an agent) start once and
 # its tests keep their order. The files that run whole local systems through
-# rollouts are one scope: they run one after another on one worker, so that
-# two never share the two cores (each is CPU-hungry, and its stages judge
-# latencies), and start first, being the longest. The bench smoke tests are
-# independent, each starting its own processes: they are shared out one by
-# one.
-LOCAL_SYSTEMS = ("test_local_system.py", "test_local_generative.py", "test_chaos.py",
-                 "test_background_builds.py", "test_both_backends.py")
+# rollouts form two scopes, which start first, being the longest: within a
+# scope they run one after another, so at most two local systems share the
+# two cores (their stages judge latencies) while the other workers run the
+# rest. The bench smoke tests are independent, each starting its own
+# processes: they are shared out one by one.
+LOCAL_SYSTEMS = {"test_local_system.py": "local systems: digits",
+                 "test_both_backends.py": "local systems: digits",
+                 "test_background_builds.py": "local systems: digits",
+                 "test_local_generative.py": "local systems: generative and chaos",
+                 "test_chaos.py": "local systems: generative and chaos"}
 SPREAD_FILES = ("test_bench_smoke.py",)
 
 
@@ -166,8 +169,7 @@ def scope_of(nodeid: str) -> str:
     """The scope a test runs in: one worker runs a scope's tests in order."""
     path = nodeid.split("::", 1)[0]
     name = path.rsplit("/", 1)[-1]
-    return "local systems" if name in LOCAL_SYSTEMS else nodeid if name in SPREAD_FILES \
-        else path
+    return LOCAL_SYSTEMS.get(name) or (nodeid if name in SPREAD_FILES else path)
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -177,10 +179,11 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid)
 
+    config.option.loadscopereorder = False  # xdist's default puts scopes of many tests first
     return ByScope(config, log)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    first = (*LOCAL_SYSTEMS, *SPREAD_FILES)
+    first = (*LOCAL_SYSTEMS, *SPREAD_FILES)  # the longest scopes start first
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first
                else len(first))  # a stable sort: each file's order is kept

@@ -203,8 +203,8 @@ def test_energy_bench_aligns_agent_and_direct_energy_on_a_cpu(tmp_path):
 
 
 def test_chaos_bench_counts_every_request_through_a_killed_agent_and_a_router_restart(
-        tmp_path):
-    result, stdout = run_smoke("chaos", tmp_path)
+        tmp_path, digits_models):
+    result, stdout = run_smoke("chaos", tmp_path, "--models", str(digits_models))
     assert [r["fault"] for r in result["rows"]] == ["none (baseline)", "edge agent SIGKILL",
                                                     "router restart", "none (to the end)"]
     for row in result["rows"]:

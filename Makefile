@@ -28,8 +28,8 @@ demo: $(STAMP)
 	$(PY) -m tiered demo
 
 # The tests run on TEST_WORKERS pytest-xdist workers, each file whole on one
-# worker, the local systems' files in two scopes (tests/conftest.py).
-TEST_WORKERS ?= 4
+# worker, the local systems' files one after another (tests/conftest.py).
+TEST_WORKERS ?= 3
 test: $(STAMP) $(HELM)
 	$(PY) -m pytest -n $(TEST_WORKERS)
 

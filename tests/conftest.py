@@ -152,16 +152,13 @@ def tinyllama_models(tmp_path_factory) -> Path:
 # `pytest_xdist_make_scheduler` below: each file is one scope, whole on one
 # worker, so its module fixtures (a local system, an agent) start once and
 # its tests keep their order. The files that run whole local systems through
-# rollouts form two scopes, which start first, being the longest: within a
-# scope they run one after another, so at most two local systems share the
-# two cores (their stages judge latencies) while the other workers run the
-# rest. The bench smoke tests are independent, each starting its own
-# processes: they are shared out one by one.
-LOCAL_SYSTEMS = {"test_local_system.py": "local systems: digits",
-                 "test_both_backends.py": "local systems: digits",
-                 "test_background_builds.py": "local systems: digits",
-                 "test_local_generative.py": "local systems: generative and chaos",
-                 "test_chaos.py": "local systems: generative and chaos"}
+# rollouts are one scope: they run one after another on one worker, so that
+# two never share the two cores (their stages judge latencies; two at once
+# beside the other workers doubled their stages and failed them), and start
+# first, being the longest. The bench smoke tests are independent, each
+# starting its own processes: they are shared out one by one.
+LOCAL_SYSTEMS = ("test_local_system.py", "test_local_generative.py", "test_chaos.py",
+                 "test_background_builds.py", "test_both_backends.py")
 SPREAD_FILES = ("test_bench_smoke.py",)
 
 
@@ -169,7 +166,8 @@ def scope_of(nodeid: str) -> str:
     """The scope a test runs in: one worker runs a scope's tests in order."""
     path = nodeid.split("::", 1)[0]
     name = path.rsplit("/", 1)[-1]
-    return LOCAL_SYSTEMS.get(name) or (nodeid if name in SPREAD_FILES else path)
+    return "local systems" if name in LOCAL_SYSTEMS else nodeid if name in SPREAD_FILES \
+        else path
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -80,7 +80,7 @@ def load(system, store, tinyllama_models):
         time.sleep(0.5)
     process = subprocess.Popen(
         [sys.executable, "-m", "tiered", "load", MODEL, "--router", running.router,
-         "--rate", "20", "--max-tokens", "8", "--stream-share", "0.3", "--timeout", "20",
+         "--rate", "20", "--max-tokens", "16", "--stream-share", "0.3", "--timeout", "20",
          "--tier", "edge,regional,datacenter",  # clients at every tier
          "--inputs", str(tinyllama_models / "tinyllama-eval.json")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=interruptible())

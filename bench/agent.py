@@ -57,6 +57,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from bench import common
+from tiered.engines.onnxruntime_engine import OrtSettings
 from tiered.local.processes import AgentError, ServerProcess
 from tiered.models import zoo
 from tiered.tables import cell
@@ -510,12 +511,9 @@ def build_repository(root: Path, specs: Sequence[ModelSpec]) -> dict[str, Path]:
 
 
 def inprocess_session(onnx_path: Path) -> ort.InferenceSession:
-    """The session settings the agent's config asks for (see ENGINE_SETTINGS)."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = ENGINE_SETTINGS["intra_op_threads"]
-    options.inter_op_num_threads = ENGINE_SETTINGS["inter_op_threads"]
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    """The session the agent's config asks for (ENGINE_SETTINGS over the
+    engine's defaults, idle threads not spinning included)."""
+    options = OrtSettings(**ENGINE_SETTINGS).session_options()
     return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
 
 

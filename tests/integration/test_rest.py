@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -566,13 +567,24 @@ def test_a_taken_rest_port_stops_the_agent_and_its_front_ends(agent_in_one_proce
     assert f"cannot serve REST on 127.0.0.1:{taken}" in second.log()
 
 
+def answered_and_in_flight(agent: AgentProcess, model: str) -> tuple[int, int]:
+    """The requests for `model` the agent has answered and those it holds, from its /metrics."""
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+
+    def total(family: str) -> int:
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(f'{family}{{model="{model}"')))
+
+    return total("nv_inference_request_success"), total("tiered_in_flight_requests")
+
+
 def test_sigterm_drains_rest_requests_in_flight(tmp_path):
     from tiered.agent.repository import model_file, write_config
     from tiered.models import zoo
 
-    zoo.resnet18(model_file(tmp_path, "slow", 1), image_size=128, num_classes=10)
+    zoo.resnet18(model_file(tmp_path, "slow", 1), image_size=224, num_classes=10)
     write_config(tmp_path, "slow", {"max_batch_size": 1})
-    image = np.zeros((1, 3, 128, 128), np.float32)
+    image = np.zeros((1, 3, 224, 224), np.float32)
     agent = AgentProcess("edge", tmp_path).start()
     outcomes: list = []
 
@@ -584,9 +596,16 @@ def test_sigterm_drains_rest_requests_in_flight(tmp_path):
 
     sender = threading.Thread(target=asyncio.run, args=(many(),))
     sender.start()
-    time.sleep(0.15)  # let them arrive, then ask the agent to stop
+    # The signal once the agent holds every request (one not yet received
+    # could rightly be refused: on a busy machine the client may take a while
+    # to send them all), while one model run at a time keeps most waiting.
+    deadline = time.monotonic() + 30
+    answered, in_flight = 0, 0
+    while answered + in_flight < 24 and time.monotonic() < deadline:
+        answered, in_flight = answered_and_in_flight(agent, "slow")
     code = agent.stop()
     sender.join(30)
+    assert answered + in_flight == 24 and in_flight > 0, (answered, in_flight)
     assert code == 0, agent.log_tail()
     assert len(outcomes) == 24 and not [o for o in outcomes if isinstance(o, Exception)], outcomes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +53,17 @@ def made_once(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Pa
             make(folder)
             done.touch()
     return folder
+
+
+def answered_and_in_flight(agent: AgentProcess, model: str) -> tuple[int, int]:
+    """The requests for `model` the agent has answered and those it holds, from its /metrics."""
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+
+    def total(family: str) -> int:
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(f'{family}{{model="{model}"')))
+
+    return total("nv_inference_request_success"), total("tiered_in_flight_requests")
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import answered_and_in_flight
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentError, AgentProcess
 from tiered.models import zoo
@@ -188,9 +189,9 @@ def test_oversize_message_is_refused_and_the_agent_keeps_serving(tmp_path):
 
 def test_sigterm_drains_in_flight_requests(tmp_path):
     root = tmp_path
-    zoo.resnet18(model_file(root, "slow", 1), image_size=128, num_classes=10)
+    zoo.resnet18(model_file(root, "slow", 1), image_size=224, num_classes=10)
     write_config(root, "slow", {"max_batch_size": 1})
-    image = np.zeros((1, 3, 128, 128), np.float32)
+    image = np.zeros((1, 3, 224, 224), np.float32)
     agent = AgentProcess("edge", root).start()
     results, errors = [], []
     done = threading.Event()
@@ -202,12 +203,18 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
 
     with grpcclient.InferenceServerClient(agent.address) as client:
         for _ in range(6):
-            item = grpcclient.InferInput("input", [1, 3, 128, 128], "FP32")
+            item = grpcclient.InferInput("input", [1, 3, 224, 224], "FP32")
             item.set_data_from_numpy(image)
             client.async_infer("slow", [item], callback)
-        time.sleep(0.05)  # let them arrive, then ask the agent to stop
+        # The signal once the agent holds all six (one not yet received could
+        # rightly be refused; on a busy machine sending takes a while).
+        deadline = time.monotonic() + 30
+        answered, in_flight = 0, 0
+        while answered + in_flight < 6 and time.monotonic() < deadline:
+            answered, in_flight = answered_and_in_flight(agent, "slow")
         code = agent.stop()
         assert done.wait(30)
+    assert answered + in_flight == 6 and in_flight > 0, (answered, in_flight)
     assert code == 0, agent.log_tail()
     assert errors == [] and len(results) == 6
     assert "shutting down" in agent.log()

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import EITHER_AGENT, IDENTITY_DATATYPES, either_agent
+from tests.conftest import EITHER_AGENT, IDENTITY_DATATYPES, answered_and_in_flight, either_agent
 from tiered.local.processes import AgentError, AgentProcess, RouterProcess
 from tiered.protocol import codec
 
@@ -565,17 +564,6 @@ def test_a_taken_rest_port_stops_the_agent_and_its_front_ends(agent_in_one_proce
         second.start(timeout_s=60)
     assert second.stop() == 2
     assert f"cannot serve REST on 127.0.0.1:{taken}" in second.log()
-
-
-def answered_and_in_flight(agent: AgentProcess, model: str) -> tuple[int, int]:
-    """The requests for `model` the agent has answered and those it holds, from its /metrics."""
-    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
-
-    def total(family: str) -> int:
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith(f'{family}{{model="{model}"')))
-
-    return total("nv_inference_request_success"), total("tiered_in_flight_requests")
 
 
 def test_sigterm_drains_rest_requests_in_flight(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +65,18 @@ def answered_and_in_flight(agent: AgentProcess, model: str) -> tuple[int, int]:
                        if line.startswith(f'{family}{{model="{model}"')))
 
     return total("nv_inference_request_success"), total("tiered_in_flight_requests")
+
+
+def wait_until_held(agent: AgentProcess, model: str, count: int,
+                    timeout_s: float = 30.0) -> tuple[int, int]:
+    """Poll until the agent has answered or holds `count` requests for
+    `model` (on a busy machine a client may take a while to send them);
+    the last (answered, in flight)."""
+    deadline = time.monotonic() + timeout_s
+    answered, in_flight = answered_and_in_flight(agent, model)
+    while answered + in_flight < count and time.monotonic() < deadline:
+        answered, in_flight = answered_and_in_flight(agent, model)
+    return answered, in_flight
 
 
 @pytest.fixture(scope="session")

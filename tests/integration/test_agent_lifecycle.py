@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import answered_and_in_flight
+from tests.conftest import wait_until_held
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentError, AgentProcess
 from tiered.models import zoo
@@ -206,12 +206,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
             item = grpcclient.InferInput("input", [1, 3, 224, 224], "FP32")
             item.set_data_from_numpy(image)
             client.async_infer("slow", [item], callback)
-        # The signal once the agent holds all six (one not yet received could
-        # rightly be refused; on a busy machine sending takes a while).
-        deadline = time.monotonic() + 30
-        answered, in_flight = 0, 0
-        while answered + in_flight < 6 and time.monotonic() < deadline:
-            answered, in_flight = answered_and_in_flight(agent, "slow")
+        # The signal once the agent holds all six: one not yet received could
+        # rightly be refused.
+        answered, in_flight = wait_until_held(agent, "slow", 6)
         code = agent.stop()
         assert done.wait(30)
     assert answered + in_flight == 6 and in_flight > 0, (answered, in_flight)

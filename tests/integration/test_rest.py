@@ -21,7 +21,7 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import EITHER_AGENT, IDENTITY_DATATYPES, answered_and_in_flight, either_agent
+from tests.conftest import EITHER_AGENT, IDENTITY_DATATYPES, either_agent, wait_until_held
 from tiered.local.processes import AgentError, AgentProcess, RouterProcess
 from tiered.protocol import codec
 
@@ -587,10 +587,7 @@ def test_sigterm_drains_rest_requests_in_flight(tmp_path):
     # The signal once the agent holds every request (one not yet received
     # could rightly be refused: on a busy machine the client may take a while
     # to send them all), while one model run at a time keeps most waiting.
-    deadline = time.monotonic() + 30
-    answered, in_flight = 0, 0
-    while answered + in_flight < 24 and time.monotonic() < deadline:
-        answered, in_flight = answered_and_in_flight(agent, "slow")
+    answered, in_flight = wait_until_held(agent, "slow", 24)
     code = agent.stop()
     sender.join(30)
     assert answered + in_flight == 24 and in_flight > 0, (answered, in_flight)

@@ -438,6 +438,36 @@ def test_edge_build_is_static_int8_qdq_with_per_channel_weights(digits, edge_rep
     }
 
 
+
+def test_symbolic_shape_inference_runs_only_where_onnx_leaves_a_shape_unknown(
+        digits, tmp_path) -> None:
+    """The pre-processing's symbolic shape inference (seconds: its module
+    imports torch) adds nothing to a CNN whose shapes ONNX infers, and runs
+    for a graph ONNX cannot shape (an operator it does not know, a subgraph)."""
+    from onnx import helper
+
+    from tiered.engines.quantize import needs_symbolic_shapes
+
+    model, _, _ = digits
+    assert not needs_symbolic_shapes(model)
+
+    def saved(node: onnx.NodeProto, name: str, domain: str | None = None) -> Path:
+        graph = helper.make_graph(
+            [node], name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=opsets), path)
+        return path
+
+    assert not needs_symbolic_shapes(saved(helper.make_node("Relu", ["x"], ["y"]), "relu"))
+    assert needs_symbolic_shapes(saved(helper.make_node("Unknown", ["x"], ["y"], domain="custom"),
+                                       "custom", "custom"))
+    branch = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "branch", [],
+                               [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    condition = helper.make_node("If", ["x"], ["y"], then_branch=branch, else_branch=branch)
+    assert needs_symbolic_shapes(saved(condition, "if"))
+
 def test_edge_build_report_records_where_what_and_when(digits, edge_repository) -> None:
     model, _, evaluation = digits
     repository, outcome = edge_repository

@@ -52,9 +52,10 @@ def quantize_int8(
 ) -> dict[str, Any]:
     """Static INT8 quantization in QDQ format for ONNX Runtime's CPU provider.
 
-    The model is first pre-processed the way onnxruntime recommends (symbolic
-    shape inference and graph optimization) so the quantizer sees every
-    tensor's shape and fused patterns; `calibration` is the list of feeds
+    The model is first pre-processed the way onnxruntime recommends (shape
+    inference and graph optimization) so the quantizer sees every tensor's
+    shape and fused patterns; symbolic shape inference only where ONNX's own
+    leaves a shape unknown (`needs_symbolic_shapes`); `calibration` is the list of feeds
     (one batch each) whose activations set the ranges. Weights are INT8
     symmetric, per output channel when `per_channel`; activations INT8.
     Returns the calibrator's parameters, for the build report.
@@ -95,7 +96,8 @@ def quantize_int8(
     # carries the JSON report, so its chatter goes to stderr instead.
     with contextlib.redirect_stdout(sys.stderr):
         try:
-            quant_pre_process(str(source), str(prepared))
+            quant_pre_process(str(source), str(prepared),
+                              skip_symbolic_shape=not needs_symbolic_shapes(source))
         except Exception as error:  # onnxruntime raises untyped errors
             raise EngineError(f"{source}: onnxruntime's quantization pre-processing failed: "
                               f"{error}") from error
@@ -137,6 +139,29 @@ def quantize_int8(
         except Exception as error:
             raise EngineError(f"{source}: INT8 quantization failed: {error}") from error
     return options
+
+
+def needs_symbolic_shapes(source: Path) -> bool:
+    """Whether ONNX's shape inference leaves some tensor's shape unknown (or
+    the graph has subgraphs, which are not checked here), so that onnxruntime's
+    symbolic shape inference is worth running: it adds nothing to a network
+    whose shapes ONNX already infers (a CNN with a symbolic batch: the same
+    nodes and initializers either way), and its module imports torch where
+    torch is installed, seconds of every INT8 build."""
+    import onnx
+
+    model = onnx.load(str(source), load_external_data=False)
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+           for node in model.graph.node for a in node.attribute):
+        return True
+    try:
+        graph = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # onnx raises untyped errors: leave it to the symbolic inference
+        return True
+    shaped = {v.name for v in (*graph.value_info, *graph.input, *graph.output)
+              if v.type.tensor_type.HasField("shape")}
+    shaped |= {t.name for t in graph.initializer}
+    return any(name not in shaped for node in graph.node for name in node.output if name)
 
 
 def _save_ranges(ranges: Any, path: Path) -> None:

@@ -27,6 +27,11 @@ $(HELM): | $(PY)
 demo: $(STAMP)
 	$(PY) -m tiered demo
 
+# Python's bytecode cache on, whatever the shell says: the tests start
+# hundreds of Python processes (agents, routers, builds, the CLI), and each
+# would compile tiered's modules again (0.3 s of CPU an agent).
+unexport PYTHONDONTWRITEBYTECODE
+
 # The tests run on TEST_WORKERS pytest-xdist workers, each file whole on one
 # worker, the local systems' files one after another (tests/conftest.py).
 TEST_WORKERS ?= 3

@@ -23,8 +23,8 @@ from tiered.profiles import load_profile
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, Path]:
-    model, calibration, evaluation = trained_digits(tmp_path_factory)
+def built(tmp_path_factory, digits_models) -> tuple[Path, Path]:
+    model, calibration, evaluation = trained_digits(digits_models)
     repository = tmp_path_factory.mktemp("built-repository")
     code = cli.main([
         "build", str(model), "--tier", "edge", "--repository", str(repository),

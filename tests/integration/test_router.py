@@ -51,14 +51,10 @@ class RouterProcess(RouterCommand):
 
 
 @pytest.fixture(scope="module")
-def digits_repository(tmp_path_factory) -> Path:
-    from tiered.models import digits
-
+def digits_repository(tmp_path_factory, digits_models) -> Path:
     root = tmp_path_factory.mktemp("router-repository")
-    out = tmp_path_factory.mktemp("digits")
     for version, variant in VERSIONS.items():
-        model = digits.write_digits(out, variant)
-        shutil.copy(model.onnx_path, model_file(root, "digits", version))
+        shutil.copy(digits_models / f"digits-{variant}.onnx", model_file(root, "digits", version))
     slow_digits(model_file(root, "digits", SLOW))
     write_config(root, "digits", {"max_batch_size": 64, "version_policy": {"all": True}})
     return root

@@ -38,21 +38,13 @@ NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc)
 FAST = {"latency_runs": 3}  # the builds here are checked for accuracy, not timed
 
 
-def trained_digits(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """digits v1 (ONNX, calibration npz, eval npz), trained once per test session.
-
-    Written under the session's base temp directory, so every module that
-    asks (the integration tests too) reuses the one training run.
-    """
-    pytest.importorskip("torch", reason="training the digits model needs torch")
+def trained_digits(digits_models: Path) -> tuple[Path, Path, Path]:
+    """digits v1 (ONNX, calibration npz, eval npz) from the session's trained
+    digits models (`digits_models`, trained once for every worker)."""
     from tiered.models import digits
 
-    out = tmp_path_factory.getbasetemp() / "trained-digits-v1"
-    if not (out / "digits-v1.onnx").is_file():
-        staging = tmp_path_factory.mktemp("digits-staging")
-        digits.write_digits(staging, "v1")
-        staging.rename(out)  # whole, or not at all
-    return out / "digits-v1.onnx", out / digits.CALIBRATION_FILE, out / digits.EVAL_FILE
+    return (digits_models / "digits-v1.onnx", digits_models / digits.CALIBRATION_FILE,
+            digits_models / digits.EVAL_FILE)
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -380,8 +372,8 @@ def test_versions_go_only_into_plain_model_directories(tmp_path, finished, name,
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> tuple[Path, Path, Path]:
-    return trained_digits(tmp_path_factory)
+def digits(digits_models) -> tuple[Path, Path, Path]:
+    return trained_digits(digits_models)
 
 
 @pytest.fixture(scope="module")

@@ -595,3 +595,41 @@ def test_loading_and_unloading_are_the_controllers_job(client):
             call("digits")
         assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
         assert "controller" in caught.value.message()
+
+
+def test_sigterm_answers_every_call_the_router_has_taken_in(tmp_path):
+    """Every call sent to the router before its SIGTERM is answered, however
+    many wait unread in gRPC's queue (the agent's drain, `tiered.protocol.
+    drain`; run it beside a busy loop to see them pile up), and it exits 0."""
+    from tiered.models import zoo
+
+    zoo.resnet18(model_file(tmp_path, "slow", 1), image_size=64, num_classes=10)
+    write_config(tmp_path, "slow", {"max_batch_size": 1, "max_queue_size": 128})
+    path = tmp_path / "routing.yaml"
+    with AgentProcess("edge", tmp_path) as agent:
+        write_table(path, {"version": 1, "models": {"slow": {
+            "policy": "slo-energy", "tiers": {"edge": {"agents": [agent.address], "stable": 1}}}}})
+        router = RouterProcess(path).start()
+        image = grpcclient.InferInput("input", [1, 3, 64, 64], "FP32")
+        image.set_data_from_numpy(np.zeros((1, 3, 64, 64), np.float32))
+
+        async def main():
+            async with aioclient.InferenceServerClient(router.address) as client:
+                # As in the agent's drain test: the calls leave together, before
+                # any answer can come back; 0.1 s more to cross loopback.
+                calls = [asyncio.create_task(client.infer("slow", [image])) for _ in range(60)]
+                await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.sleep(0.1)
+                in_flight = sum(not call.done() for call in calls)
+                stopped = asyncio.create_task(asyncio.to_thread(router.stop))  # one SIGTERM
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                return in_flight, outcomes, await stopped
+
+        try:
+            in_flight, outcomes, code = asyncio.run(main())
+        finally:
+            router.stop()
+    assert in_flight > 0, "every call was answered before the signal: nothing was drained"
+    failed = [str(o) for o in outcomes if isinstance(o, Exception)]
+    assert not failed, f"{len(failed)} of {in_flight} calls in flight failed: {failed[:3]}"
+    assert code == 0, router.log_tail()

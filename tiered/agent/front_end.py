@@ -37,7 +37,7 @@ from pathlib import Path
 
 import grpc
 
-from tiered.agent import drain
+from tiered.protocol import drain
 from tiered.agent.feed import Arena, FedError, FeedClient
 from tiered.errors import ConfigError, TieredError
 from tiered.protocol import descriptors

@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from tiered.agent import drain
+from tiered.protocol import drain
 from tiered.agent.devices import DevicePool, nvml_gpu_count, resolve_devices
 from tiered.agent.feed import FeedServer
 from tiered.agent.front_end import (

@@ -15,6 +15,7 @@ import logging
 import random
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import start_http_server
 
 from tiered import errors
-from tiered.protocol import descriptors, rest, routing, security
+from tiered.protocol import descriptors, drain, rest, routing, security
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.handlers import GenericOnly
 from tiered.protocol.security import PLAINTEXT, TransportSecurity
@@ -106,6 +107,13 @@ async def log_statistics(router: dataplane.Router, interval_s: float = STATS_LOG
 
 
 async def serve(settings: RouterSettings) -> None:
+    """Run until SIGTERM or SIGINT, then drain and return."""
+    # A unix socket of its own, to drain itself through (`drain.stop`).
+    with tempfile.TemporaryDirectory(prefix="tiered-router-") as private:
+        await _serve(settings, f"unix:{Path(private) / 'grpc.sock'}")
+
+
+async def _serve(settings: RouterSettings, own: str) -> None:
     table = read_table(settings.routing_table)
     router = dataplane.Router(table, rng=random.Random(settings.seed),
                               transport=settings.security)
@@ -122,11 +130,13 @@ async def serve(settings: RouterSettings) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, services)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
         descriptors.reflection_service_names(), pool=descriptors.reflection_pool()), services)
+    server.add_generic_rpc_handlers([drain.Marker()])
     address = f"{settings.host}:{settings.port}"
     try:
         port = security.add_port(server, address, settings.security)
     except RuntimeError as error:
         raise errors.ConfigError(f"cannot listen on {address}: {error}") from error
+    server.add_insecure_port(own)
     await server.start()
     rest_server = None
     if settings.http_port is not None:
@@ -170,7 +180,7 @@ async def serve(settings: RouterSettings) -> None:
     await stop.wait()
     inference.serving = False
     await health_servicer.enter_graceful_shutdown()
-    await asyncio.gather(server.stop(grace=DRAIN_S),
+    await asyncio.gather(drain.stop(server, own, DRAIN_S),
                          *([rest_server.stop()] if rest_server else []))
     for task in background:
         task.cancel()

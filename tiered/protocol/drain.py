@@ -6,7 +6,7 @@ received and the server's event loop has not yet picked up. The loop picks
 them up one at a time, so under load dozens wait there, sent well before the
 signal. `stop` therefore first sends a marker call to the server through a
 unix socket of its own: the core hands calls to generic handlers (every
-handler of the agent's servers is one) in the order they arrived, so once
+handler of the agents' and the router's servers is one) in the order they arrived, so once
 the marker reaches its handler, every call received before it has one too,
 and the grace period covers them all. A call that arrives after the marker
 came after the signal (health already says NOT_SERVING): it is answered if
@@ -22,7 +22,7 @@ import grpc
 
 log = logging.getLogger(__name__)
 
-MARKER = "/tiered.agent.Drain/Marker"
+MARKER = "/tiered.Drain/Marker"
 
 
 async def _answer(request: bytes, context) -> bytes:

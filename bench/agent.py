@@ -182,8 +182,8 @@ QUICK = RunSettings(
 )
 SMOKE = RunSettings(
     concurrency=(1,),
-    duration_s=0.8,
-    warmup_s=0.2,
+    duration_s=0.6,
+    warmup_s=0.1,
     baseline_duration_s=0.3,
     baseline_min_calls=2,
 )

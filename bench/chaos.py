@@ -79,7 +79,6 @@ from tiered.local.supervisor import (
 
 MODEL = "digits"
 DEADLINE_S = 10.0  # each request's
-SETTLE_S = 2.0  # a window runs this long past its fault's recovery
 RECOVERY_TIMEOUT_S = 120.0  # a restarted agent loads its models on a busy machine
 CLIENT_RECONNECT_S = 1.0  # the client channel retries a lost connection at least this often
 PASS_SPAN_S = 2.0  # a controller pass begun this long before a fault may read after it
@@ -95,10 +94,11 @@ class Settings:
     offline_s: float = 60.0  # edge unreachable mid-stage
     first_stage_s: float = 150.0  # min duration of stage 1: the first five faults fit in it
     rollout: bool = True
+    settle_s: float = 2.0  # a window runs this long past its fault's recovery
 
 
 FULL = Settings()
-SMOKE = Settings(rate=20.0, baseline_s=2.0, rollout=False)
+SMOKE = Settings(rate=20.0, baseline_s=1.0, rollout=False, settle_s=1.0)
 
 
 # --------------------------------------------------------------------------- load
@@ -258,11 +258,12 @@ def family(pid: int) -> list[int]:
 class Chaos:
     """The local system under load, and the faults: each returns its window."""
 
-    def __init__(self, local: LocalUp, store: StateStore, load: Load,
+    def __init__(self, local: LocalUp, store: StateStore, load: Load, settle_s: float,
                  progress: Callable[[str], None]):
         self.local = local
         self.store = store
         self.load = load
+        self.settle_s = settle_s
         self.progress = progress
         self.windows: list[dict[str, Any]] = []
         self._mark: float | None = None  # where the last window ended: the next one starts
@@ -276,8 +277,8 @@ class Chaos:
     def _window(self, fault: str, how: str, start: float, recovered: float, **extra) -> None:
         """A fault's window: requests sent from the end of the last window (just
         before the fault; a request in flight when it struck is its) to its
-        recovery plus SETTLE_S."""
-        time.sleep(SETTLE_S)
+        recovery plus `settle_s`."""
+        time.sleep(self.settle_s)
         rollout = self.rollout() if self.store.get(MODEL) is not None else None
         window = {"fault": fault, "how": how, "from": self._mark or start, "start": start,
                   "recovered": recovered, "end": time.time(),
@@ -484,7 +485,7 @@ def run(settings: Settings, work: Path, models: Path,
 
             _wait_until_served(running.router, images[:1], progress, timeout_s=120)
             load = Load(running.router, images, settings.rate).start()
-            chaos = Chaos(local, store, load, progress)
+            chaos = Chaos(local, store, load, settings.settle_s, progress)
             progress(f"load: {settings.rate:g} requests/s through {running.router}")
             chaos.baseline(settings.baseline_s)
             if settings.rollout:

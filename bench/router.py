@@ -65,7 +65,7 @@ class Settings:
     concurrency: tuple[int, ...] = (1, 16)
 
 
-SMOKE = Settings(seconds=0.8, warmup_s=0.2, rounds=1, concurrency=(1,))
+SMOKE = Settings(seconds=0.5, warmup_s=0.1, rounds=1, concurrency=(1,))
 
 
 def sized_model(path: Path) -> Path:

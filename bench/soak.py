@@ -49,7 +49,7 @@ FD_GROWTH_LIMIT = 10  # descriptors
 DEADLINE_S = 5.0
 LOAD_FRACTION = 0.5  # of measured capacity
 CAPACITY_S = 3.0
-SMOKE_SECONDS, SMOKE_SAMPLE_S, SMOKE_CAPACITY_S = 3.0, 0.5, 1.0
+SMOKE_SECONDS, SMOKE_SAMPLE_S, SMOKE_CAPACITY_S = 1.5, 0.25, 0.5
 
 
 def rss_mib(pid: int) -> float:

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = common.parse(parser, argv, "telemetry")
     warmup_s = WARMUP_S
     if args.smoke:
-        args.rounds, args.duration, args.concurrency, warmup_s = 1, 0.8, 2, 0.2
+        args.rounds, args.duration, args.concurrency, warmup_s = 1, 0.5, 2, 0.1
     result = common.record("telemetry", args.smoke)
 
     rows = []

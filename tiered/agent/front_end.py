@@ -37,10 +37,9 @@ from pathlib import Path
 
 import grpc
 
-from tiered.protocol import drain
 from tiered.agent.feed import Arena, FedError, FeedClient
 from tiered.errors import ConfigError, TieredError
-from tiered.protocol import descriptors
+from tiered.protocol import descriptors, drain
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol.handlers import seconds_left
 from tiered.protocol.security import Authorizer, TransportSecurity, add_port

@@ -30,7 +30,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
-from tiered.protocol import drain
 from tiered.agent.devices import DevicePool, nvml_gpu_count, resolve_devices
 from tiered.agent.feed import FeedServer
 from tiered.agent.front_end import (
@@ -46,7 +45,7 @@ from tiered.agent.servicer import InferenceServicer
 from tiered.agent.telemetry import TelemetryHub, TelemetryServicer
 from tiered.errors import ConfigError
 from tiered.profiles import MiB, TierProfile
-from tiered.protocol import descriptors, rest
+from tiered.protocol import descriptors, drain, rest
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.handlers import GenericOnly

@@ -200,7 +200,8 @@ def routing_table(kube) -> dict:
 def lease_holder(kube) -> str:
     lease = client.CoordinationV1Api(kube).read_namespaced_lease("tiered-controller", NAMESPACE)
     # Once, right after the leader was killed, a read came back without a
-    # spec (not yet explained); no holder then, and the wait goes on.
+    # spec (why, not yet explained; the API allows it, and the elector takes
+    # such a Lease as held by nobody): no holder then, and the wait goes on.
     return lease.spec.holder_identity if lease.spec else ""
 
 

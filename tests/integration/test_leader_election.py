@@ -110,6 +110,22 @@ def test_a_leader_cut_off_from_the_api_stops_before_the_standby_takes_over():
     assert all(leaders == {second} for leaders in after), "the old leader came back"
 
 
+def test_a_lease_without_a_spec_is_held_by_nobody():
+    """The API allows a Lease with no spec (one made by hand): a candidate
+    takes it, and a release reads it without failing."""
+    from tiered.controller.kube.lease import LeaseElector
+
+    with FakeKubeAPI() as api:
+        leases = client.CoordinationV1Api(client.ApiClient(api.client_configuration()))
+        leases.create_namespaced_lease(NAMESPACE, {"metadata": {"name": "by-hand"}})
+        assert leases.read_namespaced_lease("by-hand", NAMESPACE).spec is None
+        elector = LeaseElector(leases, NAMESPACE, "by-hand", "c1", duration_s=DURATION_S)
+        assert elector.try_acquire_or_renew() and elector.leading()
+        assert leases.read_namespaced_lease("by-hand", NAMESPACE).spec.holder_identity == "c1"
+        elector.release()
+        assert leases.read_namespaced_lease("by-hand", NAMESPACE).spec.holder_identity == ""
+
+
 def wait_for_leader(timeline, not_this: str | None, timeout_s: float = 20.0) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from kubernetes.client import V1LeaseSpec
 from kubernetes.client.exceptions import ApiException
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class LeaseElector:
                 raise
             self.lease_clock.renewed(self.monotonic())
             return True
-        spec = lease.spec
+        spec = _spec(lease)
         holder = spec.holder_identity
         seen = self.monotonic()
         self.lease_clock.observe((holder, spec.renew_time, spec.lease_transitions), seen)
@@ -127,16 +128,22 @@ class LeaseElector:
         """Let the next candidate take over at once (on a clean shutdown)."""
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace)
-            if lease.spec.holder_identity != self.identity:
+            if _spec(lease).holder_identity != self.identity:
                 return
             body = {"metadata": {"name": self.name, "namespace": self.namespace,
                                  "resourceVersion": lease.metadata.resource_version},
                     "spec": {"holderIdentity": "", "leaseDurationSeconds": 1,
                              "renewTime": _micro_time(0.0),
-                             "leaseTransitions": lease.spec.lease_transitions or 0}}
+                             "leaseTransitions": _spec(lease).lease_transitions or 0}}
             self.api.replace_namespaced_lease(self.name, self.namespace, body)
         except ApiException as error:
             log.warning("lease not released: %s", error.reason)
+
+
+def _spec(lease) -> V1LeaseSpec:
+    """The Lease's spec; an empty one (no holder) where it has none, which
+    the API allows (a Lease made by hand, `kubectl create` with no spec)."""
+    return lease.spec or V1LeaseSpec()
 
 
 def _micro_time(seconds: float) -> str:

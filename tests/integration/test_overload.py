@@ -1,7 +1,7 @@
 """Overload: an agent offered about three times what it can serve, directly
 and through the router.
 
-The `slow` model (ResNet-18 at 96 px, one request at a time, a two-slot
+The `slow` model (ResNet-18 at 128 px, one request at a time, a two-slot
 queue, one engine thread) is served by a real agent process. Its capacity is
 measured first with one request at a time; then an open-loop client offers
 ~3x that rate for a few seconds. What must hold: the excess is refused at once
@@ -37,6 +37,10 @@ HANG_MARGIN_S = 5.0  # a call still unanswered this long after its deadline coun
 OVERLOAD = 3.0  # offered rate / measured capacity
 LOAD_S = 5.0  # seconds of offered load per run
 RSS_GROWTH_LIMIT_MIB = 150  # over the agent's RSS after warm-up
+# Slow enough that three times its capacity (~60 requests/s on 2 cores) is a
+# light load for the client and the router: at 96 px (113 requests/s beside
+# the other test workers) they fell seconds behind, refusals and answers alike.
+IMAGE_SIZE = 128
 
 
 
@@ -50,7 +54,7 @@ def rss_mib(pid: int) -> float:
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("overload-repository")
-    zoo.resnet18(model_file(root, "slow", 1), image_size=96, num_classes=10)
+    zoo.resnet18(model_file(root, "slow", 1), image_size=IMAGE_SIZE, num_classes=10)
     write_config(root, "slow", {"max_batch_size": 1, "max_queue_size": QUEUE,
                                 "engine": {"intra_op_threads": 1}})
     return root
@@ -74,7 +78,7 @@ def router(agent, tmp_path_factory):
 
 
 def image_input() -> list[aioclient.InferInput]:
-    array = np.random.default_rng(0).random((1, 3, 96, 96), dtype=np.float32)
+    array = np.random.default_rng(0).random((1, 3, IMAGE_SIZE, IMAGE_SIZE), dtype=np.float32)
     item = aioclient.InferInput("input", list(array.shape), "FP32")
     item.set_data_from_numpy(array)
     return [item]

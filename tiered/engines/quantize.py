@@ -53,10 +53,10 @@ def quantize_int8(
     """Static INT8 quantization in QDQ format for ONNX Runtime's CPU provider.
 
     The model is first pre-processed the way onnxruntime recommends (shape
-    inference and graph optimization) so the quantizer sees every tensor's
-    shape and fused patterns; symbolic shape inference only where ONNX's own
-    leaves a shape unknown (`needs_symbolic_shapes`); `calibration` is the list of feeds
-    (one batch each) whose activations set the ranges. Weights are INT8
+    inference, symbolic where ONNX's own leaves a shape unknown, and graph
+    optimization) so the quantizer sees every tensor's shape and fused
+    patterns; `calibration` is the list of feeds (one batch each) whose
+    activations set the ranges. Weights are INT8
     symmetric, per output channel when `per_channel`; activations INT8.
     Returns the calibrator's parameters, for the build report.
     """

@@ -6,11 +6,12 @@ received and the server's event loop has not yet picked up. The loop picks
 them up one at a time, so under load dozens wait there, sent well before the
 signal. `stop` therefore first sends a marker call to the server through a
 unix socket of its own: the core hands calls to generic handlers (every
-handler of the agents' and the router's servers is one) in the order they arrived, so once
-the marker reaches its handler, every call received before it has one too,
-and the grace period covers them all. A call that arrives after the marker
-came after the signal (health already says NOT_SERVING): it is answered if
-picked up before the server stops; in the instant between, gRPC cancels it.
+handler of the agents' and the router's servers is one) in the order they
+arrived, so once the marker reaches its handler, every call received before
+it has one too, and the grace period covers them all. A call that arrives
+after the marker came after the signal (health already says NOT_SERVING): it
+is answered if picked up before the server stops; in the instant between,
+gRPC cancels it.
 """
 
 from __future__ import annotations

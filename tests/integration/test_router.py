@@ -599,8 +599,8 @@ def test_loading_and_unloading_are_the_controllers_job(client):
 
 def test_sigterm_answers_every_call_the_router_has_taken_in(tmp_path):
     """Every call sent to the router before its SIGTERM is answered, however
-    many wait unread in gRPC's queue (the agent's drain, `tiered.protocol.
-    drain`; run it beside a busy loop to see them pile up), and it exits 0."""
+    many wait unread in gRPC's queue (the agents' drain, `protocol/drain.py`;
+    run it beside a busy loop to see them pile up), and it exits 0."""
     from tiered.models import zoo
 
     zoo.resnet18(model_file(tmp_path, "slow", 1), image_size=64, num_classes=10)

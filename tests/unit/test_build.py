@@ -430,7 +430,6 @@ def test_edge_build_is_static_int8_qdq_with_per_channel_weights(digits, edge_rep
     }
 
 
-
 def test_symbolic_shape_inference_runs_only_where_onnx_leaves_a_shape_unknown(
         digits, tmp_path) -> None:
     """The pre-processing's symbolic shape inference (seconds: its module
@@ -459,6 +458,7 @@ def test_symbolic_shape_inference_runs_only_where_onnx_leaves_a_shape_unknown(
                                [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
     condition = helper.make_node("If", ["x"], ["y"], then_branch=branch, else_branch=branch)
     assert needs_symbolic_shapes(saved(condition, "if"))
+
 
 def test_edge_build_report_records_where_what_and_when(digits, edge_repository) -> None:
     model, _, evaluation = digits

@@ -124,14 +124,17 @@ def test_shutdown_drains_calls_in_flight_and_leaves_nothing_behind(slow_reposito
             # the signal could rightly be refused.
             await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
             await asyncio.sleep(0.1)
-            os.kill(agent.pid, signal.SIGTERM)
             in_flight = sum(not call.done() for call in calls)
-            return in_flight, await asyncio.gather(*calls, return_exceptions=True)
+            # One SIGTERM: a second one, once the drained agent has closed its
+            # event loop, would end it by the signal (-15) on its way out.
+            stopped = asyncio.create_task(asyncio.to_thread(agent.stop))
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            return in_flight, outcomes, await stopped
 
     try:
-        in_flight, outcomes = asyncio.run(main())
+        in_flight, outcomes, code = asyncio.run(main())
     finally:
-        code = agent.stop()
+        agent.stop()
     assert in_flight > 0, "every call was answered before the signal: nothing was drained"
     failed = [str(o) for o in outcomes if isinstance(o, Exception)]
     assert not failed, f"{len(failed)} of {in_flight} calls in flight failed: {failed[:3]}"

@@ -224,9 +224,14 @@ class Calls:
         self.threads.append(threading.Thread(target=call))
         self.threads[-1].start()
 
-    def join(self) -> dict[str, tuple]:
+    def join(self, timeout_s: float = 240.0) -> dict[str, tuple]:
+        """Every call's outcome. A 4000-token call takes seconds alone and
+        over a minute beside a busy loop and the other test workers."""
+        deadline = time.monotonic() + timeout_s
         for thread in self.threads:
-            thread.join(60)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), \
+            f"calls unanswered after {timeout_s:g} s; outcomes so far {self.outcomes}"
         return self.outcomes
 
 

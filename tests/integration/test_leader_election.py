@@ -110,6 +110,39 @@ def test_a_leader_cut_off_from_the_api_stops_before_the_standby_takes_over():
     assert all(leaders == {second} for leaders in after), "the old leader came back"
 
 
+def test_a_late_renewal_restarts_the_term_instead_of_leaving_it_idle():
+    """A renewal that comes past the renew deadline (a busy machine) ends the
+    term's watch and worker while the Lease is still ours: a new term starts
+    them again, rather than renewing a Lease nobody reconciles under."""
+    with FakeKubeAPI() as api:
+        lines: list[str] = []
+        controller = KubeController(
+            render.ClusterSettings(namespace=NAMESPACE), client.ApiClient(api.client_configuration()),
+            options=ControllerOptions(identity="c1", lease_duration_s=DURATION_S),
+            progress=lines.append)
+        stop = threading.Event()
+        thread = threading.Thread(target=controller.run, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 20
+            while not controller.is_leading() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            on_time = controller.elector.leading
+            controller.elector.leading = lambda: False  # the renew deadline passes
+            controller.queue.add("digits")  # work arrives: the worker sees the lapse, ends
+            time.sleep(1.0)
+            controller.elector.leading = on_time
+            while lines.count("leading: reconciling TieredModels in election") < 2 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "a renewal came late: starting the term again" in lines, lines
+            assert lines.count("leading: reconciling TieredModels in election") == 2, lines
+            assert controller.is_leading()
+        finally:
+            stop.set()
+            thread.join(10)
+
+
 def test_a_lease_without_a_spec_is_held_by_nobody():
     """The API allows a Lease with no spec (one made by hand): a candidate
     takes it, and a release reads it without failing."""

@@ -89,6 +89,12 @@ class KubeController:
                 if self.options.leader_elect and not self._renew():
                     self.progress("lost the lease: no longer leading")
                     self.leading.clear()
+                elif not all(thread.is_alive() for thread in threads):
+                    # A renewal that came past the renew deadline (a busy
+                    # machine) ended the watch and the worker, while the Lease
+                    # is still ours: a new term starts them again.
+                    self.progress("a renewal came late: starting the term again")
+                    self.leading.clear()
             self.leading.clear()
             for thread in threads:  # a watch blocked on a quiet stream ends with the process
                 thread.join(2.0)

@@ -79,6 +79,37 @@ def wait_until_held(agent: AgentProcess, model: str, count: int,
     return answered, in_flight
 
 
+def sigterm_with_calls_in_flight(server, model: str, inputs: list) -> tuple[int, list, int]:
+    """60 calls to `model` (one at a time, so many are in flight at the
+    signal, and under load many wait in gRPC's queue unread), then one
+    SIGTERM through `server.stop()`: (calls in flight at the signal, every
+    call's outcome, the server's exit code)."""
+    import asyncio
+
+    import tritonclient.grpc.aio as aioclient
+
+    async def main():
+        async with aioclient.InferenceServerClient(server.address) as client:
+            calls = [asyncio.create_task(client.infer(model, inputs)) for _ in range(60)]
+            # The calls leave together, before any answer can come back: once
+            # one is answered, all have been sent. 0.1 s more is margin for
+            # them to cross loopback; a call the server has not received by
+            # the signal could rightly be refused.
+            await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0.1)
+            in_flight = sum(not call.done() for call in calls)
+            # One SIGTERM: a second one, once the drained server has closed
+            # its event loop, would end it by the signal (-15) on its way out.
+            stopped = asyncio.create_task(asyncio.to_thread(server.stop))
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            return in_flight, outcomes, await stopped
+
+    try:
+        return asyncio.run(main())
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def shared_repository(tmp_path_factory) -> Path:
     return build_repository(tmp_path_factory.mktemp("repository"))

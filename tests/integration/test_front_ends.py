@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import sigterm_with_calls_in_flight
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentError, AgentProcess
 from tiered.models import zoo
@@ -113,28 +114,7 @@ def test_shutdown_drains_calls_in_flight_and_leaves_nothing_behind(slow_reposito
     image = grpcclient.InferInput("input", [1, 3, 64, 64], "FP32")
     image.set_data_from_numpy(rng.standard_normal((1, 3, 64, 64)).astype(np.float32))
 
-    async def main():
-        async with aioclient.InferenceServerClient(agent.address) as client:
-            # 60 calls to a model that takes one at a time: many are in flight
-            # at the signal, and under load many wait in gRPC's queue unread.
-            calls = [asyncio.create_task(client.infer("slow", [image])) for _ in range(60)]
-            # The calls leave together, before any answer can come back: once
-            # one is answered, all have been sent. 0.1 s more is margin for
-            # them to cross loopback; a call the agent has not received by
-            # the signal could rightly be refused.
-            await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
-            await asyncio.sleep(0.1)
-            in_flight = sum(not call.done() for call in calls)
-            # One SIGTERM: a second one, once the drained agent has closed its
-            # event loop, would end it by the signal (-15) on its way out.
-            stopped = asyncio.create_task(asyncio.to_thread(agent.stop))
-            outcomes = await asyncio.gather(*calls, return_exceptions=True)
-            return in_flight, outcomes, await stopped
-
-    try:
-        in_flight, outcomes, code = asyncio.run(main())
-    finally:
-        agent.stop()
+    in_flight, outcomes, code = sigterm_with_calls_in_flight(agent, "slow", [image])
     assert in_flight > 0, "every call was answered before the signal: nothing was drained"
     failed = [str(o) for o in outcomes if isinstance(o, Exception)]
     assert not failed, f"{len(failed)} of {in_flight} calls in flight failed: {failed[:3]}"

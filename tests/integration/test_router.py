@@ -30,6 +30,7 @@ import tritonclient.grpc.aio as aioclient
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import sigterm_with_calls_in_flight
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentProcess
 from tiered.local.processes import RouterProcess as RouterCommand
@@ -612,23 +613,7 @@ def test_sigterm_answers_every_call_the_router_has_taken_in(tmp_path):
         router = RouterProcess(path).start()
         image = grpcclient.InferInput("input", [1, 3, 64, 64], "FP32")
         image.set_data_from_numpy(np.zeros((1, 3, 64, 64), np.float32))
-
-        async def main():
-            async with aioclient.InferenceServerClient(router.address) as client:
-                # As in the agent's drain test: the calls leave together, before
-                # any answer can come back; 0.1 s more to cross loopback.
-                calls = [asyncio.create_task(client.infer("slow", [image])) for _ in range(60)]
-                await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
-                await asyncio.sleep(0.1)
-                in_flight = sum(not call.done() for call in calls)
-                stopped = asyncio.create_task(asyncio.to_thread(router.stop))  # one SIGTERM
-                outcomes = await asyncio.gather(*calls, return_exceptions=True)
-                return in_flight, outcomes, await stopped
-
-        try:
-            in_flight, outcomes, code = asyncio.run(main())
-        finally:
-            router.stop()
+        in_flight, outcomes, code = sigterm_with_calls_in_flight(router, "slow", [image])
     assert in_flight > 0, "every call was answered before the signal: nothing was drained"
     failed = [str(o) for o in outcomes if isinstance(o, Exception)]
     assert not failed, f"{len(failed)} of {in_flight} calls in flight failed: {failed[:3]}"

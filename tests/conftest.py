@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+
+# The test processes' own torch (training, engines in-process) and every
+# process they start wait as `tiered` does (tiered.cli.quiet_idle_threads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import shutil
 import time
 import urllib.request
@@ -208,14 +213,17 @@ def tinyllama_models(tmp_path_factory) -> Path:
 # `pytest_xdist_make_scheduler` below: each file is one scope, whole on one
 # worker, so its module fixtures (a local system, an agent) start once and
 # its tests keep their order. The files that run whole local systems through
-# rollouts are one scope: they run one after another on one worker, so that
-# two never share the two cores (their stages judge latencies; two at once
-# beside the other workers doubled their stages and failed them), and start
-# first, being the longest. The bench smoke tests are independent, each
-# starting its own processes: they are shared out one by one.
-LOCAL_SYSTEMS = ("test_local_system.py", "test_local_generative.py", "test_chaos.py",
-                 "test_background_builds.py", "test_both_backends.py")
+# rollouts judged on real latencies are one scope: they run one after another
+# on one worker, so that two never share the two cores (their stages judge
+# latencies; two at once beside the other workers doubled their stages and
+# failed them), and start first, being the longest; the generative one leads,
+# so that another worker trains the digits models the others need meanwhile.
+# The bench smoke tests are independent, each starting its own processes:
+# they are shared out one by one. The other long files follow.
+LOCAL_SYSTEMS = ("test_local_generative.py", "test_walkthrough.py", "test_local_system.py",
+                 "test_chaos.py")
 SPREAD_FILES = ("test_bench_smoke.py",)
+LONG_FILES = ("test_both_backends.py", "test_background_builds.py", "test_kube_controller.py")
 
 
 def scope_of(nodeid: str) -> str:
@@ -238,6 +246,6 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    first = (*LOCAL_SYSTEMS, *SPREAD_FILES)  # the longest scopes start first
+    first = (*LOCAL_SYSTEMS, *SPREAD_FILES, *LONG_FILES)  # the longest start first
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first
                else len(first))  # a stable sort: each file's order is kept

@@ -167,3 +167,21 @@ def test_an_onnxruntime_model_without_onnxruntime_names_the_extra_to_install():
         "    print(error)\n")
     assert done.returncode == 0, done.stderr
     assert "backend: onnxruntime needs ONNX Runtime (pip install 'tiered[agent]'" in done.stdout
+
+
+@pytest.mark.parametrize(("given", "kept"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_a_tiered_process_lets_torchs_idle_threads_sleep_unless_told_otherwise(given, kept):
+    """The environment torch reads when it loads, as `tiered` leaves it before
+    any command runs (tiered.cli.quiet_idle_threads)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    done = subprocess.run([sys.executable, "-c",
+                           "import os\nfrom tiered.cli import main\ntry:\n"
+                           "    main(['get', '--help'])\nexcept SystemExit:\n    pass\n"
+                           "print('OMP_WAIT_POLICY', os.environ.get('OMP_WAIT_POLICY'))"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"OMP_WAIT_POLICY {kept}"

@@ -219,7 +219,12 @@ def spec(models: Path, variant: str, first_stage_s: float) -> dict[str, Any]:
                             "min_duration_s": first_stage_s, **stage},
                            {"name": "wide", "weights": {t: 50 for t in TIERS},
                             "min_duration_s": 10, **stage}],
+                # Loose latency tests: the faults stall and restart the agents
+                # mid-stage, which moves every latency the stage sees (beside a
+                # busy loop the healthy v2's edge median moved 1.11x, past the
+                # default shift bound of 1.05, and v2 was rolled back).
                 "analysis": {"latency_p95": {"max_ratio": 1.5},
+                             "latency_shift": {"max_ratio": 1.5},
                              "agreement": {"min": 0.9}, "min_samples": 50, "interval_s": 1,
                              "consecutive_failure_limit": 2},
                 "shadow_fraction": 0.3,

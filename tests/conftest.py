@@ -245,25 +245,6 @@ def pytest_xdist_make_scheduler(config, log):
     return ByScope(config, log)
 
 
-# The other workers yield the cores to the local systems' worker when both
-# want them: its rollouts wait out real stages, the longest path of the run,
-# and their latencies are judged. (A process can only lower its priority, so
-# the worker that starts with a local system never does.)
-OTHER_WORKERS_NICE = 5
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item, nextitem) -> None:
-    global _NICED
-    if os.environ.get("PYTEST_XDIST_WORKER") and not _NICED:
-        _NICED = True
-        if scope_of(item.nodeid) != "local systems":
-            os.nice(OTHER_WORKERS_NICE)
-
-
-_NICED = False
-
-
 def pytest_collection_modifyitems(config, items) -> None:
     first = (*LOCAL_SYSTEMS, *SPREAD_FILES, *LONG_FILES)  # the longest start first
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first

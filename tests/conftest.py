@@ -8,6 +8,9 @@ import os
 # The test processes' own torch (training, engines in-process) and every
 # process they start wait as `tiered` does (tiered.cli.quiet_idle_threads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The workers share two cores: a process's CPU thread pools (torch's) would only
+# contend, as the local system's do (tiered.local.supervisor.thread_share).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import shutil
 import time

@@ -3,8 +3,8 @@
 The local controller (`LocalController`, in a thread, as `tiered controller`
 runs it) over a state directory whose agents are small gRPC servers that
 answer RepositoryModelLoad; the builds are real `tiered build` processes.
-The slow artifact is a ResNet-18 at 64x64 built INT8 for the edge tier
-(calibration and evaluation take it about 15 s on an idle core); the fast
+The slow artifact is a ResNet-18 at 48x48 built INT8 for the edge tier
+(calibration and evaluation take it about 10 s on an idle core); the fast
 one a small MLP built FP16 for the regional tier (about a second).
 
 - While a build runs, the model's status says so ("edge (building, N s)"),
@@ -56,7 +56,7 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("artifacts")
     garbage = root / "garbage.onnx"
     garbage.write_bytes(b"these bytes are no ONNX model\n" * 100)
-    return {"slow": zoo.resnet18(root / "slow.onnx", image_size=64, num_classes=10),
+    return {"slow": zoo.resnet18(root / "slow.onnx", image_size=48, num_classes=10),
             "fast": zoo.mlp(root / "fast.onnx", seed=1),
             "fast2": zoo.mlp(root / "fast2.onnx", seed=2), "garbage": garbage}
 

@@ -52,7 +52,8 @@ def spec(variant: str, models: Path) -> dict:
 def system(tmp_path_factory, tinyllama_models):
     state = tmp_path_factory.mktemp("state")
     local = LocalUp(LocalSystem(state_dir=str(state), router=RouterPorts(port=0),
-                                controller=ControllerSettings(interval_s=0.5)),
+                                # a pass a second: the analysis runs every 3 s
+                                controller=ControllerSettings(interval_s=1.0)),
                     state, progress=lambda line: None)
     try:
         running = local.start()
@@ -80,7 +81,7 @@ def load(system, store, tinyllama_models):
         time.sleep(0.5)
     process = subprocess.Popen(
         [sys.executable, "-m", "tiered", "load", MODEL, "--router", running.router,
-         "--rate", "20", "--max-tokens", "16", "--stream-share", "0.3", "--timeout", "20",
+         "--rate", "20", "--max-tokens", "8", "--stream-share", "0.3", "--timeout", "20",
          "--tier", "edge,regional,datacenter",  # clients at every tier
          "--inputs", str(tinyllama_models / "tinyllama-eval.json")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=interruptible())

@@ -172,3 +172,31 @@ def test_a_live_stage_names_its_tiers_and_the_floor_they_get():
     assert table_document(full_table())["models"]["digits"]["stage_floor"] == 0.5
     plain = full_table().models["plain"]
     assert plain.staged_tiers() == () and plain.stage_floor == DEFAULT_STAGE_FLOOR
+
+
+def test_the_router_loads_a_table_written_before_its_watcher_first_looks(tmp_path):
+    """The router stamps the file when it reads it at start: a table written
+    between that read and the watcher's first poll is loaded (it was missed
+    when the watcher took its first stamp itself)."""
+    import asyncio
+
+    from tiered.router import server
+
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table()))
+    stamp = server._stamp(path)
+    path.write_text(json.dumps({**table(), "version": 22}))
+    loaded = []
+
+    class Router:
+        async def use_table(self, new):
+            loaded.append(new.version)
+
+    async def watch():
+        watcher = asyncio.create_task(server.watch_table(Router(), path, stamp, 0.01))
+        while not loaded:
+            await asyncio.sleep(0.01)
+        watcher.cancel()
+
+    asyncio.run(asyncio.wait_for(watch(), 10))
+    assert loaded == [22]

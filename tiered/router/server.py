@@ -51,10 +51,10 @@ class RouterSettings:
     security: TransportSecurity = PLAINTEXT  # the router's port and its channels to agents
 
 
-async def watch_table(router: dataplane.Router, path: Path,
+async def watch_table(router: dataplane.Router, path: Path, seen: tuple[int, int] | None,
                       interval_s: float = TABLE_POLL_S) -> None:
-    """Reload the table when the file changes; a bad one is logged and skipped."""
-    seen = _stamp(path)
+    """Reload the table when the file changes from `seen` (its stamp when the
+    router's table was read); a bad one is logged and skipped."""
     while True:
         await asyncio.sleep(interval_s)
         stamp = _stamp(path)
@@ -114,6 +114,9 @@ async def serve(settings: RouterSettings) -> None:
 
 
 async def _serve(settings: RouterSettings, own: str) -> None:
+    # Stamped before it is read: a table written from then on is a change,
+    # even one written before the watcher first looks.
+    stamp = _stamp(settings.routing_table)
     table = read_table(settings.routing_table)
     router = dataplane.Router(table, rng=random.Random(settings.seed),
                               transport=settings.security)
@@ -166,7 +169,7 @@ async def _serve(settings: RouterSettings, own: str) -> None:
     poller = observations.TelemetryPoller(router.observer, router.pool.dial,
                                           lambda: router.table.agents())
     background = [asyncio.create_task(poller.run()), asyncio.create_task(router.prober.run()),
-                  asyncio.create_task(watch_table(router, settings.routing_table)),
+                  asyncio.create_task(watch_table(router, settings.routing_table, stamp)),
                   asyncio.create_task(log_statistics(router))]
     for service in ("", descriptors.INFERENCE_SERVICE, descriptors.TELEMETRY_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

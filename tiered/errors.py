@@ -54,3 +54,16 @@ class Unauthenticated(TieredError):
 
 class PermissionDenied(TieredError):
     """The caller's credentials do not allow this call."""
+
+
+# What a client's request caused, not the server: a malformed or unknown
+# request, a full queue or limit, missing or refused credentials. A version's
+# telemetry counts these apart from its failures, so that the rollout judge
+# (which reads only failures) cannot be driven to a rollback by what clients
+# send, as Flagger's and Argo Rollouts' success rates count only server errors.
+CLIENT_ERRORS = (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted,
+                 Unauthenticated, PermissionDenied)
+
+
+def caused_by_client(error: BaseException) -> bool:
+    return isinstance(error, CLIENT_ERRORS)

@@ -211,6 +211,16 @@ def test_each_version_carries_the_source_of_its_energy_figures_and_mixed_is_unkn
     assert restored.measurements(STABLE, ["edge"]) == m
 
 
+def test_client_errors_are_kept_apart_from_failures_and_restored():
+    acc = accumulator()
+    acc.add([reading("edge", STABLE, 10, 1), VersionReading("edge", CANARY, 10, 0,
+                                                            client_errors=100)])
+    canary = acc.measurements(STABLE, ["edge"]).tiers["edge"].canary
+    assert (canary.requests, canary.errors, canary.client_errors) == (10, 0, 100)
+    restored = StageAccumulator.restore(acc.state(), np.random.default_rng(0))
+    assert restored.measurements(STABLE, ["edge"]).tiers["edge"].canary.client_errors == 100
+
+
 def test_summary_agreement_none_when_only_errors_compared():
     acc = accumulator()
     acc.set_shadow({("edge", "error"): 12.0})

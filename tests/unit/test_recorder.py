@@ -38,6 +38,19 @@ def test_reading_since_a_cursor_counts_each_completed_slot_once():
     assert second.samples == [0.020]
 
 
+def test_client_errors_are_counted_apart_from_failures():
+    clock = Clock(100.2)
+    recorder = VersionRecorder(clock)
+    recorder.request_failed(0.001, by_client=True)
+    recorder.request_failed(0.001, by_client=True)
+    recorder.request_failed(0.003)
+    clock.now = 101.2
+    summary = recorder.since(cursor=0.0, until=101.0)
+    assert (summary.success, summary.failure, summary.client_errors) == (0, 1, 2)
+    assert telemetry_messages.version_stats("m", 1, "cpu", summary, None, 0, 0, 1e-5,
+                                            1.1).client_errors == 2
+
+
 def test_slots_older_than_the_window_are_forgotten():
     clock = Clock(0.5)
     recorder = VersionRecorder(clock, window_s=5.0)

@@ -288,6 +288,16 @@ def test_the_error_test_weighs_the_canary_share_of_all_errors():
     assert "20 of the 40 errors are the canary's" in result.reason
 
 
+def test_client_errors_are_shown_and_never_judged():
+    """100 bad requests to the canary (refused, client errors) beside 400
+    answered: the error test sees no failure, and says what it left out."""
+    result = a.judge_error_rate(ErrorRateBound(0.02, 2.0), 0, 4000, 0, 400, ALPHA, 50,
+                                client_errors=(3, 100))
+    assert result.outcome == a.SUCCESSFUL, result.reason
+    assert "(client errors, not judged: canary 100, stable 3)" in result.reason
+    assert (result.numbers["client_errors_canary"], result.numbers["errors_canary"]) == (100, 0)
+
+
 # name: (stable errors/requests, canary errors/requests, words in the reason, words not in it)
 ERROR_REASONS = {
     "no errors says so, not a share of none": (

@@ -20,19 +20,30 @@ def test_quantile_from_the_wire_matches_the_histogram(q):
 
 
 def test_render_aligns_columns_and_shows_missing_values_as_dashes():
-    table = [("a:1", "edge", "m", "1", "cpu", "2.0", "-", "1.00", "2.00", "3.00", "0.10",
-              "-", "-", "-", "0", "0", "-", "-", "-", "-", "-")]
+    table = [("a:1", "edge", "m", "1", "cpu", "2.0", "-", "0.0", "1.00", "2.00", "3.00",
+              "0.10", "-", "-", "-", "0", "0", "-", "-", "-", "-", "-")]
     text = top.render(table)
     header, row = text.splitlines()
     assert header.index("req/s") == row.index("2.0")
 
 
 def test_a_modeled_figure_is_called_an_estimate():
-    row = ("a:1", "edge", "m", "1", "cpu", "2.0", "-", "1.00", "2.00", "3.00", "0.10",
-           "0.002", "model", "5", "0", "0", "-", "-", "-", "-", "-")
+    row = ("a:1", "edge", "m", "1", "cpu", "2.0", "-", "0.0", "1.00", "2.00", "3.00",
+           "0.10", "0.002", "model", "5", "0", "0", "-", "-", "-", "-", "-")
     *_, note = top.render([row]).splitlines()
     assert "estimate" in note
-    assert "estimate" not in top.render([(*row[:12], "rapl", *row[13:])])
+    source = top.SOURCE
+    assert "estimate" not in top.render([(*row[:source], "rapl", *row[source + 1:])])
+
+
+def test_client_errors_are_a_rate_of_their_own_beside_the_servers_error_share():
+    from tiered.protocol import telemetry_pb2 as tpb
+
+    version = tpb.VersionStats(model_name="m", model_version="2", device="cpu", success=90,
+                               failure=10, client_errors=300)
+    [row] = top.rows("a:1", tpb.StatsResponse(tier="edge", start=0, end=10, versions=[version]))
+    fields = dict(zip(top.HEADERS, row))
+    assert (fields["err%"], fields["client-err/s"]) == ("10.0", "30.0")
 
 
 def test_generative_versions_show_their_token_figures():

@@ -32,7 +32,7 @@ from tiered.agent.generation import (
 from tiered.agent.model import Admissions
 from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
 from tiered.engines.generative.base import GenerativeEngine
-from tiered.errors import ConfigError, TieredError
+from tiered.errors import ConfigError, TieredError, caused_by_client
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
 from tiered.telemetry.token_stats import TokenStats
@@ -107,17 +107,19 @@ class GenerativeVersion:
               ) -> GenerationRequest:
         try:
             return parse_request(inputs, parameters, self.config.name)
-        except TieredError:
-            self.count_rejected()
+        except TieredError as error:
+            self.count_rejected(error)
             raise
 
-    def count_rejected(self) -> None:
-        self._failed(0)
+    def count_rejected(self, error: TieredError) -> None:
+        self._failed(0, error)
 
-    def _failed(self, elapsed_ns: int) -> None:
+    def _failed(self, elapsed_ns: int, error: TieredError) -> None:
+        """Triton's statistics count every failure; the telemetry the rollout
+        judge reads counts what the client caused apart."""
         self.stats.request_failed(elapsed_ns, _now_ms())
         if self.recorder is not None:
-            self.recorder.request_failed(elapsed_ns / 1e9)
+            self.recorder.request_failed(elapsed_ns / 1e9, by_client=caused_by_client(error))
 
     def _stepped(self, seconds: float, sequences: int) -> None:
         self.stats.batch_executed(sequences, BatchTiming(0, int(seconds * 1e9), 0))
@@ -152,8 +154,8 @@ class GenerativeVersion:
                             self.recorder.token(gap, first)
                         pieces.append(event)
                     yield pieces
-            except TieredError:
-                self._failed(time.perf_counter_ns() - started)
+            except TieredError as error:
+                self._failed(time.perf_counter_ns() - started, error)
                 raise
             finally:
                 if job is not None and not finished:

@@ -28,7 +28,7 @@ from tiered.agent.batching import (
 from tiered.agent.config import ModelConfig
 from tiered.agent.devices import DeviceEngine, EngineLost, in_thread
 from tiered.engines.base import Engine
-from tiered.errors import InvalidArgument, TieredError, Unavailable
+from tiered.errors import InvalidArgument, TieredError, Unavailable, caused_by_client
 from tiered.protocol import codec
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
@@ -232,14 +232,16 @@ class ModelVersion:
         if self.recorder is not None:
             self.recorder.batch_ran(timing.infer_ns / 1e9, device, size)
 
-    def _failed(self, elapsed_ns: int) -> None:
+    def _failed(self, elapsed_ns: int, error: TieredError) -> None:
+        """Triton's statistics count every failure; the telemetry the rollout
+        judge reads counts what the client caused apart."""
         self.stats.request_failed(elapsed_ns, _now_ms())
         if self.recorder is not None:
-            self.recorder.request_failed(elapsed_ns / 1e9)
+            self.recorder.request_failed(elapsed_ns / 1e9, by_client=caused_by_client(error))
 
-    def count_rejected(self) -> None:
+    def count_rejected(self, error: TieredError) -> None:
         """A request for this version that could not even be decoded."""
-        self._failed(0)
+        self._failed(0, error)
 
     async def infer(
         self,
@@ -259,8 +261,8 @@ class ModelVersion:
                 signature = tuple((n, a.dtype.str, a.shape[1:])
                                   for n, a in sorted(inputs.items()))
                 result = await self._submit(inputs, batch_size, signature, deadline)
-            except TieredError:
-                self._failed(time.perf_counter_ns() - started)
+            except TieredError as error:
+                self._failed(time.perf_counter_ns() - started, error)
                 raise
         elapsed_ns = time.perf_counter_ns() - started
         self.stats.request_succeeded(

@@ -173,8 +173,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 if name not in (TEXT_OUTPUT, TOKEN_IDS):
                     raise InvalidArgument(f"outputs: unknown output {name!r}; model "
                                           f"{model.config.name!r} has {TEXT_OUTPUT}, {TOKEN_IDS}")
-        except TieredError:
-            model.count_rejected()
+        except TieredError as error:
+            model.count_rejected(error)
             raise
         return call, model.parse(call.inputs, call.parameters)
 
@@ -230,8 +230,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return await self._generate_whole(model, request, seconds_left, raw)
         try:
             call = messages.decode_infer_request(request, self.shared_memory, raw)
-        except TieredError:
-            model.count_rejected()
+        except TieredError as error:
+            model.count_rejected(error)
             raise
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
         outputs = await model.infer(call.inputs, call.outputs, deadline, self.tracer)

@@ -27,9 +27,11 @@ from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.security import PLAINTEXT, TransportSecurity, channel
 
-HEADERS = ("agent", "tier", "model", "ver", "dev", "req/s", "err%", "p50 ms", "p95 ms",
-           "p99 ms", "queue p50", "J/inf", "source", "idle W", "inflight", "queued",
-           "tok/s", "ttft p50", "tpot p50", "J/tok", "running")
+# err%: the failures the server caused, of the requests it answered or
+# failed; client-err/s: requests refused for what the client sent, apart.
+HEADERS = ("agent", "tier", "model", "ver", "dev", "req/s", "err%", "client-err/s",
+           "p50 ms", "p95 ms", "p99 ms", "queue p50", "J/inf", "source", "idle W", "inflight",
+           "queued", "tok/s", "ttft p50", "tpot p50", "J/tok", "running")
 SOURCE = HEADERS.index("source")
 
 
@@ -63,6 +65,7 @@ def rows(address: str, response: tpb.StatsResponse) -> list[tuple[str, ...]]:
             address, response.tier, v.model_name, v.model_version, _devices(v),
             f"{v.success / span:.1f}",
             f"{100 * v.failure / answered:.1f}" if answered else "-",
+            f"{v.client_errors / span:.1f}",
             _ms(quantile(v.latency, 0.5)), _ms(quantile(v.latency, 0.95)),
             _ms(quantile(v.latency, 0.99)), _ms(quantile(v.queue, 0.5)),
             f"{v.joules_per_inference:.4g}" if v.has_energy and v.inferences else "-",

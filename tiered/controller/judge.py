@@ -42,7 +42,8 @@ def readings_of(tier: str, reply: tpb.StatsResponse) -> list[VersionReading]:
         reading = VersionReading(tier, int(v.model_version), v.success, v.failure,
                                  tuple(v.latency_samples_s),
                                  v.joules_per_inference if v.has_energy else None,
-                                 v.energy.source if v.has_energy else "")
+                                 v.energy.source if v.has_energy else "",
+                                 client_errors=v.client_errors)
         if v.HasField("generation"):
             g = v.generation
             reading = dataclasses.replace(

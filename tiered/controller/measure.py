@@ -68,6 +68,7 @@ class _Reservoir:
 class _Series:
     requests: int = 0
     errors: int = 0
+    client_errors: int = 0
     latency: _Reservoir = field(default_factory=_Reservoir)
     # window -> [joules, inferences]: J/inference is judged per window, pooled
     # over that window's polls (a single second holds too few inferences)
@@ -99,7 +100,7 @@ class VersionReading:
     tier: str
     version: int
     success: int
-    failure: int
+    failure: int  # what the server caused
     latency_samples_s: tuple[float, ...] = ()
     joules_per_inference: float | None = None
     energy_source: str = ""  # of the energy figures: nvml, rapl, model; "" unknown
@@ -109,6 +110,7 @@ class VersionReading:
     first_token_s: tuple[tuple[float, int], ...] = ()
     per_token_s: tuple[tuple[float, int], ...] = ()
     joules_per_output_token: float | None = None
+    client_errors: int = 0  # refused for what the client sent: shown, not judged
 
 
 class StageAccumulator:
@@ -147,6 +149,7 @@ class StageAccumulator:
             series = self._series.setdefault((reading.tier, reading.version), _Series())
             series.requests += reading.success + reading.failure
             series.errors += reading.failure
+            series.client_errors += reading.client_errors
             for seconds in reading.latency_samples_s:
                 series.latency.offer(seconds * 1000.0, self._rng)
             if reading.joules_per_inference is not None and reading.success > 0:
@@ -192,7 +195,8 @@ class StageAccumulator:
             "canary_version": self.canary_version, "stage": self.stage,
             "window": self.window, "canary_served": self.canary_served,
             "series": [{"tier": tier, "version": version, "requests": s.requests,
-                        "errors": s.errors, "seen": s.latency.seen,
+                        "errors": s.errors, "client_errors": s.client_errors,
+                        "seen": s.latency.seen,
                         "latency_buckets": _buckets(s.latency.values),
                         "energy": [[w, j, n] for w, (j, n) in s.energy.items()],
                         "energy_sources": sorted(s.energy_sources),
@@ -216,6 +220,7 @@ class StageAccumulator:
         for kept in state.get("series", ()):
             stage._series[(kept["tier"], int(kept["version"]))] = _Series(
                 requests=int(kept["requests"]), errors=int(kept["errors"]),
+                client_errors=int(kept.get("client_errors", 0)),
                 latency=_restored(kept.get("latency_buckets", ()), kept["seen"]),
                 energy={int(w): [float(j), float(n)] for w, j, n in kept.get("energy", ())},
                 energy_sources=set(kept.get("energy_sources", ())),
@@ -247,6 +252,7 @@ class StageAccumulator:
             return VersionSamples()
         return VersionSamples(latencies_ms=tuple(series.latency.values),
                               requests=series.requests, errors=series.errors,
+                              client_errors=series.client_errors,
                               joules_per_inference=tuple(series.joules_per_inference()),
                               energy_source=series.energy_source,
                               ttft_ms=tuple(series.ttft.values),

@@ -36,6 +36,7 @@ def version_stats(
         device=device,
         success=summary.success,
         failure=summary.failure,
+        client_errors=summary.client_errors,
         inferences=summary.inferences,
         latency=histogram_message(summary.latency, lowest_s, growth),
         queue=histogram_message(summary.queue, lowest_s, growth),

@@ -44,7 +44,7 @@ class Energy(_message.Message):
     def __init__(self, source: _Optional[str] = ..., device: _Optional[str] = ..., joules: _Optional[float] = ..., idle_watts: _Optional[float] = ...) -> None: ...
 
 class VersionStats(_message.Message):
-    __slots__ = ("model_name", "model_version", "device", "success", "failure", "inferences", "latency", "queue", "compute", "latency_samples_s", "busy_s", "has_energy", "energy", "joules_per_inference", "queue_depth", "in_flight", "generation", "devices")
+    __slots__ = ("model_name", "model_version", "device", "success", "failure", "inferences", "latency", "queue", "compute", "latency_samples_s", "busy_s", "has_energy", "energy", "joules_per_inference", "queue_depth", "in_flight", "generation", "devices", "client_errors")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class VersionStats(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     device: str
@@ -81,7 +82,8 @@ class VersionStats(_message.Message):
     in_flight: int
     generation: Generation
     devices: _containers.RepeatedCompositeFieldContainer[DeviceShare]
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., device: _Optional[str] = ..., success: _Optional[int] = ..., failure: _Optional[int] = ..., inferences: _Optional[int] = ..., latency: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., latency_samples_s: _Optional[_Iterable[float]] = ..., busy_s: _Optional[float] = ..., has_energy: _Optional[bool] = ..., energy: _Optional[_Union[Energy, _Mapping]] = ..., joules_per_inference: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceShare, _Mapping]]] = ...) -> None: ...
+    client_errors: int
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., device: _Optional[str] = ..., success: _Optional[int] = ..., failure: _Optional[int] = ..., inferences: _Optional[int] = ..., latency: _Optional[_Union[Histogram, _Mapping]] = ..., queue: _Optional[_Union[Histogram, _Mapping]] = ..., compute: _Optional[_Union[Histogram, _Mapping]] = ..., latency_samples_s: _Optional[_Iterable[float]] = ..., busy_s: _Optional[float] = ..., has_energy: _Optional[bool] = ..., energy: _Optional[_Union[Energy, _Mapping]] = ..., joules_per_inference: _Optional[float] = ..., queue_depth: _Optional[int] = ..., in_flight: _Optional[int] = ..., generation: _Optional[_Union[Generation, _Mapping]] = ..., devices: _Optional[_Iterable[_Union[DeviceShare, _Mapping]]] = ..., client_errors: _Optional[int] = ...) -> None: ...
 
 class DeviceShare(_message.Message):
     __slots__ = ("device", "inferences", "busy_s", "joules", "up", "down_reason", "restarts")

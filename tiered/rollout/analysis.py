@@ -171,8 +171,8 @@ class VersionSamples:
     """What one version (stable or canary) did over the stage so far."""
 
     latencies_ms: Sequence[float] = ()  # raw per-request samples (a bounded reservoir)
-    requests: int = 0
-    errors: int = 0
+    requests: int = 0  # answered or failed by the server
+    errors: int = 0  # failures the server caused
     joules_per_inference: Sequence[float] = ()  # one per telemetry window
     energy_source: str = ""  # of the energy figures: nvml, rapl or model; "" unknown
     # A generative version's: time to first token a request, time per output
@@ -181,6 +181,7 @@ class VersionSamples:
     tpot_ms: Sequence[float] = ()
     output_tokens: int = 0
     joules_per_token: Sequence[float] = ()
+    client_errors: int = 0  # requests refused for what the client sent: shown, not judged
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,7 @@ class Measurements:
             latencies_ms=tuple(v for p in parts for v in p.latencies_ms),
             requests=sum(p.requests for p in parts),
             errors=sum(p.errors for p in parts),
+            client_errors=sum(p.client_errors for p in parts),
             joules_per_inference=tuple(v for p in parts for v in p.joules_per_inference),
             energy_source=sources.pop() if len(sources) == 1 else "",  # "": unknown or mixed
             ttft_ms=tuple(v for p in parts for v in p.ttft_ms),
@@ -569,12 +571,18 @@ def judge_latency_shift(bound: ShiftBound, stable: Sequence[float], canary: Sequ
 
 def judge_error_rate(bound: ErrorRateBound, stable_errors: int, stable_requests: int,
                      canary_errors: int, canary_requests: int, alpha: float,
-                     min_samples: int) -> MetricResult:
+                     min_samples: int, client_errors: tuple[int, int] = (0, 0)
+                     ) -> MetricResult:
     """The canary's share of all errors against its share with no regression,
-    and (with max) its error count against max; `alpha` for each."""
+    and (with max) its error count against max; `alpha` for each. Errors are
+    the failures the server caused; `client_errors` (stable's, the canary's:
+    requests refused for what the client sent) are shown, never judged, so
+    that no client can roll a version back by sending it bad requests."""
     name = "error_rate"
     numbers = {"n_stable": float(stable_requests), "n_canary": float(canary_requests),
                "errors_stable": float(stable_errors), "errors_canary": float(canary_errors),
+               "client_errors_stable": float(client_errors[0]),
+               "client_errors_canary": float(client_errors[1]),
                "min_samples": float(min_samples), "max_ratio": bound.max_ratio,
                "alpha": alpha}
     if not (0 <= stable_errors <= stable_requests and 0 <= canary_errors <= canary_requests):
@@ -596,6 +604,9 @@ def judge_error_rate(bound: ErrorRateBound, stable_errors: int, stable_requests:
     detail = (f"canary {rate_c:.3g} vs stable {rate_s:.3g}: {canary_errors} of the {errors} "
               f"errors are the canary's, at most {share_max:.1%} expected" if errors else
               f"no errors in {canary_requests} canary and {stable_requests} stable requests")
+    if any(client_errors):
+        detail += (f" (client errors, not judged: canary {client_errors[1]}, "
+                   f"stable {client_errors[0]})")
     checks = [_verdict(p, alpha, f"canary error rate above {bound.max_ratio:g}x stable's: "
                        f"{detail}", f"error rate {detail}" if errors else detail)]
     if bound.max is not None:
@@ -766,7 +777,8 @@ def _judge_metric(metric: str, bound: object, stable: VersionSamples, canary: Ve
     quantity, _, test = metric.partition("_")
     if metric == "error_rate":
         return judge_error_rate(bound, stable.errors, stable.requests, canary.errors,
-                                canary.requests, alpha, min_samples)
+                                canary.requests, alpha, min_samples,
+                                (stable.client_errors, canary.client_errors))
     if metric in ENERGY_UNITS:
         figures = "joules_per_inference" if metric == "energy_per_inference" \
             else "joules_per_token"

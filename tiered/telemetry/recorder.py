@@ -41,7 +41,8 @@ class Slot:
     compute: Histogram = field(default_factory=Histogram)
     samples: list[float] = field(default_factory=list)  # the reservoir's kept latencies
     success: int = 0
-    failure: int = 0
+    failure: int = 0  # what the server caused
+    client_errors: int = 0  # refused for what the client sent (tiered.errors.CLIENT_ERRORS)
     inferences: int = 0
     busy_s: float = 0.0
     # per device (a version may run on several): engine busy seconds, batch elements
@@ -65,6 +66,7 @@ class Summary:
     samples: list[float] = field(default_factory=list)
     success: int = 0
     failure: int = 0
+    client_errors: int = 0
     inferences: int = 0
     busy_s: float = 0.0
     device_busy_s: dict[str, float] = field(default_factory=dict)
@@ -80,6 +82,7 @@ class Summary:
         self.samples.extend(slot.samples)
         self.success += slot.success
         self.failure += slot.failure
+        self.client_errors += slot.client_errors
         self.inferences += slot.inferences
         self.busy_s += slot.busy_s
         _add_into(self.device_busy_s, slot.device_busy_s)
@@ -130,8 +133,13 @@ class VersionRecorder:
         slot.success += 1
         slot.inferences += batch_size
 
-    def request_failed(self, latency_s: float) -> None:
-        self._slot().failure += 1
+    def request_failed(self, latency_s: float, by_client: bool = False) -> None:
+        """A failed request: a failure of the version, or (`by_client`) a
+        client error, counted apart."""
+        if by_client:
+            self._slot().client_errors += 1
+        else:
+            self._slot().failure += 1
 
     def token(self, seconds_since_previous: float, first: bool) -> None:
         """One output token of a generative version; for the first, the time

@@ -359,6 +359,8 @@ BAD_BODIES = [
      "Inference-Header-Content-Length: expected a byte count"),
     ("a list as a parameter", json.dumps({"inputs": [], "parameters": {"p": [1]}}).encode(),
      {}, "parameters.p: expected a string, number or boolean, got a list"),
+    ("nested past the parser's depth", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     {}, "request body: JSON nested too deeply"),
 ]
 
 

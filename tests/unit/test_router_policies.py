@@ -215,6 +215,15 @@ def test_a_key_keeps_its_version_whatever_the_rng():
         assert len(picks) == 1
 
 
+def test_any_key_a_client_sends_has_its_place_invalid_utf8_too():
+    """A lone surrogate (what a JSON escape or an undecodable header byte
+    gives) hashes to a fixed place instead of raising."""
+    for key in ("\udcff", "user-\ud800", "caf\u00e9"):
+        place = p.key_point(key)
+        assert 0 <= place < 1 and place == p.key_point(key)
+        assert p.pick_version(canary_route, key, random.Random(0)).version in (1, 2)
+
+
 def test_raising_the_weight_only_moves_keys_to_the_canary():
     low = TierRoute(agents=("e:1",), stable=1, canary=2, canary_weight=0.1)
     high = TierRoute(agents=("e:1",), stable=1, canary=2, canary_weight=0.3)

@@ -45,6 +45,8 @@ def test_transport_settings_refuse_what_cannot_work(pem, fields, message):
 @pytest.mark.parametrize(("context", "error"), [
     (Context(), Unauthenticated),
     (Context("wrong"), PermissionDenied),
+    (Context("s3cr\u00e9t"), PermissionDenied),  # non-ASCII: refused, not a TypeError
+    (Context("s3cret\udcff"), PermissionDenied),  # invalid UTF-8, as a header decodes it
     (Context(names=("reader",)), PermissionDenied),
     (Context("s3cret"), None),
     (Context(names=("ops",)), None),

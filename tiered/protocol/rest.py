@@ -193,6 +193,8 @@ def _parse_json(data: bytes, where: str) -> Any:
         return json.loads(data)
     except ValueError as error:  # UnicodeDecodeError too
         raise InvalidArgument(f"{where}: not valid JSON: {error}") from None
+    except RecursionError:
+        raise InvalidArgument(f"{where}: JSON nested too deeply") from None
 
 
 def _body_object(body: bytes) -> dict[str, Any]:

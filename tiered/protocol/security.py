@@ -167,7 +167,12 @@ class Authorizer:
     @staticmethod
     def _token_in(context, tokens: Iterable[str]) -> bool:
         given = _bearer(context)
-        return given is not None and any(hmac.compare_digest(given, t) for t in tokens)
+        if given is None:
+            return False
+        # As bytes: compare_digest refuses str with non-ASCII characters, which
+        # a client may send; surrogatepass keeps invalid UTF-8 comparable too.
+        given_bytes = given.encode("utf-8", "surrogatepass")
+        return any(hmac.compare_digest(given_bytes, t.encode("utf-8")) for t in tokens)
 
     def _name_in(self, context) -> bool:
         return bool(self.admin_names & _peer_names(context))

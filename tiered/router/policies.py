@@ -122,8 +122,9 @@ def _stable(version: int) -> VersionChoice:
 
 
 def key_point(key: str) -> float:
-    """A key's fixed place in [0, 1): the consistent hash of the split."""
-    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    """A key's fixed place in [0, 1): the consistent hash of the split. Any
+    text hashes, lone surrogates too (invalid UTF-8 a client sent)."""
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
 

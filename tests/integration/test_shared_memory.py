@@ -142,6 +142,36 @@ def test_a_range_outside_its_region_or_an_unknown_region_is_refused(agent, regio
         client.unregister_system_shared_memory()
 
 
+def test_a_region_whose_file_shrank_is_an_error_for_its_request_not_a_crash(agent, regions):
+    """A client truncates the objects it registered: a mapping would have
+    raised SIGBUS in the agent on the next read or write; the agent answers
+    INVALID_ARGUMENT saying the file shrank, and goes on serving."""
+    import os
+
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        client.unregister_system_shared_memory()
+        _, inputs, outputs, _, out_name = add_sub_request(client, regions)
+        in_name = inputs[0]._get_tensor().parameters["shared_memory_region"].string_param
+        os.truncate(f"/dev/shm/{in_name}", 0)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("add_sub", inputs, outputs=outputs)
+        assert status_code(caught) == "StatusCode.INVALID_ARGUMENT"
+        assert f"region {in_name!r}" in caught.value.message()
+        assert "shrank after it was registered" in caught.value.message()
+
+        inputs[0].set_data_from_numpy(np.ones((1, 16), np.float32))  # now on the wire
+        os.truncate(f"/dev/shm/{out_name}", 8)
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("add_sub", inputs, outputs=outputs)
+        assert status_code(caught) == "StatusCode.INVALID_ARGUMENT"
+        assert f"region {out_name!r}" in caught.value.message()
+        assert os.stat(f"/dev/shm/{out_name}").st_size == 8  # not grown by a write
+        assert client.is_server_live() and agent.alive()
+        answer = client.infer("add_sub", inputs)
+        np.testing.assert_array_equal(answer.as_numpy("OUTPUT0"), np.full((1, 16), 3.0))
+        client.unregister_system_shared_memory()
+
+
 def test_the_registry_is_bounded(agent, regions):
     name, _ = regions()
     with grpcclient.InferenceServerClient(agent.address) as client:

@@ -11,15 +11,16 @@ response carries its name, datatype and shape with no bytes.
 Everything a client names is checked before memory is touched: a key maps
 only a file directly under /dev/shm (no path, no symlink), a range must lie
 inside its region, a name registers once, and the registry holds at most
-`max_regions`. A region stays mapped while a request still reads it, even
-if it is unregistered meanwhile (the mapping closes with its last view).
+`max_regions`. A system region is read and written through its file
+(pread/pwrite), never mapped: a client that truncates the file after
+registering it gets an error for its request, where a mapping would have
+killed the agent with SIGBUS.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
 import os
 import stat
 from collections.abc import Mapping
@@ -45,10 +46,26 @@ class SystemRegion:
     key: str
     offset: int
     byte_size: int
-    memory: mmap.mmap  # the object from 0 to offset + byte_size
+    fd: int  # the shared-memory object, open for reading and writing
 
-    def view(self, offset: int, byte_size: int) -> memoryview:
-        return memoryview(self.memory)[self.offset + offset:self.offset + offset + byte_size]
+    def read(self, offset: int, byte_size: int, field: str) -> np.ndarray:
+        """Bytes of the region as uint8, copied out of the file."""
+        data = np.empty(byte_size, np.uint8)
+        got = os.preadv(self.fd, [data], self.offset + offset) if byte_size else 0
+        if got != byte_size:
+            raise InvalidArgument(f"{field}: region {self.name!r} ({self.key}) holds only "
+                                  f"{got} of bytes {offset}..{offset + byte_size}: its file "
+                                  "shrank after it was registered")
+        return data
+
+    def write(self, offset: int, raw: bytes, field: str) -> None:
+        end = self.offset + offset + len(raw)
+        size = os.fstat(self.fd).st_size
+        if size < end:  # writing would grow a file its owner shrank
+            raise InvalidArgument(f"{field}: region {self.name!r} ({self.key}) ends at byte "
+                                  f"{size} of its file, before {end}: it shrank after it was "
+                                  "registered")
+        os.pwrite(self.fd, raw, self.offset + offset)
 
 
 @dataclass(frozen=True)
@@ -68,7 +85,8 @@ def _shm_path(key: str) -> Path:
     return SHM_DIR / bare
 
 
-def _map(key: str, end: int) -> mmap.mmap:
+def _open(key: str, end: int) -> int:
+    """The object's file, open, once checked to hold `end` bytes."""
     path = _shm_path(key)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -83,9 +101,10 @@ def _map(key: str, end: int) -> mmap.mmap:
         if info.st_size < end:
             raise InvalidArgument(f"key {key!r}: offset + byte_size = {end} is beyond its "
                                   f"{info.st_size} bytes")
-        return mmap.mmap(fd, end)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 class SharedMemory:
@@ -112,7 +131,7 @@ class SharedMemory:
     def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self._check_new(name, byte_size)
         self._system[name] = SystemRegion(name, key, offset, byte_size,
-                                          _map(key, offset + byte_size))
+                                          _open(key, offset + byte_size))
 
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int,
                       byte_size: int) -> None:
@@ -123,7 +142,7 @@ class SharedMemory:
     def unregister_system(self, name: str) -> None:
         """Empty name: every system region. An unknown name is not an error."""
         for region in _take(self._system, name):
-            _release(region.memory)
+            os.close(region.fd)
 
     def unregister_cuda(self, name: str) -> None:
         for region in _take(self._cuda, name):
@@ -174,7 +193,8 @@ class SharedMemory:
             return None
         region, offset, size = found
         if isinstance(region, SystemRegion):
-            return codec.from_raw(region.view(offset, size), datatype, shape, field=field)
+            return codec.from_raw(region.read(offset, size, field).data, datatype, shape,
+                                  field=field)
         host = region.memory[offset:offset + size].cpu().numpy()  # device to host
         return codec.from_raw(host.data, datatype, shape, field=field)
 
@@ -188,7 +208,7 @@ class SharedMemory:
             raise InvalidArgument(f"{field}: the output has {len(raw)} bytes, more than the "
                                   f"{size} of its shared-memory range")
         if isinstance(region, SystemRegion):
-            region.view(offset, len(raw))[:] = raw
+            region.write(offset, raw, field)
         else:
             import torch
 
@@ -204,14 +224,6 @@ def _take(regions: dict, name: str) -> list:
     taken = list(regions.values())
     regions.clear()
     return taken
-
-
-def _release(memory: mmap.mmap) -> None:
-    """Close a mapping now, or (a request still reads it) with its last view."""
-    try:
-        memory.close()
-    except BufferError:
-        pass
 
 
 # -- CUDA IPC --------------------------------------------------------------------

@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tests.conftest import EITHER_AGENT, either_agent  # noqa: E402
 from tiered.agent.shared_memory import MAX_REGIONS  # noqa: E402
-from tiered.local.processes import RouterProcess  # noqa: E402
+from tiered.local.processes import AgentProcess, RouterProcess  # noqa: E402
 
 BYTES = 16 * 4  # one FP32 [1, 16] tensor
 
@@ -170,6 +170,58 @@ def test_a_region_whose_file_shrank_is_an_error_for_its_request_not_a_crash(agen
         answer = client.infer("add_sub", inputs)
         np.testing.assert_array_equal(answer.as_numpy("OUTPUT0"), np.full((1, 16), 3.0))
         client.unregister_system_shared_memory()
+
+
+def this_hosts_outside_address() -> str | None:
+    """An address of this host that is not loopback (the interface a route
+    out would use; nothing is sent), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+@pytest.mark.parametrize("serving", [[], ["--front-ends", "2"]], ids=EITHER_AGENT)
+def test_regions_are_registered_only_from_this_host_and_with_a_role(shared_repository,
+                                                                    regions, tmp_path,
+                                                                    serving):
+    """Over an outside address the agent refuses every shared-memory call,
+    whatever the credentials; over loopback, with tokens configured, an
+    inference token may not register a region and a shared-memory token may."""
+    outside = this_hosts_outside_address()
+    if outside is None:
+        pytest.skip("this host has no address but loopback")
+    tokens = {role: tmp_path / role for role in ("inference", "shm")}
+    for role, path in tokens.items():
+        path.write_text(f"{role}-token\n")
+    name, _ = regions()
+    with AgentProcess("edge", shared_repository, extra_args=[
+            "--host", "0.0.0.0", "--inference-token-file", str(tokens["inference"]),
+            "--shared-memory-token-file", str(tokens["shm"]), *serving]) as agent:
+        as_shm = {"authorization": "Bearer shm-token"}
+        with grpcclient.InferenceServerClient(f"{outside}:{agent.port}") as remote:
+            for call in (lambda: remote.register_system_shared_memory(
+                             name, f"/{name}", BYTES, headers=as_shm),
+                         lambda: remote.get_system_shared_memory_status(headers=as_shm),
+                         lambda: remote.unregister_system_shared_memory(headers=as_shm)):
+                with pytest.raises(InferenceServerException) as caught:
+                    call()
+                assert status_code(caught) == "StatusCode.PERMISSION_DENIED"
+                assert "only from the agent's own host" in caught.value.message()
+        with grpcclient.InferenceServerClient(agent.address) as local:
+            with pytest.raises(InferenceServerException) as caught:
+                local.register_system_shared_memory(
+                    name, f"/{name}", BYTES, headers={"authorization": "Bearer inference-token"})
+            assert status_code(caught) == "StatusCode.PERMISSION_DENIED"
+            local.register_system_shared_memory(name, f"/{name}", BYTES, headers=as_shm)
+            assert name in local.get_system_shared_memory_status(
+                headers=as_shm, as_json=True)["regions"]
+            local.unregister_system_shared_memory(headers=as_shm)
 
 
 def test_the_registry_is_bounded(agent, regions):

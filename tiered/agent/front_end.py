@@ -66,12 +66,12 @@ KEEPALIVE_PERMIT = [("grpc.http2.min_ping_interval_without_data_ms", 500),
                     ("grpc.http2.max_ping_strikes", 0)]
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
-# Calls that need an inference or an admin credential (checked here, where
-# the client's metadata and certificate are seen).
-_NEEDS_INFERENCE = frozenset(_INFERENCE + m for m in (
-    "ModelInfer", "ModelStreamInfer", "SystemSharedMemoryStatus", "SystemSharedMemoryRegister",
-    "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
-    "CudaSharedMemoryUnregister"))
+# Calls that need an inference, a shared-memory or an admin credential
+# (checked here, where the client's address, metadata and certificate are seen).
+_NEEDS_INFERENCE = frozenset(_INFERENCE + m for m in ("ModelInfer", "ModelStreamInfer"))
+_NEEDS_SHARED_MEMORY = frozenset(_INFERENCE + m for m in (
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"))
 _NEEDS_ADMIN = frozenset(_INFERENCE + m for m in ("RepositoryModelLoad",
                                                   "RepositoryModelUnload"))
 
@@ -281,6 +281,8 @@ class _Handlers(grpc.GenericRpcHandler):
     def _check(self, path: str, context) -> None:
         if path in _NEEDS_INFERENCE:
             self._authorizer.require_inference(context)
+        elif path in _NEEDS_SHARED_MEMORY:
+            self._authorizer.require_shared_memory(context)
         elif path in _NEEDS_ADMIN:
             self._authorizer.require_admin(context)
 

@@ -283,7 +283,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def SystemSharedMemoryStatus(self, request, context):
-        self.authorizer.require_inference(context)
+        self.authorizer.require_shared_memory(context)
         response = pb.SystemSharedMemoryStatusResponse()
         for region in self.shared_memory.system_status(request.name):
             response.regions[region.name].CopyFrom(
@@ -294,20 +294,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def SystemSharedMemoryRegister(self, request, context):
-        self.authorizer.require_inference(context)
+        self.authorizer.require_shared_memory(context)
         self.shared_memory.register_system(request.name, request.key, request.offset,
                                            request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @translate_errors
     async def SystemSharedMemoryUnregister(self, request, context):
-        self.authorizer.require_inference(context)
+        self.authorizer.require_shared_memory(context)
         self.shared_memory.unregister_system(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @translate_errors
     async def CudaSharedMemoryStatus(self, request, context):
-        self.authorizer.require_inference(context)
+        self.authorizer.require_shared_memory(context)
         response = pb.CudaSharedMemoryStatusResponse()
         for region in self.shared_memory.cuda_status(request.name):
             response.regions[region.name].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(
@@ -316,13 +316,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def CudaSharedMemoryRegister(self, request, context):
-        self.authorizer.require_inference(context)
+        self.authorizer.require_shared_memory(context)
         self.shared_memory.register_cuda(request.name, request.raw_handle, request.device_id,
                                          request.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()
 
     @translate_errors
     async def CudaSharedMemoryUnregister(self, request, context):
-        self.authorizer.require_inference(context)
+        self.authorizer.require_shared_memory(context)
         self.shared_memory.unregister_cuda(request.name)
         return pb.CudaSharedMemoryUnregisterResponse()

@@ -62,6 +62,11 @@ def add_auth_flags(parser: argparse.ArgumentParser) -> None:
                        "(mTLS; repeatable)")
     group.add_argument("--inference-token-file", type=Path, metavar="FILE",
                        help="tokens (one per line) inference requires (default: open)")
+    group.add_argument("--shared-memory-token-file", type=Path, metavar="FILE",
+                       help="tokens (one per line) allowed to register, list and unregister "
+                       "shared-memory regions, besides admins'; these calls are taken only "
+                       "from the agent's own host, and with any token or admin name set, "
+                       "only with one of these or an admin credential")
 
 
 def authorizer_from_args(args: argparse.Namespace) -> Authorizer:
@@ -70,7 +75,9 @@ def authorizer_from_args(args: argparse.Namespace) -> Authorizer:
     inference = read_tokens(args.inference_token_file, "--inference-token-file")
     return Authorizer(admin_tokens=read_tokens(args.admin_token_file, "--admin-token-file"),
                       admin_names=frozenset(args.admin_cn or ()),
-                      inference_tokens=inference or None)
+                      inference_tokens=inference or None,
+                      shared_memory_tokens=read_tokens(args.shared_memory_token_file,
+                                                       "--shared-memory-token-file"))
 
 
 def add_backend_flags(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ Settings, credentials and channels only: it never parses command-line flags
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import ssl
 from collections.abc import Iterable, Sequence
@@ -139,11 +140,15 @@ def read_tokens(path: Path | None, flag: str) -> frozenset[str]:
 @dataclass(frozen=True)
 class Authorizer:
     """Who may do what: admins load and unload; inference is open unless
-    `inference_tokens` are set (an admin may always infer)."""
+    `inference_tokens` are set (an admin may always infer); shared-memory
+    regions are registered, listed and unregistered only from the agent's own
+    host, and, where any credential is configured, only with an admin or a
+    shared-memory credential (as Triton restricts those endpoints)."""
 
     admin_tokens: frozenset[str] = frozenset()
     admin_names: frozenset[str] = frozenset()  # client certificate common names (mTLS)
     inference_tokens: frozenset[str] | None = None
+    shared_memory_tokens: frozenset[str] = frozenset()
 
     def require_admin(self, context) -> None:
         if self._token_in(context, self.admin_tokens) or self._name_in(context):
@@ -158,6 +163,21 @@ class Authorizer:
                 or self._name_in(context)):
             return
         self._refuse(context, "inference needs a token (authorization: Bearer ...)")
+
+    def require_shared_memory(self, context) -> None:
+        peer = context.peer()
+        if not local_peer(peer):
+            raise PermissionDenied(
+                "shared memory: regions are registered, listed and unregistered only from "
+                f"the agent's own host (loopback or a unix socket), not from {peer}")
+        configured = (self.inference_tokens is not None or self.admin_tokens
+                      or self.admin_names or self.shared_memory_tokens)
+        if not configured or self._token_in(context, self.admin_tokens
+                                            | self.shared_memory_tokens) \
+                or self._name_in(context):
+            return
+        self._refuse(context, "shared memory needs a shared-memory or admin token "
+                     "(authorization: Bearer ...) or an admin client certificate")
 
     def _refuse(self, context, what: str) -> None:
         if _bearer(context) is None and not _peer_names(context):
@@ -188,8 +208,32 @@ class _TrustFrontEnds(Authorizer):
     def require_inference(self, context) -> None:
         pass
 
+    def require_shared_memory(self, context) -> None:
+        pass
+
 
 TRUST_FRONT_ENDS = _TrustFrontEnds()
+
+
+def local_peer(peer: str) -> bool:
+    """A call from this host: a unix socket or a loopback address, as gRPC
+    (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000`, `unix:...`) and the REST
+    server (`http:127.0.0.1`) name their peers."""
+    kind, _, address = peer.partition(":")
+    if kind == "unix":
+        return True
+    if kind == "ipv4":
+        address = address.rsplit(":", 1)[0]
+    elif kind == "ipv6":
+        address = address.rpartition("]")[0].lstrip("[") if "]" in address else address
+    elif kind != "http":
+        return False
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
 
 
 def _bearer(context) -> str | None:

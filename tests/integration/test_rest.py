@@ -620,3 +620,34 @@ def test_the_local_systems_router_serves_rest_and_comes_back_on_its_port(tmp_pat
             assert client.is_server_live()
     finally:
         local.stop()
+
+
+def test_credentials_are_checked_before_a_body_is_read(shared_repository, tmp_path):
+    """An agent that requires tokens answers a call without one 401 (with a
+    wrong one 403) before it reads the body: a malformed body is never
+    parsed (it would be a 400), and a body of 8 MiB is refused as fast as
+    a small one."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("right\n")
+    admin = tmp_path / "admin"
+    admin.write_text("boss\n")
+    with AgentProcess("edge", shared_repository, extra_args=[
+            "--inference-token-file", str(tokens)], admin_token_file=admin) as agent:
+        address = agent.http_address
+        calls = [("/v2/models/add_sub/infer", b"{not json", {}),
+                 ("/v2/models/add_sub/infer", b"[" * (8 << 20), {}),
+                 ("/v2/models/add_sub/generate", b"{not json", {}),
+                 ("/v2/repository/index", b"{not json", {}),
+                 ("/v2/repository/models/add_sub/load", b"{not json", {}),
+                 ("/v2/systemsharedmemory/region/r/register", b"{not json", {})]
+        for path, body, headers in calls:
+            status, message = error_of(address, "POST", path, body, headers)
+            assert status == 401, (path, status, message)
+            status, _ = error_of(address, "POST", path, body,
+                                 {"Authorization": "Bearer wrong"})
+            assert status == 403, (path, status)
+        status, _ = error_of(address, "POST", "/v2/models/add_sub/infer", b"{not json",
+                             {"Authorization": "Bearer right"})
+        assert status == 400  # with the credential, the body is read and refused
+        assert send(address, "POST", "/v2/models/add_sub/infer", add_sub_body(),
+                    {"Authorization": "Bearer right"})[0] == 200

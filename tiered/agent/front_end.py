@@ -68,7 +68,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
 # Calls that need an inference, a shared-memory or an admin credential
 # (checked here, where the client's address, metadata and certificate are seen).
-_NEEDS_INFERENCE = frozenset(_INFERENCE + m for m in ("ModelInfer", "ModelStreamInfer"))
+_NEEDS_INFERENCE = frozenset(_INFERENCE + m for m in ("ModelInfer", "ModelStreamInfer",
+                                                      "RepositoryIndex"))
 _NEEDS_SHARED_MEMORY = frozenset(_INFERENCE + m for m in (
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"))

@@ -192,7 +192,8 @@ async def _serve(settings: AgentSettings, private: Path) -> None:
     rest_server = None
     if settings.http_port is not None:
         door = rest.RestFrontDoor(http_servicer, max_body_bytes=limits.max_message_bytes,
-                                  max_in_flight=limits.max_concurrent_rpcs)
+                                  max_in_flight=limits.max_concurrent_rpcs,
+                                  authorizer=settings.authorizer)
         try:
             rest_server = await rest.serve(door, settings.host, settings.http_port,
                                            settings.security.server_ssl_context(),

@@ -255,6 +255,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def RepositoryIndex(self, request, context):
+        self.authorizer.require_inference(context)
         rows = self.repository.index(ready_only=request.ready)
         return pb.RepositoryIndexResponse(
             models=[

@@ -40,6 +40,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from tiered.errors import ConfigError, InvalidArgument
 from tiered.protocol import codec, messages, status
 from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol.security import Authorizer
 
 log = logging.getLogger(__name__)
 
@@ -486,15 +487,25 @@ class RestFrontDoor:
     """The v2 REST endpoints over one servicer (the agent's or the router's).
 
     `infer`: the servicer's ModelInfer as message in, message out, where it is
-    not that already (`over_bytes`)."""
+    not that already (`over_bytes`). `authorizer`: the credentials a call's
+    body is read only after (the servicer checks them again, as for gRPC);
+    None where the servicer checks none."""
 
     def __init__(self, servicer, *, max_body_bytes: int, max_in_flight: int,
-                 infer: Infer | None = None) -> None:
+                 infer: Infer | None = None, authorizer: Authorizer | None = None) -> None:
         self.servicer = servicer
         self.infer_method = infer or servicer.ModelInfer
         self.max_body_bytes = max_body_bytes
         self.max_in_flight = max_in_flight
+        self.authorizer = authorizer
         self._in_flight = 0
+
+    async def _body(self, request: web.Request, role: str) -> bytes:
+        """The request's body, read once the caller holds `role` (inference,
+        admin, shared_memory): an unauthorized body is never read or parsed."""
+        if self.authorizer is not None:
+            getattr(self.authorizer, f"require_{role}")(_Context(request))
+        return await request.read()
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard])
@@ -625,7 +636,7 @@ class RestFrontDoor:
 
     async def infer(self, request: web.Request) -> web.Response:
         name, version = self._model(request)
-        body = await request.read()
+        body = await self._body(request, "inference")
         message, binary = infer_request(
             name, version, body, _json_length(request.headers.get(HEADER_LENGTH), len(body)))
         answer = await self._call(self.infer_method, message, request)
@@ -642,7 +653,7 @@ class RestFrontDoor:
     async def generate(self, request: web.Request) -> web.Response:
         """The whole answer of a generate body, as JSON."""
         name, version = self._model(request)
-        message = generate_request(name, version, await request.read())
+        message = generate_request(name, version, await self._body(request, "inference"))
         return _json(generate_json(await self._call(self.infer_method, message, request)))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
@@ -650,7 +661,7 @@ class RestFrontDoor:
         (a token, for a generative model). An error before the first is an
         HTTP error; one after it, an event of its own that ends the stream."""
         name, version = self._model(request)
-        message = generate_request(name, version, await request.read())
+        message = generate_request(name, version, await self._body(request, "inference"))
 
         async def requests():
             yield message
@@ -682,7 +693,7 @@ class RestFrontDoor:
     # -- repository
 
     async def repository_index(self, request: web.Request) -> web.Response:
-        document = _body_object(await request.read())
+        document = _body_object(await self._body(request, "inference"))
         ready = document.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidArgument(f"ready: expected a boolean, got {ready!r}")
@@ -691,7 +702,7 @@ class RestFrontDoor:
         return _json([message_json(model) for model in answer.models])
 
     async def load(self, request: web.Request) -> web.Response:
-        document = _body_object(await request.read())
+        document = _body_object(await self._body(request, "admin"))
         unload = request.path.endswith("/unload")
         message = (pb.RepositoryModelUnloadRequest if unload else pb.RepositoryModelLoadRequest)(
             model_name=request.match_info["model"])
@@ -727,7 +738,7 @@ class RestFrontDoor:
 
     async def shared_memory_register(self, request: web.Request) -> web.Response:
         region = request.match_info["region"]
-        document = _body_object(await request.read())
+        document = _body_object(await self._body(request, "shared_memory"))
         if self._cuda(request):
             handle = _object(document.get("raw_handle"), "raw_handle")
             try:

@@ -38,14 +38,26 @@ def register(commands: argparse._SubParsersAction) -> None:
     router.add_argument("--seed", type=int, default=None,
                         help="seed of the split for requests without a tiered-key")
     flags.add_tls_flags(router)
+    group = router.add_argument_group("authorization")
+    group.add_argument("--inference-token-file", type=Path, metavar="FILE",
+                       help="tokens (one per line) a client must send to infer through the "
+                       "router (authorization: Bearer TOKEN, gRPC and REST; default: open)")
+    group.add_argument("--agent-token-file", type=Path, metavar="FILE",
+                       help="the one token the router presents to its agents on every call "
+                       "(for agents started with --inference-token-file); a client's own "
+                       "token is not passed on")
     router.set_defaults(handler=_run_router)
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    from tiered.protocol.security import Authorizer, read_token, read_tokens
     from tiered.router import server as router_server
 
     try:
         transport = flags.security_from_args(args)
+        tokens = read_tokens(args.inference_token_file, "--inference-token-file")
+        agent_token = (read_token(args.agent_token_file, "--agent-token-file")
+                       if args.agent_token_file else None)
     except ConfigError as error:
         print(f"tiered router: {error}", file=sys.stderr)
         return 2
@@ -54,5 +66,6 @@ def _run_router(args: argparse.Namespace) -> int:
         routing_table=args.routing_table, host=args.host, port=args.port,
         metrics_port=None if args.no_metrics else args.metrics_port,
         http_port=None if args.no_http else args.http_port, seed=args.seed,
-        security=transport,
+        security=transport, authorizer=Authorizer(inference_tokens=tokens or None),
+        agent_token=agent_token,
     ))

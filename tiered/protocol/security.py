@@ -112,15 +112,50 @@ def add_port(server, address: str, security: TransportSecurity) -> int:
 
 
 def channel(address: str, security: TransportSecurity, options: Sequence = (),
-            aio: bool = False):
-    """A channel to `address` with this process's credentials."""
+            aio: bool = False, token: str | None = None):
+    """A channel to `address` with this process's credentials; with `token`
+    (aio only), every call on it carries `authorization: Bearer TOKEN`."""
     module = grpc.aio if aio else grpc
+    extra = {"interceptors": [BearerToken(token)]} if token and aio else {}
     credentials = security.channel_credentials()
     if credentials is None:
-        return module.insecure_channel(address, options=list(options))
+        return module.insecure_channel(address, options=list(options), **extra)
     if security.server_name:
         options = [*options, ("grpc.ssl_target_name_override", security.server_name)]
-    return module.secure_channel(address, credentials, options=list(options))
+    return module.secure_channel(address, credentials, options=list(options), **extra)
+
+
+class BearerToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
+                  grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    """Every call on a channel presents this process's token (in place of any
+    `authorization` the call had): the router's own identity to its agents."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):
+        metadata = [(k, v) for k, v in details.metadata or () if k != "authorization"]
+        return details._replace(metadata=grpc.aio.Metadata(*metadata, self._header))
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation, details, requests):
+        return await continuation(self._details(details), requests)
+
+    async def intercept_stream_stream(self, continuation, details, requests):
+        return await continuation(self._details(details), requests)
+
+
+def read_token(path: Path, flag: str) -> str:
+    """The one token a file holds, for a process to present."""
+    tokens = read_tokens(path, flag)
+    if len(tokens) != 1:
+        raise ConfigError(f"{flag}: {path} holds {len(tokens)} tokens; give the one to present")
+    return next(iter(tokens))
 
 
 def read_tokens(path: Path | None, flag: str) -> frozenset[str]:

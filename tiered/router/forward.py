@@ -123,8 +123,10 @@ def parse_response(raw: bytes, agent: str) -> pb.ModelInferResponse:
 class ChannelPool:
     """One channel per agent address, reused by every call to it."""
 
-    def __init__(self, transport: security.TransportSecurity = security.PLAINTEXT) -> None:
+    def __init__(self, transport: security.TransportSecurity = security.PLAINTEXT,
+                 token: str | None = None) -> None:
         self.transport = transport  # agents are checked against its CA; mTLS with its cert
+        self.token = token  # presented to agents on every call, where they require one
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.GRPCInferenceServiceStub] = {}
         self._infers: dict[str, RawInfer] = {}
@@ -138,7 +140,7 @@ class ChannelPool:
 
     def dial(self, agent: str) -> grpc.aio.Channel:
         """A new channel, not kept here (the telemetry poller's, to one pod)."""
-        return security.channel(agent, self.transport, aio=True, options=[
+        return security.channel(agent, self.transport, aio=True, token=self.token, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # A name that resolves to many agents (a headless Service) is

@@ -29,7 +29,7 @@ from tiered import errors
 from tiered.protocol import descriptors, drain, rest, routing, security
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.handlers import GenericOnly
-from tiered.protocol.security import PLAINTEXT, TransportSecurity
+from tiered.protocol.security import PLAINTEXT, Authorizer, TransportSecurity
 from tiered.router import dataplane, forward, observations, servicer
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class RouterSettings:
     http_port: int | None = None  # KServe v2 REST; None: off, 0: any free port
     seed: int | None = None  # rng seed for reproducible splits without keys
     security: TransportSecurity = PLAINTEXT  # the router's port and its channels to agents
+    authorizer: Authorizer = Authorizer()  # who may infer through it (default: open)
+    agent_token: str | None = None  # presented to agents that require a token
 
 
 async def watch_table(router: dataplane.Router, path: Path, seen: tuple[int, int] | None,
@@ -119,13 +121,13 @@ async def _serve(settings: RouterSettings, own: str) -> None:
     stamp = _stamp(settings.routing_table)
     table = read_table(settings.routing_table)
     router = dataplane.Router(table, rng=random.Random(settings.seed),
-                              transport=settings.security)
+                              transport=settings.security, agent_token=settings.agent_token)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", forward.MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", forward.MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ], maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
-    inference = servicer.RouterServicer(router)
+    inference = servicer.RouterServicer(router, settings.authorizer)
     servicer.add_to_server(inference, server)
     services = GenericOnly(server)
     tpb_grpc.add_TelemetryServicer_to_server(servicer.TelemetryServicer(router), services)
@@ -145,7 +147,8 @@ async def _serve(settings: RouterSettings, own: str) -> None:
     if settings.http_port is not None:
         door = rest.RestFrontDoor(inference, max_body_bytes=forward.MAX_MESSAGE_BYTES,
                                   max_in_flight=MAX_CONCURRENT_RPCS,
-                                  infer=rest.over_bytes(inference.ModelInfer))
+                                  infer=rest.over_bytes(inference.ModelInfer),
+                                  authorizer=settings.authorizer)
         try:
             rest_server = await rest.serve(door, settings.host, settings.http_port,
                                            settings.security.server_ssl_context(), DRAIN_S)

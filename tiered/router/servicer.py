@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 
 import tiered
 from tiered import errors
-from tiered.protocol import descriptors
+from tiered.protocol import descriptors, security
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2 as tpb
@@ -35,8 +35,10 @@ PLACEMENT = ("the router does not load or unload models: placement is the contro
 class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
     """Convert, call the router, convert. Unlisted Triton methods: UNIMPLEMENTED."""
 
-    def __init__(self, router: dataplane.Router) -> None:
+    def __init__(self, router: dataplane.Router,
+                 authorizer: security.Authorizer = security.Authorizer()) -> None:
         self.router = router
+        self.authorizer = authorizer  # inference credentials, checked as agents check them
         self.serving = True
 
     @translate_errors
@@ -69,6 +71,7 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def ModelInfer(self, request: bytes, context) -> bytes:
+        self.authorizer.require_inference(context)
         answer = await self.router.infer(parse_request(request), request,
                                          context.invocation_metadata(), context.time_remaining())
         return answer.raw
@@ -84,6 +87,7 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def RepositoryIndex(self, request, context):
+        self.authorizer.require_inference(context)
         models = sorted(self.router.table.models)
         ready = await asyncio.gather(*(self.router.model_ready(m) for m in models))
         rows = [pb.RepositoryIndexResponse.ModelIndex(
@@ -116,6 +120,7 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
         metadata = context.invocation_metadata()
 
         async def infer(request: pb.ModelInferRequest):
+            self.authorizer.require_inference(context)  # refused in the stream, per request
             raw = request.SerializeToString()
             if await self.router.is_decoupled(request.model_name):
                 return self.router.stream(request, raw, metadata, context.time_remaining())

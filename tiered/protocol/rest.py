@@ -488,22 +488,24 @@ class RestFrontDoor:
 
     `infer`: the servicer's ModelInfer as message in, message out, where it is
     not that already (`over_bytes`). `authorizer`: the credentials a call's
-    body is read only after (the servicer checks them again, as for gRPC);
-    None where the servicer checks none."""
+    body is read only after, for the `roles` the servicer checks (it checks
+    them again, as for gRPC); None where it checks none."""
 
     def __init__(self, servicer, *, max_body_bytes: int, max_in_flight: int,
-                 infer: Infer | None = None, authorizer: Authorizer | None = None) -> None:
+                 infer: Infer | None = None, authorizer: Authorizer | None = None,
+                 roles: tuple[str, ...] = ("inference", "admin", "shared_memory")) -> None:
         self.servicer = servicer
         self.infer_method = infer or servicer.ModelInfer
         self.max_body_bytes = max_body_bytes
         self.max_in_flight = max_in_flight
         self.authorizer = authorizer
+        self.roles = roles
         self._in_flight = 0
 
     async def _body(self, request: web.Request, role: str) -> bytes:
         """The request's body, read once the caller holds `role` (inference,
         admin, shared_memory): an unauthorized body is never read or parsed."""
-        if self.authorizer is not None:
+        if self.authorizer is not None and role in self.roles:
             getattr(self.authorizer, f"require_{role}")(_Context(request))
         return await request.read()
 

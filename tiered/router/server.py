@@ -148,7 +148,8 @@ async def _serve(settings: RouterSettings, own: str) -> None:
         door = rest.RestFrontDoor(inference, max_body_bytes=forward.MAX_MESSAGE_BYTES,
                                   max_in_flight=MAX_CONCURRENT_RPCS,
                                   infer=rest.over_bytes(inference.ModelInfer),
-                                  authorizer=settings.authorizer)
+                                  # loads and shared memory: answered 501 by the router
+                                  authorizer=settings.authorizer, roles=("inference",))
         try:
             rest_server = await rest.serve(door, settings.host, settings.http_port,
                                            settings.security.server_ssl_context(), DRAIN_S)

@@ -14,7 +14,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "demo",
         help="run the whole system locally: serve digits v1 on three tiers, promote v2, "
         "roll back a heavier v3; the same for a tiny Llama beside it; write reports",
-        description="End to end on this machine (about 5 minutes on 2 cores): trains the "
+        description="End to end on this machine (4-5 minutes on 2 cores): trains the "
         "sample digits models into build/models (once), starts an agent per tier, the "
         "router and the controller, sends traffic with tritonclient, applies "
         "examples/digits-v2.yaml (promoted) and examples/digits-v3.yaml (rolled back), "

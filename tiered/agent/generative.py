@@ -29,10 +29,10 @@ from tiered.agent.generation import (
     GenerationRequest,
     parse_request,
 )
-from tiered.agent.model import Admissions
+from tiered.agent.model import Admissions, record_failure
 from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
 from tiered.engines.generative.base import GenerativeEngine
-from tiered.errors import ConfigError, TieredError, caused_by_client
+from tiered.errors import ConfigError, TieredError
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
 from tiered.telemetry.token_stats import TokenStats
@@ -115,11 +115,7 @@ class GenerativeVersion:
         self._failed(0, error)
 
     def _failed(self, elapsed_ns: int, error: TieredError) -> None:
-        """Triton's statistics count every failure; the telemetry the rollout
-        judge reads counts what the client caused apart."""
-        self.stats.request_failed(elapsed_ns, _now_ms())
-        if self.recorder is not None:
-            self.recorder.request_failed(elapsed_ns / 1e9, by_client=caused_by_client(error))
+        record_failure(self.stats, self.recorder, elapsed_ns, error)
 
     def _stepped(self, seconds: float, sequences: int) -> None:
         self.stats.batch_executed(sequences, BatchTiming(0, int(seconds * 1e9), 0))

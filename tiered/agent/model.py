@@ -157,6 +157,15 @@ class Lane:
         return None if self.down else self.batcher.load
 
 
+def record_failure(stats: InferenceStats, recorder: VersionRecorder | None, elapsed_ns: int,
+                   error: TieredError) -> None:
+    """A version's failed request. Triton's statistics count every failure;
+    the telemetry the rollout judge reads counts what the client caused apart."""
+    stats.request_failed(elapsed_ns, _now_ms())
+    if recorder is not None:
+        recorder.request_failed(elapsed_ns / 1e9, by_client=caused_by_client(error))
+
+
 class ModelVersion:
     """Created and used on the agent's event loop.
 
@@ -233,11 +242,7 @@ class ModelVersion:
             self.recorder.batch_ran(timing.infer_ns / 1e9, device, size)
 
     def _failed(self, elapsed_ns: int, error: TieredError) -> None:
-        """Triton's statistics count every failure; the telemetry the rollout
-        judge reads counts what the client caused apart."""
-        self.stats.request_failed(elapsed_ns, _now_ms())
-        if self.recorder is not None:
-            self.recorder.request_failed(elapsed_ns / 1e9, by_client=caused_by_client(error))
+        record_failure(self.stats, self.recorder, elapsed_ns, error)
 
     def count_rejected(self, error: TieredError) -> None:
         """A request for this version that could not even be decoded."""

@@ -193,16 +193,21 @@ def test_heavy_costs_many_times_v1_in_plain_ops(tmp_path: Path) -> None:
     assert heavy.macs >= 10 * v1.macs
     # Exported untrained: its graph and cost are what matter here, not its answers
     # (training it takes ~15 s on one core: `tiered models digits --variant heavy`).
-    module = digits.build_network(heavy).eval()
+    trained = digits.build_network(heavy).eval()
+    module = digits.with_identity_layers(trained, heavy).eval()
     parameters = sum(p.numel() for p in module.parameters())
     untrained = digits.TrainedDigits(heavy, module, 0.0, 0.0, parameters)
     path = digits.export_digits(untrained, tmp_path / "digits-heavy.onnx")
     model = onnx.load(path)
     assert {node.op_type for node in model.graph.node} <= PLAIN_OPS
     convs = sum(node.op_type == "Conv" for node in model.graph.node)
-    assert convs == len(heavy.stem) + len(heavy.body) == 4
+    assert convs == len(heavy.stem) + len(heavy.body) + heavy.identity_layers == 44
+    weights = {tensor.name for tensor in model.graph.initializer}  # as the torch engine reads
+    assert all(node.input[1] in weights for node in model.graph.node if node.op_type == "Conv")
     x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
     np.testing.assert_allclose(_onnx_logits(path, x), _torch_logits(module, x), atol=1e-4)
+    # The identity convs change no answer: the served network is the trained one.
+    np.testing.assert_allclose(_torch_logits(module, x), _torch_logits(trained, x), atol=1e-5)
 
 
 def test_unknown_variant_is_rejected_by_name(split) -> None:

@@ -443,7 +443,8 @@ def test_router_reads_the_routing_configmap_and_probes_grpc_health(any_render):
     c = container(router, "router")
     assert c["args"] == ["router", "--routing-table", "/etc/tiered/routing/routing.yaml",
                          "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8003",
-                         "--http-port", "8000", *security_args(c, server=True)]
+                         "--http-port", "8000", "--max-message-bytes", "67108864",
+                         "--max-json-bytes", "4194304", *security_args(c, server=True)]
     routing = mounts(c)["/etc/tiered/routing"]
     # A subPath mount would never see the controller's rewrites.
     assert "subPath" not in routing and routing["readOnly"] is True

@@ -419,13 +419,16 @@ def test_perf_analyzer_runs_over_http(agent, tmp_path, memory):
 
 @pytest.fixture(scope="module")
 def guarded_agent(shared_repository, tmp_path_factory):
-    """Inference needs a token, load an admin's; messages above 64 KiB are refused;
-    one front end, so REST's checks are the engine process's own."""
+    """Inference needs a token, load an admin's; messages above 64 KiB are refused,
+    and JSON above 4 KiB; one front end, so REST's checks are the engine process's own."""
     directory = tmp_path_factory.mktemp("guarded")
     profile = directory / "edge.yaml"
     edge = Path(__file__).resolve().parents[2] / "tiered" / "profiles" / "edge.yaml"
-    profile.write_text(edge.read_text().replace("max_message_bytes: 67108864",
-                                                "max_message_bytes: 65536"))
+    text = edge.read_text()
+    limited = text.replace("max_message_bytes: 67108864", "max_message_bytes: 65536") \
+        .replace("max_json_bytes: 4194304", "max_json_bytes: 4096")
+    assert limited.count("65536") == text.count("65536") + 1 and "4096 " in limited
+    profile.write_text(limited)
     (directory / "inference").write_text("reader-token\n")
     (directory / "admin").write_text("admin-token\n")
     with AgentProcess("edge", shared_repository, admin_token_file=directory / "admin",
@@ -483,6 +486,32 @@ def test_a_body_above_the_message_limit_is_refused_and_the_agent_serves_on(guard
             is not None
 
 
+def json_beyond_the_limit(server, auth: dict[str, str]) -> None:
+    """A tensor whose JSON is above the server's 4 KiB JSON limit is refused
+    with 413 naming the binary extension; as binary data it is answered."""
+    rows = np.full((8, 16), 0.123456789, np.float32)  # ~19 characters a number in JSON
+    body = json.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": list(rows.shape),
+                                   "data": rows.ravel().tolist()}
+                                  for n in ("INPUT0", "INPUT1")]}).encode()
+    assert 4096 < len(body) < 65536
+    status, message = error_of(server.http_address, "POST", "/v2/models/add_sub/infer", body,
+                               auth)
+    assert status == 413 and "request JSON" in message and "4096" in message \
+        and "binary" in message, message
+    generate = json.dumps({"text_input": "x" * 5000}).encode()
+    status, message = error_of(server.http_address, "POST", "/v2/models/add_sub/generate",
+                               generate, auth)
+    assert status == 413 and "4096" in message, message
+    with httpclient.InferenceServerClient(server.http_address) as client:
+        answer = client.infer("add_sub", [http_input("INPUT0", rows), http_input("INPUT1", rows)],
+                              headers=auth)
+        np.testing.assert_allclose(answer.as_numpy("OUTPUT0"), rows + rows)
+
+
+def test_json_above_the_json_limit_is_refused_and_binary_data_is_not(guarded_agent):
+    json_beyond_the_limit(guarded_agent, {"Authorization": "Bearer reader-token"})
+
+
 # -- the router -----------------------------------------------------------------------
 
 
@@ -494,6 +523,32 @@ def router(agent_in_one_process, tmp_path_factory):
         for model in ("add_sub", "mlp")}}))
     with RouterProcess(table, metrics_port=None) as process:
         yield process
+
+
+@pytest.fixture(scope="module")
+def limited_router(agent_in_one_process, tmp_path_factory):
+    """A router that takes messages up to 64 KiB and JSON up to 4 KiB."""
+    table = tmp_path_factory.mktemp("limited-router") / "table.json"
+    table.write_text(json.dumps({"version": 1, "models": {"add_sub": {"tiers": {"edge": {
+        "agents": [agent_in_one_process.address]}}}}}))
+    with RouterProcess(table, metrics_port=None, extra_args=[
+            "--max-message-bytes", "65536", "--max-json-bytes", "4096"]) as process:
+        yield process
+
+
+def test_the_routers_limits_refuse_larger_requests_and_it_serves_on(limited_router):
+    json_beyond_the_limit(limited_router, {})
+    large = np.ones((1100, 16), np.float32)  # 70 kB a tensor
+    with grpcclient.InferenceServerClient(limited_router.address) as client:
+        refused = failure(lambda: client.infer("add_sub", [grpc_input("INPUT0", large),
+                                                           grpc_input("INPUT1", large)]))
+        assert refused.status() == "StatusCode.RESOURCE_EXHAUSTED", refused
+        small = np.ones((1, 16), np.float32)
+        answer = client.infer("add_sub", [grpc_input("INPUT0", small), grpc_input("INPUT1", small)])
+        np.testing.assert_allclose(answer.as_numpy("OUTPUT0"), small + small)
+    status, message = error_of(limited_router.http_address, "POST",
+                               "/v2/models/add_sub/infer", b"x" * 70_000)
+    assert status == 413 and "65536" in message, message
 
 
 def test_the_router_forwards_rest_requests_to_agents(router, shared_repository):

@@ -21,7 +21,7 @@ import tritonclient.utils.shared_memory as shm  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tests.conftest import EITHER_AGENT, either_agent  # noqa: E402
-from tiered.agent.shared_memory import MAX_REGIONS  # noqa: E402
+from tiered.agent.shared_memory import MAX_REGIONS_PER_CALLER  # noqa: E402
 from tiered.local.processes import AgentProcess, RouterProcess  # noqa: E402
 
 BYTES = 16 * 4  # one FP32 [1, 16] tensor
@@ -224,11 +224,82 @@ def test_regions_are_registered_only_from_this_host_and_with_a_role(shared_repos
             local.unregister_system_shared_memory(headers=as_shm)
 
 
+@pytest.fixture(scope="module", params=[[], ["--front-ends", "2"]], ids=EITHER_AGENT)
+def agent_with_tokens(shared_repository, tmp_path_factory, request):
+    """An agent whose shared memory needs one of two tokens (two callers),
+    and whose inference needs a third."""
+    directory = tmp_path_factory.mktemp("shm-tokens")
+    (directory / "shm").write_text("alice\nbob\n")
+    (directory / "inference").write_text("carol\n")
+    with AgentProcess("edge", shared_repository, extra_args=[
+            "--shared-memory-token-file", str(directory / "shm"),
+            "--inference-token-file", str(directory / "inference"), *request.param]) as agent:
+        yield agent
+
+
+def as_(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+def test_a_region_is_seen_removed_and_named_by_its_caller_only(agent_with_tokens, regions):
+    with grpcclient.InferenceServerClient(agent_with_tokens.address) as client:
+        # Both register "r" (each its own); each sees only its own.
+        file_a, _ = regions()
+        file_b, _ = regions()
+        client.register_system_shared_memory("r", f"/{file_a}", BYTES, headers=as_("alice"))
+        client.register_system_shared_memory("r", f"/{file_b}", BYTES, headers=as_("bob"))
+        client.register_system_shared_memory("only-alice", f"/{file_a}", BYTES,
+                                             headers=as_("alice"))
+        seen = client.get_system_shared_memory_status(headers=as_("bob"), as_json=True)
+        assert list(seen["regions"]) == ["r"] and seen["regions"]["r"]["key"] == f"/{file_b}"
+        with pytest.raises(InferenceServerException) as caught:
+            client.get_system_shared_memory_status("only-alice", headers=as_("bob"))
+        assert status_code(caught) == "StatusCode.NOT_FOUND"
+        # Bob names Alice's region in a tensor: as if it did not exist.
+        first = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+        first.set_shared_memory("only-alice", BYTES)
+        second = grpcclient.InferInput("INPUT1", [1, 16], "FP32")
+        second.set_data_from_numpy(np.ones((1, 16), np.float32))
+        for token in ("bob", "carol"):  # a shared-memory token, an inference token
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer("add_sub", [first, second], headers=as_(token))
+            assert status_code(caught) == "StatusCode.INVALID_ARGUMENT"
+            assert "no shared-memory region 'only-alice'" in caught.value.message()
+        # Alice names it: read from her file, which holds zeros.
+        answer = client.infer("add_sub", [first, second], headers=as_("alice"))
+        np.testing.assert_array_equal(answer.as_numpy("OUTPUT0"), np.ones((1, 16), np.float32))
+        # Bob's "unregister every region" leaves Alice's.
+        client.unregister_system_shared_memory(headers=as_("bob"))
+        assert client.get_system_shared_memory_status(headers=as_("bob"), as_json=True) \
+            .get("regions", {}) == {}
+        assert set(client.get_system_shared_memory_status(
+            headers=as_("alice"), as_json=True)["regions"]) == {"r", "only-alice"}
+        client.unregister_system_shared_memory(headers=as_("alice"))
+
+
+def test_one_caller_fills_only_its_own_share_of_the_registry(agent_with_tokens, regions):
+    name, _ = regions()
+    with grpcclient.InferenceServerClient(agent_with_tokens.address) as client:
+        for index in range(MAX_REGIONS_PER_CALLER):
+            client.register_system_shared_memory(f"r{index}", f"/{name}", BYTES,
+                                                 headers=as_("alice"))
+        with pytest.raises(InferenceServerException) as caught:
+            client.register_system_shared_memory("one-too-many", f"/{name}", BYTES,
+                                                 headers=as_("alice"))
+        assert status_code(caught) == "StatusCode.INVALID_ARGUMENT"
+        assert "the most one caller keeps" in caught.value.message()
+        client.register_system_shared_memory("r0", f"/{name}", BYTES, headers=as_("bob"))
+        client.unregister_system_shared_memory(headers=as_("alice"))
+        client.unregister_system_shared_memory(headers=as_("bob"))
+
+
 def test_the_registry_is_bounded(agent, regions):
+    """Without credentials every client is one caller, bounded by its share
+    (the bound on all callers together: tests/unit/test_shared_memory.py)."""
     name, _ = regions()
     with grpcclient.InferenceServerClient(agent.address) as client:
         client.unregister_system_shared_memory()
-        for index in range(MAX_REGIONS):
+        for index in range(MAX_REGIONS_PER_CALLER):
             client.register_system_shared_memory(f"r{index}", f"/{name}", BYTES)
         with pytest.raises(InferenceServerException) as caught:
             client.register_system_shared_memory("one-too-many", f"/{name}", BYTES)

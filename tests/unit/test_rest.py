@@ -209,6 +209,64 @@ def test_requests_beyond_the_in_flight_limit_get_429_and_errors_keep_their_messa
     asyncio.run(scenario())
 
 
+def test_a_body_sent_too_slowly_gets_408_and_health_is_answered_beside_a_full_door():
+    class Live(Stalled):
+        async def ServerLive(self, request, context):
+            return pb.ServerLiveResponse(live=True)
+
+    async def scenario():
+        servicer = Live()
+        door = rest.RestFrontDoor(servicer, max_body_bytes=4096, max_in_flight=1)
+        door.body_read_s = 0.3
+        async with TestServer(door.application()) as server:
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"inputs\"")  # and no more
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            message = json.loads(await reader.readexactly(length))["error"]
+            assert head.startswith(b"HTTP/1.1 408") and "within 0.3 s" in message, head
+            writer.close()
+            async with TestClient(server) as client:
+                body = json.dumps({"inputs": []})
+                held = asyncio.ensure_future(client.post("/v2/models/m/infer", data=body))
+                await servicer.entered.wait()  # the one slot is taken
+                assert (await client.post("/v2/models/m/infer", data=body)).status == 429
+                assert (await client.get("/v2/health/live")).status == 200
+                servicer.release.set()
+                assert (await held).status == 200
+
+    asyncio.run(scenario())
+
+
+def test_only_the_json_part_of_a_body_is_held_to_the_json_limit():
+    async def scenario():
+        servicer = Stalled()
+        servicer.release.set()
+        door = rest.RestFrontDoor(servicer, max_body_bytes=4096, max_json_bytes=256,
+                                  max_in_flight=4)
+        data = np.zeros(200, "<f4").tobytes()  # 800 bytes, beyond the JSON limit
+        body, length = binary_request(data, inputs=[{"name": "x", "datatype": "FP32",
+                                                      "shape": [200], "parameters": {
+                                                          "binary_data_size": len(data)}}])
+        async with TestClient(TestServer(door.application())) as client:
+            binary = await client.post("/v2/models/m/infer", data=body,
+                                       headers={rest.HEADER_LENGTH: str(length)})
+            assert binary.status == 200, await binary.text()
+            as_json = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [200],
+                                              "data": [0.0] * 200}]})
+            refused = await client.post("/v2/models/m/infer", data=as_json)
+            message = (await refused.json())["error"]
+            assert refused.status == 413 and f"({len(as_json)} bytes)" in message \
+                and "256 bytes" in message and rest.HEADER_LENGTH in message
+            generate = await client.post("/v2/models/m/generate",
+                                         data=json.dumps({"text_input": "x" * 300}))
+            assert generate.status == 413 and "256 bytes" in (await generate.json())["error"]
+
+    asyncio.run(scenario())
+
+
 def test_a_generate_body_becomes_typed_inputs_and_parameters():
     body = json.dumps({"text_input": "hi", "max_tokens": 5, "temperature": 0.5,
                        "stop": ["a", "b"], "flag": True, "id": "r7",

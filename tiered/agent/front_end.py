@@ -41,8 +41,8 @@ from tiered.agent.feed import Arena, FedError, FeedClient
 from tiered.errors import ConfigError, TieredError
 from tiered.protocol import descriptors, drain
 from tiered.protocol import grpc_service_pb2 as pb
-from tiered.protocol.handlers import seconds_left
-from tiered.protocol.security import Authorizer, TransportSecurity, add_port
+from tiered.protocol.handlers import SERVER_OPTIONS, seconds_left
+from tiered.protocol.security import CALLER, Authorizer, TransportSecurity, add_port, claim
 from tiered.protocol.status import describe, status_code
 from tiered.protocol.streaming import answer_stream
 
@@ -56,14 +56,8 @@ PORT_WAIT_S = 5.0
 # that and this much more, it is killed.
 EXIT_SLACK_S = 5.0
 MIN_CORES = 4  # below this a profile's front ends are not started
-MAX_STREAM_IN_FLIGHT = 256
 DECOUPLED_TTL_S = 5.0  # how long a front end trusts what it learned of a model
 DECOUPLED_MODELS = 1024  # models it remembers at most
-# The router pings its agents every second (HTTP/2 keepalive) to find a hung
-# one; a gRPC server answers pings more often than every 5 minutes with
-# GOAWAY. Every server of an agent (this one and the engine process's) allows them.
-KEEPALIVE_PERMIT = [("grpc.http2.min_ping_interval_without_data_ms", 500),
-                    ("grpc.http2.max_ping_strikes", 0)]
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
 # Calls that need an inference, a shared-memory or an admin credential
@@ -206,9 +200,12 @@ class FrontEnds:
 
 # -- a front-end process -------------------------------------------------------------
 
-def _forwarded(metadata) -> list[tuple[str, str | bytes]]:
-    return [(key, value) for key, value in metadata or ()
-            if not key.startswith((":", "grpc-")) and key != "user-agent"]
+def _forwarded(context, authorizer: Authorizer) -> list[tuple[str, str | bytes]]:
+    """A call's metadata as passed on to the engine process: its caller as
+    found here (CALLER) in place of anything the client sent under that name."""
+    return [(key, value) for key, value in context.invocation_metadata() or ()
+            if not key.startswith((":", "grpc-")) and key not in ("user-agent", CALLER)] \
+        + [(CALLER, authorizer.caller(context))]
 
 
 class _Handlers(grpc.GenericRpcHandler):
@@ -267,7 +264,7 @@ class _Handlers(grpc.GenericRpcHandler):
             _INFERENCE + "ModelStreamInfer",
             request_serializer=pb.ModelInferRequest.SerializeToString,
             response_deserializer=pb.ModelStreamInferResponse.FromString,
-        )(iter([request]), metadata=_forwarded(context.invocation_metadata()),
+        )(iter([request]), metadata=_forwarded(context, self._authorizer),
           timeout=context.time_remaining())
         try:
             async for answer in call:
@@ -290,6 +287,7 @@ class _Handlers(grpc.GenericRpcHandler):
     async def _infer(self, request, context) -> bytes:
         try:
             self._authorizer.require_inference(context)
+            claim(request, self._authorizer.caller(context))
             return await self._feed.infer(request, seconds_left(context))
         except FedError as error:
             await context.abort(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), str(error))
@@ -301,17 +299,18 @@ class _Handlers(grpc.GenericRpcHandler):
             self._authorizer.require_inference(context)  # refused in the stream, per request
             if await self._is_decoupled(request):
                 return self._relay(request, context)
+            claim(request, self._authorizer.caller(context))
             try:
                 answer = await self._feed.infer(request, seconds_left(context))
             except FedError as error:
                 raise TieredError(str(error)) from error
             return pb.ModelInferResponse.FromString(answer)
 
-        async for response in answer_stream(requests, infer, MAX_STREAM_IN_FLIGHT):
+        async for response in answer_stream(requests, infer):
             yield response
 
     def _forwarder(self, path: str, client_streaming: bool, server_streaming: bool):
-        engine, check = self._engine, self._check
+        engine, check, authorizer = self._engine, self._check, self._authorizer
 
         async def abort_with(error: Exception, context) -> None:
             if isinstance(error, grpc.aio.AioRpcError):
@@ -320,7 +319,7 @@ class _Handlers(grpc.GenericRpcHandler):
 
         def call_options(context) -> dict:
             remaining = context.time_remaining()
-            return {"metadata": _forwarded(context.invocation_metadata()),
+            return {"metadata": _forwarded(context, authorizer),
                     "timeout": remaining}
 
         if not client_streaming and not server_streaming:
@@ -357,7 +356,7 @@ async def serve(settings: FrontEndSettings) -> int:
     options = [("grpc.max_receive_message_length", settings.max_message_bytes),
                ("grpc.max_send_message_length", settings.max_message_bytes)]
     engine = grpc.aio.insecure_channel(settings.engine, options=options)
-    server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1), *KEEPALIVE_PERMIT],
+    server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1), *SERVER_OPTIONS],
                              maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
     server.add_generic_rpc_handlers([_Handlers(feed, engine, settings.authorizer),
                                      drain.Marker()])

@@ -33,7 +33,6 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from tiered.agent.devices import DevicePool, nvml_gpu_count, resolve_devices
 from tiered.agent.feed import FeedServer
 from tiered.agent.front_end import (
-    KEEPALIVE_PERMIT,
     FrontEnds,
     FrontEndSettings,
     front_end_count,
@@ -48,7 +47,7 @@ from tiered.profiles import MiB, TierProfile
 from tiered.protocol import descriptors, drain, rest
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
-from tiered.protocol.handlers import GenericOnly
+from tiered.protocol.handlers import SERVER_OPTIONS, GenericOnly
 from tiered.protocol.security import (
     PLAINTEXT,
     TRUST_FRONT_ENDS,
@@ -86,7 +85,7 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),  # a second agent on a taken port must fail, not share it
-        *KEEPALIVE_PERMIT,
+        *SERVER_OPTIONS,
     ]
 
 
@@ -192,6 +191,7 @@ async def _serve(settings: AgentSettings, private: Path) -> None:
     rest_server = None
     if settings.http_port is not None:
         door = rest.RestFrontDoor(http_servicer, max_body_bytes=limits.max_message_bytes,
+                                  max_json_bytes=limits.max_json_bytes,
                                   max_in_flight=limits.max_concurrent_rpcs,
                                   authorizer=settings.authorizer)
         try:

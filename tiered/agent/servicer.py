@@ -26,13 +26,13 @@ from tiered.agent.generative import GenerativeVersion
 from tiered.agent.model import ModelVersion
 from tiered.agent.repository import ModelRepository
 from tiered.agent.scheduler import Piece
-from tiered.agent.shared_memory import SharedMemory
+from tiered.agent.shared_memory import CallerRegions, SharedMemory
 from tiered.errors import InvalidArgument, TieredError
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import messages
 from tiered.protocol.handlers import seconds_left
-from tiered.protocol.security import Authorizer
+from tiered.protocol.security import CALLER, Authorizer, claim
 from tiered.protocol.status import describe, translate_errors
 from tiered.protocol.streaming import answer_stream
 from tiered.telemetry.tracing import context_from_metadata
@@ -41,7 +41,6 @@ from tiered.telemetry.tracing import context_from_metadata
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
              "tensorrt": "tensorrt_plan", "onnxruntime-genai": "onnxruntime_genai",
              "torch-generative": "pytorch_libtorch"}
-MAX_STREAM_IN_FLIGHT = 256  # requests of one stream being answered at once
 WHOLE = 1 << 30  # ModelInfer's text: take every token ready at once
 
 
@@ -93,6 +92,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def ModelInfer(self, request, context):
         self.authorizer.require_inference(context)
+        claim(request, self.authorizer.caller(context))
         return await self.answer(request, seconds_left(context), context.invocation_metadata())
 
     async def ModelStreamInfer(
@@ -102,10 +102,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         def infer(request: pb.ModelInferRequest):
             self.authorizer.require_inference(context)  # refused in the stream, per request
+            claim(request, self.authorizer.caller(context))
             return self.answer_streamed(request, seconds_left(context), metadata)
 
         # grpc.aio wants the handler itself to be an async generator.
-        async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):
+        async for response in answer_stream(request_iterator, infer):
             yield response
 
     async def answer(self, request: pb.ModelInferRequest, seconds_left: float = math.inf,
@@ -164,7 +165,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _generation(self, model: GenerativeVersion, request: pb.ModelInferRequest,
                     raw: list | None = None) -> tuple[messages.InferCall, GenerationRequest]:
         try:
-            call = messages.decode_infer_request(request, self.shared_memory, raw)
+            call = messages.decode_infer_request(request, self._regions(request), raw)
             if call.output_regions:
                 raise InvalidArgument("outputs: a generative model answers in the message, "
                                       "not in shared memory")
@@ -228,15 +229,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         model = self.repository.get(request.model_name, request.model_version)
         if isinstance(model, GenerativeVersion):
             return await self._generate_whole(model, request, seconds_left, raw)
+        regions = self._regions(request)
         try:
-            call = messages.decode_infer_request(request, self.shared_memory, raw)
+            call = messages.decode_infer_request(request, regions, raw)
         except TieredError as error:
             model.count_rejected(error)
             raise
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
         outputs = await model.infer(call.inputs, call.outputs, deadline, self.tracer)
         return messages.encode_infer_response(call, model.config.name, model.version, outputs,
-                                              self.shared_memory)
+                                              regions)
+
+    def _regions(self, request: pb.ModelInferRequest) -> CallerRegions:
+        """The shared-memory regions of the request's caller (`claim`), whose
+        mark is taken off the request."""
+        caller = request.parameters[CALLER].string_param if CALLER in request.parameters else ""
+        if CALLER in request.parameters:
+            del request.parameters[CALLER]
+        return self.shared_memory.of(caller)
 
     @translate_errors
     async def ModelStatistics(self, request, context):
@@ -286,7 +296,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def SystemSharedMemoryStatus(self, request, context):
         self.authorizer.require_shared_memory(context)
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in self.shared_memory.system_status(request.name):
+        for region in self.shared_memory.system_status(self.authorizer.caller(context),
+                                                       request.name):
             response.regions[region.name].CopyFrom(
                 pb.SystemSharedMemoryStatusResponse.RegionStatus(
                     name=region.name, key=region.key, offset=region.offset,
@@ -296,21 +307,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def SystemSharedMemoryRegister(self, request, context):
         self.authorizer.require_shared_memory(context)
-        self.shared_memory.register_system(request.name, request.key, request.offset,
-                                           request.byte_size)
+        self.shared_memory.register_system(self.authorizer.caller(context), request.name,
+                                           request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @translate_errors
     async def SystemSharedMemoryUnregister(self, request, context):
         self.authorizer.require_shared_memory(context)
-        self.shared_memory.unregister_system(request.name)
+        self.shared_memory.unregister_system(self.authorizer.caller(context), request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @translate_errors
     async def CudaSharedMemoryStatus(self, request, context):
         self.authorizer.require_shared_memory(context)
         response = pb.CudaSharedMemoryStatusResponse()
-        for region in self.shared_memory.cuda_status(request.name):
+        for region in self.shared_memory.cuda_status(self.authorizer.caller(context),
+                                                     request.name):
             response.regions[region.name].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(
                 name=region.name, device_id=region.device_id, byte_size=region.byte_size))
         return response
@@ -318,12 +330,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def CudaSharedMemoryRegister(self, request, context):
         self.authorizer.require_shared_memory(context)
-        self.shared_memory.register_cuda(request.name, request.raw_handle, request.device_id,
+        self.shared_memory.register_cuda(self.authorizer.caller(context), request.name,
+                                         request.raw_handle, request.device_id,
                                          request.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()
 
     @translate_errors
     async def CudaSharedMemoryUnregister(self, request, context):
         self.authorizer.require_shared_memory(context)
-        self.shared_memory.unregister_cuda(request.name)
+        self.shared_memory.unregister_cuda(self.authorizer.caller(context), request.name)
         return pb.CudaSharedMemoryUnregisterResponse()

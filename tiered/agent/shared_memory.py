@@ -8,10 +8,14 @@ tensors whose parameters name it: `shared_memory_region`,
 read from the region; an output is written into its region, and the
 response carries its name, datatype and shape with no bytes.
 
-Everything a client names is checked before memory is touched: a key maps
-only a file directly under /dev/shm (no path, no symlink), a range must lie
-inside its region, a name registers once, and the registry holds at most
-`max_regions`. A system region is read and written through its file
+Regions belong to their caller (`tiered.protocol.security.Authorizer.caller`:
+its token, else its client certificate, else everyone without credentials):
+only it sees them, unregisters them and names them in its tensors, each
+caller's names apart from another's. Everything a client names is checked
+before memory is touched: a key maps only a file directly under /dev/shm (no
+path, no symlink), a range must lie inside its region, a name registers once
+per caller, and the registry holds at most `max_regions`, of which at most
+`max_per_caller` are one caller's. A system region is read and written through its file
 (pread/pwrite), never mapped: a client that truncates the file after
 registering it gets an error for its request, where a mapping would have
 killed the agent with SIGBUS.
@@ -34,7 +38,8 @@ from tiered.errors import AlreadyExists, InvalidArgument, NotFound
 from tiered.protocol import codec
 
 SHM_DIR = Path("/dev/shm")
-MAX_REGIONS = 256
+MAX_REGIONS = 256  # in all
+MAX_REGIONS_PER_CALLER = 64
 MAX_NAME_CHARS = 256
 REGION, BYTE_SIZE, OFFSET = (codec.SHARED_MEMORY_REGION, codec.SHARED_MEMORY_BYTE_SIZE,
                              codec.SHARED_MEMORY_OFFSET)
@@ -108,60 +113,81 @@ def _open(key: str, end: int) -> int:
 
 
 class SharedMemory:
-    """The agent's registered regions. Used from the server's event loop only."""
+    """The agent's registered regions, by caller. Used from the server's event loop only."""
 
-    def __init__(self, max_regions: int = MAX_REGIONS) -> None:
+    def __init__(self, max_regions: int = MAX_REGIONS,
+                 max_per_caller: int = MAX_REGIONS_PER_CALLER) -> None:
         self.max_regions = max_regions
-        self._system: dict[str, SystemRegion] = {}
-        self._cuda: dict[str, CudaRegion] = {}
+        self.max_per_caller = max_per_caller
+        self._system: dict[tuple[str, str], SystemRegion] = {}
+        self._cuda: dict[tuple[str, str], CudaRegion] = {}
 
     # -- registration ----------------------------------------------------------
 
-    def _check_new(self, name: str, byte_size: int) -> None:
+    def _check_new(self, caller: str, name: str, byte_size: int) -> None:
         if byte_size <= 0:
             raise InvalidArgument(f"region {name!r}: byte_size must be > 0")
         if not name or len(name) > MAX_NAME_CHARS:
             raise InvalidArgument(f"name: expected 1..{MAX_NAME_CHARS} characters")
-        if name in self._system or name in self._cuda:
+        if (caller, name) in self._system or (caller, name) in self._cuda:
             raise AlreadyExists(f"shared-memory region {name!r} is already registered")
         if len(self._system) + len(self._cuda) >= self.max_regions:
             raise InvalidArgument(f"shared memory: {self.max_regions} regions are registered, "
                                   "the most this agent keeps; unregister some first")
+        if sum(owner == caller for owner, _ in (*self._system, *self._cuda)) \
+                >= self.max_per_caller:
+            raise InvalidArgument(f"shared memory: you have {self.max_per_caller} regions "
+                                  "registered, the most one caller keeps; unregister some first")
 
-    def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        self._check_new(name, byte_size)
-        self._system[name] = SystemRegion(name, key, offset, byte_size,
-                                          _open(key, offset + byte_size))
+    def register_system(self, caller: str, name: str, key: str, offset: int,
+                        byte_size: int) -> None:
+        self._check_new(caller, name, byte_size)
+        self._system[caller, name] = SystemRegion(name, key, offset, byte_size,
+                                                  _open(key, offset + byte_size))
 
-    def register_cuda(self, name: str, raw_handle: bytes, device_id: int,
+    def register_cuda(self, caller: str, name: str, raw_handle: bytes, device_id: int,
                       byte_size: int) -> None:
-        self._check_new(name, byte_size)
-        self._cuda[name] = CudaRegion(name, device_id, byte_size,
-                                      open_cuda_handle(raw_handle, device_id, byte_size))
+        self._check_new(caller, name, byte_size)
+        self._cuda[caller, name] = CudaRegion(
+            name, device_id, byte_size, open_cuda_handle(raw_handle, device_id, byte_size))
 
-    def unregister_system(self, name: str) -> None:
-        """Empty name: every system region. An unknown name is not an error."""
-        for region in _take(self._system, name):
+    def unregister_system(self, caller: str, name: str) -> None:
+        """Empty name: every system region of the caller. An unknown name is not an error."""
+        for region in _take(self._system, caller, name):
             os.close(region.fd)
 
-    def unregister_cuda(self, name: str) -> None:
-        for region in _take(self._cuda, name):
+    def unregister_cuda(self, caller: str, name: str) -> None:
+        for region in _take(self._cuda, caller, name):
             close_cuda_handle(region.memory)
 
-    def system_status(self, name: str) -> list[SystemRegion]:
-        return self._status(self._system, name)
+    def system_status(self, caller: str, name: str) -> list[SystemRegion]:
+        return self._status(self._system, caller, name)
 
-    def cuda_status(self, name: str) -> list[CudaRegion]:
-        return self._status(self._cuda, name)
+    def cuda_status(self, caller: str, name: str) -> list[CudaRegion]:
+        return self._status(self._cuda, caller, name)
 
-    def _status(self, regions: Mapping, name: str) -> list:
+    @staticmethod
+    def _status(regions: Mapping, caller: str, name: str) -> list:
         if not name:
-            return list(regions.values())
-        if name not in regions:
+            return [region for (owner, _), region in regions.items() if owner == caller]
+        if (caller, name) not in regions:
             raise NotFound(f"no shared-memory region {name!r} is registered")
-        return [regions[name]]
+        return [regions[caller, name]]
 
-    # -- tensors ---------------------------------------------------------------
+    def of(self, caller: str) -> CallerRegions:
+        """The regions `caller` may name in its tensors."""
+        return CallerRegions(self, caller)
+
+    def find(self, caller: str, name: str) -> SystemRegion | CudaRegion | None:
+        return self._system.get((caller, name)) or self._cuda.get((caller, name))
+
+
+@dataclass(frozen=True)
+class CallerRegions:
+    """One caller's regions, as its tensors read and write them."""
+
+    registry: SharedMemory
+    caller: str
 
     def reference(self, parameters: Mapping[str, Any], field: str
                   ) -> tuple[SystemRegion | CudaRegion, int, int] | None:
@@ -176,7 +202,7 @@ class SharedMemory:
         for key, value in ((BYTE_SIZE, size), (OFFSET, offset)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f"{field}: {key} must be an integer >= 0, got {value!r}")
-        region = self._system.get(name) or self._cuda.get(name)
+        region = self.registry.find(self.caller, name)
         if region is None:
             raise InvalidArgument(f"{field}: no shared-memory region {name!r} is registered")
         if offset + size > region.byte_size:
@@ -217,13 +243,10 @@ class SharedMemory:
         return True
 
 
-def _take(regions: dict, name: str) -> list:
-    """Remove and return the named region (none if unknown), or every one."""
-    if name:
-        return [regions.pop(name)] if name in regions else []
-    taken = list(regions.values())
-    regions.clear()
-    return taken
+def _take(regions: dict, caller: str, name: str) -> list:
+    """Remove and return the caller's named region (none if unknown), or every one of its."""
+    keys = [(caller, name)] if name else [key for key in regions if key[0] == caller]
+    return [regions.pop(key) for key in keys if key in regions]
 
 
 # -- CUDA IPC --------------------------------------------------------------------

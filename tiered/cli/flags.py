@@ -66,7 +66,9 @@ def add_auth_flags(parser: argparse.ArgumentParser) -> None:
                        help="tokens (one per line) allowed to register, list and unregister "
                        "shared-memory regions, besides admins'; these calls are taken only "
                        "from the agent's own host, and with any token or admin name set, "
-                       "only with one of these or an admin credential")
+                       "only with one of these or an admin credential. A region is its "
+                       "token's: only it lists, unregisters and names it in tensors (these "
+                       "tokens may infer)")
 
 
 def authorizer_from_args(args: argparse.Namespace) -> Authorizer:

@@ -37,6 +37,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     router.add_argument("--no-http", action="store_true", help="serve no REST, gRPC only")
     router.add_argument("--seed", type=int, default=None,
                         help="seed of the split for requests without a tiered-key")
+    limits = router.add_argument_group("limits")
+    limits.add_argument("--max-message-bytes", type=_positive, metavar="BYTES",
+                        help="largest request or response, gRPC message or REST body "
+                        "(default 67108864, 64 MiB, as Triton's HTTP input limit); a larger "
+                        "one is refused: gRPC RESOURCE_EXHAUSTED, REST 413")
+    limits.add_argument("--max-json-bytes", type=_positive, metavar="BYTES",
+                        help="largest JSON part of a REST body (default 4194304, 4 MiB; JSON is "
+                        "parsed on the event loop, binary data is not); a larger one gets 413")
     flags.add_tls_flags(router)
     group = router.add_argument_group("authorization")
     group.add_argument("--inference-token-file", type=Path, metavar="FILE",
@@ -47,6 +55,16 @@ def register(commands: argparse._SubParsersAction) -> None:
                        "(for agents started with --inference-token-file); a client's own "
                        "token is not passed on")
     router.set_defaults(handler=_run_router)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 byte, got {value}")
+    return value
 
 
 def _run_router(args: argparse.Namespace) -> int:
@@ -62,10 +80,12 @@ def _run_router(args: argparse.Namespace) -> int:
         print(f"tiered router: {error}", file=sys.stderr)
         return 2
     transport.warn_if_plaintext("tiered router")
+    limits = {name: value for name in ("max_message_bytes", "max_json_bytes")
+              if (value := getattr(args, name)) is not None}  # else the router's defaults
     return router_server.run(router_server.RouterSettings(
         routing_table=args.routing_table, host=args.host, port=args.port,
         metrics_port=None if args.no_metrics else args.metrics_port,
         http_port=None if args.no_http else args.http_port, seed=args.seed,
         security=transport, authorizer=Authorizer(inference_tokens=tokens or None),
-        agent_token=agent_token,
+        agent_token=agent_token, **limits,
     ))

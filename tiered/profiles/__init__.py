@@ -53,7 +53,10 @@ def parse_devices(setting: Any, where: str = "devices") -> tuple[str, ...] | Non
 class ServerLimits:
     """Bounds of one agent process (documented defaults)."""
 
-    max_message_bytes: int = 64 * MiB  # larger gRPC messages get RESOURCE_EXHAUSTED
+    max_message_bytes: int = 64 * MiB  # larger gRPC messages get RESOURCE_EXHAUSTED, REST 413
+    # A REST body's JSON part above this gets 413: it is parsed on the event
+    # loop (see tiered.protocol.rest.MAX_JSON_BYTES); binary data is not.
+    max_json_bytes: int = 4 * MiB
     max_concurrent_rpcs: int = 1024  # beyond this gRPC answers RESOURCE_EXHAUSTED
     max_queue_size: int = 256  # per model version, when its config sets none
     drain_timeout_s: float = 30.0  # unload and shutdown wait this long for in-flight work
@@ -72,7 +75,7 @@ class ServerLimits:
     engine_batch_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("max_message_bytes", "max_concurrent_rpcs", "max_queue_size",
+        for name in ("max_message_bytes", "max_json_bytes", "max_concurrent_rpcs", "max_queue_size",
                      "front_end_arena_mib", "device_arena_mib"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")

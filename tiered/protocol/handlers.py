@@ -13,6 +13,18 @@ from __future__ import annotations
 
 import math
 
+# A client's connection opens at most this many calls at once (HTTP/2
+# SETTINGS_MAX_CONCURRENT_STREAMS; more wait on the client's side), so no one
+# connection holds all of a server's concurrent calls.
+MAX_STREAMS_PER_CONNECTION = 256
+# Options of every v2 server (agents, their front ends and engine processes,
+# routers). The router pings its agents every second (HTTP/2 keepalive) to
+# find a hung one, and a gRPC server answers pings more often than every 5
+# minutes with GOAWAY: these servers allow them.
+SERVER_OPTIONS = [("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+                  ("grpc.http2.min_ping_interval_without_data_ms", 500),
+                  ("grpc.http2.max_ping_strikes", 0)]
+
 
 class GenericOnly:
     """A server, to a generated `add_*_to_server`, that takes its handlers as

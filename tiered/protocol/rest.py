@@ -23,6 +23,7 @@ servicer.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -49,6 +50,15 @@ BINARY_DATA_SIZE = "binary_data_size"
 BINARY_DATA = "binary_data"
 BINARY_DATA_OUTPUT = "binary_data_output"
 UNIMPLEMENTED_PATHS = ("/v2/trace/setting", "/v2/models/{model}/trace/setting", "/v2/logging")
+# A body's JSON is parsed on the event loop, holding it (~70 ms for 4 MiB on a
+# 2-core machine, and ~15x the text in memory): a larger JSON part is refused;
+# tensors that large travel as binary data (the binary tensor extension) or
+# over gRPC.
+MAX_JSON_BYTES = 4 << 20
+# A body not received within this long is refused (408): a slow sender holds
+# one of the calls in flight. 64 MiB takes 54 s at 10 Mbit/s.
+BODY_READ_S = 60.0
+HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # outside the in-flight cap
 
 Infer = Callable[[pb.ModelInferRequest, Any], Awaitable[pb.ModelInferResponse]]
 
@@ -57,6 +67,14 @@ class _Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
+
+
+class _Refused(Exception):
+    """A request refused before it reaches the servicer: this HTTP status and message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class _Context:
@@ -492,11 +510,14 @@ class RestFrontDoor:
     them again, as for gRPC); None where it checks none."""
 
     def __init__(self, servicer, *, max_body_bytes: int, max_in_flight: int,
-                 infer: Infer | None = None, authorizer: Authorizer | None = None,
+                 max_json_bytes: int = MAX_JSON_BYTES, infer: Infer | None = None,
+                 authorizer: Authorizer | None = None,
                  roles: tuple[str, ...] = ("inference", "admin", "shared_memory")) -> None:
         self.servicer = servicer
         self.infer_method = infer or servicer.ModelInfer
         self.max_body_bytes = max_body_bytes
+        self.max_json_bytes = max_json_bytes
+        self.body_read_s = BODY_READ_S
         self.max_in_flight = max_in_flight
         self.authorizer = authorizer
         self.roles = roles
@@ -507,7 +528,23 @@ class RestFrontDoor:
         admin, shared_memory): an unauthorized body is never read or parsed."""
         if self.authorizer is not None and role in self.roles:
             getattr(self.authorizer, f"require_{role}")(_Context(request))
-        return await request.read()
+        try:
+            return await asyncio.wait_for(request.read(), self.body_read_s)
+        except TimeoutError:
+            raise _Refused(408, f"request body: not received within {self.body_read_s:g} s") \
+                from None
+
+    async def _json_body(self, request: web.Request, role: str) -> bytes:
+        """A body that is all JSON, within the JSON limit."""
+        body = await self._body(request, role)
+        self._check_json(len(body))
+        return body
+
+    def _check_json(self, size: int) -> None:
+        if size > self.max_json_bytes:
+            raise _Refused(413, f"request JSON ({size} bytes): larger than the limit of "
+                            f"{self.max_json_bytes} bytes; send tensors this large as binary "
+                            f"data ({HEADER_LENGTH}, the binary tensor extension) or over gRPC")
 
     def application(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._guard])
@@ -548,7 +585,10 @@ class RestFrontDoor:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        """Bounds, and every failure as Triton's error body; never an exception out."""
+        """Bounds, and every failure as Triton's error body; never an exception out.
+        Health checks are answered whatever else is in flight."""
+        if request.path in HEALTH_PATHS:
+            return await handler(request)
         if self._in_flight >= self.max_in_flight:
             return _error(429, f"too many requests in flight: at most {self.max_in_flight}")
         self._in_flight += 1
@@ -558,6 +598,8 @@ class RestFrontDoor:
             return await handler(request)
         except _Aborted as aborted:
             return _error(status.http_status(aborted.code), aborted.details)
+        except _Refused as refused:
+            return _error(refused.code, str(refused))
         except web.HTTPRequestEntityTooLarge:
             return self._too_large(None)
         except web.HTTPException as refused:
@@ -639,8 +681,9 @@ class RestFrontDoor:
     async def infer(self, request: web.Request) -> web.Response:
         name, version = self._model(request)
         body = await self._body(request, "inference")
-        message, binary = infer_request(
-            name, version, body, _json_length(request.headers.get(HEADER_LENGTH), len(body)))
+        json_length = _json_length(request.headers.get(HEADER_LENGTH), len(body))
+        self._check_json(json_length)
+        message, binary = infer_request(name, version, body, json_length)
         answer = await self._call(self.infer_method, message, request)
         payload, json_length = infer_response(answer, binary)
         if json_length is None:
@@ -655,7 +698,7 @@ class RestFrontDoor:
     async def generate(self, request: web.Request) -> web.Response:
         """The whole answer of a generate body, as JSON."""
         name, version = self._model(request)
-        message = generate_request(name, version, await self._body(request, "inference"))
+        message = generate_request(name, version, await self._json_body(request, "inference"))
         return _json(generate_json(await self._call(self.infer_method, message, request)))
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
@@ -663,7 +706,7 @@ class RestFrontDoor:
         (a token, for a generative model). An error before the first is an
         HTTP error; one after it, an event of its own that ends the stream."""
         name, version = self._model(request)
-        message = generate_request(name, version, await self._body(request, "inference"))
+        message = generate_request(name, version, await self._json_body(request, "inference"))
 
         async def requests():
             yield message
@@ -695,7 +738,7 @@ class RestFrontDoor:
     # -- repository
 
     async def repository_index(self, request: web.Request) -> web.Response:
-        document = _body_object(await self._body(request, "inference"))
+        document = _body_object(await self._json_body(request, "inference"))
         ready = document.get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidArgument(f"ready: expected a boolean, got {ready!r}")
@@ -704,7 +747,7 @@ class RestFrontDoor:
         return _json([message_json(model) for model in answer.models])
 
     async def load(self, request: web.Request) -> web.Response:
-        document = _body_object(await self._body(request, "admin"))
+        document = _body_object(await self._json_body(request, "admin"))
         unload = request.path.endswith("/unload")
         message = (pb.RepositoryModelUnloadRequest if unload else pb.RepositoryModelLoadRequest)(
             model_name=request.match_info["model"])
@@ -740,7 +783,7 @@ class RestFrontDoor:
 
     async def shared_memory_register(self, request: web.Request) -> web.Response:
         region = request.match_info["region"]
-        document = _body_object(await self._body(request, "shared_memory"))
+        document = _body_object(await self._json_body(request, "shared_memory"))
         if self._cuda(request):
             handle = _object(document.get("raw_handle"), "raw_handle")
             try:

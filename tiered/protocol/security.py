@@ -12,6 +12,7 @@ Settings, credentials and channels only: it never parses command-line flags
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
@@ -175,10 +176,12 @@ def read_tokens(path: Path | None, flag: str) -> frozenset[str]:
 @dataclass(frozen=True)
 class Authorizer:
     """Who may do what: admins load and unload; inference is open unless
-    `inference_tokens` are set (an admin may always infer); shared-memory
-    regions are registered, listed and unregistered only from the agent's own
-    host, and, where any credential is configured, only with an admin or a
-    shared-memory credential (as Triton restricts those endpoints)."""
+    `inference_tokens` are set (an admin or a shared-memory token may always
+    infer); shared-memory regions are registered, listed and unregistered only
+    from the agent's own host, and, where any credential is configured, only
+    with an admin or a shared-memory credential (as Triton restricts those
+    endpoints). A region is its caller's (`caller`): only the credential that
+    registered it lists it, unregisters it and names it in tensors."""
 
     admin_tokens: frozenset[str] = frozenset()
     admin_names: frozenset[str] = frozenset()  # client certificate common names (mTLS)
@@ -194,7 +197,8 @@ class Authorizer:
     def require_inference(self, context) -> None:
         if self.inference_tokens is None:
             return
-        if (self._token_in(context, self.inference_tokens | self.admin_tokens)
+        if (self._token_in(context, self.inference_tokens | self.admin_tokens
+                           | self.shared_memory_tokens)  # to name its regions in tensors
                 or self._name_in(context)):
             return
         self._refuse(context, "inference needs a token (authorization: Bearer ...)")
@@ -213,6 +217,17 @@ class Authorizer:
             return
         self._refuse(context, "shared memory needs a shared-memory or admin token "
                      "(authorization: Bearer ...) or an admin client certificate")
+
+    def caller(self, context) -> str:
+        """Who a call comes from, for what it owns (shared-memory regions): its
+        token's digest, else its client certificate's names, else "" (every
+        caller without credentials, where the server asks for none, is one)."""
+        token = _bearer(context)
+        if token is not None:
+            digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+            return f"token:{digest[:16]}"
+        names = _peer_names(context)
+        return "cert:" + ",".join(sorted(names)) if names else ""
 
     def _refuse(self, context, what: str) -> None:
         if _bearer(context) is None and not _peer_names(context):
@@ -246,8 +261,23 @@ class _TrustFrontEnds(Authorizer):
     def require_shared_memory(self, context) -> None:
         pass
 
+    def caller(self, context) -> str:
+        """As the front end that passed the call on found it (CALLER)."""
+        return next((value for key, value in context.invocation_metadata() or ()
+                     if key == CALLER), "")
+
 
 TRUST_FRONT_ENDS = _TrustFrontEnds()
+# What a front end tells its engine process of a call's caller: a metadata key
+# on the calls it passes on, a request parameter on those it feeds. Whatever a
+# client sends under this name is replaced.
+CALLER = "tiered-caller"
+
+
+def claim(request, caller: str) -> None:
+    """Mark a ModelInferRequest with its caller (whose shared-memory regions
+    it may name), over anything its client put there."""
+    request.parameters[CALLER].string_param = caller
 
 
 def local_peer(peer: str) -> bool:

@@ -36,14 +36,16 @@ class Router:
     def __init__(self, table: routing.RoutingTable, *, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  transport: security.TransportSecurity = security.PLAINTEXT,
-                 agent_token: str | None = None) -> None:
+                 agent_token: str | None = None,
+                 max_message_bytes: int = forward.MAX_MESSAGE_BYTES) -> None:
         """`agent_token`: what the router presents to its agents (else nothing
-        but its client certificate, under mTLS)."""
+        but its client certificate, under mTLS); `max_message_bytes`: the
+        largest message it sends them or takes from them."""
         self.table = table
         self.rng = rng or random.Random()
         self.clock = clock
         self.observer = observations.Observer(clock)
-        self.pool = forward.ChannelPool(transport, agent_token)
+        self.pool = forward.ChannelPool(transport, agent_token, max_message_bytes)
         self.agreement = counters.ShadowAgreement()
         self.metrics = counters.RouterMetrics(self.agreement)
         self.metrics.table_version.set(table.version)

@@ -36,7 +36,9 @@ from tiered.router import counters, health, observations, policies
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 256 << 20
+# Requests and responses above this are refused (Triton's HTTP default input
+# limit); `tiered router --max-message-bytes` sets another.
+MAX_MESSAGE_BYTES = 64 << 20
 MAX_SHADOW_IN_FLIGHT = 64  # shadow calls beyond this are skipped, never queued
 READY_PROBE_S = 1.0  # RepositoryIndex: how long a model's agents get to answer ModelReady
 METADATA_TIMEOUT_S = 5.0
@@ -49,7 +51,7 @@ MAX_RECONNECT_BACKOFF_S = 1.0  # a channel to a dead agent retries at least this
 # open) answers no ping, and its connection is closed within about
 # KEEPALIVE_S + KEEPALIVE_TIMEOUT_S, so the calls waiting on it fail over
 # (UNAVAILABLE) long before their deadline. Agents allow pings this often
-# (tiered.agent.front_end.KEEPALIVE_PERMIT).
+# (tiered.protocol.handlers.SERVER_OPTIONS).
 KEEPALIVE_S = 1.0
 KEEPALIVE_TIMEOUT_S = 2.0
 SERVED_TIER = "tiered-tier"  # the response parameter naming the tier that answered
@@ -124,9 +126,10 @@ class ChannelPool:
     """One channel per agent address, reused by every call to it."""
 
     def __init__(self, transport: security.TransportSecurity = security.PLAINTEXT,
-                 token: str | None = None) -> None:
+                 token: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.transport = transport  # agents are checked against its CA; mTLS with its cert
         self.token = token  # presented to agents on every call, where they require one
+        self.max_message_bytes = max_message_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.GRPCInferenceServiceStub] = {}
         self._infers: dict[str, RawInfer] = {}
@@ -141,8 +144,8 @@ class ChannelPool:
     def dial(self, agent: str) -> grpc.aio.Channel:
         """A new channel, not kept here (the telemetry poller's, to one pod)."""
         return security.channel(agent, self.transport, aio=True, token=self.token, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
             # A name that resolves to many agents (a headless Service) is
             # balanced call by call rather than pinned to its first address.
             ("grpc.lb_policy_name", "round_robin"),

@@ -28,7 +28,7 @@ from prometheus_client import start_http_server
 from tiered import errors
 from tiered.protocol import descriptors, drain, rest, routing, security
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
-from tiered.protocol.handlers import GenericOnly
+from tiered.protocol.handlers import SERVER_OPTIONS, GenericOnly
 from tiered.protocol.security import PLAINTEXT, Authorizer, TransportSecurity
 from tiered.router import dataplane, forward, observations, servicer
 
@@ -51,6 +51,8 @@ class RouterSettings:
     security: TransportSecurity = PLAINTEXT  # the router's port and its channels to agents
     authorizer: Authorizer = Authorizer()  # who may infer through it (default: open)
     agent_token: str | None = None  # presented to agents that require a token
+    max_message_bytes: int = forward.MAX_MESSAGE_BYTES  # gRPC messages and REST bodies
+    max_json_bytes: int = rest.MAX_JSON_BYTES  # a REST body's JSON part
 
 
 async def watch_table(router: dataplane.Router, path: Path, seen: tuple[int, int] | None,
@@ -121,11 +123,13 @@ async def _serve(settings: RouterSettings, own: str) -> None:
     stamp = _stamp(settings.routing_table)
     table = read_table(settings.routing_table)
     router = dataplane.Router(table, rng=random.Random(settings.seed),
-                              transport=settings.security, agent_token=settings.agent_token)
+                              transport=settings.security, agent_token=settings.agent_token,
+                              max_message_bytes=settings.max_message_bytes)
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", forward.MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", forward.MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        *SERVER_OPTIONS,
     ], maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     inference = servicer.RouterServicer(router, settings.authorizer)
     servicer.add_to_server(inference, server)
@@ -145,7 +149,8 @@ async def _serve(settings: RouterSettings, own: str) -> None:
     await server.start()
     rest_server = None
     if settings.http_port is not None:
-        door = rest.RestFrontDoor(inference, max_body_bytes=forward.MAX_MESSAGE_BYTES,
+        door = rest.RestFrontDoor(inference, max_body_bytes=settings.max_message_bytes,
+                                  max_json_bytes=settings.max_json_bytes,
                                   max_in_flight=MAX_CONCURRENT_RPCS,
                                   infer=rest.over_bytes(inference.ModelInfer),
                                   # loads and shared memory: answered 501 by the router

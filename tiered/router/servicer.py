@@ -27,7 +27,6 @@ from tiered.protocol.status import translate_errors
 from tiered.protocol.streaming import answer_stream
 from tiered.router import dataplane, forward, hints
 
-MAX_STREAM_IN_FLIGHT = 256
 PLACEMENT = ("the router does not load or unload models: placement is the controller's job "
              "(change the TieredModel, or call RepositoryModelLoad on an agent)")
 
@@ -127,7 +126,7 @@ class RouterServicer(pb_grpc.GRPCInferenceServiceServicer):
             answer = await self.router.infer(request, raw, metadata, context.time_remaining())
             return answer.response
 
-        async for response in answer_stream(request_iterator, infer, MAX_STREAM_IN_FLIGHT):
+        async for response in answer_stream(request_iterator, infer):
             yield response
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tiered.agent import shared_memory  # noqa: E402
+from tiered.local.processes import AgentProcess  # noqa: E402
 
 BYTES = 16 * 4  # one FP32 [1, 16] tensor
 
@@ -74,3 +76,30 @@ def test_inputs_and_outputs_in_cuda_shared_memory(agent):
         assert "64-byte" in caught.value.message()
         client.unregister_cuda_shared_memory()
         assert client.get_cuda_shared_memory_status(as_json=True).get("regions", {}) == {}
+
+
+def test_a_byte_size_beyond_the_allocation_is_refused(agent):
+    torch.cuda.init()
+    _, handle = device_region(BYTES)
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        with pytest.raises(InferenceServerException) as caught:
+            client.register_cuda_shared_memory("too-big", handle, 0, 64 * BYTES)
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert f"byte_size {64 * BYTES}: the memory the handle names holds" in \
+            caught.value.message()
+        client.register_cuda_shared_memory("fits", handle, 0, BYTES)
+        client.unregister_cuda_shared_memory()
+
+
+def test_cuda_is_loaded_before_the_agent_serves(shared_repository):
+    """A fresh agent's first registration finds CUDA loaded: no import of
+    torch on its event loop (seconds) while it serves."""
+    torch.cuda.init()
+    _, handle = device_region(BYTES)
+    with AgentProcess("edge", shared_repository) as fresh, \
+            grpcclient.InferenceServerClient(fresh.address) as client:
+        assert "CUDA loaded before serving" in fresh.log()
+        started = time.monotonic()
+        client.register_cuda_shared_memory("first", handle, 0, BYTES)
+        assert time.monotonic() - started < 1.0
+        client.unregister_cuda_shared_memory()

@@ -41,6 +41,7 @@ from tiered.agent.front_end import (
 from tiered.agent.metrics import serve_metrics
 from tiered.agent.repository import ModelRepository
 from tiered.agent.servicer import InferenceServicer
+from tiered.agent.shared_memory import preload_cuda
 from tiered.agent.telemetry import TelemetryHub, TelemetryServicer
 from tiered.errors import ConfigError
 from tiered.profiles import MiB, TierProfile
@@ -135,6 +136,8 @@ async def _serve(settings: AgentSettings, private: Path) -> None:
             "--allow-failed-models serves the rest)"
         )
 
+    if await asyncio.to_thread(preload_cuda):
+        log.info("CUDA loaded before serving, for CUDA shared-memory regions")
     tracer = tracing.configure(f"tiered-agent-{profile.tier}", settings.tracing)
     processes = settings.front_ends
     if processes is None:

@@ -38,6 +38,7 @@ from tiered.errors import AlreadyExists, InvalidArgument, NotFound
 from tiered.protocol import codec
 
 SHM_DIR = Path("/dev/shm")
+NVIDIA_DEVICE = Path("/dev/nvidiactl")  # where it exists, CUDA is loaded before serving
 MAX_REGIONS = 256  # in all
 MAX_REGIONS_PER_CALLER = 64
 MAX_NAME_CHARS = 256
@@ -285,12 +286,53 @@ def open_cuda_handle(raw_handle: bytes, device_id: int, byte_size: int):
                                             IpcHandle.from_buffer_copy(raw_handle), 1)
     if code != 0:
         raise InvalidArgument(f"raw_handle: cudaIpcOpenMemHandle failed (CUDA error {code})")
+    held = allocation_bytes(pointer.value)
+    if held is None or byte_size > held:
+        runtime.cudaIpcCloseMemHandle(pointer)
+        raise InvalidArgument(
+            f"byte_size {byte_size}: the memory the handle names holds "
+            + ("a size CUDA would not tell" if held is None else f"{held} bytes"))
     return torch.as_tensor(DeviceArray(pointer.value, byte_size),
                            device=f"cuda:{device_id}")
 
 
+def allocation_bytes(pointer: int) -> int | None:
+    """The bytes of device memory from `pointer` to the end of its allocation
+    (cuMemGetAddressRange); None where CUDA cannot say."""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    code = cuda_driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                 ctypes.c_uint64(pointer))
+    return None if code != 0 else base.value + size.value - pointer
+
+
 def close_cuda_handle(memory) -> None:
     cuda_runtime().cudaIpcCloseMemHandle(ctypes.c_void_p(memory.data_ptr()))
+
+
+def preload_cuda() -> bool:
+    """Load torch and the CUDA libraries now, where the host has an NVIDIA
+    device, so the first CUDA registration does not hold the event loop for
+    seconds importing them; False where there is none (nothing is loaded)."""
+    if not NVIDIA_DEVICE.exists():
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    cuda_runtime()
+    cuda_driver()
+    return True
+
+
+@functools.cache
+def cuda_driver():
+    """The CUDA driver library, with the calls used here typed."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    driver.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                              ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    return driver
 
 
 @functools.cache

@@ -165,10 +165,17 @@ def test_malformed_config_stops_start_up_with_a_message_naming_the_field(tmp_pat
     assert "broken/config.yaml.inputs[0].datatype" in str(caught.value)
     assert "FP33" in str(caught.value)
 
+    model_file(root, "garbled", 1).write_bytes(b"not an ONNX model")
+    write_config(root, "garbled", {"max_batch_size": 4})
     with AgentProcess("edge", root, extra_args=["--allow-failed-models"]) as agent, \
             grpcclient.InferenceServerClient(agent.address) as client:
         index = {m.name: m for m in client.get_model_repository_index().models}
         assert index["broken"].state == "UNAVAILABLE" and "FP33" in index["broken"].reason
+        # An engine's own error names the file: where the models are kept is
+        # the agent's business, and the index says the path in the repository.
+        garbled = index["garbled"]
+        assert garbled.state == "UNAVAILABLE" and "garbled/1/model.onnx" in garbled.reason
+        assert str(root) not in garbled.reason, garbled.reason
         assert index["mlp"].state == "READY"
 
 

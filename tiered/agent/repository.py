@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -161,11 +162,17 @@ class ModelRepository:
             if entry is None:
                 rows.append(IndexEntry(name, "", ModelState.UNAVAILABLE.value, "not loaded"))
                 continue
+            reason = self._relative(entry.reason)
             if not entry.versions:
-                rows.append(IndexEntry(name, "", entry.state.value, entry.reason))
+                rows.append(IndexEntry(name, "", entry.state.value, reason))
             for version in sorted(entry.versions):
-                rows.append(IndexEntry(name, str(version), entry.state.value, entry.reason))
+                rows.append(IndexEntry(name, str(version), entry.state.value, reason))
         return [r for r in rows if not ready_only or r.state == ModelState.READY.value]
+
+    def _relative(self, text: str) -> str:
+        """`text` with paths in the repository relative to it, as clients
+        read the index: where the agent keeps its models is not theirs to know."""
+        return text.replace(f"{self.root}{os.sep}", "").replace(str(self.root), ".")
 
     # -- load / unload -----------------------------------------------------------
 

@@ -40,6 +40,10 @@ def test_the_build_reports_its_failure_through_its_logs():
     assert build["command"][-2:] == ["--termination-log", render.TERMINATION_LOG]
 
 
+def test_agent_pods_carry_no_service_account_token():
+    assert workload()["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
 def test_the_pod_selector_selects_the_workload_pods():
     labels = workload()["spec"]["template"]["metadata"]["labels"]
     selector = dict(pair.split("=") for pair in render.pod_selector("digits", "edge", 3).split(","))

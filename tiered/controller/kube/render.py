@@ -247,6 +247,9 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
         }],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 45,  # the agent drains in-flight requests
+        # Neither the build nor the agent speaks to the Kubernetes API: no
+        # token in the pod for whoever might get into it.
+        "automountServiceAccountToken": False,
     }
     if tier_spec.node_selector:
         pod["nodeSelector"] = dict(tier_spec.node_selector)

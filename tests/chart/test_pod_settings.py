@@ -200,3 +200,31 @@ def test_controller_made_agents_are_what_the_release_selects(configured, tmp_pat
     assert agent["env"] == [PROXY, NODE]
     assert {"name": "http", "containerPort": 8000} in agent["ports"]
     assert "/etc/tiered/tls" not in mounts(agent)
+
+
+def test_only_the_routers_and_the_controller_reach_the_agents(default_render, switched_off,
+                                                             tmp_path):
+    """The NetworkPolicy selects the pods the controller makes from the chart's
+    file, and takes calls to them only from the release's routers and controller."""
+    policy = one(default_render, "NetworkPolicy", f"{fullname()}-agents")
+    kubernetes_validate.validate(policy, helm.KUBE_VERSION, strict=True)
+    pods = agent_pods(default_render, tmp_path)
+    spec = load_tiered_model({
+        "name": "digits", "artifact": {"uri": "https://models.example/d.onnx", "sha256": "a" * 64},
+        "tiers": {"edge": {}}, "rollout": {"stages": [{"name": "all", "weights": {"edge": 100}}]}})
+    objs = render.desired_objects(spec, [ArtifactVersion(1, spec.artifact.uri, "a" * 64)], [1],
+                                  render.Owner("digits", "uid"),
+                                  render.ClusterSettings(helm.NAMESPACE, agent_pods=pods))
+    agent_labels = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"][
+        "metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= agent_labels.items()
+    calls, metrics = policy["spec"]["ingress"]
+    callers = [peer["podSelector"]["matchLabels"] for peer in calls["from"]]
+    assert callers == [workload["spec"]["selector"]["matchLabels"]
+                       for workload in (router(default_render), controller(default_render))]
+    assert {p["port"] for p in calls["ports"]} == {render.AGENT_PORT, render.AGENT_HTTP_PORT}
+    assert metrics == {"ports": [{"port": render.AGENT_METRICS_PORT, "protocol": "TCP"}]}
+    assert {p["port"] for p in one(switched_off, "NetworkPolicy", f"{fullname()}-agents")[
+        "spec"]["ingress"][0]["ports"]} == {render.AGENT_PORT}  # no REST, no REST port
+    off = helm.render({"agents": {"networkPolicy": {"enabled": False}}}, tmp_path)
+    assert objects(off, "NetworkPolicy") == []

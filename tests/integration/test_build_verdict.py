@@ -85,6 +85,21 @@ def test_a_sha256_mismatch_is_refused_before_building(mlp, tmp_path) -> None:
     assert not repository.exists()
 
 
+def test_calibration_or_eval_data_of_another_digest_is_refused(mlp, tmp_path) -> None:
+    data = tmp_path / "eval.npz"
+    np.savez(data, input=np.zeros((100, 16), np.float32))
+    wrong = "0" * 64
+    for flag in ("--calibration", "--eval"):
+        done, told = tiered_build(mlp, tmp_path / "repository", flag, str(data),
+                                  f"{flag}-sha256", wrong)
+        assert done.returncode == 2, done.stderr
+        assert told.reason == (f"artifact: {data} has sha256 {sha256_file(data)}, not the "
+                               f"expected {wrong}; refusing to build it"), told.reason
+    done, told = tiered_build(mlp, tmp_path / "repository", "--eval", str(data),
+                              "--eval-sha256", sha256_file(data))
+    assert done.returncode == 0 and told.built, done.stderr
+
+
 def test_without_the_flag_no_termination_log_is_written(mlp, tmp_path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "tiered", "build", str(mlp), "--sha256", "0" * 64, "--tier",

@@ -26,6 +26,7 @@ from tiered.rollout.spec import (
     MetricResult,
     RolloutStatus,
     TieredModelStatus,
+    as_resource,
     load_tiered_model,
     to_plain,
 )
@@ -74,6 +75,9 @@ def artifact_of(document):
 
 @pytest.mark.parametrize("form", [flat, kube])
 def test_pin_relative_paths_absolute_and_sha_filled(base, form):
+    (base / "data").mkdir()
+    (base / "data" / "calib.npz").write_bytes(b"calibration")
+    (base / "data" / "eval.npz").write_bytes(b"eval")
     document = form(artifact={"uri": "models/m.onnx", "calibration": "data/calib.npz",
                               "eval": "./data/../data/eval.npz"})
     original = copy.deepcopy(document)
@@ -83,6 +87,8 @@ def test_pin_relative_paths_absolute_and_sha_filled(base, form):
         "calibration": str((base / "data" / "calib.npz").resolve()),
         "eval": str((base / "data" / "eval.npz").resolve()),
         "sha256": MODEL_SHA,
+        "calibration_sha256": hashlib.sha256(b"calibration").hexdigest(),
+        "eval_sha256": hashlib.sha256(b"eval").hexdigest(),
     }
     assert document == original  # the caller's document is not changed
     assert {k: v for k, v in pinned.items() if k not in ("artifact", "spec")} == {
@@ -140,9 +146,27 @@ def test_pin_missing_file_with_sha_only_made_absolute(base, form):
 @pytest.mark.parametrize("form", [flat, kube])
 def test_pin_leaves_uris_with_a_scheme(base, form):
     artifact = {"uri": "s3://bucket/m.onnx", "sha256": SHA,
-                "calibration": "https://example.com/c.npz", "eval": "file:///data/e.npz"}
+                "calibration": "https://example.com/c.npz", "calibration_sha256": SHA,
+                "eval": "file:///data/e.npz", "eval_sha256": SHA}
     pinned = pin_artifact(form(artifact=dict(artifact)), base, "f")
     assert artifact_of(pinned) == artifact
+
+
+def test_calibration_and_eval_files_are_pinned_like_the_artifact(base):
+    (base / "c.npz").write_bytes(b"calibration")
+    current = as_resource(flat(artifact={"uri": "models/m.onnx", "calibration": "c.npz"}))
+    pinned = pin_artifact(current, base, "f")  # keys as the current version spells them
+    assert artifact_of(pinned)["calibrationSha256"] == hashlib.sha256(b"calibration").hexdigest()
+    load_tiered_model(pinned)
+    with pytest.raises(ConfigError, match=r"artifact\.calibration_sha256: .*c\.npz has sha256 "):
+        pin_artifact(flat(artifact={"uri": "models/m.onnx", "calibration": "c.npz",
+                                    "calibration_sha256": SHA}), base, "f")
+    with pytest.raises(ConfigError, match=r"artifact\.eval: https://example\.com/e\.npz is "
+                       r"not on this machine.*give artifact\.eval_sha256"):
+        pin_artifact(flat(artifact={"uri": "models/m.onnx", "eval": "https://example.com/e.npz"}),
+                     base, "f")
+    with pytest.raises(ConfigError, match=r"artifact\.eval: no such file"):
+        pin_artifact(flat(artifact={"uri": "models/m.onnx", "eval": "missing.npz"}), base, "f")
 
 
 def test_pin_scheme_uri_without_sha_raises(base):

@@ -46,6 +46,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                        help="eval inputs like --calibration, plus optional integer `labels` "
                        "(default: random inputs: agreement only, no accuracy); for a "
                        'checkpoint, required: JSON {"prompts": ["...", ...]}')
+    build.add_argument("--calibration-sha256", metavar="HEX",
+                       help="refuse to build unless the --calibration file has this SHA-256")
+    build.add_argument("--eval-sha256", metavar="HEX",
+                       help="refuse to build unless the --eval file has this SHA-256")
     build.add_argument("--calibration-method", metavar="METHOD",
                        help="INT8 calibration: minmax, entropy or percentile")
     build.add_argument("--calibration-samples", type=int, metavar="N",
@@ -107,8 +111,8 @@ def _run_build(args: argparse.Namespace) -> int:
         check_model_name(args.model)
         profile = load_profile(args.tier, args.profile)
         with tempfile.TemporaryDirectory(prefix="tiered-fetch-") as work:
-            def data(uri: str | None, name: str) -> Path | None:
-                return build.fetch_artifact(uri, None, Path(work), name) if uri else None
+            def data(uri: str | None, sha256: str | None, name: str) -> Path | None:
+                return build.fetch_artifact(uri, sha256, Path(work), name) if uri else None
 
             source = build.fetch_artifact(args.artifact, args.sha256, Path(work))
             where = f"{args.tier} profile build (and flags)"
@@ -121,8 +125,8 @@ def _run_build(args: argparse.Namespace) -> int:
             request = build.BuildRequest(
                 source=source,
                 repository=args.repository, model=args.model, version=args.version,
-                calibration=data(args.calibration, "calibration.npz"),
-                evaluation=data(args.eval, "eval.npz"), force=args.force,
+                calibration=data(args.calibration, args.calibration_sha256, "calibration.npz"),
+                evaluation=data(args.eval, args.eval_sha256, "eval.npz"), force=args.force,
                 allow_accuracy_drop=args.allow_accuracy_drop,
             )
             outcome = build.build(

@@ -49,7 +49,9 @@ def build_args(spec: TieredModel, tier: str, artifact: ArtifactVersion,
             "--max-queue-delay-us", str(tier_spec.batching.max_queue_delay_us)]
     for flag, value in (("--backend", tier_spec.engine), ("--precision", tier_spec.precision),
                         ("--calibration", spec.artifact.calibration),
-                        ("--eval", spec.artifact.eval)):
+                        ("--calibration-sha256", spec.artifact.calibration_sha256),
+                        ("--eval", spec.artifact.eval),
+                        ("--eval-sha256", spec.artifact.eval_sha256)):
         if value:
             args += [flag, value]
     return args

@@ -126,6 +126,10 @@ def versions(spec: TieredModel, status: TieredModelStatus) -> Versions:
     if spec.artifact.sha256 is None:
         raise ConfigError("artifact.sha256: required (`tiered apply` pins it when the "
                           "artifact is a local file)")
+    for data in ("calibration", "eval"):
+        if getattr(spec.artifact, data) and getattr(spec.artifact, f"{data}_sha256") is None:
+            raise ConfigError(f"artifact.{data}Sha256: required with artifact.{data} "
+                              "(`tiered apply` pins it when the file is local)")
     target, artifacts = desired.version_of(spec.artifact, status.artifacts)
     return Versions(target, artifacts, desired.wanted_versions(status.rollout, target))
 

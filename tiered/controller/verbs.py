@@ -29,6 +29,8 @@ from tiered.errors import ConfigError, Conflict
 from tiered.files import sha256_file, sha256_tree
 from tiered.rollout import engine
 from tiered.rollout.spec import (
+    API_GROUP,
+    API_VERSION,
     ArtifactVersion,
     HistoryEntry,
     RolloutStatus,
@@ -37,6 +39,7 @@ from tiered.rollout.spec import (
     as_resource,
     load_tiered_model,
     to_plain,
+    wire_key,
 )
 
 CONFLICT_RETRIES = 5
@@ -107,6 +110,11 @@ def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[st
             if "\0" in value or len(value) > MAX_PATH:
                 raise ConfigError(f"{where}.artifact.{key}: not a usable path")
             artifact[key] = str((base / value).resolve())
+    # The digests' keys as the document spells its fields.
+    camel = "spec" in document and document.get("apiVersion") == f"{API_GROUP}/{API_VERSION}"
+    for data in ("calibration", "eval"):
+        pin = f"{data}_sha256"
+        _pin_data(artifact, data, wire_key(pin) if camel else pin, where)
     uri = artifact.get("uri")
     if isinstance(uri, str) and (Path(uri).is_file() or Path(uri).is_dir()):
         digest = sha256_file(Path(uri)) if Path(uri).is_file() else sha256_tree(Path(uri))
@@ -125,6 +133,27 @@ def pin_artifact(document: Mapping[str, Any], base: Path, where: str) -> dict[st
     if "spec" in document:
         document["spec"] = holder
     return document
+
+
+def _pin_data(artifact: dict[str, Any], key: str, pin: str, where: str) -> None:
+    """artifact.<pin>, the digest of a local calibration or eval file, pinned
+    (or checked, when given); a URI must come with its digest."""
+    value = artifact.get(key)
+    if not isinstance(value, str) or not value:
+        return
+    if Path(value).is_file():
+        digest = sha256_file(Path(value))
+        given = artifact.get(pin)
+        if given is None:
+            artifact[pin] = digest
+        elif given != digest:
+            raise ConfigError(f"{where}.artifact.{pin}: {value} has sha256 {digest}, "
+                              f"not {given}")
+    elif artifact.get(pin) is None:
+        if not urlparse(value).scheme:
+            raise ConfigError(f"{where}.artifact.{key}: no such file: {value}")
+        raise ConfigError(f"{where}.artifact.{key}: {value} is not on this machine, so its "
+                          f"sha256 cannot be computed here; give artifact.{pin}")
 
 
 def apply_file(store: StateStore, path: Path) -> list[tuple[str, str]]:

@@ -176,6 +176,12 @@ class Artifact(_Checked):
         "omitted")
     eval: str | None = spec_field(
         None, doc="npz of held-out inputs (and labels) the tier builds are judged on")
+    calibration_sha256: str | None = spec_field(
+        None, doc="hex SHA-256 of the calibration file, required with it; `tiered apply` "
+        "pins a local file's", pattern=r"[0-9a-f]{64}")
+    eval_sha256: str | None = spec_field(
+        None, doc="hex SHA-256 of the eval file, required with it; `tiered apply` pins a "
+        "local file's", pattern=r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)

@@ -243,9 +243,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _regions(self, request: pb.ModelInferRequest) -> CallerRegions:
         """The shared-memory regions of the request's caller (`claim`), whose
         mark is taken off the request."""
-        caller = request.parameters[CALLER].string_param if CALLER in request.parameters else ""
-        if CALLER in request.parameters:
-            del request.parameters[CALLER]
+        if CALLER not in request.parameters:
+            return self.shared_memory.of("")
+        caller = request.parameters[CALLER].string_param
+        del request.parameters[CALLER]
         return self.shared_memory.of(caller)
 
     @translate_errors

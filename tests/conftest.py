@@ -216,15 +216,15 @@ def tinyllama_models(tmp_path_factory) -> Path:
 # `pytest_xdist_make_scheduler` below: each file is one scope, whole on one
 # worker, so its module fixtures (a local system, an agent) start once and
 # its tests keep their order. The files that run whole local systems through
-# rollouts judged on real latencies are one scope: they run one after another
-# on one worker, so that two never share the two cores (their stages judge
-# latencies; two at once beside the other workers doubled their stages and
-# failed them), and start first, being the longest; the generative one leads,
-# so that another worker trains the digits models the others need meanwhile.
-# The bench smoke tests are independent, each starting its own processes:
-# they are shared out one by one. The other long files follow.
-LOCAL_SYSTEMS = ("test_local_generative.py", "test_walkthrough.py", "test_local_system.py",
-                 "test_chaos.py")
+# rollouts judged on real latencies are two scopes of two files each, each
+# scope's files one after another on one worker: one system at a time per
+# worker, two at most on the two cores. They start first, being the longest;
+# the generative one leads, so that another worker trains the digits models
+# the others need meanwhile. The bench smoke tests are independent, each
+# starting its own processes: they are shared out one by one. The other long
+# files follow.
+LOCAL_SYSTEMS = (("test_local_generative.py", "test_local_system.py"),
+                 ("test_walkthrough.py", "test_chaos.py"))
 SPREAD_FILES = ("test_bench_smoke.py",)
 LONG_FILES = ("test_both_backends.py", "test_background_builds.py", "test_kube_controller.py")
 
@@ -233,8 +233,10 @@ def scope_of(nodeid: str) -> str:
     """The scope a test runs in: one worker runs a scope's tests in order."""
     path = nodeid.split("::", 1)[0]
     name = path.rsplit("/", 1)[-1]
-    return "local systems" if name in LOCAL_SYSTEMS else nodeid if name in SPREAD_FILES \
-        else path
+    for index, files in enumerate(LOCAL_SYSTEMS):
+        if name in files:
+            return f"local systems {index}"
+    return nodeid if name in SPREAD_FILES else path
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -249,6 +251,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    first = (*LOCAL_SYSTEMS, *SPREAD_FILES, *LONG_FILES)  # the longest start first
+    first = (*(name for pair in zip(*LOCAL_SYSTEMS) for name in pair), *SPREAD_FILES,
+             *LONG_FILES)  # the longest start first
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first
                else len(first))  # a stable sort: each file's order is kept

@@ -1,4 +1,6 @@
-"""Chaos on the local system during a rollout, every client request counted.
+"""Chaos on the local system during a rollout, every client request counted:
+`bench/chaos.py --smoke`, run as a user runs it (its JSON read back, its
+tables printed).
 
 `tiered up`'s processes (an agent per tier, the router, the controller,
 supervised) serve digits under an open-loop load through the router, each
@@ -6,8 +8,8 @@ request hinted at its client's tier; v2 rolls out while, one at a time: the
 edge agent is SIGKILLed, then the regional agent; the datacenter agent is
 SIGSTOPped for 10 s (hung, its connections open); the controller is
 SIGKILLed; the router is restarted; and at the start of the second stage the
-edge agent is unreachable (SIGSTOP) for 20 s. The harness is bench/chaos.py's
-(which runs the full minute offline); here with shorter stages.
+edge agent is unreachable (SIGSTOP) for 20 s. The smoke run is the bench's
+(which runs the full six minutes in `make bench`) with shorter stages.
 
 No client request fails in an agent or controller fault; through the router
 restart they fail only while it is away; the rollout never advances while an
@@ -17,32 +19,24 @@ is promoted.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.bench.test_bench_smoke import assert_header, run_smoke
 
 pytest.importorskip("tritonclient.grpc")
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
-_spec = importlib.util.spec_from_file_location("bench_chaos", _PATH)
-chaos = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = chaos  # dataclasses look their module up
-_spec.loader.exec_module(chaos)
-
-# Stage 1 holds the first five faults: they took 31 s from its start on an
-# idle machine (recoveries included), and 55 s leaves room for slower ones.
-SETTINGS = chaos.Settings(rate=60.0, baseline_s=3.0, stop_s=10.0, offline_s=20.0,
-                          first_stage_s=55.0)
+OFFLINE_S = 20.0  # bench/chaos.py's SMOKE.offline_s
+RATE = 60.0  # and its rate
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, digits_models):
-    figures = chaos.run(SETTINGS, tmp_path_factory.mktemp("chaos"), digits_models,
-                        progress=lambda line: print(line, flush=True))
-    chaos.print_tables(figures, chaos.targets(figures["rows"], figures["rollout"]))  # with -s
-    return figures
+    result, stdout = run_smoke("chaos", tmp_path_factory.mktemp("chaos"),
+                               "--models", str(digits_models), timeout_s=420)
+    assert result["settings"]["offline_s"] == OFFLINE_S and result["settings"]["rate"] == RATE
+    assert_header(stdout, "fault", "sent", "answered", "failed")
+    assert_header(stdout, "target", "what", "value", "needs", "verdict")
+    return result
 
 
 def rows(run) -> dict[str, dict]:
@@ -69,7 +63,7 @@ def test_no_client_request_fails_in_an_agent_or_controller_fault(run):
         row = found[name]
         assert set(row["hinted_answered_by"]) - {row["hinted_tier"]}, row
     offline = found["edge offline 20 s mid-stage"]
-    assert offline["hinted_answered_by"].get("regional", 0) > 5 * SETTINGS.rate * 0.6, offline
+    assert offline["hinted_answered_by"].get("regional", 0) > 5 * RATE * 0.6, offline
 
 
 def test_through_a_router_restart_requests_fail_only_while_it_is_away(run):
@@ -94,3 +88,8 @@ def test_the_rollout_holds_while_telemetry_is_unreadable_and_then_promotes(run):
     assert offline["decided_after"] is not None, offline  # it went on once edge was back
     assert not checks["went_back_a_stage"] and not checks["rolled_back"], checks["decisions"]
     assert checks["promoted"], checks["decisions"]
+
+
+def test_every_target_of_the_bench_passes(run):
+    failed = [t for t in run["targets"] if t["verdict"] != "PASS"]
+    assert not failed and len(run["targets"]) >= len(run["rows"]), failed

@@ -18,8 +18,9 @@ rejected build into the repository.
 from __future__ import annotations
 
 import datetime
+import os
+import runpy
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +40,6 @@ from tiered.settings import read_yaml
 
 MAX_EVAL_PROMPTS = 1000
 MAX_GATE_SEQUENCES = 16  # eval prompts decoded at once
-BUILDER_TIMEOUT_S = 3600
 
 
 @dataclass(frozen=True)
@@ -148,18 +148,33 @@ def lower(source: Path, target: Target, out: Path, work: Path) -> None:
     if target.backend == "torch-generative":
         shutil.copytree(source, out)
         return
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(source),
-               "-i", str(source), "-o", str(out), "-p", target.precision,
-               "-e", target.device, "-c", str(work / "builder-cache")]
     try:
-        done = subprocess.run(command, capture_output=True, text=True,
-                              timeout=BUILDER_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as error:
-        raise EngineError(f"onnxruntime-genai's builder ran past {BUILDER_TIMEOUT_S} s") \
-            from error
-    if done.returncode != 0 or not (out / "genai_config.json").is_file():
-        raise EngineError(f"onnxruntime-genai's builder failed (exit {done.returncode}): "
-                          f"{done.stderr[-2000:]}")
+        _run_builder(["-m", str(source), "-i", str(source), "-o", str(out),
+                      "-p", target.precision, "-e", target.device,
+                      "-c", str(work / "builder-cache")])
+    except (Exception, SystemExit) as error:  # its argparse exits
+        raise EngineError(f"onnxruntime-genai's builder failed: {error!r}") from error
+    if not (out / "genai_config.json").is_file():
+        raise EngineError("onnxruntime-genai's builder wrote no genai_config.json")
+
+
+def _run_builder(argv: Sequence[str]) -> None:
+    """onnxruntime-genai's model builder as its command line runs it, in this
+    process: a build is a process of its own (`tiered build`, under its
+    caller's timeout), and a second interpreter would import torch and
+    transformers again, 4-6 s of CPU a build. What the builder prints goes to
+    stderr, file descriptor and all: stdout carries the build's verdict."""
+    sys.stdout.flush()
+    saved_argv, saved_stdout = sys.argv, os.dup(1)
+    os.dup2(2, 1)
+    try:
+        sys.argv = ["onnxruntime_genai.models.builder", *argv]
+        runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
+        sys.argv = saved_argv
 
 
 def _engine_settings(target: Target, settings: spec.GenerativeBuildSettings) -> dict[str, Any]:

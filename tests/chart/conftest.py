@@ -31,6 +31,14 @@ def full_render(helm_binary, tmp_path_factory) -> list[dict[str, Any]]:
     return helm.render(FULL_VALUES, tmp_path_factory.mktemp("full"))
 
 
-@pytest.fixture(scope="session", params=["default", "full"])
+@pytest.fixture(scope="session")
+def insecure_render(helm_binary, tmp_path_factory) -> list[dict[str, Any]]:
+    """TLS off: plaintext everywhere, said explicitly (--insecure)."""
+    return helm.render({"tls": {"enabled": False}}, tmp_path_factory.mktemp("insecure"))
+
+
+# The default render has TLS with the certificates the chart makes; the full
+# one, Secrets of the user's own.
+@pytest.fixture(scope="session", params=["default", "full", "insecure"])
 def any_render(request) -> list[dict[str, Any]]:
     return request.getfixturevalue(f"{request.param}_render")

@@ -203,7 +203,8 @@ def test_values_schema_closes_the_charts_own_objects():
     "tls.serverName=Not_A_Name",
     "images.agent.pullPolicy=Sometimes",
     "controller.resources.requests.cpu=lots",
-    "tls.enabled=true",                      # without tls.secretName
+    "tls.validityDays=0",
+    "tls.secrets.gateway=mine",
     "router.service.type=LoadBalancer",
     "router.tolerations[0].operator=Maybe",
     "router.http.enable=false",
@@ -250,9 +251,17 @@ def test_strict_validation_rejects_an_unknown_field(default_render):
         kubernetes_validate.validate(deployment, helm.KUBE_VERSION, strict=True)
 
 
+# Cluster-scoped: the CRD, and the admission policy on the controller's
+# workloads (named after the release and its namespace, bound to that namespace).
+CLUSTER_KINDS = {"CustomResourceDefinition", "ValidatingAdmissionPolicy",
+                 "ValidatingAdmissionPolicyBinding"}
+
+
 def test_everything_lands_in_the_release_namespace(any_render):
     for obj in any_render:
-        if obj["kind"] != "CustomResourceDefinition":
+        if obj["kind"] in CLUSTER_KINDS:
+            assert "namespace" not in obj["metadata"], obj["metadata"]["name"]
+        else:
             assert obj["metadata"].get("namespace") == helm.NAMESPACE, obj["metadata"]["name"]
 
 
@@ -289,14 +298,56 @@ def test_only_the_controller_gets_an_api_token(any_render):
             assert spec["serviceAccountName"] == f"{fullname()}-controller"
 
 
-def test_tls_secret_is_mounted_read_only_in_every_container(full_render, default_render):
-    for workload in workloads(full_render):
-        assert volumes(workload)["tls"]["secret"]["secretName"] == "tiered-tls"
-        for c in containers(workload):
-            tls = mounts(c)["/etc/tiered/tls"]
-            assert tls["name"] == "tls" and tls["readOnly"] is True
-    for workload in workloads(default_render):
+def tls_secret_of(workload: dict) -> str | None:
+    return volumes(workload).get("tls", {}).get("secret", {}).get("secretName")
+
+
+def test_each_component_mounts_its_own_tls_secret_read_only(full_render, default_render,
+                                                           insecure_render):
+    for render, secret in ((full_render, lambda component: "tiered-tls"),
+                           (default_render, lambda component: f"{fullname()}-{component}-tls")):
+        for workload in workloads(render):
+            component = workload["metadata"]["name"].removeprefix(f"{fullname()}-")
+            assert tls_secret_of(workload) == secret(component)
+            for c in containers(workload):
+                tls = mounts(c)["/etc/tiered/tls"]
+                assert tls["name"] == "tls" and tls["readOnly"] is True
+    for workload in workloads(insecure_render):
         assert "tls" not in volumes(workload)
+
+
+def test_tls_is_on_by_default_with_a_key_pair_per_component(default_render, full_render,
+                                                           insecure_render):
+    made = {s["metadata"]["name"]: s for s in objects(default_render, "Secret")}
+    assert set(made) == {f"{fullname()}-{c}-tls" for c in ("router", "controller", "agents")}
+    for secret in made.values():
+        assert secret["type"] == "kubernetes.io/tls"
+        assert set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+    assert len({s["data"]["tls.key"] for s in made.values()}) == 3
+    assert len({s["data"]["ca.crt"] for s in made.values()}) == 1
+    # Secrets of the user's own, or no TLS: the chart makes none.
+    assert objects(full_render, "Secret") == [] and objects(insecure_render, "Secret") == []
+
+
+@pytest.mark.parametrize("tls", [
+    {"secrets": {"router": "r"}},                               # the others unnamed
+    {"secrets": {"router": "r", "controller": "c"}},
+])
+def test_naming_some_component_secrets_but_not_all_is_refused(tls, tmp_path, helm_binary):
+    result = helm.run_helm(helm.template_args(), {"tls": tls}, tmp_path)
+    assert result.returncode != 0 and "name a Secret for every component" in result.stderr
+
+
+def test_component_secrets_may_be_named_one_by_one(tmp_path, helm_binary):
+    render = helm.render({"tls": {"secretName": "shared", "secrets": {"router": "edge-proxy"}}},
+                         tmp_path)
+    secrets = {w["metadata"]["name"]: tls_secret_of(w) for w in workloads(render)}
+    assert secrets == {f"{fullname()}-router": "edge-proxy",
+                       f"{fullname()}-controller": "shared"}
+    controller = container(one(render, "Deployment", f"{fullname()}-controller"), "controller")
+    args = controller["args"]
+    assert args[args.index("--agent-tls-secret") + 1] == "shared"
+    assert "--tls-server-name" not in args  # the address dialled, as before
 
 
 def test_image_pull_secrets_reach_every_pod(full_render):
@@ -379,14 +430,18 @@ TLS_ARGS = ["--tls-cert", "/etc/tiered/tls/tls.crt", "--tls-key", "/etc/tiered/t
             "--tls-ca", "/etc/tiered/tls/ca.crt"]
 
 
-def security_args(c: dict, server: bool) -> list[str]:
-    """What a container must pass: TLS from the mounted Secret (in the full
-    render, which sets clientAuth and serverName: mTLS for servers, and the
-    name agents are checked against), else an explicit --insecure."""
-    if "/etc/tiered/tls" not in mounts(c):
+def security_args(workload: dict, server: bool) -> list[str]:
+    """What a component must pass: TLS from its mounted Secret (in the full
+    render, which sets clientAuth and serverName: mTLS at the router too, and
+    the name agents are checked against; in the default one, the name in the
+    agents' certificate the chart makes), else an explicit --insecure."""
+    secret = tls_secret_of(workload)
+    if secret is None:
         return ["--insecure"]
-    return [*TLS_ARGS, *(["--tls-client-auth"] if server else []),
-            "--tls-server-name", "tiered-agents.tiered-system.svc"]
+    if secret == "tiered-tls":
+        return [*TLS_ARGS, *(["--tls-client-auth"] if server else []),
+                "--tls-server-name", "tiered-agents.tiered-system.svc"]
+    return [*TLS_ARGS, "--tls-server-name", f"{fullname()}-agents.{helm.NAMESPACE}.svc"]
 
 
 def test_controller_arguments_name_objects_the_chart_renders(any_render):
@@ -401,8 +456,9 @@ def test_controller_arguments_name_objects_the_chart_renders(any_render):
         "--agent-image", image("tiered-agent"),
         "--agent-gpu-image", image("tiered-agent-cuda"),
         "--agent-pods", "/etc/tiered/agent-pods/agent-pods.yaml",
-        "--leader-elect", "--metrics-port", "8080", *security_args(c, server=False),
-        *(["--agent-tls-secret", "tiered-tls"] if "/etc/tiered/tls" in mounts(c) else []),
+        "--leader-elect", "--metrics-port", "8080", *security_args(deployment, server=False),
+        *({None: [], "tiered-tls": ["--agent-tls-secret", "tiered-tls"]}.get(
+            tls_secret_of(deployment), ["--agent-tls-secret", f"{fullname()}-agents-tls"])),
     ]
     args = dict(zip(c["args"], c["args"][1:]))
     # The routing ConfigMap it rewrites is the one the router mounts.
@@ -444,7 +500,7 @@ def test_router_reads_the_routing_configmap_and_probes_grpc_health(any_render):
     assert c["args"] == ["router", "--routing-table", "/etc/tiered/routing/routing.yaml",
                          "--host", "0.0.0.0", "--port", "8001", "--metrics-port", "8003",
                          "--http-port", "8000", "--max-message-bytes", "67108864",
-                         "--max-json-bytes", "4194304", *security_args(c, server=True)]
+                         "--max-json-bytes", "4194304", *security_args(router, server=True)]
     routing = mounts(c)["/etc/tiered/routing"]
     # A subPath mount would never see the controller's rewrites.
     assert "subPath" not in routing and routing["readOnly"] is True
@@ -527,7 +583,7 @@ def test_notes_say_how_to_apply_watch_and_reach_the_router(tmp_path, helm_binary
     for expected in ("kubectl apply", "kubectl get tieredmodels", "tiered get --kubernetes",
                      f"{fullname()}-router.{helm.NAMESPACE}.svc:8001",
                      f"kubectl port-forward -n {helm.NAMESPACE} svc/{fullname()}-router",
-                     "every gRPC hop uses Secret", "/etc/tiered/tls",
+                     "every gRPC hop uses its component's Secret", "/etc/tiered/tls",
                      "--for=condition=Ready tm/<name>", "kubectl tiered rollout report",
                      "tiered load <name>"):
         assert expected in notes, f"{expected!r} missing from NOTES:\n{notes}"

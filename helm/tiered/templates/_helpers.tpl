@@ -79,11 +79,42 @@ an empty tag means the chart's appVersion.
 {{- printf "%s-router" (include "tiered.fullname" .) }}
 {{- end }}
 
+{{/*
+The TLS Secret of one component (router, controller or agents): tls.secrets.<component>,
+else tls.secretName, else the one the chart generates (tls-secrets.yaml). Either
+every component's Secret is named (directly or by secretName) or none is: certificates
+of one release chain to one CA. Call with (dict "ctx" . "component" "router").
+*/}}
 {{- define "tiered.tlsSecretName" -}}
-{{- required "tls.secretName is required when tls.enabled is true" .Values.tls.secretName }}
+{{- $tls := .ctx.Values.tls -}}
+{{- $named := get ($tls.secrets | default dict) .component | default $tls.secretName -}}
+{{- if $named -}}
+{{- $named -}}
+{{- else if include "tiered.tlsGenerated" .ctx -}}
+{{- printf "%s-%s-tls" (include "tiered.fullname" .ctx) .component -}}
+{{- else -}}
+{{- fail "tls: name a Secret for every component (tls.secrets.router, .controller, .agents, or tls.secretName for the rest), or none to have the chart generate them" -}}
+{{- end -}}
 {{- end }}
 
-{{/* volumeMounts every container shares: scratch /tmp and, with TLS, the Secret. */}}
+{{/* "true" when TLS is on and no Secret is named: the chart makes a CA and a key pair per component. */}}
+{{- define "tiered.tlsGenerated" -}}
+{{- $tls := .Values.tls -}}
+{{- if and $tls.enabled (not $tls.secretName) (not (values ($tls.secrets | default dict) | compact)) -}}
+true
+{{- end -}}
+{{- end }}
+
+{{/* The name agents are checked against: tls.serverName, else the one in the generated agents' certificate. */}}
+{{- define "tiered.tlsServerName" -}}
+{{- if .Values.tls.serverName -}}
+{{- .Values.tls.serverName -}}
+{{- else if include "tiered.tlsGenerated" . -}}
+{{- printf "%s-agents.%s.svc" (include "tiered.fullname" .) .Release.Namespace -}}
+{{- end -}}
+{{- end }}
+
+{{/* volumeMounts every container shares: scratch /tmp and, with TLS, its component's Secret. */}}
 {{- define "tiered.commonVolumeMounts" -}}
 - name: tmp
   mountPath: /tmp
@@ -94,11 +125,11 @@ an empty tag means the chart's appVersion.
 {{- end }}
 {{- end }}
 
-{{/* volumes every pod shares, matching tiered.commonVolumeMounts */}}
+{{/* volumes every pod shares, matching tiered.commonVolumeMounts. Call with (dict "ctx" . "component" "router"). */}}
 {{- define "tiered.commonVolumes" -}}
 - name: tmp
   emptyDir: {}
-{{- if .Values.tls.enabled }}
+{{- if .ctx.Values.tls.enabled }}
 - name: tls
   secret:
     secretName: {{ include "tiered.tlsSecretName" . }}
@@ -133,7 +164,7 @@ explicit --insecure (the binaries refuse to guess). Servers add
 {{- if and .server .ctx.Values.tls.clientAuth }}
 - --tls-client-auth
 {{- end }}
-{{- with .ctx.Values.tls.serverName }}
+{{- with include "tiered.tlsServerName" .ctx }}
 - --tls-server-name
 - {{ . | quote }}
 {{- end }}

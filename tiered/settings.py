@@ -14,6 +14,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
+from decimal import Decimal
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -85,9 +86,25 @@ def _as_is(name: str) -> str:
     return name
 
 
+# A Kubernetes quantity: a decimal number and a binary (Ki..Ei) or decimal
+# (n, u, m, k..E) suffix, or an exponent.
+_QUANTITY = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+                       r"(?P<suffix>[eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?")
+_SCALE = {"": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+          **{s: Decimal(1000) ** (i + 1) for i, s in enumerate("kMGTPE")},
+          **{f"{s}i": Decimal(1024) ** (i + 1) for i, s in enumerate("KMGTPE")}}
+
+
 class Quantity(str):
     """A Kubernetes quantity, written as a number or a string (`nvidia.com/gpu: 1`,
     `memory: 4Gi`); kept as its string."""
+
+    def value(self) -> Decimal:
+        """Its amount: `4Gi` is 4294967296, `500m` 0.5."""
+        number, suffix = _QUANTITY.fullmatch(self).group("number", "suffix")
+        if suffix and suffix[0] in "eE" and len(suffix) > 1:
+            return Decimal(number).scaleb(int(suffix[1:]))
+        return Decimal(number) * _SCALE[suffix or ""]
 
 
 class Timestamp(float):
@@ -158,7 +175,8 @@ def _convert(hint: Any, value: Any, where: str,
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     if hint is Quantity:
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)) \
+                or not _QUANTITY.fullmatch(str(value)):
             raise ConfigError(f"{where}: expected a quantity such as 2, 500m or 4Gi, "
                               f"got {value!r}")
         return str(value)

@@ -228,3 +228,42 @@ def test_only_the_routers_and_the_controller_reach_the_agents(default_render, sw
         "spec"]["ingress"][0]["ports"]} == {render.AGENT_PORT}  # no REST, no REST port
     off = helm.render({"agents": {"networkPolicy": {"enabled": False}}}, tmp_path)
     assert objects(off, "NetworkPolicy") == []
+
+
+# ---- placement ------------------------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kubernetes" / "digits.yaml"
+
+
+@pytest.mark.parametrize(("tier", "refused"), [
+    ({"node_selector": {"node-role.kubernetes.io/control-plane": ""}},
+     "nodeSelector: 'node-role.kubernetes.io/control-plane' is not a label agents may select on"),
+    ({"tolerations": [{"operator": "Exists"}]}, "tolerations: {'key': '', 'operator': 'Exists'"),
+    ({"resources": {"limits": {"memory": "999Ti"}}},
+     "resources.limits.memory: 999Ti is above the most agents get here, 128Gi"),
+    ({"resources": {"requests": {"hugepages-2Mi": "1Gi"}}},
+     "resources.requests: hugepages-2Mi is not given to agents here"),
+])
+def test_the_charts_placement_refuses_what_a_model_writer_should_not_ask(
+        tier, refused, default_render, tmp_path):
+    placement = agent_pods(default_render, tmp_path).placement
+    spec = load_tiered_model({
+        "name": "digits", "artifact": {"uri": "https://models.example/d.onnx", "sha256": "a" * 64},
+        "tiers": {"edge": tier}, "rollout": {"stages": [{"name": "all", "weights": {"edge": 100}}]}})
+    assert placement.refusal(spec.tiers["edge"]).startswith(refused)
+    objs = render.desired_objects(spec, [ArtifactVersion(1, spec.artifact.uri, "a" * 64)], [1],
+                                  render.Owner("digits", "uid"),
+                                  render.ClusterSettings(helm.NAMESPACE,
+                                                         agent_pods=agent_pods(default_render,
+                                                                               tmp_path)))
+    assert objs == []  # nothing deployed for a refused tier
+
+
+def test_the_charts_placement_admits_the_kubernetes_example(default_render, tmp_path):
+    import yaml
+
+    placement = agent_pods(default_render, tmp_path).placement
+    spec = load_tiered_model(yaml.safe_load(EXAMPLE.read_text()))
+    assert spec.tiers and {t: placement.refusal(s) for t, s in spec.tiers.items()} == \
+        dict.fromkeys(spec.tiers)
+    assert render.Placement().refusal(spec.tiers["datacenter"]) is None  # no chart: no limit

@@ -18,6 +18,7 @@ rolled back in its first stage; deleting the model removes its routes.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -103,14 +104,27 @@ def kube(api):
     return client.ApiClient(configuration)
 
 
+# What a TieredModel may ask for its agents here (as the chart's
+# agents.placement): the nodeSelector and toleration of model()'s edge tier,
+# and a GPU.
+AGENT_PODS = """\
+placement:
+  nodeSelectorKeys: [tier]
+  tolerations: [{key: edge, operator: Exists, effect: NoSchedule}]
+  maxResources: {nvidia.com/gpu: 1}
+"""
+
+
 def start_controller(api, agents, tmp_path, identity: str) -> subprocess.Popen:
     kubeconfig = api.kubeconfig(tmp_path / f"kubeconfig-{identity}")
     log = (tmp_path / f"{identity}.log").open("wb")
+    pods = tmp_path / "agent-pods.yaml"
+    pods.write_text(AGENT_PODS)
     return subprocess.Popen(
         [sys.executable, "-m", "tiered", "controller", "--kubernetes", "--namespace", NAMESPACE,
          "--kubeconfig", str(kubeconfig), "--leader-elect", "--identity", identity,
          "--lease-duration", "3", "--retire-grace", "2", "--agent-addresses", str(agents),
-         "--routing-configmap", "tiered-routing", "--insecure"],
+         "--routing-configmap", "tiered-routing", "--agent-pods", str(pods), "--insecure"],
         stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -440,6 +454,28 @@ def test_a_build_refused_for_its_sha256_says_so_in_status(kube, api, controllers
     set_spec(kube, model(4)["spec"])  # back to the stable artifact: version 4 is retired
     wait("v4 retired", lambda: not workloads(api, 4), 30)
     assert rollout(kube)["stable_version"] == 3
+
+
+def test_a_tier_placed_beyond_the_charts_allowlist_is_refused_and_not_deployed(
+        kube, api, controllers):
+    """A model writer asks for the control plane's nodes: the tier gets no
+    workload, the status says why, and nothing rolls out."""
+    before = rollout(kube)
+    spec = copy.deepcopy(model(3)["spec"])  # the artifact refused above: version 4 again
+    spec["tiers"]["edge"]["nodeSelector"] = {"node-role.kubernetes.io/control-plane": ""}
+    set_spec(kube, spec)
+    message = wait("the refusal in status", lambda: "refused" in (
+        tiered_model(kube).get("status") or {}).get("message", "") and
+        tiered_model(kube)["status"]["message"])
+    assert message.startswith("version 4 refused: edge: nodeSelector: "
+                              "'node-role.kubernetes.io/control-plane' is not a label agents "
+                              "may select on here (the chart's agents.placement."
+                              "nodeSelectorKeys: tier)"), message
+    tiers = {d["metadata"]["labels"][render.LABEL_TIER] for d in workloads(api, 4)}
+    assert tiers == {"regional"}
+    assert rollout(kube) == before
+    set_spec(kube, model(4)["spec"])
+    wait("v4 retired", lambda: not workloads(api, 4), 30)
 
 def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
         kube, api, agents, tmp_path):

@@ -325,9 +325,23 @@ def test_resources_take_quantities_written_as_numbers_or_strings():
     resources = s.load_tiered_model(doc).tiers["datacenter"].resources
     assert dict(resources.limits) == {"nvidia.com/gpu": "1", "cpu": "2.5"}
     assert dict(resources.requests) == {"cpu": "2", "memory": "4Gi"}
-    doc["tiers"]["datacenter"]["resources"] = {"limits": {"cpu": True}}
-    with pytest.raises(ConfigError, match="expected a quantity"):
-        s.load_tiered_model(doc)
+    for wrong in (True, "lots", "4 Gi", "-1", "4GiB", "1.2.3"):
+        doc["tiers"]["datacenter"]["resources"] = {"limits": {"memory": wrong}}
+        with pytest.raises(ConfigError, match="memory: expected a quantity"):
+            s.load_tiered_model(doc)
+
+
+@pytest.mark.parametrize(("written", "amount"), [
+    ("4Gi", 4 * 2**30), ("500m", "0.5"), ("2", 2), ("2.5", "2.5"), (".5", "0.5"),
+    ("1e3", 1000), ("1E", 10**18), ("128Gi", 128 * 2**30), ("999Ti", 999 * 2**40),
+    ("1k", 1000), ("1Ki", 1024), ("250u", "0.00025"),
+])
+def test_a_quantity_reads_as_kubernetes_reads_it(written, amount):
+    from decimal import Decimal
+
+    from tiered.settings import Quantity
+
+    assert Quantity(written).value() == Decimal(amount)
 
 
 def test_the_crd_has_no_yaml_anchors_and_quantities_are_int_or_string():

@@ -252,4 +252,6 @@ tiers:
   {{ $tier }}:
     {{- toYaml $resolved | nindent 4 }}
 {{- end }}
+placement:
+  {{- toYaml $agents.placement | nindent 2 }}
 {{- end }}

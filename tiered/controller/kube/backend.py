@@ -258,6 +258,9 @@ class KubeBackend:
         return owned
 
     def _state(self, spec: TieredModel, tier: str, version: int) -> plan.VersionState:
+        refused = self.settings.agent_pods.placement.refusal(spec.tiers[tier])
+        if refused:
+            return plan.VersionState(plan.REFUSED, refused)
         if self._available(spec, tier, version):
             return plan.VersionState(plan.READY)
         pods = self._pods(spec, tier, version)

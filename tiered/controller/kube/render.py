@@ -33,9 +33,11 @@ from tiered.rollout.spec import (
     ArtifactVersion,
     TieredModel,
     TieredModelStatus,
+    TierSpec,
+    Toleration,
     to_plain,
 )
-from tiered.settings import load_dataclass, read_yaml
+from tiered.settings import Quantity, load_dataclass, read_yaml
 
 AGENT_PORT = 8001
 AGENT_METRICS_PORT = 8002
@@ -80,6 +82,42 @@ class PodSettings:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """What a TieredModel may ask of the cluster for its agent pods (the
+    chart's agents.placement; None: no limit): the node labels it may select
+    on, the tolerations it may carry (each exactly one of these), and the most
+    a container may request or be limited to per resource (a resource not
+    named: none of it). A tier asking beyond them is refused, and says why."""
+
+    node_selector_keys: tuple[str, ...] | None = None
+    tolerations: tuple[Toleration, ...] | None = None
+    max_resources: Mapping[str, Quantity] | None = None
+
+    def refusal(self, tier: TierSpec) -> str | None:
+        """Why `tier` asks beyond these, or None."""
+        where = "the chart's agents.placement"
+        allowed_keys = self.node_selector_keys
+        for key in tier.node_selector if allowed_keys is not None else ():
+            if key not in allowed_keys:
+                return (f"nodeSelector: {key!r} is not a label agents may select on here "
+                        f"({where}.nodeSelectorKeys: {', '.join(allowed_keys) or 'none'})")
+        for toleration in tier.tolerations if self.tolerations is not None else ():
+            if toleration not in self.tolerations:
+                return (f"tolerations: {to_plain(toleration)} is not one agents may carry "
+                        f"here ({where}.tolerations)")
+        for kind in ("requests", "limits") if self.max_resources is not None else ():
+            for name, amount in getattr(tier.resources, kind).items():
+                most = self.max_resources.get(name)
+                if most is None:
+                    return f"resources.{kind}: {name} is not given to agents here " \
+                           f"({where}.maxResources)"
+                if Quantity(amount).value() > Quantity(most).value():
+                    return (f"resources.{kind}.{name}: {amount} is above the most agents get "
+                            f"here, {most} ({where}.maxResources)")
+        return None
+
+
+@dataclass(frozen=True)
 class AgentPods:
     """Settings of every agent pod, read from a YAML file (camelCase keys; the
     chart writes it into a ConfigMap): labels, the REST port, per-tier settings."""
@@ -87,6 +125,7 @@ class AgentPods:
     labels: Mapping[str, str] = field(default_factory=dict)  # e.g. app.kubernetes.io/instance
     http_port: int | None = AGENT_HTTP_PORT  # None: gRPC only (--no-http)
     tiers: Mapping[str, PodSettings] = field(default_factory=dict)
+    placement: Placement = field(default_factory=Placement)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tiers) - set(names.TIERS))
@@ -304,6 +343,8 @@ def desired_objects(spec: TieredModel, artifacts: Sequence[ArtifactVersion],
     by_version = {a.version: a for a in artifacts}
     objects = []
     for tier in (t for t in names.TIERS if t in spec.tiers):
+        if settings.agent_pods.placement.refusal(spec.tiers[tier]):
+            continue  # refused: plan reads why from the backend's state
         for version in sorted(versions):
             objects.append(agent_workload(spec, tier, by_version[version], owner, settings))
             objects.append(agent_service(spec, tier, version, owner, settings))

@@ -232,6 +232,38 @@ def test_latency_summary_of_no_runs_is_an_error() -> None:
         summarize_latency(1, [])
 
 
+class _Ticking:
+    """An engine whose every run advances a shared fake clock by `run_s`."""
+
+    def __init__(self, clock: list[float], run_s: float) -> None:
+        self.clock, self.run_s = clock, run_s
+
+    def run(self, feeds, outputs=None):
+        self.clock[0] += self.run_s
+        return {}
+
+
+@pytest.mark.parametrize(
+    "run_s, runs, budget_s, expected_runs",
+    [
+        (0.001, 20, 1.0, 20),  # a light model: every run, well within the budget
+        (0.3, 20, 1.0, 5),  # a heavy one: stopped at the budget, at LATENCY_MIN_RUNS
+        (0.04, 20, 1.0, 13),  # 13 pairs of 40 ms are the first past 1 s
+        (0.3, 3, 1.0, 3),  # fewer runs asked than the minimum: those
+    ],
+)
+def test_latency_timing_stops_at_its_budget_after_a_minimum_of_runs(
+        run_s, runs, budget_s, expected_runs) -> None:
+    from tiered.engines.build import pipeline, samples
+
+    clock = [0.0]
+    data = samples.Samples({"x": np.zeros((4, 2), np.float32)}, None, "random")
+    measured = pipeline._measure_latency(_Ticking(clock, run_s), _Ticking(clock, run_s), data,
+                                         [1, 32], runs, budget_s, lambda: clock[0])
+    for name in ("build", "fp32_reference"):
+        assert [s.runs for s in measured[name]] == [expected_runs, expected_runs]
+
+
 @pytest.mark.parametrize(
     "report, expected",
     [

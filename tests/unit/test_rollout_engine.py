@@ -403,10 +403,11 @@ def test_the_default_settings_catch_every_regression_in_its_stage(key):
 @pytest.mark.parametrize("key", "fg")
 def test_the_default_settings_promote_a_good_canary_through_every_stage(key):
     """An unchanged canary, also while both versions slow down together in
-    10 s bursts: promoted in all 20 rollouts (the target: at most 0.5% rolled
-    back), after about 180 looks each."""
-    outcomes = rollouts("defaults", 5.0, key, 20)
-    assert [o.result for o in outcomes] == ["promoted"] * 20
+    10 s bursts: promoted in all 8 rollouts, after about 180 looks each (the
+    target, at most 0.5% rolled back, is bench/judge.py's to show: 8
+    rollouts of ~0.5 s each here only catch a judge gone badly wrong)."""
+    outcomes = rollouts("defaults", 5.0, key, 8)
+    assert [o.result for o in outcomes] == ["promoted"] * 8
     assert min(o.looks for o in outcomes) >= 180
 
 

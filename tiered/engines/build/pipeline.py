@@ -33,6 +33,7 @@ from tiered.settings import load_dataclass, read_yaml
 EVAL_BATCH = 64  # rows per engine run while comparing outputs
 CALIBRATION_BATCH = 16  # rows per calibration run of the quantizer
 LATENCY_WARMUP_RUNS = 2
+LATENCY_MIN_RUNS = 5  # timed runs per batch size, whatever the budget
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def build(
             )
             sizes = [b for b in settings.latency_batch_sizes if step is None or b == step] or [1]
             latency = _measure_latency(reference, built, evaluation, sizes,
-                                       settings.latency_runs, clock)
+                                       settings.latency_runs, settings.latency_budget_s, clock)
             record = report.compose(request, profile.tier, settings, engine_settings, artifact,
                                     built, evaluation, calibration, calibrator, agreement,
                                     decision, latency, now)
@@ -212,9 +213,11 @@ def _run_all(engine: Engine, data: samples.Samples, step: int | None,
 
 def _measure_latency(
     reference: Engine, built: Engine, data: samples.Samples, batch_sizes: Sequence[int],
-    runs: int, clock: Callable[[], float],
+    runs: int, budget_s: float, clock: Callable[[], float],
 ) -> dict[str, list[gate.LatencySummary]]:
-    """Runs of the two engines alternate, so both see the same machine noise."""
+    """Runs of the two engines alternate, so both see the same machine noise:
+    `runs` of each per batch size, fewer (LATENCY_MIN_RUNS at least) where
+    the timed runs take more than `budget_s`."""
     results: dict[str, list[gate.LatencySummary]] = {"build": [], "fp32_reference": []}
     for batch_size in batch_sizes:
         feeds = data.rows(np.arange(batch_size) % data.count)
@@ -225,6 +228,10 @@ def _measure_latency(
                 engine.run(feeds)
                 if index >= LATENCY_WARMUP_RUNS:
                     timings[name].append(clock() - start)
+            timed = index + 1 - LATENCY_WARMUP_RUNS
+            spent = sum(timings["build"]) + sum(timings["fp32_reference"])
+            if timed >= min(LATENCY_MIN_RUNS, runs) and spent >= budget_s:
+                break
         for name, seconds in timings.items():
             results[name].append(gate.summarize_latency(batch_size, seconds))
     return results

@@ -158,6 +158,26 @@ def test_deserialize_bytes_refuses_malformed_buffers(
         codec.deserialize_bytes(buffer, count, field="tensor-x")
 
 
+def _empty_bytes_request(*shapes: list[int]) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest()
+    for index, shape in enumerate(shapes):
+        request.inputs.add(name=f"t{index}", datatype="BYTES", shape=shape)
+        request.raw_input_contents.append(bytes(4 * int(np.prod(shape))))
+    return request
+
+
+@pytest.mark.parametrize("shapes", [[[codec.MAX_BYTES_ELEMENTS + 1]],
+                                    [[codec.MAX_BYTES_ELEMENTS // 2, 2], [1]]])
+def test_a_request_past_its_bytes_elements_is_refused_before_any_is_read(shapes) -> None:
+    """Empty elements, the cheapest to send and the dearest to decode: one
+    tensor past the bound, or two that together pass it; at the bound, read."""
+    with pytest.raises(InvalidArgument, match="inputs: 65,537 BYTES elements; a request "
+                                              "holds at most 65,536"):
+        codec.decode_inputs(_empty_bytes_request(*shapes))
+    at_bound = codec.decode_inputs(_empty_bytes_request([codec.MAX_BYTES_ELEMENTS]))
+    assert at_bound["t0"].size == codec.MAX_BYTES_ELEMENTS
+
+
 # --- typed contents -----------------------------------------------------------
 
 TYPED_CASES = [

@@ -13,6 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tiered import errors
+from tiered.protocol import codec
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
 from tiered.protocol import rest, status
@@ -105,6 +106,18 @@ def test_numbers_beyond_the_message_fields_are_refused_naming_them(document, wor
 ])
 def test_json_data_becomes_the_bytes_grpc_carries(data, datatype, shape, expected):
     assert rest.json_tensor_bytes(data, datatype, shape, "t") == expected.tobytes()
+
+
+def test_bytes_elements_past_the_bound_are_refused_before_the_binary_data_is_read():
+    count = codec.MAX_BYTES_ELEMENTS // 2 + 1  # two tensors of this: one past the bound
+    header = json.dumps({"inputs": [
+        {"name": name, "datatype": "BYTES", "shape": [count],
+         "parameters": {"binary_data_size": 4 * count}} for name in ("a", "b")]}).encode()
+    body = header + bytes(8 * count)
+    with pytest.raises(errors.InvalidArgument, match="inputs: 65,538 BYTES elements"):
+        rest.infer_request("m", "", body, len(header))
+    with pytest.raises(errors.InvalidArgument, match="inputs\\[0\\] 'x': 65,537 BYTES"):
+        rest.json_tensor_bytes([""] * 65_537, "BYTES", [65_537], "inputs[0] 'x'")
 
 
 def test_json_strings_become_length_prefixed_bytes():

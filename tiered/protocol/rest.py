@@ -250,7 +250,7 @@ def infer_request(model: str, version: str, body: bytes, json_length: int
     inputs = document.get("inputs")
     if not isinstance(inputs, list):
         raise InvalidArgument(f"inputs: expected a list of tensors, got {_kind(inputs)}")
-    offset = json_length
+    offset, bytes_elements = json_length, 0
     for index, item in enumerate(inputs):
         tensor = _object(item, f"inputs[{index}]")
         name = _string(tensor, "name", f"inputs[{index}]")
@@ -260,7 +260,10 @@ def infer_request(model: str, version: str, body: bytes, json_length: int
         if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) for d in shape):
             raise InvalidArgument(f"{where}.shape: expected a list of integers, got {shape!r}")
-        codec.element_count(shape, field=where)  # bounded before it reaches a message
+        count = codec.element_count(shape, field=where)  # bounded before it reaches a message
+        if datatype == "BYTES":
+            bytes_elements += count
+            codec.check_bytes_elements(bytes_elements, "inputs")
         tensor_parameters = dict(_scalars(tensor.get("parameters", {}), f"{where}.parameters"))
         size = tensor_parameters.pop(BINARY_DATA_SIZE, None)
         message = request.inputs.add(name=name, datatype=datatype, shape=shape)
@@ -322,6 +325,8 @@ def json_tensor_bytes(data: Any, datatype: str, shape: list[int], where: str) ->
     """A tensor's JSON `data` as the raw little-endian bytes gRPC carries."""
     dtype = codec.dtype_of(datatype, field=f"{where}.datatype")
     count = codec.element_count(shape, field=where)
+    if datatype == "BYTES":
+        codec.check_bytes_elements(count, where)
     if datatype == "FP16":
         raise InvalidArgument(f"{where}.data: FP16 has no JSON form; send it as binary data "
                               f"(parameters.{BINARY_DATA_SIZE})")

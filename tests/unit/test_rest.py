@@ -97,6 +97,24 @@ def test_numbers_beyond_the_message_fields_are_refused_naming_them(document, wor
         rest.infer_request("m", "", body, len(body))
 
 
+@pytest.mark.parametrize("where", ["id", "parameter", "key", "name", "bytes"])
+def test_a_lone_surrogate_escape_is_refused_as_not_unicode(where):
+    """Text no protobuf string holds: a 400 naming the body, not a 500."""
+    tensor = {"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}
+    document = {"id": {"id": "\udcff"}, "parameter": {"parameters": {"k": "a\udcff"}},
+                "key": {"parameters": {"\ud800": 1}}}.get(where, {})
+    if where == "name":
+        tensor["name"] = "x\udcff"
+    if where == "bytes":
+        tensor.update(datatype="BYTES", data=["\udfff"])
+    body = json.dumps({"inputs": [tensor], **document}).encode()
+    with pytest.raises(errors.InvalidArgument, match="request body: a string holds a lone"):
+        rest.infer_request("m", "", body, len(body))
+    paired = json.dumps({"inputs": [tensor], "id": "\U0001f600"}).encode()  # one character
+    if where not in ("name", "bytes"):
+        assert rest.infer_request("m", "", paired, len(paired))[0].id == "\U0001f600"
+
+
 @pytest.mark.parametrize("data, datatype, shape, expected", [
     ([[1, 2], [3, 4]], "INT32", [2, 2], np.array([1, 2, 3, 4], "<i4")),
     ([5, 2**64 - 1], "UINT64", [2], np.array([5, 2**64 - 1], "<u8")),

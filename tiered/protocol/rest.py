@@ -209,11 +209,35 @@ def _set_parameters(target, parameters: Mapping[str, Any]) -> None:
 
 def _parse_json(data: bytes, where: str) -> Any:
     try:
-        return json.loads(data)
+        document = json.loads(data)
     except ValueError as error:  # UnicodeDecodeError too
         raise InvalidArgument(f"{where}: not valid JSON: {error}") from None
     except RecursionError:
         raise InvalidArgument(f"{where}: JSON nested too deeply") from None
+    # A \udXXX escape alone is text no protobuf string holds: refused here, not
+    # a UnicodeEncodeError (500) where it is copied into a message. Only a body
+    # with such an escape is walked.
+    if b"\\ud" in data or b"\\uD" in data:
+        _check_unicode(document, where)
+    return document
+
+
+def _check_unicode(document: Any, where: str) -> None:
+    pending = [document]  # a stack, not recursion: the parser allows deep nesting
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidArgument(f"{where}: a string holds a lone surrogate "
+                                      f"({ascii(item)[:40]}), which is not Unicode text"
+                                      ) from None
 
 
 def _body_object(body: bytes) -> dict[str, Any]:

@@ -250,3 +250,52 @@ def test_generate_bench_energy_is_what_the_rounds_used_above_idle():
     rounds[1].metered_s = 1.5
     rounds[0].active_j = None  # one round unmetered: no figure, not a partial one
     assert generate.summarize(rounds)["j_per_token"] is None
+
+
+def test_abuse_bench_answers_every_input_with_a_client_error_and_keeps_the_servers_healthy(
+        tmp_path):
+    result, stdout = run_smoke("abuse", tmp_path)
+    rows = result["rows"]
+    shared_memory = {"shm_register_without_token", "shm_truncated_region",
+                     "shm_unregister_all_as_bob", "shm_past_the_callers_cap"}
+    everywhere = {"grpc_no_token", "grpc_wrong_token", "wrong_shape_to_the_canary",
+                  "rest_body_over_the_limit", "rest_big_body_without_token",
+                  "rest_empty_bytes_elements", "rest_json_nested_too_deep",
+                  "rest_json_nan_infinity", "grpc_idle_streams_one_connection",
+                  "rest_slow_bodies", "rest_token_non_ascii", "rest_token_invalid_utf8",
+                  "rest_key_invalid_utf8", "rest_key_lone_surrogate_json"}
+    assert sorted((r["input"], r["server"]) for r in rows) == sorted(
+        [(name, "agent") for name in shared_memory | everywhere]
+        + [(name, "router") for name in everywhere])
+    answers = {(r["input"], r["server"]): r["code"] for r in rows}
+    for server in ("agent", "router"):
+        assert answers["grpc_no_token", server] == "UNAUTHENTICATED"
+        assert answers["grpc_wrong_token", server] == "PERMISSION_DENIED"
+        assert answers["wrong_shape_to_the_canary", server] == "INVALID_ARGUMENT"
+        assert answers["rest_body_over_the_limit", server] == "413"
+        assert answers["rest_big_body_without_token", server] == "401"
+        assert answers["rest_json_nested_too_deep", server] == "400"
+        assert answers["rest_token_non_ascii", server] == "403"
+        assert answers["rest_token_invalid_utf8", server] == "403"
+        assert answers["rest_slow_bodies", server] == "200"
+        assert answers["grpc_idle_streams_one_connection", server] in {"OK", "OK+UNAVAILABLE"}
+    assert answers["shm_truncated_region", "agent"] == "INVALID_ARGUMENT"
+    assert answers["shm_past_the_callers_cap", "agent"] == "INVALID_ARGUMENT"
+    assert answers["shm_register_without_token", "agent"] in {"UNAUTHENTICATED",
+                                                               "PERMISSION_DENIED"}
+    limits = result["memory_limits_mib"]
+    for row in rows:
+        assert row["as_expected"] and row["code"] in row["expected"], row
+        assert row["code"] not in {"500", "INTERNAL", "UNKNOWN", "bench error"}, row
+        assert row["alive_after"], row
+        assert row["health_polls"] >= 2 and row["health_failed"] == 0, row
+        assert 0 < row["health_max_ms"] <= 100, row
+        assert 0 < row["peak_rss_mib"] <= limits[row["server"]], row
+    assert 0 < result["peak_rss_mib"]["agent"] <= limits["agent"]
+    assert 0 < result["peak_rss_mib"]["router"] <= limits["router"]
+    assert_targets(result["targets"], {"health during every input", "failed health checks",
+                                       "agent peak memory",
+                                       "router peak memory", "crashes", "unexpected answers"})
+    assert all(t["verdict"] == "PASS" for t in result["targets"]), result["targets"]
+    assert_header(stdout, "input", "server", "answer", "peak", "MiB", "health", "max", "ms")
+    assert_header(stdout, "target", "what", "value", "needs", "verdict")

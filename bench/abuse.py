@@ -128,32 +128,34 @@ def memory_limits(chart: Path = CHART, example: Path = EXAMPLE_MODEL) -> dict[st
 
 
 def tree_rss_bytes(pid: int) -> int | None:
-    """Resident bytes of a process and its descendants (/proc, Linux)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := common._stat(int(entry.name))):
-            parents[int(entry.name)] = int(fields[1])
-    tree, frontier = {pid}, [pid]
+    """Resident bytes of a process and its descendants (/proc, Linux): an
+    agent's front ends and engine processes are its children."""
+    tree, frontier = [pid], [pid]
     while frontier:
         parent = frontier.pop()
-        children = [p for p, pp in parents.items() if pp == parent and p not in tree]
-        tree.update(children)
-        frontier.extend(children)
+        for listing in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                children = [int(child) for child in listing.read_text().split()]
+            except (OSError, ValueError):
+                continue
+            tree += children
+            frontier += children
     pages = 0
     for member in tree:
         try:
             pages += int(Path(f"/proc/{member}/statm").read_text().split()[1])
         except (OSError, IndexError, ValueError):
             if member == pid:
-                return None
+                return None  # the server itself is gone
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def watch_health(grpc_address: str, http_address: str, period_s: float, stop: Any,
-                 out: Any) -> None:
+def watch_health(grpc_address: str, http_address: str, period_s: float, ready: Any,
+                 stop: Any, out: Any) -> None:
     """In a process of its own (the bench's client work must not delay it):
     ServerLive and GET /v2/health/live every `period_s`, each on a connection
-    of its own; sends [(kind, started, ended, ok)] to `out` when stopped."""
+    of its own; sets `ready` after the first pair, and sends [(kind, started,
+    ended, ok)] to `out` when stopped."""
     channel = grpc.insecure_channel(grpc_address, options=[("grpc.use_local_subchannel_pool", 1)])
     live = pb_grpc.GRPCInferenceServiceStub(channel).ServerLive
     host, port = http_address.rsplit(":", 1)
@@ -177,6 +179,7 @@ def watch_health(grpc_address: str, http_address: str, period_s: float, stop: An
         except (OSError, http.client.HTTPException):
             ok, rest = False, None
         polls.append(("rest", started, time.monotonic(), ok))
+        ready.set()
         next_at += period_s
         stop.wait(max(0.0, next_at - time.monotonic()))
     channel.close()
@@ -189,9 +192,9 @@ class Watch:
 
     def __init__(self, server: ServerProcess, period_s: float) -> None:
         context = mp.get_context("spawn")
-        self._stop, self._out = context.Event(), context.Queue()
+        self._ready, self._stop, self._out = context.Event(), context.Event(), context.Queue()
         self._poller = context.Process(target=watch_health, daemon=True, args=(
-            server.address, server.http_address, period_s, self._stop, self._out))
+            server.address, server.http_address, period_s, self._ready, self._stop, self._out))
         self._memory = common.Sampler(lambda: tree_rss_bytes(server.pid), period_s)
         self.polls: list[tuple[str, float, float, bool]] = []
 
@@ -199,6 +202,10 @@ class Watch:
         self._poller.start()
         self._memory.start()
         return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"the health poller gave no answer within {timeout_s:g} s")
 
     def stop(self) -> None:
         self._stop.set()
@@ -683,9 +690,10 @@ def run(settings: Settings, work: Path) -> tuple[list[dict[str, Any]], dict[str,
                        "router": Target("router", router, settings, agent)}
             watches = {kind: Watch(t.server, settings.poll_s).start()
                        for kind, t in targets.items()}
-            time.sleep(1.0)  # the pollers' imports and first calls are behind them
             rows = []
             try:
+                for watch in watches.values():
+                    watch.wait_ready()
                 for kind, target in targets.items():
                     rows += replay(target, watches[kind])
             finally:

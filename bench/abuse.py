@@ -32,7 +32,9 @@ resources.limits.memory; the chart sets none for agents, whose resources a
 TieredModel gives, so the agent is held to the edge tier's limit in
 examples/kubernetes/digits.yaml); 0 crashes; every answer the one expected
 (a client error, never 500 or INTERNAL). Writes bench/results/abuse.json and
-prints a table; the exit status is 1 when a target is missed.
+prints a table; the exit status is 1 when a target is missed (with
+`--smoke`, which runs beside other work, every target but health latency,
+which it reports: a health check unanswered within 2 s still fails it).
 
 Run: `.venv/bin/python bench/abuse.py` (the real sizes: 64 MiB bodies, 1,030
 idle streams, 16 slow bodies; under 3 minutes), or `--smoke --out PATH` (a
@@ -83,6 +85,7 @@ from tiered.protocol.handlers import MAX_STREAMS_PER_CONNECTION  # noqa: E402
 from tiered.settings import Quantity  # noqa: E402
 
 TARGET_HEALTH_MS = 100.0
+HEALTH_LATENCY = "health during every input"
 TARGET_CRASHES = 0
 CHART = REPO_ROOT / "helm" / "tiered" / "values.yaml"
 EXAMPLE_MODEL = REPO_ROOT / "examples" / "kubernetes" / "digits.yaml"
@@ -581,7 +584,7 @@ INPUTS = (
           body_over_the_limit),
     Input("rest_big_body_without_token", "4 big bodies", BOTH, frozenset({"401"}),
           body_without_credentials),
-    Input("rest_empty_bytes_elements", "4 big bodies", BOTH, frozenset({"200", "400", "413"}),
+    Input("rest_empty_bytes_elements", "4 big bodies", BOTH, frozenset({"400"}),
           empty_bytes_elements),
     Input("rest_json_nested_too_deep", "4 big bodies", BOTH, frozenset({"400"}),
           json_nested_too_deep),
@@ -711,7 +714,7 @@ def run(settings: Settings, work: Path) -> tuple[list[dict[str, Any]], dict[str,
 def targets(rows: Sequence[Mapping[str, Any]], peaks: Mapping[str, float | None],
             limits: Mapping[str, float]) -> list[common.Target]:
     health = [r["health_max_ms"] for r in rows]
-    found = [common.judge("health during every input", "max ms of any health check",
+    found = [common.judge(HEALTH_LATENCY, "max ms of any health check",
                           None if None in health or not health else max(health), "<=",
                           TARGET_HEALTH_MS)]
     found.append(common.judge("failed health checks", "unanswered or not live, in any input",
@@ -757,11 +760,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "peak_rss_mib": peaks, "rows": rows, "targets": found})
     print(report(rows, found))
     common.write(result, args.out)
-    verdict = 0 if common.overall(found) == "PASS" else 1
-    if args.smoke:
+    if args.smoke:  # timed beside other work (CI): a health check's latency is reported,
+        # not judged; one unanswered within 2 s still fails the smoke
+        judged = [t for t in found if t.name != HEALTH_LATENCY]
         return common.smoke_exit({"rows": (rows, ("peak_rss_mib", "health_max_ms",
-                                                  "health_polls"))}) or verdict
-    return verdict
+                                                  "health_polls"))}) \
+            or int(common.overall(judged) != "PASS")
+    return int(common.overall(found) != "PASS")
 
 
 if __name__ == "__main__":

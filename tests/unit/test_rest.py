@@ -13,10 +13,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tiered import errors
-from tiered.protocol import codec
+from tiered.protocol import codec, rest, status
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
-from tiered.protocol import rest, status
 
 
 @pytest.mark.parametrize("error, code", [

@@ -221,7 +221,8 @@ def decode_inputs(request, regions=None, raw=None) -> dict[str, np.ndarray]:
     if any(in_region) and regions is None:
         raise InvalidArgument("inputs: shared-memory regions are read only by the agent "
                               "they were registered with")
-    check_bytes_elements(sum(element_count(tuple(tensor.shape), field=f"inputs[{index}]")
+    check_bytes_elements(sum(element_count(tuple(tensor.shape),
+                                           field=f"inputs[{index}] {tensor.name!r}")
                              for index, tensor in enumerate(request.inputs)
                              if tensor.datatype == "BYTES"), "inputs")
     next_raw = iter(raw)

@@ -212,11 +212,57 @@ def test_rendered_agents_validate_strictly_against_kubernetes(tmp_path):
     ("httpPort: 8001\n", "httpPort: expected a free port"),
     ("httpPort: '8000'\n", "httpPort: expected an integer"),
     ("tiers: {edge: {extraArgs: --debug}}\n", "tiers.edge.extraArgs: expected a list"),
+    ("auth: {inferenceTokens: {secret: t}}\n", "auth: unknown key 'inferenceTokens'"),
+    ("auth: {inference: {key: tokens}}\n", "auth.inference.secret: required"),
+    ("auth: {inference: {secret: My_Tokens}}\n", "auth.inference.secret: expected a Secret's"),
+    ("auth: {admin: {secret: t, key: a/b}}\n", "auth.admin.key: expected a Secret's key"),
 ])
 def test_agent_pod_settings_name_what_is_wrong(tmp_path, text, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         chart_pods(tmp_path, text)
     assert str(tmp_path / "agent-pods.yaml") in str(caught.value)
+
+
+AUTH_PODS = """
+auth:
+  inference: {secret: agent-tokens}
+  admin: {secret: agent-tokens, key: admin}
+"""
+
+
+def test_the_agents_token_secrets_reach_the_agent_alone_one_key_each(tmp_path):
+    workload, _ = rendered(chart_pods(tmp_path, AUTH_PODS), "edge")
+    pod = workload["spec"]["template"]["spec"]
+    agent = agent_container(workload)
+    tokens = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    assert tokens == {
+        "inference-tokens": {"secretName": "agent-tokens", "defaultMode": 0o440,
+                             "items": [{"key": "tokens", "path": "tokens"}]},
+        "admin-tokens": {"secretName": "agent-tokens", "defaultMode": 0o440,
+                         "items": [{"key": "admin", "path": "admin"}]}}
+    mounted = {m["name"]: m for m in agent["volumeMounts"]}
+    for name in tokens:
+        assert mounted[name]["readOnly"] is True
+        assert mounted[name]["mountPath"] == f"{render.TOKENS_DIR}/{name}"
+    command = agent["command"]
+    assert command[command.index("--inference-token-file") + 1] == \
+        f"{render.TOKENS_DIR}/inference-tokens/tokens"
+    assert command[command.index("--admin-token-file") + 1] == \
+        f"{render.TOKENS_DIR}/admin-tokens/admin"
+    (build,) = pod["initContainers"]
+    assert not {m["name"] for m in build["volumeMounts"]} & set(tokens)
+    kubernetes_validate.validate(workload, "1.30.0", strict=True)
+
+
+def test_agents_require_no_token_unless_the_chart_names_its_secret(tmp_path):
+    inference_only = chart_pods(tmp_path, "auth: {inference: {secret: agent-tokens}}\n")
+    for pods, files in [(render.AgentPods(), set()), (chart_pods(tmp_path), set()),
+                        (inference_only, {"--inference-token-file"})]:
+        workload, _ = rendered(pods, "edge")
+        command = agent_container(workload)["command"]
+        assert {"--inference-token-file", "--admin-token-file"} & set(command) == files
+        volumes = workload["spec"]["template"]["spec"]["volumes"]
+        assert len([v for v in volumes if "secret" in v]) == len(files)
 
 
 NOW = datetime(2026, 12, 1, 12, 0, 30, tzinfo=timezone.utc)

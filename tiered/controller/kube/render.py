@@ -44,6 +44,7 @@ AGENT_METRICS_PORT = 8002
 AGENT_HTTP_PORT = 8000  # KServe v2 REST
 MODELS_DIR = "/models"
 TLS_DIR = "/etc/tiered/tls"
+TOKENS_DIR = "/etc/tiered/tokens"  # one directory per token Secret, beside TLS_DIR
 ROUTING_KEY = "routing.yaml"
 GPU_TIERS = (names.Tier.REGIONAL, names.Tier.DATACENTER)
 
@@ -61,6 +62,10 @@ FINALIZER = f"{API_GROUP}/routing"
 BUILD_CONTAINER = "build"  # the init container that verifies and builds the artifact
 AGENT_CONTAINER = "agent"  # the container that serves it
 TERMINATION_LOG = "/dev/termination-log"
+
+
+_SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 
 
 def _camel(name: str) -> str:
@@ -118,14 +123,47 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class SecretFile:
+    """One key of a Secret, which a pod reads as a file."""
+
+    secret: str
+    key: str = "tokens"
+
+    def __post_init__(self) -> None:
+        if not _SECRET_NAME.fullmatch(self.secret) or len(self.secret) > 253:
+            raise ConfigError(f"secret: expected a Secret's name, got {self.secret!r}")
+        if not _SECRET_KEY.fullmatch(self.key) or self.key in (".", "..") or len(self.key) > 253:
+            raise ConfigError(f"key: expected a Secret's key, got {self.key!r}")
+
+
+@dataclass(frozen=True)
+class AgentAuth:
+    """The token files agents require (the chart's agents.auth), each one key of
+    a Secret mounted read-only: `inference` is the agents' --inference-token-file
+    (the router then presents one of them), `admin` their --admin-token-file.
+    None: no such token (inference open; load and unload refused)."""
+
+    inference: SecretFile | None = None
+    admin: SecretFile | None = None
+
+    def files(self) -> tuple[tuple[str, str, SecretFile], ...]:
+        """(volume name, agent flag, where it is read) of each token file set."""
+        named = (("inference-tokens", "--inference-token-file", self.inference),
+                 ("admin-tokens", "--admin-token-file", self.admin))
+        return tuple((name, flag, file) for name, flag, file in named if file is not None)
+
+
+@dataclass(frozen=True)
 class AgentPods:
     """Settings of every agent pod, read from a YAML file (camelCase keys; the
-    chart writes it into a ConfigMap): labels, the REST port, per-tier settings."""
+    chart writes it into a ConfigMap): labels, the REST port, per-tier settings,
+    placement limits and the token Secrets the agents require."""
 
     labels: Mapping[str, str] = field(default_factory=dict)  # e.g. app.kubernetes.io/instance
     http_port: int | None = AGENT_HTTP_PORT  # None: gRPC only (--no-http)
     tiers: Mapping[str, PodSettings] = field(default_factory=dict)
     placement: Placement = field(default_factory=Placement)
+    auth: AgentAuth = field(default_factory=AgentAuth)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.tiers) - set(names.TIERS))
@@ -248,6 +286,15 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
                     "--tls-ca", f"{TLS_DIR}/ca.crt", "--tls-client-auth"]
     else:
         agent_mounts = mounts
+    # Only the agent reads its tokens, and only the one key: the build gets none.
+    auth: list[str] = []
+    for name, flag, file in pods.auth.files():
+        volumes.append({"name": name, "secret": {
+            "secretName": file.secret, "items": [{"key": file.key, "path": file.key}],
+            "defaultMode": 0o440}})
+        agent_mounts = [*agent_mounts,
+                        {"name": name, "mountPath": f"{TOKENS_DIR}/{name}", "readOnly": True}]
+        auth += [flag, f"{TOKENS_DIR}/{name}/{file.key}"]
     resources = {k: dict(v) for k, v in (("requests", tier_spec.resources.requests),
                                          ("limits", tier_spec.resources.limits)) if v}
     # A pod given GPUs sees those alone (the device plugin): one engine process
@@ -273,7 +320,7 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
             "command": ["tiered", "agent", "--tier", tier, "--model-repository", MODELS_DIR,
                         "--host", "0.0.0.0", "--port", str(AGENT_PORT),
                         "--metrics-port", str(AGENT_METRICS_PORT), *http, *security,
-                        *devices, *extra.extra_args],
+                        *auth, *devices, *extra.extra_args],
             "ports": [{"name": "grpc", "containerPort": AGENT_PORT},
                       {"name": "metrics", "containerPort": AGENT_METRICS_PORT},
                       *([{"name": "http", "containerPort": pods.http_port}]

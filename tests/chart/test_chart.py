@@ -191,7 +191,8 @@ def test_values_schema_closes_the_charts_own_objects():
     schema = _schema()
     for path in [(), ("images",), ("tls",), ("controller",), ("router",),
                  ("router", "http"), ("router", "podDisruptionBudget"), ("agents",),
-                 ("agents", "http"), ("agents", "tiers"), ("agents", "tiers", "datacenter")]:
+                 ("agents", "http"), ("agents", "tiers"), ("agents", "tiers", "datacenter"),
+                 ("router", "auth"), ("agents", "auth")]:
         node = _schema_for(path, schema)
         assert node is not None and node.get("additionalProperties") is False, path
 
@@ -218,6 +219,10 @@ def test_values_schema_closes_the_charts_own_objects():
     "agents.tiers.edge.priorityClass=high",
     "agents.gpuRuntimeClassName=Not_A_Class",
     "agents.tiers.datacenter.topologySpreadConstraints[0].whenUnsatisfiable=Always",
+    "router.auth.inferenceTokenSecret=Client_Tokens",
+    "router.auth.agentToken=agent-tokens",
+    "agents.auth.inferenceTokenKey=a/b",
+    "agents.auth.adminTokenKey=..",
 ])
 def test_invalid_values_are_rejected_by_the_schema(setting, tmp_path, helm_binary):
     result = helm.run_helm([*helm.template_args(), "--set", setting], None, tmp_path)

@@ -254,4 +254,51 @@ tiers:
 {{- end }}
 placement:
   {{- toYaml $agents.placement | nindent 2 }}
+{{- with include "tiered.agentAuth" . }}
+auth:
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The token Secrets the agents require (AgentPods.auth: inference, admin), or
+nothing when none is named, so that a release without them renders as before.
+Agents that require an inference token need the router to present one: it
+does not pass its clients' tokens on.
+*/}}
+{{- define "tiered.agentAuth" -}}
+{{- $auth := .Values.agents.auth -}}
+{{- $files := dict -}}
+{{- if $auth.inferenceTokenSecret -}}
+{{- if not .Values.router.auth.agentTokenSecret -}}
+{{- fail "agents.auth.inferenceTokenSecret: the agents then take inference only with a token, and the router presents none (it does not pass a client's token on): set router.auth.agentTokenSecret to a Secret holding one of the agents' tokens" -}}
+{{- end -}}
+{{- $_ := set $files "inference" (dict "secret" $auth.inferenceTokenSecret "key" $auth.inferenceTokenKey) -}}
+{{- end -}}
+{{- if $auth.adminTokenSecret -}}
+{{- $_ := set $files "admin" (dict "secret" $auth.adminTokenSecret "key" $auth.adminTokenKey) -}}
+{{- end -}}
+{{- with $files }}{{ toYaml . }}{{ end -}}
+{{- end }}
+
+{{/* The agents' token Secrets, which their pods may mount (controller-workload-policy.yaml). */}}
+{{- define "tiered.agentTokenSecrets" -}}
+{{- $auth := .Values.agents.auth -}}
+{{- list $auth.inferenceTokenSecret $auth.adminTokenSecret | compact | toJson -}}
+{{- end }}
+
+{{/*
+The router's token files, each one key of a Secret mounted read-only at
+/etc/tiered/tokens/<name>: a JSON list of {name, flag, secret, key}.
+*/}}
+{{- define "tiered.routerTokens" -}}
+{{- $auth := .Values.router.auth -}}
+{{- $files := list -}}
+{{- if $auth.inferenceTokenSecret -}}
+{{- $files = append $files (dict "name" "inference-tokens" "flag" "--inference-token-file" "secret" $auth.inferenceTokenSecret "key" $auth.inferenceTokenKey) -}}
+{{- end -}}
+{{- if $auth.agentTokenSecret -}}
+{{- $files = append $files (dict "name" "agent-token" "flag" "--agent-token-file" "secret" $auth.agentTokenSecret "key" $auth.agentTokenKey) -}}
+{{- end -}}
+{{- toJson $files -}}
 {{- end }}

@@ -152,3 +152,29 @@ def test_the_policy_can_be_switched_off(tmp_path, helm_binary):
     off = helm.render({"controller": {"workloadPolicy": {"enabled": False}}}, tmp_path)
     assert objects(off, "ValidatingAdmissionPolicy") == []
     assert objects(off, "ValidatingAdmissionPolicyBinding") == []
+
+
+def test_the_agents_token_secrets_are_admitted_and_no_other(tmp_path, helm_binary):
+    from tests.chart.test_auth import AUTH
+
+    rendered = helm.render(AUTH, tmp_path)
+    policy = policy_of(rendered)
+    spec = load_tiered_model({
+        "name": "digits", "artifact": {"uri": "https://models.example/d.onnx", "sha256": "a" * 64},
+        "tiers": {"edge": {}}, "rollout": {"stages": [{"name": "all", "weights": {"edge": 100}}]}})
+    settings = render.ClusterSettings(helm.NAMESPACE, tls_secret=f"{fullname()}-agents-tls",
+                                      agent_pods=agent_pods(rendered, tmp_path))
+    (workload,) = [o for o in render.desired_objects(
+        spec, [ArtifactVersion(1, spec.artifact.uri, "a" * 64)], [1],
+        render.Owner("digits", "uid"), settings) if o["kind"] == "Deployment"]
+    tokens = {v["secret"]["secretName"] for v in _pod(workload)["volumes"] if "secret" in v}
+    assert tokens == {f"{fullname()}-agents-tls", "agent-tokens", "agent-admins"}
+    assert admitted(policy, workload) == []
+    assert admitted(policy_of(helm.render(None, tmp_path)), workload)  # not in the default
+    # The router's client tokens are its own: not the agents' to mount.
+    for other in ("client-tokens", "database-password"):
+        changed = copy.deepcopy(workload)
+        next(v for v in _pod(changed)["volumes"] if v["name"] == "inference-tokens")[
+            "secret"]["secretName"] = other
+        refusals = admitted(policy, changed)
+        assert len(refusals) == 1 and refusals[0].startswith(MOUNTS), refusals

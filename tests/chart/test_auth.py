@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.chart import helm
-from tests.chart.test_chart import container, fullname, mounts, one, volumes
+from tests.chart.test_chart import container, fullname, mounts, notes_for, one, volumes
 from tests.chart.test_pod_settings import agent_pods, controller, router
 from tiered.controller.desired import ArtifactVersion
 from tiered.controller.kube import render
@@ -128,3 +128,10 @@ def test_agents_requiring_a_token_need_the_router_to_present_one(tmp_path, helm_
 def test_the_render_with_tokens_validates_strictly_against_kubernetes(with_tokens):
     for obj in with_tokens:
         kubernetes_validate.validate(obj, helm.KUBE_VERSION, strict=True)
+
+
+def test_the_notes_say_which_tokens_the_router_takes(tmp_path, helm_binary):
+    said = "the router takes inference only with one of the tokens in Secret"
+    notes = notes_for(AUTH, tmp_path / "auth")
+    assert f'{said} "client-tokens"\n(key "tokens")' in notes
+    assert said not in notes_for({}, tmp_path / "open")

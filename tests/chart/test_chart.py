@@ -572,7 +572,8 @@ def test_the_chart_runs_no_agents_of_its_own(any_render):
 
 # ---- NOTES.txt ---------------------------------------------------------------------
 
-def test_notes_say_how_to_apply_watch_and_reach_the_router(tmp_path, helm_binary):
+def notes_for(values: Mapping[str, Any], tmp_path: Path) -> str:
+    """NOTES.txt as `helm install` prints it for `values`."""
     # `helm install --dry-run` needs a cluster; render NOTES.txt through `tpl`
     # in a copy of the chart instead.
     chart = tmp_path / "tiered"
@@ -582,9 +583,13 @@ def test_notes_say_how_to_apply_watch_and_reach_the_router(tmp_path, helm_binary
         'apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n'
         'data:\n  notes: {{ tpl (.Files.Get "notes.tpl") . | quote }}\n')
     result = helm.run_helm([*helm.template_args(), "--show-only", "templates/zz-notes.yaml"],
-                           FULL_VALUES, tmp_path, chart=chart)
+                           values, tmp_path, chart=chart)
     assert result.returncode == 0, result.stderr
-    notes = yaml.safe_load(result.stdout)["data"]["notes"]
+    return yaml.safe_load(result.stdout)["data"]["notes"]
+
+
+def test_notes_say_how_to_apply_watch_and_reach_the_router(tmp_path, helm_binary):
+    notes = notes_for(FULL_VALUES, tmp_path)
     for expected in ("kubectl apply", "kubectl get tieredmodels", "tiered get --kubernetes",
                      f"{fullname()}-router.{helm.NAMESPACE}.svc:8001",
                      f"kubectl port-forward -n {helm.NAMESPACE} svc/{fullname()}-router",

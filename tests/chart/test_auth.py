@@ -14,7 +14,7 @@ import yaml
 
 from tests.chart import helm
 from tests.chart.test_chart import container, fullname, mounts, notes_for, one, volumes
-from tests.chart.test_pod_settings import agent_pods, controller, router
+from tests.chart.test_pod_settings import agent_pods, agent_pods_checksum, router
 from tiered.controller.desired import ArtifactVersion
 from tiered.controller.kube import render
 from tiered.rollout.spec import load_tiered_model
@@ -109,10 +109,7 @@ def test_the_agents_token_secrets_reach_the_pods_the_controller_makes(with_token
 
 
 def test_a_change_of_the_agents_tokens_restarts_the_controller(with_tokens, default_render):
-    def checksum(rendered):
-        return controller(rendered)["spec"]["template"]["metadata"]["annotations"][
-            "checksum/agent-pods"]
-    assert checksum(with_tokens) != checksum(default_render)
+    assert agent_pods_checksum(with_tokens) != agent_pods_checksum(default_render)
 
 
 def test_agents_requiring_a_token_need_the_router_to_present_one(tmp_path, helm_binary):

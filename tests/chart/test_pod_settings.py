@@ -165,11 +165,14 @@ def test_agent_rest_can_be_switched_off(switched_off, tmp_path):
     assert agent_pods(switched_off, tmp_path).http_port is None
 
 
+def agent_pods_checksum(rendered) -> str:
+    """The controller pod's digest of the agent-pods file: a change restarts it."""
+    return controller(rendered)["spec"]["template"]["metadata"]["annotations"][
+        "checksum/agent-pods"]
+
+
 def test_a_change_of_agent_settings_restarts_the_controller(configured, default_render):
-    def checksum(rendered):
-        return controller(rendered)["spec"]["template"]["metadata"]["annotations"][
-            "checksum/agent-pods"]
-    assert checksum(configured) != checksum(default_render)
+    assert agent_pods_checksum(configured) != agent_pods_checksum(default_render)
 
 
 def test_controller_made_agents_are_what_the_release_selects(configured, tmp_path):

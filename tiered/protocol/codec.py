@@ -66,9 +66,11 @@ MAX_BYTES_ELEMENTS = 1 << 16
 
 
 def check_bytes_elements(count: int, field: str) -> None:
+    """Refuse `count` BYTES elements past the bound, before any is read."""
     if count > MAX_BYTES_ELEMENTS:
         raise InvalidArgument(f"{field}: {count:,} BYTES elements; a request holds at most "
                               f"{MAX_BYTES_ELEMENTS:,}")
+
 
 # A tensor's parameters that name a shared-memory range instead of bytes.
 SHARED_MEMORY_REGION = "shared_memory_region"

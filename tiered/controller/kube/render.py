@@ -99,26 +99,29 @@ class Placement:
     max_resources: Mapping[str, Quantity] | None = None
 
     def refusal(self, tier: TierSpec) -> str | None:
-        """Why `tier` asks beyond these, or None."""
+        """Why `tier` asks beyond these, or None (a setting left None allows anything)."""
         where = "the chart's agents.placement"
-        allowed_keys = self.node_selector_keys
-        for key in tier.node_selector if allowed_keys is not None else ():
-            if key not in allowed_keys:
-                return (f"nodeSelector: {key!r} is not a label agents may select on here "
-                        f"({where}.nodeSelectorKeys: {', '.join(allowed_keys) or 'none'})")
-        for toleration in tier.tolerations if self.tolerations is not None else ():
-            if toleration not in self.tolerations:
-                return (f"tolerations: {to_plain(toleration)} is not one agents may carry "
-                        f"here ({where}.tolerations)")
-        for kind in ("requests", "limits") if self.max_resources is not None else ():
-            for name, amount in getattr(tier.resources, kind).items():
-                most = self.max_resources.get(name)
-                if most is None:
-                    return f"resources.{kind}: {name} is not given to agents here " \
-                           f"({where}.maxResources)"
-                if Quantity(amount).value() > Quantity(most).value():
-                    return (f"resources.{kind}.{name}: {amount} is above the most agents get "
-                            f"here, {most} ({where}.maxResources)")
+        if self.node_selector_keys is not None:
+            for key in tier.node_selector:
+                if key not in self.node_selector_keys:
+                    return (f"nodeSelector: {key!r} is not a label agents may select on here "
+                            f"({where}.nodeSelectorKeys: "
+                            f"{', '.join(self.node_selector_keys) or 'none'})")
+        if self.tolerations is not None:
+            for toleration in tier.tolerations:
+                if toleration not in self.tolerations:
+                    return (f"tolerations: {to_plain(toleration)} is not one agents may carry "
+                            f"here ({where}.tolerations)")
+        if self.max_resources is not None:
+            for kind in ("requests", "limits"):
+                for name, amount in getattr(tier.resources, kind).items():
+                    most = self.max_resources.get(name)
+                    if most is None:
+                        return (f"resources.{kind}: {name} is not given to agents here "
+                                f"({where}.maxResources)")
+                    if Quantity(amount).value() > Quantity(most).value():
+                        return (f"resources.{kind}.{name}: {amount} is above the most agents "
+                                f"get here, {most} ({where}.maxResources)")
         return None
 
 

@@ -14,10 +14,8 @@ import yaml
 
 from tests.chart import helm
 from tests.chart.test_chart import container, fullname, mounts, notes_for, one, volumes
-from tests.chart.test_pod_settings import agent_pods, agent_pods_checksum, router
-from tiered.controller.desired import ArtifactVersion
+from tests.chart.test_pod_settings import agent_pods, agent_pods_checksum, edge_workload, router
 from tiered.controller.kube import render
-from tiered.rollout.spec import load_tiered_model
 
 AUTH: dict[str, Any] = {
     "router": {"auth": {"inferenceTokenSecret": "client-tokens",
@@ -93,13 +91,7 @@ def test_the_agents_token_secrets_reach_the_pods_the_controller_makes(with_token
     pods = agent_pods(with_tokens, tmp_path)
     assert pods.auth == render.AgentAuth(inference=render.SecretFile("agent-tokens", "tokens"),
                                          admin=render.SecretFile("agent-admins", "tokens"))
-    spec = load_tiered_model({
-        "name": "digits", "artifact": {"uri": "https://models.example/d.onnx", "sha256": "a" * 64},
-        "tiers": {"edge": {}}, "rollout": {"stages": [{"name": "all", "weights": {"edge": 100}}]}})
-    objs = render.desired_objects(spec, [ArtifactVersion(1, spec.artifact.uri, "a" * 64)], [1],
-                                  render.Owner("digits", "uid"),
-                                  render.ClusterSettings(helm.NAMESPACE, agent_pods=pods))
-    workload = next(o for o in objs if o["kind"] == "Deployment")
+    workload = edge_workload(pods)
     kubernetes_validate.validate(workload, helm.KUBE_VERSION, strict=True)
     agent = container(workload, "agent")
     files = flag_files(agent["command"], ("--inference-token-file", "--admin-token-file"))

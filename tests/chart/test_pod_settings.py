@@ -71,6 +71,27 @@ def agent_pods(rendered, tmp_path: Path) -> render.AgentPods:
     return render.load_agent_pods(path)
 
 
+def digits_on(tiers: dict[str, Any]):
+    """A TieredModel on `tiers` (their settings), one stage of equal weights."""
+    return load_tiered_model({
+        "name": "digits", "artifact": {"uri": "https://models.example/d.onnx", "sha256": "a" * 64},
+        "tiers": tiers,
+        "rollout": {"stages": [{"name": "all", "weights": {t: 100 // len(tiers) for t in tiers}}]}})
+
+
+def controller_objects(pods: render.AgentPods, tiers: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the controller writes with `pods` for `digits_on(tiers)`, version 1."""
+    spec = digits_on(tiers)
+    return render.desired_objects(spec, [ArtifactVersion(1, spec.artifact.uri, "a" * 64)], [1],
+                                  render.Owner("digits", "uid"),
+                                  render.ClusterSettings(helm.NAMESPACE, agent_pods=pods))
+
+
+def edge_workload(pods: render.AgentPods) -> dict[str, Any]:
+    """The Deployment the controller writes with `pods` for an edge-only model."""
+    return next(o for o in controller_objects(pods, {"edge": {}}) if o["kind"] == "Deployment")
+
+
 def test_the_configured_render_validates_strictly_against_kubernetes(configured, switched_off):
     for obj in [*configured, *switched_off]:
         kubernetes_validate.validate(obj, helm.KUBE_VERSION, strict=True)
@@ -179,13 +200,7 @@ def test_controller_made_agents_are_what_the_release_selects(configured, tmp_pat
     """The controller given the chart's file: its pods validate, carry the
     release's labels and the tier's settings, and the PodMonitor selects them."""
     pods = agent_pods(configured, tmp_path)
-    spec = load_tiered_model({
-        "name": "digits", "artifact": {"uri": "https://models.example/d.onnx", "sha256": "a" * 64},
-        "tiers": {"edge": {}, "datacenter": {}},
-        "rollout": {"stages": [{"name": "all", "weights": {"edge": 50, "datacenter": 50}}]}})
-    settings = render.ClusterSettings(helm.NAMESPACE, agent_pods=pods)
-    objs = render.desired_objects(spec, [ArtifactVersion(1, spec.artifact.uri, "a" * 64)], [1],
-                                  render.Owner("digits", "uid"), settings)
+    objs = controller_objects(pods, {"edge": {}, "datacenter": {}})
     monitors = helm.render({"monitoring": {"serviceMonitor": {"enabled": True}}}, tmp_path)
     selector = one(monitors, "PodMonitor", f"{fullname()}-agents")["spec"]["selector"]
     for obj in objs:
@@ -211,14 +226,7 @@ def test_only_the_routers_and_the_controller_reach_the_agents(default_render, sw
     file, and takes calls to them only from the release's routers and controller."""
     policy = one(default_render, "NetworkPolicy", f"{fullname()}-agents")
     kubernetes_validate.validate(policy, helm.KUBE_VERSION, strict=True)
-    pods = agent_pods(default_render, tmp_path)
-    spec = load_tiered_model({
-        "name": "digits", "artifact": {"uri": "https://models.example/d.onnx", "sha256": "a" * 64},
-        "tiers": {"edge": {}}, "rollout": {"stages": [{"name": "all", "weights": {"edge": 100}}]}})
-    objs = render.desired_objects(spec, [ArtifactVersion(1, spec.artifact.uri, "a" * 64)], [1],
-                                  render.Owner("digits", "uid"),
-                                  render.ClusterSettings(helm.NAMESPACE, agent_pods=pods))
-    agent_labels = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"][
+    agent_labels = edge_workload(agent_pods(default_render, tmp_path))["spec"]["template"][
         "metadata"]["labels"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= agent_labels.items()
     calls, metrics = policy["spec"]["ingress"]
@@ -249,17 +257,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kubernetes" / "dig
 ])
 def test_the_charts_placement_refuses_what_a_model_writer_should_not_ask(
         tier, refused, default_render, tmp_path):
-    placement = agent_pods(default_render, tmp_path).placement
-    spec = load_tiered_model({
-        "name": "digits", "artifact": {"uri": "https://models.example/d.onnx", "sha256": "a" * 64},
-        "tiers": {"edge": tier}, "rollout": {"stages": [{"name": "all", "weights": {"edge": 100}}]}})
-    assert placement.refusal(spec.tiers["edge"]).startswith(refused)
-    objs = render.desired_objects(spec, [ArtifactVersion(1, spec.artifact.uri, "a" * 64)], [1],
-                                  render.Owner("digits", "uid"),
-                                  render.ClusterSettings(helm.NAMESPACE,
-                                                         agent_pods=agent_pods(default_render,
-                                                                               tmp_path)))
-    assert objs == []  # nothing deployed for a refused tier
+    pods = agent_pods(default_render, tmp_path)
+    assert pods.placement.refusal(digits_on({"edge": tier}).tiers["edge"]).startswith(refused)
+    assert controller_objects(pods, {"edge": tier}) == []  # nothing deployed for a refused tier
 
 
 def test_the_charts_placement_admits_the_kubernetes_example(default_render, tmp_path):

@@ -447,20 +447,18 @@ def wrong_shape_to_the_canary(target: Target) -> Answer:
     return Answer.of(code, f"{dict(codes)}: {messages[0]}")
 
 
-def body_over_the_limit(target: Target) -> Answer:
-    size = target.settings.max_message_bytes + 1
-    answer, sent = exchange(target.server.http_address, "/v2/models/mlp/infer",
-                            chunked(size), {"Content-Length": str(size), **target.auth})
-    return Answer.of(answer.code, f"after {sent / MiB:.1f} of {size / MiB:.1f} MiB sent: "
-                     f"{answer.message}")
+def big_body(over_limit_by: int, credentials: bool) -> Callable[[Target], Answer]:
+    """A REST body `over_limit_by` bytes past the message limit, sent until the
+    server answers; with the token or without it."""
 
-
-def body_without_credentials(target: Target) -> Answer:
-    size = target.settings.max_message_bytes
-    answer, sent = exchange(target.server.http_address, "/v2/models/mlp/infer",
-                            chunked(size), {"Content-Length": str(size)})
-    return Answer.of(answer.code, f"after {sent / MiB:.1f} of {size / MiB:.1f} MiB sent: "
-                     f"{answer.message}")
+    def send(target: Target) -> Answer:
+        size = target.settings.max_message_bytes + over_limit_by
+        auth = target.auth if credentials else {}
+        answer, sent = exchange(target.server.http_address, "/v2/models/mlp/infer",
+                                chunked(size), {"Content-Length": str(size), **auth})
+        return Answer.of(answer.code, f"after {sent / MiB:.1f} of {size / MiB:.1f} MiB sent: "
+                         f"{answer.message}")
+    return send
 
 
 def empty_bytes_elements(target: Target) -> Answer:
@@ -579,9 +577,9 @@ INPUTS = (
     Input("wrong_shape_to_the_canary", "3 client errors", BOTH,
           frozenset({"INVALID_ARGUMENT"}), wrong_shape_to_the_canary),
     Input("rest_body_over_the_limit", "4 big bodies", BOTH, frozenset({"413"}),
-          body_over_the_limit),
+          big_body(1, credentials=True)),
     Input("rest_big_body_without_token", "4 big bodies", BOTH, frozenset({"401"}),
-          body_without_credentials),
+          big_body(0, credentials=False)),
     Input("rest_empty_bytes_elements", "4 big bodies", BOTH, frozenset({"400"}),
           empty_bytes_elements),
     Input("rest_json_nested_too_deep", "4 big bodies", BOTH, frozenset({"400"}),

@@ -36,16 +36,18 @@ Arrays = Mapping[str, np.ndarray]
 
 COARSE_TIMER_S = 0.002  # shorter waits than this yield instead of sleeping on a timer
 # Handing a batch to a worker thread and back costs loop wake-ups and GIL
-# hand-overs: 0.4-0.5 ms of CPU a request in an edge agent serving the digits
-# model at 200 requests/s (1.65-1.83 ms a request against 1.28 on the loop).
-# A batch whose engine time on the loop is typically below this runs there.
-INLINE_BELOW_S = 300e-6
-# A batch run in a thread waits for the GIL while the loop holds it, so its
-# wall time there says little (the digits model's engine call, 50-90 µs
-# alone, measured 250 µs in that agent). A threaded run that took less CPU
-# than INLINE_BELOW_S and less wall time than TRIAL_BELOW_S earns a trial on
-# the loop, whose wall time decides; a slow trial (an engine that waits on a
-# device) is tried again after TRIAL_EVERY threaded batches.
+# hand-overs: two edge agents serving the digits model side by side at 100
+# requests/s each spent 1.79-2.22 ms of CPU a request in threads and
+# 1.55-2.09 on the loop (4 paired rounds; its engine call costs ~0.2 ms of
+# CPU there). So a batch runs on the loop where its engine call takes less
+# CPU than INLINE_BELOW_S and, there, less wall time than ON_LOOP_BELOW_S (an
+# engine that waits on a device would hold the loop while it waits). Wall
+# time in a thread says little: the call waits there for the GIL. A threaded
+# call cheap in CPU and under TRIAL_BELOW_S of wall time earns a trial on the
+# loop; after a trial that failed, the next comes TRIAL_EVERY threaded
+# batches later.
+INLINE_BELOW_S = 500e-6
+ON_LOOP_BELOW_S = 0.001
 TRIAL_BELOW_S = 0.005
 TRIAL_EVERY = 256
 
@@ -169,7 +171,7 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._closing = False
         self.inline_below_s = INLINE_BELOW_S  # 0: never run a batch on the loop
-        self._on_loop_s: float | None = None  # moving average of engine time on the loop
+        self._on_loop: tuple[float, float] | None = None  # engine CPU, wall s: moving averages
         self._threaded = 0  # batches run in threads since the last one on the loop
         self._trial_worthy = False  # the last threaded batch (see TRIAL_BELOW_S)
         self._queued_items = self._running_items = 0  # batch elements
@@ -301,19 +303,21 @@ class Batcher:
                 )
 
     def _next_on_loop(self) -> bool:
-        """Whether the next batch runs on the loop (see TRIAL_EVERY)."""
-        if self._threaded == 0 and self._on_loop_s is not None:  # the last one did
-            return self._on_loop_s < self.inline_below_s
-        return self._trial_worthy and (self._on_loop_s is None or self._threaded >= TRIAL_EVERY)
+        """Whether the next batch runs on the loop (see INLINE_BELOW_S)."""
+        if self._threaded == 0 and self._on_loop is not None:  # the last one did
+            cpu_s, wall_s = self._on_loop
+            return cpu_s < self.inline_below_s and wall_s < ON_LOOP_BELOW_S
+        return self._trial_worthy and (self._on_loop is None or self._threaded >= TRIAL_EVERY)
 
     def _learn(self, on_loop: bool, infer_s: float, cpu_s: float) -> None:
-        if on_loop:
-            fresh = self._on_loop_s is None or self._threaded > 0
-            self._on_loop_s = infer_s if fresh else 0.8 * self._on_loop_s + 0.2 * infer_s
-            self._threaded = 0
-        else:
+        if not on_loop:
             self._threaded += 1
             self._trial_worthy = cpu_s < self.inline_below_s and infer_s < TRIAL_BELOW_S
+        elif self._on_loop is None or self._threaded:  # a trial
+            self._on_loop, self._threaded = (cpu_s, infer_s), 0
+        else:
+            cpu, wall = self._on_loop
+            self._on_loop = (0.8 * cpu + 0.2 * cpu_s, 0.8 * wall + 0.2 * infer_s)
 
     def _run_batch(
         self, requests: list[Arrays], sizes: list[int]

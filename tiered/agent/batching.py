@@ -35,21 +35,9 @@ log = logging.getLogger(__name__)
 Arrays = Mapping[str, np.ndarray]
 
 COARSE_TIMER_S = 0.002  # shorter waits than this yield instead of sleeping on a timer
-# Handing a batch to a worker thread and back costs loop wake-ups and GIL
-# hand-overs: two edge agents serving the digits model side by side at 100
-# requests/s each spent 1.79-2.22 ms of CPU a request in threads and
-# 1.55-2.09 on the loop (4 paired rounds; its engine call costs ~0.2 ms of
-# CPU there). So a batch runs on the loop where its engine call takes less
-# CPU than INLINE_BELOW_S and, there, less wall time than ON_LOOP_BELOW_S (an
-# engine that waits on a device would hold the loop while it waits). Wall
-# time in a thread says little: the call waits there for the GIL. A threaded
-# call cheap in CPU and under TRIAL_BELOW_S of wall time earns a trial on the
-# loop; after a trial that failed, the next comes TRIAL_EVERY threaded
-# batches later.
-INLINE_BELOW_S = 500e-6
-ON_LOOP_BELOW_S = 0.001
-TRIAL_BELOW_S = 0.005
-TRIAL_EVERY = 256
+# Handing a batch to a worker thread and back costs ~100-200 µs of loop
+# wake-ups; a batch whose engine time is typically below this runs on the loop.
+INLINE_BELOW_S = 100e-6
 
 
 @dataclass(frozen=True)
@@ -170,10 +158,8 @@ class Batcher:
         self._slots = asyncio.Semaphore(policy.instances)
         self._running: set[asyncio.Task] = set()
         self._closing = False
+        self._typical_infer_s = math.inf  # moving average of engine time per batch
         self.inline_below_s = INLINE_BELOW_S  # 0: never run a batch on the loop
-        self._on_loop: tuple[float, float] | None = None  # engine CPU, wall s: moving averages
-        self._threaded = 0  # batches run in threads since the last one on the loop
-        self._trial_worthy = False  # the last threaded batch (see TRIAL_BELOW_S)
         self._queued_items = self._running_items = 0  # batch elements
         self._loop_task = asyncio.get_running_loop().create_task(self._serve())
 
@@ -279,12 +265,11 @@ class Batcher:
     async def _run_and_answer(self, batch: list[Pending], sizes: list[int],
                               started: float) -> None:
         inputs = [p.inputs for p in batch]
-        on_loop = self._next_on_loop()
         try:
-            if on_loop:
-                parts, timing, cpu_s = self._run_batch(inputs, sizes)
+            if self._typical_infer_s < self.inline_below_s:
+                parts, timing = self._run_batch(inputs, sizes)
             else:
-                parts, timing, cpu_s = await asyncio.get_running_loop().run_in_executor(
+                parts, timing = await asyncio.get_running_loop().run_in_executor(
                     self._executor, self._run_batch, inputs, sizes
                 )
         except TieredError as error:
@@ -294,7 +279,11 @@ class Batcher:
             log.exception("batch of %d failed", sum(sizes))
             self._fail(batch, EngineError(f"engine failed: {error}"))
             return
-        self._learn(on_loop, timing.infer_ns / 1e9, cpu_s)
+        infer_s = timing.infer_ns / 1e9
+        self._typical_infer_s = (
+            infer_s if math.isinf(self._typical_infer_s)
+            else 0.8 * self._typical_infer_s + 0.2 * infer_s
+        )
         self._on_batch(sum(sizes), timing)
         for pending, outputs in zip(batch, parts):
             if not pending.future.done():
@@ -302,38 +291,18 @@ class Batcher:
                     BatchResult(outputs, started - pending.enqueued_at, timing, sum(sizes))
                 )
 
-    def _next_on_loop(self) -> bool:
-        """Whether the next batch runs on the loop (see INLINE_BELOW_S)."""
-        if self._threaded == 0 and self._on_loop is not None:  # the last one did
-            cpu_s, wall_s = self._on_loop
-            return cpu_s < self.inline_below_s and wall_s < ON_LOOP_BELOW_S
-        return self._trial_worthy and (self._on_loop is None or self._threaded >= TRIAL_EVERY)
-
-    def _learn(self, on_loop: bool, infer_s: float, cpu_s: float) -> None:
-        if not on_loop:
-            self._threaded += 1
-            self._trial_worthy = cpu_s < self.inline_below_s and infer_s < TRIAL_BELOW_S
-        elif self._on_loop is None or self._threaded:  # a trial
-            self._on_loop, self._threaded = (cpu_s, infer_s), 0
-        else:
-            cpu, wall = self._on_loop
-            self._on_loop = (0.8 * cpu + 0.2 * cpu_s, 0.8 * wall + 0.2 * infer_s)
-
     def _run_batch(
         self, requests: list[Arrays], sizes: list[int]
-    ) -> tuple[list[dict[str, np.ndarray]], BatchTiming, float]:
-        """In an executor thread, or on the loop: merge (into the engine's
-        staging), run, split; and the run's CPU time on this thread."""
+    ) -> tuple[list[dict[str, np.ndarray]], BatchTiming]:
+        """In an executor thread: merge (into the engine's staging), run, split."""
         t0 = time.perf_counter_ns()
         merged = self._stage(requests)
         t1 = time.perf_counter_ns()
-        cpu0 = time.thread_time_ns()
         outputs = self._run(merged)
-        cpu_s = (time.thread_time_ns() - cpu0) / 1e9
         t2 = time.perf_counter_ns()
         parts = split(outputs, sizes)
         t3 = time.perf_counter_ns()
-        return parts, BatchTiming(t1 - t0, t2 - t1, t3 - t2), cpu_s
+        return parts, BatchTiming(t1 - t0, t2 - t1, t3 - t2)
 
     @staticmethod
     def _fail(batch: list[Pending], error: Exception) -> None:

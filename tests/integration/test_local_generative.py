@@ -3,7 +3,7 @@ processes (an agent per tier, the router, the controller), the spec of
 examples/tinyllama.yaml applied with `tiered apply` (its artifact a checkpoint
 directory, pinned by the digest of its files), every tier's build made in the
 background and loaded, and traffic from `tiered load` (text prompts, greedy,
-part streamed and part whole) through the router.
+part streamed and part whole) through the router while each rollout is judged.
 
 - v1 is built and served on the three tiers, and answers through the router.
 - v2 (the same greedy output) is promoted through both stages, judged on the
@@ -15,6 +15,7 @@ part streamed and part whole) through the router.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
@@ -70,36 +71,48 @@ def store(system):
 
 
 @pytest.fixture(scope="module")
-def load(system, store, tinyllama_models):
-    """v1 served everywhere, then `tiered load` through the router for the module.
-
-    Its rate paces the stages: each waits for ~200 stable samples on every
-    tier it judges (enough to bound stable's p95 at the example's
-    confidence), and stable gets 70% of a tier's third of the load: at 40
-    requests/s a stage takes ~21 s, at 20 it took ~43 s."""
+def served(system, store, tinyllama_models):
+    """v1 built on every tier, loaded and routed."""
     local, running, state = system
     apply(state, spec("v1", tinyllama_models))
     wait_for(local, store, lambda s: s is not None and s.stable_version == 1, 240)
-    deadline = time.monotonic() + 240  # built and loaded on every tier, and routed
+    deadline = time.monotonic() + 240
     while next(c for c in status_of(store).conditions if c.type == "Ready").status != "True":
         assert time.monotonic() < deadline, status_of(store)
         time.sleep(0.5)
+    return running
+
+
+@contextlib.contextmanager
+def traffic(router: str, models: Path):
+    """`tiered load` through the router while a rollout is judged; every
+    request it sent is answered.
+
+    It starts once the canary serves: a rollout starts when its version is
+    built and loaded on every tier, and the builds need no traffic. Its rate
+    paces the stages: each waits for ~200 stable samples on every tier it
+    judges (enough to bound stable's p95 at the example's confidence), and
+    stable gets 70% of a tier's third of the load: at 40 requests/s a stage
+    takes ~21 s, at 20 it took ~43 s."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "tiered", "load", MODEL, "--router", running.router,
+        [sys.executable, "-m", "tiered", "load", MODEL, "--router", router,
          "--rate", "40", "--max-tokens", "8", "--stream-share", "0.3", "--timeout", "20",
          "--tier", "edge,regional,datacenter",  # clients at every tier
-         "--inputs", str(tinyllama_models / "tinyllama-eval.json")],
+         "--inputs", str(models / "tinyllama-eval.json")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=interruptible())
     try:
-        yield process
-    finally:
-        process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=60)
+        yield
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
     lines = out.splitlines()
     assert process.returncode == 0, out[-3000:] + err[-3000:]
     total = re.match(r"total: sent (\d+)  ok (\d+)  errors 0  tok/s [\d.]+  ttft p50 [\d.]+ ms",
                      lines[-1])
-    assert total and total[1] == total[2] and int(total[2]) > 300, lines[-3:]
+    assert total and total[1] == total[2] and int(total[2]) > 100, lines[-3:]
 
 
 def tiered(state: Path, *args: str) -> subprocess.CompletedProcess:
@@ -131,7 +144,7 @@ def wait_for(local: LocalUp, store: StateStore, done, timeout_s: float):
     raise AssertionError(f"timed out; status {status_of(store)}")
 
 
-def test_v1_is_pinned_by_its_files_and_served_on_every_tier(system, store, load,
+def test_v1_is_pinned_by_its_files_and_served_on_every_tier(system, store, served,
                                                             tinyllama_models):
     from tiered.files import sha256_tree
 
@@ -155,11 +168,12 @@ def test_v1_is_pinned_by_its_files_and_served_on_every_tier(system, store, load,
 
 
 @pytest.mark.timeout(600)  # three generative builds, then two stages: beside other workers
-def test_the_same_greedy_output_is_promoted(system, store, load, tinyllama_models):
+def test_the_same_greedy_output_is_promoted(system, store, served, tinyllama_models):
     local, _, state = system
     apply(state, spec("v2", tinyllama_models))
     wait_for(local, store, lambda s: s.canary_version == 2, 300)
-    ended = wait_for(local, store, lambda s: s.phase != names.Phase.PROGRESSING, 240)
+    with traffic(served.router, tinyllama_models):
+        ended = wait_for(local, store, lambda s: s.phase != names.Phase.PROGRESSING, 240)
     assert (ended.phase, ended.stable_version) == (names.Phase.PROMOTED, 2), ended.message
     status = tiered(state, "rollout", "status", MODEL).stdout
     assert "promote: stage 2/2 'everywhere' passed" in status, status
@@ -167,12 +181,13 @@ def test_the_same_greedy_output_is_promoted(system, store, load, tinyllama_model
 
 
 @pytest.mark.timeout(600)
-def test_a_slower_version_is_rolled_back_on_token_latency(system, store, load,
+def test_a_slower_version_is_rolled_back_on_token_latency(system, store, served,
                                                           tinyllama_models):
     local, _, state = system
     apply(state, spec("v3", tinyllama_models))
     wait_for(local, store, lambda s: s.canary_version == 3, 300)
-    ended = wait_for(local, store, lambda s: s.phase != names.Phase.PROGRESSING, 180)
+    with traffic(served.router, tinyllama_models):
+        ended = wait_for(local, store, lambda s: s.phase != names.Phase.PROGRESSING, 180)
     assert (ended.phase, ended.stable_version) == (names.Phase.ROLLED_BACK, 2), ended.message
     assert re.search(r"failed .*(ttft_p95|ttft_shift|tpot_p95) on \w+", ended.message), \
         ended.message

@@ -313,15 +313,22 @@ def test_a_live_stage_gets_unhinted_requests_the_policy_sends_elsewhere(router, 
               "regional": {"agents": [agents["regional"].address], "stable": 1}}
     use_table(router, table_path, table(agents, 0, tiers=staged, slo_ms=5, stage_floor=0))
     wide = inputs_of(images(64))
-    for tier in staged:  # both tiers measured on wide batches: slow edge, fast regional
-        for _ in range(4):
-            client.infer("digits", wide, headers={"tiered-tier": tier})
+
+    def measure() -> None:
+        """Both tiers measured on wide batches: slow edge, fast regional. The
+        router forgets a figure 10 s old (STALE_AFTER_S), and a tier it knows
+        nothing of meets any SLO: each part below measures again first."""
+        for tier in staged:
+            for _ in range(4):
+                client.infer("digits", wide, headers={"tiered-tier": tier})
+
     # Once the router has polled those figures (about 1 s; longer on a busy
     # machine), edge's hold while it serves nothing. The floor off: the stage
     # starves (a request may go out on a figure read before that poll).
     one = inputs_of(images())
     deadline = time.monotonic() + 15
     while True:
+        measure()
         before = requests_by_version(agents["edge"])
         for _ in range(20):
             client.infer("digits", one)
@@ -332,6 +339,7 @@ def test_a_live_stage_gets_unhinted_requests_the_policy_sends_elsewhere(router, 
     assert sum(starved.values()) <= 2, (starved, router.log_tail())
 
     use_table(router, table_path, table(agents, 0, tiers=staged, slo_ms=5))  # floor: default
+    measure()
     floored = metric(router, "tiered_router_stage_floor_total")
     before = requests_by_version(agents["edge"])
     for _ in range(90):

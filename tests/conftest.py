@@ -33,7 +33,10 @@ def build_repository(root: Path) -> Path:
     zoo.add_sub(model_file(root, "add_sub", 1))
     write_config(root, "add_sub", {
         "max_batch_size": 8,
-        "dynamic_batching": {"max_queue_delay_us": 2000, "preferred_batch_sizes": [8]},
+        # Triton's rule, so that concurrent requests merge even though each
+        # batch takes microseconds: an idle engine would run each alone.
+        "dynamic_batching": {"max_queue_delay_us": 2000, "preferred_batch_sizes": [8],
+                             "wait_when_idle": True},
     })
     zoo.identity(model_file(root, "identity", 1), IDENTITY_DATATYPES)
     write_config(root, "identity", {"max_batch_size": 4, "dynamic_batching": {}})

@@ -37,8 +37,9 @@ def _pending(batch_size: int = 1, signature: str = "s", enqueued_at: float = 0.0
 
 
 def _policy(max_batch_size: int = 8, delay_s: float = 1.0, preferred: tuple[int, ...] = (),
-            max_queue_size: int = 100) -> BatchPolicy:
-    return BatchPolicy(max_batch_size, delay_s, preferred, max_queue_size)
+            max_queue_size: int = 100, wait_when_idle: bool = False) -> BatchPolicy:
+    return BatchPolicy(max_batch_size, delay_s, preferred, max_queue_size,
+                       wait_when_idle=wait_when_idle)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class FormCase:
     now: float
     policy: BatchPolicy
     expected: BatchDecision
+    running: int = 1  # batches running: the delay applies only while one does
 
 
 FORM_CASES = [
@@ -98,25 +100,37 @@ FORM_CASES = [
              [_pending(enqueued_at=0.0)], 100.0, _policy(), BatchDecision(1, 0.0)),
     FormCase("zero delay goes at once",
              [_pending()], 0.0, _policy(delay_s=0.0), BatchDecision(1, 0.0)),
+    FormCase("an idle engine runs a lone request at once",
+             [_pending()], 0.0, _policy(), BatchDecision(1, 0.0), running=0),
+    FormCase("an idle engine runs all that fits at once, below every preferred size",
+             [_pending(), _pending(2), _pending()], 0.0, _policy(preferred=(8,)),
+             BatchDecision(3, 0.0), running=0),
+    FormCase("an idle engine still stops at max_batch_size",
+             [_pending() for _ in range(12)], 0.0, _policy(), BatchDecision(8, 0.0), running=0),
+    FormCase("wait_when_idle waits for the delay with no batch running",
+             [_pending(enqueued_at=0.0)], 0.25, _policy(wait_when_idle=True),
+             BatchDecision(0, 0.75), running=0),
+    FormCase("an empty queue waits forever on an idle engine too",
+             [], 0.0, _policy(), BatchDecision(0, math.inf), running=0),
 ]
 
 
 @pytest.mark.parametrize("case", FORM_CASES, ids=[c.name for c in FORM_CASES])
 def test_form_batch(case: FormCase) -> None:
-    assert form_batch(case.queued, case.now, case.policy) == case.expected
+    assert form_batch(case.queued, case.now, case.policy, case.running) == case.expected
 
 
 def test_form_batch_does_not_change_the_queue() -> None:
     queued = [_pending(2), _pending(3)]
     before = list(queued)
 
-    form_batch(queued, 0.0, _policy())
+    form_batch(queued, 0.0, _policy(), running=1)
 
     assert queued == before
 
 
 def test_a_head_larger_than_max_batch_size_still_makes_progress() -> None:
-    decision = form_batch([_pending(9), _pending(1)], 0.0, _policy(max_batch_size=8))
+    decision = form_batch([_pending(9), _pending(1)], 0.0, _policy(max_batch_size=8), 1)
 
     assert decision.take >= 1 or decision.wait_s > 0
 
@@ -128,19 +142,21 @@ def test_a_head_larger_than_max_batch_size_still_makes_progress() -> None:
     max_batch_size=st.integers(8, 16),
     preferred=st.lists(st.integers(1, 20), max_size=3),
     waited=st.floats(0.0, 2.0),
+    running=st.integers(0, 2),
 )
 def test_form_batch_takes_a_same_signature_prefix_within_max_batch_size(
-    sizes, signatures, max_batch_size, preferred, waited
+    sizes, signatures, max_batch_size, preferred, waited, running
 ) -> None:
     queued = [_pending(size, sig) for size, sig in zip(sizes, signatures)]
     policy = _policy(max_batch_size=max_batch_size, delay_s=1.0, preferred=tuple(preferred))
 
-    decision = form_batch(queued, waited, policy)
+    decision = form_batch(queued, waited, policy, running)
 
     if not queued:
         assert decision == BatchDecision(0, math.inf)
         return
     assert decision.take >= 1 or decision.wait_s > 0  # always progress
+    assert decision.take >= 1 or running > 0  # an idle engine never waits
     taken = queued[:decision.take]
     assert sum(p.batch_size for p in taken) <= max_batch_size
     assert {p.signature for p in taken} <= {queued[0].signature}
@@ -344,6 +360,50 @@ def test_batches_respect_signatures() -> None:
     _run(scenario)
 
     assert engine.batches == [[-1.0], [0.0, 1.0], [2.0, 3.0]]
+
+
+@pytest.mark.parametrize("wait_when_idle", [False, True])
+def test_an_idle_engine_runs_a_lone_request_at_once_unless_told_to_wait(wait_when_idle) -> None:
+    engine = FakeEngine()
+    delay_s = 0.5
+
+    async def scenario(executor):
+        batcher = Batcher(BatchPolicy(8, delay_s, (), 64, wait_when_idle=wait_when_idle),
+                          engine, executor)
+        started = time.monotonic()
+        await batcher.submit(_x(1), 1, "s")
+        took = time.monotonic() - started
+        await batcher.close()
+        return took
+
+    took = _run(scenario)
+
+    if wait_when_idle:
+        assert took >= delay_s * 0.9  # asyncio's timer may fire a little early
+    else:
+        assert took < delay_s / 2  # one thread hop, with room for a busy machine
+
+
+def test_requests_arriving_while_the_engine_is_busy_form_the_next_batch() -> None:
+    engine = FakeEngine()
+
+    async def scenario(executor):
+        batcher = Batcher(BatchPolicy(8, 10.0, (), 64, instances=2), engine, executor)
+        engine.release.clear()  # hold the first batch while the others arrive
+        first = asyncio.ensure_future(batcher.submit(_x(-1), 1, "s"))
+        await _until(engine.started.is_set)
+        # A second instance is free, but one batch runs: it waits for more
+        # (up to the delay) and goes as soon as the running batch ends.
+        rest = [asyncio.ensure_future(batcher.submit(_x(i), 1, "s")) for i in range(3)]
+        await asyncio.sleep(0.05)
+        assert engine.batches == [[-1.0]]
+        engine.release.set()
+        await asyncio.gather(first, *rest)
+        await batcher.close()
+
+    _run(scenario)
+
+    assert engine.batches == [[-1.0], [0.0, 1.0, 2.0]]
 
 
 def test_on_batch_reports_each_executed_batch_size() -> None:

@@ -3,8 +3,10 @@
 Batch formation, merge and split are pure functions; `Batcher` is the asyncio
 loop around them. Each request owns a future; a failed batch fails only its
 own requests, each with the engine's message. The queue is bounded and a full
-queue refuses at once. A batch is formed when an engine instance is free, so
-requests that arrive while the engine is busy are merged.
+queue refuses at once. A batch is formed when an engine instance is free: an
+idle engine runs what is queued at once, and requests that arrive while it is
+busy are merged into the next batch; the queue delay bounds how long a free
+instance waits for more while another runs.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class BatchPolicy:
     preferred_batch_sizes: tuple[int, ...]
     max_queue_size: int
     instances: int = 1
+    # True: a batch waits max_queue_delay_s for more even when no batch runs
+    # (Triton's dynamic batcher); a lone request then waits for company.
+    wait_when_idle: bool = False
 
     @property
     def target_size(self) -> int:
@@ -83,8 +88,10 @@ class BatchResult:
     batch_size: int  # of the whole batch this request ran in
 
 
-def form_batch(queued: Sequence[Pending], now: float, policy: BatchPolicy) -> BatchDecision:
-    """Decide whether the head of the queue runs now, and with how many others."""
+def form_batch(queued: Sequence[Pending], now: float, policy: BatchPolicy,
+               running: int) -> BatchDecision:
+    """Decide whether the head of the queue runs now, and with how many others,
+    while `running` batches of this version run."""
     if not queued:
         return BatchDecision(0, math.inf)
     if policy.max_batch_size == 0:
@@ -101,7 +108,8 @@ def form_batch(queued: Sequence[Pending], now: float, policy: BatchPolicy) -> Ba
     if take == 0:  # the head alone exceeds max_batch_size: it runs alone
         return BatchDecision(1, 0.0)
     waited = now - head.enqueued_at
-    if blocked or total >= policy.target_size or waited >= policy.max_queue_delay_s:
+    idle = running == 0 and not policy.wait_when_idle
+    if idle or blocked or total >= policy.target_size or waited >= policy.max_queue_delay_s:
         return BatchDecision(take, 0.0)
     return BatchDecision(0, policy.max_queue_delay_s - waited)
 
@@ -154,7 +162,7 @@ class Batcher:
         self._on_batch = on_batch
         self._clock = clock
         self._queue: deque[Pending] = deque()
-        self._arrived = asyncio.Event()
+        self._changed = asyncio.Event()  # a request arrived or a batch ended
         self._slots = asyncio.Semaphore(policy.instances)
         self._running: set[asyncio.Task] = set()
         self._closing = False
@@ -185,13 +193,13 @@ class Batcher:
         future = asyncio.get_running_loop().create_future()
         self._queue.append(Pending(inputs, batch_size, signature, self._clock(), deadline, future))
         self._queued_items += batch_size
-        self._arrived.set()
+        self._changed.set()
         return await future
 
     async def close(self) -> None:
         """Stop taking requests; finish every queued and running one."""
         self._closing = True
-        self._arrived.set()
+        self._changed.set()
         await self._loop_task
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
@@ -210,29 +218,30 @@ class Batcher:
     def _finished(self, task: asyncio.Task) -> None:
         self._running.discard(task)
         self._slots.release()
+        self._changed.set()  # a free instance waiting for more may go now
 
     async def _next_batch(self) -> list[Pending] | None:
         while True:
             now = self._clock()
             self._drop_dead(now)
-            decision = form_batch(self._queue, now, self.policy)
+            decision = form_batch(self._queue, now, self.policy, len(self._running))
             if decision.take:
                 batch = [self._queue.popleft() for _ in range(decision.take)]
                 self._queued_items -= sum(p.batch_size for p in batch)
                 return batch
             if self._closing and not self._queue:
                 return None
-            self._arrived.clear()
+            self._changed.clear()
             if math.isinf(decision.wait_s):
-                await self._arrived.wait()
+                await self._changed.wait()
             elif decision.wait_s < COARSE_TIMER_S:
                 # asyncio's timers wake a millisecond late or more (epoll counts
                 # in ms), which would multiply sub-ms delays: yield to the loop,
                 # letting requests arrive, and decide again.
                 await asyncio.sleep(0)
             else:
-                timer = asyncio.get_running_loop().call_later(decision.wait_s, self._arrived.set)
-                await self._arrived.wait()
+                timer = asyncio.get_running_loop().call_later(decision.wait_s, self._changed.set)
+                await self._changed.wait()
                 timer.cancel()
 
     def _drop_dead(self, now: float) -> None:

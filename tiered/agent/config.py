@@ -58,9 +58,10 @@ class TensorConfig:
 
 @dataclass(frozen=True)
 class DynamicBatching:
-    max_queue_delay_us: int = 100
+    max_queue_delay_us: int = 100  # how long a free instance waits for more while another runs
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_size: int = 256
+    wait_when_idle: bool = False  # true: the delay applies while no batch runs too (Triton's)
 
     def __post_init__(self) -> None:
         if self.max_queue_delay_us < 0:

@@ -49,6 +49,7 @@ def batch_policy(config: ModelConfig) -> BatchPolicy:
         preferred_batch_sizes=batching.preferred_batch_sizes,
         max_queue_size=batching.max_queue_size,
         instances=config.instance_count,
+        wait_when_idle=batching.wait_when_idle,
     )
 
 

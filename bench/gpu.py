@@ -16,6 +16,9 @@
       staging, graph replay) from one thread and from two threads at once;
   plus the host-side costs of one batch taken apart (request decode, merge,
   staging copy, host-to-device copy, compute, copy back).
+- the batcher's rule beside Triton's: the same agent with front ends, its
+  batches held for the queue delay while the engine is idle
+  (`wait_when_idle: true`), at every concurrency level.
 - diagnostics, same requests and clients: the transport floor
   (`bench/floor_server.py`, a gRPC server on the same stack that does no
   work: what one Python process can take in at all), the agent with a 0.5 ms
@@ -75,6 +78,12 @@ def front_ends_setup(settings: RunSettings) -> str:
     return f"1 agent, {settings.front_ends} front ends"
 
 
+def waiting_setup(settings: RunSettings) -> str:
+    """The agent of the issue's design, its batches held for the queue delay
+    while the engine is idle (Triton's rule): the comparison for the default."""
+    return f"{front_ends_setup(settings)}, batches wait when idle"
+
+
 def perf_analyzer_setup(setup: str, memory: str) -> str:
     return f"perf_analyzer, shared memory {memory}: {setup}"
 
@@ -87,6 +96,7 @@ class RunSettings:
     max_batch_size: int = 64
     buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     max_queue_delay_us: int = 500
+    wait_when_idle: bool = False  # the batcher's: wait the delay while no batch runs too
     instance_count: int = 2
     concurrency: tuple[int, ...] = (1, 16, 64)
     client_processes: int = 8  # at most; never more than the concurrency
@@ -391,6 +401,7 @@ def write_repository(root: Path, settings: RunSettings) -> Path:
             "max_queue_delay_us": settings.max_queue_delay_us,
             "preferred_batch_sizes": [settings.max_batch_size],
             "max_queue_size": 4096,
+            "wait_when_idle": settings.wait_when_idle,
         },
         "instance_count": settings.instance_count,
         "engine": {
@@ -515,9 +526,9 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
         served: list[dict[str, Any]] = []
         top = max(settings.concurrency)
 
-        def measure(setup: str, servers: Sequence[ServerProcess], levels: Sequence[int]) -> None:
-            if not settings.diagnostics_at_every_level and setup not in (
-                    ONE_PROCESS, front_ends_setup(settings)):
+        def measure(setup: str, servers: Sequence[ServerProcess], levels: Sequence[int],
+                    diagnostic: bool = True) -> None:
+            if diagnostic and not settings.diagnostics_at_every_level:
                 levels = (top,)
             common.progress(f"starting: {setup}")
             with common.serving(servers) as started:
@@ -534,13 +545,21 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
                     result.setdefault("server_log_tails", {})[setup] = [
                         s.log_tail(8) for s in started]
 
-        def agent(switch_interval_s: float | None = None, front_ends: int = 0) -> ServerProcess:
-            return common.agent("datacenter", repo, switch_interval_s=switch_interval_s,
+        def agent(switch_interval_s: float | None = None, front_ends: int = 0,
+                  repository: Path = repo) -> ServerProcess:
+            return common.agent("datacenter", repository, switch_interval_s=switch_interval_s,
                                 extra_args=["--front-ends", str(front_ends)])
 
         fronted = front_ends_setup(settings)
-        measure(ONE_PROCESS, [agent()], settings.concurrency)
-        measure(fronted, [agent(front_ends=settings.front_ends)], settings.concurrency)
+        measure(ONE_PROCESS, [agent()], settings.concurrency, diagnostic=False)
+        measure(fronted, [agent(front_ends=settings.front_ends)], settings.concurrency,
+                diagnostic=False)
+        if not settings.wait_when_idle:  # the batcher's rule beside Triton's
+            waiting = Path(tmp) / "repository-waiting"
+            write_repository(waiting, replace(settings, wait_when_idle=True))
+            measure(waiting_setup(settings),
+                    [agent(front_ends=settings.front_ends, repository=waiting)],
+                    settings.concurrency, diagnostic=False)
         if shutil.which(PERF_ANALYZER):
             memories = ("none", "system", "cuda") if settings.device == "cuda" else (
                 "none", "system")
@@ -685,6 +704,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunSettings, argparse.Namesp
                         help=f"default {defaults.client_processes}")
     parser.add_argument("--max-queue-delay-us", type=int,
                         help=f"default {defaults.max_queue_delay_us}")
+    parser.add_argument("--wait-when-idle", action="store_true", default=None,
+                        help="batches wait the queue delay while no batch runs too "
+                        "(Triton's rule; default: an idle engine runs at once)")
     parser.add_argument("--batches", help="in-process batch sizes (default "
                         f"{','.join(map(str, defaults.inprocess_batches))})")
     parser.add_argument("--no-diagnostics", action="store_true",
@@ -707,6 +729,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[RunSettings, argparse.Namesp
         "concurrency": args.concurrency and tuple(int(c) for c in args.concurrency.split(",")),
         "client_processes": args.client_processes,
         "max_queue_delay_us": args.max_queue_delay_us,
+        "wait_when_idle": args.wait_when_idle,
         "inprocess_batches": args.batches and tuple(int(b) for b in args.batches.split(",")),
         "scale_out_agents": args.scale_out_agents,
         "front_ends": args.front_ends,

@@ -151,7 +151,8 @@ def test_gpu_bench_runs_its_served_setups_and_diagnostics_on_a_cpu(tmp_path):
     # The GIL variant starts the agent through its own launcher: it must still serve.
     assert {s for s in setups if not s.startswith("perf_analyzer")} == {
         "1 agent, one process", "1 agent, 2 front ends", "transport floor (no work)",
-        "1 agent, GIL switch 0.5 ms", "2 agents, one GPU"}
+        "1 agent, 2 front ends, batches wait when idle", "1 agent, GIL switch 0.5 ms",
+        "2 agents, one GPU"}
     for row in result["served"]:
         assert_window(row)
         assert row["client_processes"] == 2 and sum(row["workers_per_process"]) == 2

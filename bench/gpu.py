@@ -79,8 +79,8 @@ def front_ends_setup(settings: RunSettings) -> str:
 
 
 def waiting_setup(settings: RunSettings) -> str:
-    """The agent of the issue's design, its batches held for the queue delay
-    while the engine is idle (Triton's rule): the comparison for the default."""
+    """The front-ended agent with its batches held for the queue delay while
+    the engine is idle (Triton's rule): what the batcher's default is compared with."""
     return f"{front_ends_setup(settings)}, batches wait when idle"
 
 

@@ -6,8 +6,10 @@ and beside a gRPC server that does no work, all in one run.
   requests for a fixed time after a warm-up (bench/common.py's load
   generator); throughput, latency percentiles, the batch the dynamic batcher
   actually formed (from the agent's own statistics), errors. Two models, each
-  served twice from the same ONNX file: `<m>` with dynamic batching and
-  `<m>_nobatch` without.
+  served three times from the same ONNX file: `<m>` with dynamic batching,
+  `<m>_waits` with Triton's rule for it (a batch waits the queue delay even
+  while the engine is idle: `wait_when_idle`, the agent's rule before an idle
+  engine ran at once) and `<m>_nobatch` without.
 - the transport floor (`bench/floor_server.py`): the same requests to a server
   on the same grpcio stack that answers at once, so what gRPC in Python costs
   here is visible apart from what the agent adds.
@@ -73,8 +75,7 @@ ENGINE_SETTINGS: dict[str, Any] = {"intra_op_threads": 2, "inter_op_threads": 1}
 class ModelSpec:
     """One benchmarked model: how to build it and how the agent serves it.
 
-    The repository gets it twice from one ONNX file: `<name>` with
-    `dynamic_batching` and `<name>_nobatch` without.
+    The repository gets it three times from one ONNX file (VARIANTS).
     """
 
     name: str
@@ -90,7 +91,7 @@ class ModelSpec:
     # Baseline batch sizes always measured, whatever the batcher forms.
     baseline_batches: tuple[int, ...] = (1,)
 
-    def config(self, *, batching: bool) -> dict[str, Any]:
+    def config(self, *, batching: bool, wait_when_idle: bool = False) -> dict[str, Any]:
         config: dict[str, Any] = {
             "max_batch_size": self.max_batch_size,
             "inputs": [
@@ -105,6 +106,7 @@ class ModelSpec:
                 "max_queue_delay_us": self.max_queue_delay_us,
                 "preferred_batch_sizes": list(self.preferred_batch_sizes),
                 "max_queue_size": self.max_queue_size,
+                "wait_when_idle": wait_when_idle,
             }
         config["instance_count"] = 1
         config["engine"] = dict(ENGINE_SETTINGS)
@@ -114,11 +116,16 @@ class ModelSpec:
         return {
             "input": {"name": self.input_name, "shape": ["N", *self.input_shape]},
             "output": {"name": self.output_name, "shape": ["N", *self.output_shape]},
-            "config_batched": self.config(batching=True),
-            "config_nobatch": self.config(batching=False),
+            **{f"config{suffix or '_batched'}": self.config(batching=batching, wait_when_idle=waits)
+               for suffix, batching, waits in VARIANTS},
             "baseline_batches": list(self.baseline_batches),
         }
 
+
+# How each model is served: (name suffix, dynamic batching, wait_when_idle).
+# `_waits` is measured beside the default, not against the floor or in-process.
+VARIANTS = (("", True, False), ("_waits", True, True), ("_nobatch", False, False))
+WAITS = "_waits"
 
 MODELS: tuple[ModelSpec, ...] = (
     ModelSpec(
@@ -192,6 +199,7 @@ SMOKE = RunSettings(
 TARGET_THROUGHPUT_VS_ORT = 0.90  # (a) resnet18 @c16 vs in-process batch 16
 TARGET_P50_OVERHEAD_MS = 1.0  # (b) resnet18 @c1 P50 minus in-process batch-1 P50
 TARGET_BATCHING_SPEEDUP = 2.0  # (c) mlp @c16 batched vs unbatched
+TARGET_VS_WAITING = 0.95  # (d) every point: req/s with an idle engine running at once / waiting
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -257,10 +265,22 @@ def compute_ratios(
             "overhead_beyond_floor_ms": common.difference(overhead, transport),
         })
 
-    batching_speedup = []
+    batching_speedup, vs_waiting = [], []
     for row in agent_rows:
-        if not row["batching"]:
+        if not row["batching"] or row["model_name"].endswith(WAITS):
             continue
+        waits = agent.get((row["model_name"] + WAITS, row["concurrency"]), {})
+        vs_waiting.append({
+            "model": row["model"],
+            "concurrency": row["concurrency"],
+            "throughput": row.get("throughput"),
+            "waiting_throughput": waits.get("throughput"),
+            "ratio": common.ratio(row.get("throughput"), waits.get("throughput")),
+            "p50_ms": row.get("p50_ms"),
+            "waiting_p50_ms": waits.get("p50_ms"),
+            "formed_batch": row.get("formed_batch"),
+            "waiting_formed_batch": waits.get("formed_batch"),
+        })
         unbatched = agent.get((f"{row['model']}_nobatch", row["concurrency"]), {})
         transport = floor.get((row["model_name"], row["concurrency"]), {}).get("throughput")
         batching_speedup.append({
@@ -277,6 +297,7 @@ def compute_ratios(
         "agent_vs_inprocess_throughput": vs_inprocess,
         "p50_overhead_at_c1": p50_overhead,
         "batched_vs_unbatched_throughput": batching_speedup,
+        "runs_at_once_vs_waits": vs_waiting,
     }
 
 
@@ -307,7 +328,8 @@ def over_floor(
 
 
 def evaluate_targets(
-    agent_rows: Sequence[Mapping[str, Any]], baseline_rows: Sequence[Mapping[str, Any]]
+    agent_rows: Sequence[Mapping[str, Any]], baseline_rows: Sequence[Mapping[str, Any]],
+    vs_waiting: Sequence[Mapping[str, Any]] = (),
 ) -> list[common.Target]:
     agent = {(r["model_name"], r["concurrency"]): r for r in agent_rows}
     baseline = {(*_pair_key(r), r["batch"]): r for r in baseline_rows}
@@ -339,7 +361,20 @@ def evaluate_targets(
             ">=",
             TARGET_BATCHING_SPEEDUP,
         ),
+        common.judge(
+            "d",
+            "the lowest, over models and c: batched req/s, idle engine at once / waiting",
+            worst_ratio(vs_waiting),
+            ">=",
+            TARGET_VS_WAITING,
+        ),
     ]
+
+
+def worst_ratio(rows: Sequence[Mapping[str, Any]]) -> float | None:
+    """The lowest ratio; None when there is none, or any row lacks one."""
+    ratios = [row.get("ratio") for row in rows]
+    return None if not ratios or None in ratios else min(ratios)
 
 
 def cpu_shares(
@@ -402,6 +437,15 @@ def render_report(result: Mapping[str, Any]) -> str:
             for r in result["agent"]
         ],
     )
+    at_once = common.table(
+        ["model", "c", "req/s", "waiting req/s", "x", "p50 ms", "waiting p50 ms", "batch",
+         "waiting batch"],
+        [
+            [r["model"], r["concurrency"], r["throughput"], r["waiting_throughput"], r["ratio"],
+             r["p50_ms"], r["waiting_p50_ms"], r["formed_batch"], r["waiting_formed_batch"]]
+            for r in result["ratios"]["runs_at_once_vs_waits"]
+        ],
+    )
     speedup = common.table(
         ["model", "c", "batched req/s", "unbatched req/s", "batched/unbatched",
          "floor req/s", "ceiling: floor/unbatched"],
@@ -444,6 +488,8 @@ def render_report(result: Mapping[str, Any]) -> str:
         "generator / the agent / anything else; vs ORT = req/s over in-process img/s at @batch)\n"
         + agent,
         "Dynamic batching vs none\n" + speedup,
+        "An idle engine runs what is queued at once (the default) vs waits the queue delay\n"
+        "for company (`<m>_waits`: wait_when_idle, Triton's rule)\n" + at_once,
         "Latency overhead at concurrency 1\n" + overhead,
         "Agent vs the transport floor (a gRPC server that does no work, same requests)\n"
         + floor,
@@ -489,21 +535,21 @@ class CpuSnapshot:
 
 
 def build_repository(root: Path, specs: Sequence[ModelSpec]) -> dict[str, Path]:
-    """Write `<m>` and `<m>_nobatch` for each spec; return each model's ONNX path."""
+    """Write each spec's VARIANTS, one ONNX file; return each model's ONNX path."""
     onnx_paths = {}
     for spec in specs:
         onnx_path = spec.build(root / spec.name / "1" / "model.onnx")
         onnx_paths[spec.name] = onnx_path
-        nobatch = root / f"{spec.name}_nobatch" / "1" / "model.onnx"
-        nobatch.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(onnx_path, nobatch)
-        except OSError:
-            shutil.copyfile(onnx_path, nobatch)
-        for name, batching in ((spec.name, True), (f"{spec.name}_nobatch", False)):
-            (root / name / "config.yaml").write_text(
-                yaml.safe_dump(spec.config(batching=batching), sort_keys=False)
-            )
+        for suffix, batching, waits in VARIANTS:
+            if suffix:
+                served = root / f"{spec.name}{suffix}" / "1" / "model.onnx"
+                served.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(onnx_path, served)
+                except OSError:
+                    shutil.copyfile(onnx_path, served)
+            (root / f"{spec.name}{suffix}" / "config.yaml").write_text(yaml.safe_dump(
+                spec.config(batching=batching, wait_when_idle=waits), sort_keys=False))
     return onnx_paths
 
 
@@ -602,26 +648,34 @@ def run_sweep(
     settings: RunSettings,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Each agent point, then right after it the transport floor at the same load
-    and the in-process engine at the batch sizes it is compared with.
+    and the in-process engine at the batch sizes it is compared with (a batched
+    point first has its `_waits` twin).
 
     Interleaved because this machine's speed drifts by tens of percent within a
     minute: a comparison is only fair between neighbours in time.
     """
     agent_rows, floor_rows, baseline_rows = [], [], []
+
+    def point(spec: ModelSpec, model_name: str, concurrency: int, load: common.Load) -> dict:
+        check_alive(agent)
+        row = run_agent_point(agent, spec, model_name, concurrency, load, settings)
+        agent_rows.append(row)
+        common.progress(
+            f"agent {model_name} c={concurrency}: {row['throughput']:.1f} req/s, "
+            f"p50 {cell(row['p50_ms'], 3)} ms, p99 {cell(row['p99_ms'], 3)} ms, "
+            f"batch {cell(row['formed_batch'])}, errors {row['errors']}"
+            f"{noise_note(row['cpu_cores'])}"
+        )
+        return row
+
     for spec in specs:
         session = inprocess_session(onnx_paths[spec.name])
         load = model_load(spec, settings)
         for model_name in (spec.name, f"{spec.name}_nobatch"):
             for concurrency in settings.concurrency:
-                check_alive(agent)
-                row = run_agent_point(agent, spec, model_name, concurrency, load, settings)
-                agent_rows.append(row)
-                common.progress(
-                    f"agent {model_name} c={concurrency}: {row['throughput']:.1f} req/s, "
-                    f"p50 {cell(row['p50_ms'], 3)} ms, p99 {cell(row['p99_ms'], 3)} ms, "
-                    f"batch {cell(row['formed_batch'])}, errors {row['errors']}"
-                    f"{noise_note(row['cpu_cores'])}"
-                )
+                row = point(spec, model_name, concurrency, load)
+                if model_name == spec.name:  # its neighbour in time: the same, waiting
+                    point(spec, spec.name + WAITS, concurrency, load)
                 pair = [model_name, concurrency]
                 if concurrency in FLOOR_CONCURRENCY:
                     check_alive(floor)
@@ -745,7 +799,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "agent": agent_rows,
         "floor": floor_rows,
         "ratios": ratios,
-        "targets": evaluate_targets(agent_rows, baseline_rows),
+        "targets": evaluate_targets(agent_rows, baseline_rows,
+                                    ratios["runs_at_once_vs_waits"]),
         "noisy_windows": noisy_windows(agent_rows, baseline_rows),
     })
     print(render_report(result))

@@ -72,8 +72,12 @@ def assert_targets(targets: list[dict[str, Any]], names: set[str]) -> None:
 def test_agent_bench_measures_every_model_beside_floor_and_baseline(tmp_path):
     result, stdout = run_smoke("agent", tmp_path)
     names = {"resnet18", "resnet18_nobatch", "mlp", "mlp_nobatch"}
+    waits = {"resnet18_waits", "mlp_waits"}  # measured beside the default only
     assert {(r["model_name"], r["concurrency"]) for r in result["agent"]} == \
-        {(name, 1) for name in names}
+        {(name, 1) for name in names | waits}
+    at_once = result["ratios"]["runs_at_once_vs_waits"]
+    assert {(r["model"], r["concurrency"]) for r in at_once} == {("resnet18", 1), ("mlp", 1)}
+    assert all(positive(r["ratio"]) for r in at_once)
     assert {tuple(r["pair"]) for r in result["floor"]} == {(name, 1) for name in names}
     assert {tuple(r["pair"]) for r in result["baseline"]} == {(name, 1) for name in names}
     for row in result["agent"] + result["floor"]:
@@ -84,8 +88,9 @@ def test_agent_bench_measures_every_model_beside_floor_and_baseline(tmp_path):
         assert positive(row["agent_compute_ms_per_request"])
     assert all(positive(r["throughput"]) and positive(r["p50_ms"]) for r in result["baseline"])
     assert result["agent_error"] is None
-    assert_targets(result["targets"], {"a", "b", "c"})
+    assert_targets(result["targets"], {"a", "b", "c", "d"})
     assert_header(stdout, "model", "c", "requests", "req/s")
+    assert_header(stdout, "model", "c", "req/s", "waiting")
     assert_header(stdout, "target", "what", "value", "needs", "verdict")
 
 

@@ -78,6 +78,14 @@ def front_ends_setup(settings: RunSettings) -> str:
     return f"1 agent, {settings.front_ends} front ends"
 
 
+def shared_memory_setup(settings: RunSettings) -> str:
+    return f"{front_ends_setup(settings)}, inputs in system shared memory"
+
+
+def batched_setup(setup: str, images: int) -> str:
+    return f"{setup}, {images} images a request, system shared memory"
+
+
 def waiting_setup(settings: RunSettings) -> str:
     """The front-ended agent with its batches held for the queue delay while
     the engine is idle (Triton's rule): what the batcher's default is compared with."""
@@ -108,12 +116,14 @@ class RunSettings:
     diagnostics: bool = True  # transport floor, GIL switch interval, scale-out
     scale_out_agents: int = 8  # the simplest alternative to front ends: whole agents
     front_ends: int = 8  # the agent's design: N front-end processes, one engine process
+    request_images: int = 8  # images a request in the rows that send several
     diagnostics_at_every_level: bool = True  # False: each at the top concurrency only
     idle_s: float = 1.0  # the GPU's idle draw is read over this, before any work
 
 
 QUICK = dict(warmup_s=2.0, duration_s=5.0, inprocess_s=0.8)
 SMOKE = dict(image_size=32, max_batch_size=4, buckets=(1, 2, 4), concurrency=(2,),
+             request_images=2,
              client_processes=2, warmup_s=0.2, duration_s=0.5, inprocess_batches=(1,),
              inprocess_s=0.2, scale_out_agents=2, front_ends=2,
              diagnostics_at_every_level=False, idle_s=0.2)
@@ -142,6 +152,14 @@ def per_request_ms(delta: Mapping[str, int]) -> dict[str, float | None]:
         "engine": mean("compute_infer"),
         "split": mean("compute_output"),
     }
+
+
+def engine_cpu(cpu_s: float | None, delta: Mapping[str, int]) -> dict[str, float | None]:
+    """CPU microseconds of the agent's own process (the engine process when
+    front ends take in the requests) per request it answered and per batch it ran."""
+    us = None if cpu_s is None else cpu_s * 1e6
+    return {"engine_cpu_us_per_request": common.ratio(us, delta.get("success_count") or None),
+            "engine_cpu_us_per_batch": common.ratio(us, delta.get("execution_count") or None)}
 
 
 # --------------------------------------------------------------------------- I/O: meters
@@ -416,8 +434,11 @@ def write_repository(root: Path, settings: RunSettings) -> Path:
 
 
 def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
-                 settings: RunSettings, energy: EnergyMeter) -> dict[str, Any]:
-    """One load level against `servers`, client processes spread over them."""
+                 settings: RunSettings, energy: EnergyMeter,
+                 shared_memory: bool = False, images: int = 1) -> dict[str, Any]:
+    """One load level against `servers`, client processes spread over them;
+    `shared_memory`: each client's inputs in system shared memory; `images`
+    a request."""
     stats_clients = [grpcclient.InferenceServerClient(s.address) for s in servers]
 
     def probe() -> tuple[Reading, dict[str, int]]:
@@ -427,8 +448,9 @@ def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
                 {key: sum(t[key] for t in totals) for key in totals[0]})
 
     size = settings.image_size
-    load = common.Load.random(MODEL, INPUT, (1, 3, size, size), outputs={OUTPUT: None},
-                              timeout_s=settings.request_timeout_s)
+    load = common.Load.random(MODEL, INPUT, (images, 3, size, size), outputs={OUTPUT: None},
+                              timeout_s=settings.request_timeout_s,
+                              shared_memory=shared_memory)
     try:
         window = common.closed_loop(
             [s.address for s in servers], load, concurrency, settings.warmup_s,
@@ -441,20 +463,24 @@ def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
     seconds, joules, server_cpu_s = start.until(end)
     delta = common.stats_delta(before, after)
     summary = window.summary()
+    served_images = summary["requests"] * images
     return {
         "setup": setup,
         "servers": len(servers),
         "concurrency": concurrency,
         "client_processes": len(window.workers),
         "workers_per_process": list(window.workers),
-        **summary,  # throughput: batch-1 requests, so images, per second
+        **summary,
+        "images_per_request": images,
+        "throughput": common.ratio(served_images, summary["duration_s"]),  # images per second
         "formed_batch": common.formed_batch(delta),
         "agent_ms_per_request": per_request_ms(delta),
         "agent_stats_delta": delta,
         # Energy per image served: the whole GPU over the window, over completed requests.
-        "j_per_img": common.ratio(joules, summary["requests"] or None),
+        "j_per_img": common.ratio(joules, served_images or None),
         "watts": common.ratio(joules, seconds),
         "server_cpu_cores": common.ratio(server_cpu_s, seconds),
+        **engine_cpu(server_cpu_s, delta),
         "client_cpu_cores": window.tally.cpu_s / window.schedule.seconds,
     }
 
@@ -493,6 +519,7 @@ def perf_analyzer_point(setup: str, agent: ServerProcess, memory: str, concurren
         "j_per_img": common.ratio(joules, throughput * seconds or None),
         "watts": common.ratio(joules, seconds),
         "server_cpu_cores": common.ratio(server_cpu_s, seconds), "client_cpu_cores": None,
+        **engine_cpu(server_cpu_s, delta),
     }
 
 
@@ -527,14 +554,16 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
         top = max(settings.concurrency)
 
         def measure(setup: str, servers: Sequence[ServerProcess], levels: Sequence[int],
-                    diagnostic: bool = True) -> None:
+                    diagnostic: bool = True, shared_memory: bool = False,
+                    images: int = 1) -> None:
             if diagnostic and not settings.diagnostics_at_every_level:
                 levels = (top,)
             common.progress(f"starting: {setup}")
             with common.serving(servers) as started:
                 try:
                     for concurrency in levels:
-                        row = served_point(setup, started, concurrency, settings, energy)
+                        row = served_point(setup, started, concurrency, settings, energy,
+                                           shared_memory, images)
                         common.progress(
                             f"  {setup} c={concurrency}: {row['throughput']:.0f} img/s, p50 "
                             f"{cell(row['p50_ms'])} ms, batch {cell(row['formed_batch'])}, "
@@ -554,6 +583,11 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
         measure(ONE_PROCESS, [agent()], settings.concurrency, diagnostic=False)
         measure(fronted, [agent(front_ends=settings.front_ends)], settings.concurrency,
                 diagnostic=False)
+        measure(shared_memory_setup(settings), [agent(front_ends=settings.front_ends)],
+                settings.concurrency, diagnostic=False, shared_memory=True)
+        for setup, front_ends in ((ONE_PROCESS, 0), (fronted, settings.front_ends)):
+            measure(batched_setup(setup, settings.request_images), [agent(front_ends=front_ends)],
+                    (top,), diagnostic=False, shared_memory=True, images=settings.request_images)
         if not settings.wait_when_idle:  # the batcher's rule beside Triton's
             waiting = Path(tmp) / "repository-waiting"
             write_repository(waiting, replace(settings, wait_when_idle=True))
@@ -635,11 +669,12 @@ def targets(comparison: Sequence[Mapping[str, Any]],
 
     reference = "best in-process host-memory img/s at the formed batch"
     system = ratio(perf_analyzer_setup(fronted, "system"))
+    own_system = ratio(shared_memory_setup(settings))
     return [
         common.judge("served vs host", f"{fronted}: served img/s @c{top}, tensors on the "
                      f"wire / {reference}", ratio(fronted), ">=", TARGET_SERVED_VS_HOST),
         common.judge("system shm vs host", f"{fronted}: served img/s @c{top}, tensors in "
-                     f"system shared memory (perf_analyzer's client) / {reference}", system,
+                     f"system shared memory (tritonclient) / {reference}", own_system,
                      ">=", TARGET_SHM_VS_HOST),
         common.judge("perf_analyzer system shm vs host",
                      f"perf_analyzer --shared-memory system @c{top} against {fronted} / "
@@ -655,11 +690,12 @@ def report(result: Mapping[str, Any]) -> str:
     )
     served = common.table(
         ["setup", "c", "procs", "img/s", "p50 ms", "p99 ms", "batch", "err", "queue", "merge",
-         "engine", "split", "server cpu", "client cpu", "J/img", "W"],
+         "engine", "split", "server cpu", "us/req", "us/batch", "client cpu", "J/img", "W"],
         [[r["setup"], r["concurrency"], r["client_processes"], r["throughput"], r["p50_ms"],
           r["p99_ms"], r["formed_batch"], r["errors"], r["agent_ms_per_request"]["queue"],
           r["agent_ms_per_request"]["merge"], r["agent_ms_per_request"]["engine"],
-          r["agent_ms_per_request"]["split"], r["server_cpu_cores"], r["client_cpu_cores"],
+          r["agent_ms_per_request"]["split"], r["server_cpu_cores"],
+          r["engine_cpu_us_per_request"], r["engine_cpu_us_per_batch"], r["client_cpu_cores"],
           r["j_per_img"], r["watts"]] for r in result["served"] if "error" not in r],
     )
     comparison = common.table(
@@ -679,7 +715,8 @@ def report(result: Mapping[str, Any]) -> str:
         + "".join(f"\nSkipped: {s}" for s in result.get("skipped_without_cuda", [])),
         "In-process (same model and precision)\n" + inprocess,
         "Served (batch-1 FP32 requests; queue/merge/engine/split = the agent's per-request "
-        "means in ms;\ncpu in cores; J/img = whole-GPU energy over the window / images)\n"
+        "means in ms;\nserver cpu in cores; us/req, us/batch: CPU of the agent's own (engine) process "
+        "per request and per batch; J/img = whole-GPU energy over the window / images)\n"
         + served,
         "Served vs in-process host-memory reference at the formed batch\n" + comparison,
         "One batch's host path, each step alone (ms per batch)\n" + breakdown,

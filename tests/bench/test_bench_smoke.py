@@ -156,6 +156,9 @@ def test_gpu_bench_runs_its_served_setups_and_diagnostics_on_a_cpu(tmp_path):
     # The GIL variant starts the agent through its own launcher: it must still serve.
     assert {s for s in setups if not s.startswith("perf_analyzer")} == {
         "1 agent, one process", "1 agent, 2 front ends", "transport floor (no work)",
+        "1 agent, 2 front ends, inputs in system shared memory",
+        "1 agent, one process, 2 images a request, system shared memory",
+        "1 agent, 2 front ends, 2 images a request, system shared memory",
         "1 agent, 2 front ends, batches wait when idle", "1 agent, GIL switch 0.5 ms",
         "2 agents, one GPU"}
     for row in result["served"]:
@@ -164,6 +167,11 @@ def test_gpu_bench_runs_its_served_setups_and_diagnostics_on_a_cpu(tmp_path):
         assert positive(row["client_cpu_cores"])
         if row["setup"] != "transport floor (no work)":
             assert row["formed_batch"] >= 1
+            assert positive(row["engine_cpu_us_per_request"])
+            assert positive(row["engine_cpu_us_per_batch"])
+        images = 2 if "2 images a request" in row["setup"] else 1
+        assert row["images_per_request"] == images
+        assert row["throughput"] == pytest.approx(images * row["requests"] / row["duration_s"])
     modes = {r["mode"] for r in result["inprocess"]}
     assert "host engine.run x1 (pinned, graph)" in modes and "device eager" in modes
     assert "device graph" not in modes  # needs CUDA: skipped, and said so

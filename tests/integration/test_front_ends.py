@@ -91,6 +91,54 @@ def test_connections_spread_over_front_ends_and_batch_together(agent_with_front_
     assert after.execution_count - before.execution_count < 64, "nothing was merged"
 
 
+def test_requests_merged_in_a_front_end_each_get_their_rows_and_bad_ones_their_own_error(
+        agent_with_front_ends):
+    """Requests sent at once on one connection reach one front end, which
+    merges the plain ones into frames; each answer is its own rows, and a bad
+    request next to them fails alone with the error it would get anyway."""
+    good = [rng.standard_normal((rows, 16)).astype(np.float32) for rows in (1, 3, 2, 1, 1, 4)]
+
+    def request(client, a: np.ndarray, b: np.ndarray, datatype: str = "FP32", only=None):
+        inputs = []
+        for name, data in (("INPUT0", a), ("INPUT1", b)):
+            item = aioclient.InferInput(name, list(data.shape), datatype)
+            item.set_data_from_numpy(data)
+            inputs.append(item)
+        outputs = None if only is None else [aioclient.InferRequestedOutput(only)]
+        return client.infer("add_sub", inputs, outputs=outputs)
+
+    async def send():
+        async with aioclient.InferenceServerClient(agent_with_front_ends.address) as client:
+            before = await client.get_inference_statistics("add_sub")
+            wide = rng.standard_normal((1, 15)).astype(np.float32)
+            big = rng.standard_normal((9, 16)).astype(np.float32)
+            double = good[0].astype(np.float64)
+            outcomes = await asyncio.gather(
+                *(request(client, a, 2 * a, only="OUTPUT1" if i == 3 else None)
+                  for i, a in enumerate(good)),
+                request(client, wide, wide), request(client, big, big),
+                request(client, double, double, "FP64"), return_exceptions=True)
+            after = await client.get_inference_statistics("add_sub")
+            return outcomes, before.model_stats[0], after.model_stats[0]
+
+    outcomes, before, after = asyncio.run(send())
+    for i, (a, answer) in enumerate(zip(good, outcomes)):
+        assert not isinstance(answer, Exception), answer
+        np.testing.assert_allclose(answer.as_numpy("OUTPUT1"), -a, rtol=1e-6)
+        if i == 3:
+            assert answer.as_numpy("OUTPUT0") is None  # not asked for
+        else:
+            np.testing.assert_allclose(answer.as_numpy("OUTPUT0"), 3 * a, rtol=1e-6)
+    wide, big, double = (str(o) for o in outcomes[len(good):])
+    assert "input 'INPUT0': shape [1, 15] does not match [-1, 16]" in wide
+    assert "batch size 9 is outside 1..8" in big
+    assert "datatype FP64, model expects FP32" in double
+    stats = (after.inference_stats, before.inference_stats)
+    assert stats[0].success.count - stats[1].success.count == len(good)
+    assert stats[0].fail.count - stats[1].fail.count == 3
+    assert after.inference_count - before.inference_count == sum(len(a) for a in good)
+
+
 @pytest.fixture
 def slow_repository(tmp_path) -> Path:
     zoo.resnet18(model_file(tmp_path, "slow", 1), image_size=64, num_classes=10)

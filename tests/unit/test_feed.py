@@ -1,14 +1,22 @@
-"""The front ends' arena: blocks never overlap while live, and space comes back."""
+"""The feed from front ends to the engine: the arena's blocks never overlap
+while live and space comes back; plain requests are checked in the front end
+and merged into one frame, and each gets its own rows back."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
+import grpc
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiered.agent.feed import Arena
+from tiered.agent.feed import Arena, FedError, FeedClient, FeedServer, ModelFacts
 from tiered.agent.front_end import front_end_count
+from tiered.errors import Unavailable
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import model_config_pb2 as mc
 
 SIZE = 1000
 
@@ -67,3 +75,148 @@ def test_the_profiles_front_ends_are_capped_by_the_cores():
     assert front_end_count(0, cores=64) == 0  # one process, as asked
     cores = len(os.sched_getaffinity(0))
     assert front_end_count(8) == front_end_count(8, cores)
+
+
+# -- plain requests: checked in the front end, merged into one frame -------------------
+
+def config(max_batch_size: int = 8, batching: bool = True) -> mc.ModelConfig:
+    message = mc.ModelConfig(name="m", max_batch_size=max_batch_size)
+    message.input.add(name="x", data_type=mc.TYPE_FP32, dims=[-1, 3])
+    message.input.add(name="n", data_type=mc.TYPE_INT64, dims=[1])
+    message.output.add(name="y", data_type=mc.TYPE_FP32, dims=[-1, 3])
+    message.output.add(name="s", data_type=mc.TYPE_FP32, dims=[1])
+    if batching:
+        message.dynamic_batching.max_queue_delay_microseconds = 100
+    return message
+
+
+def request(rows: int = 1, width: int = 2, x_type: str = "FP32", outputs=("y",)):
+    message = pb.ModelInferRequest(model_name="m", id=f"r{rows}x{width}")
+    x = (np.arange(rows * width * 3, dtype=np.float32) + 100 * rows).reshape(rows, width, 3)
+    message.inputs.add(name="x", datatype=x_type, shape=[rows, width, 3])
+    message.inputs.add(name="n", datatype="INT64", shape=[rows, 1])
+    message.raw_input_contents.extend([x.tobytes(), np.full((rows, 1), rows, np.int64).tobytes()])
+    for name in outputs:
+        message.outputs.add(name=name)
+    return message
+
+
+def group_key(facts: ModelFacts, message):
+    return facts.group_key(message, list(message.raw_input_contents))
+
+
+def test_a_plain_request_is_keyed_by_model_inputs_and_outputs_with_its_rows():
+    facts = ModelFacts.of(config())
+    key, rows = group_key(facts, request(rows=3))
+    assert rows == 3
+    assert key == ("m", "", (("x", "FP32", (2, 3)), ("n", "INT64", (1,))), ("y",))
+    assert group_key(facts, request(width=5))[0] != key  # another width: another batch
+    assert group_key(facts, request(outputs=()))[0] != key
+
+
+def test_a_request_the_engine_must_judge_travels_alone():
+    facts = ModelFacts.of(config())
+    odd = [request(x_type="FP16"), request(rows=9), request(outputs=("nope",))]
+    with_parameter = request()
+    with_parameter.parameters["priority"].int64_param = 1
+    bad_shape = request()
+    bad_shape.inputs[1].shape[:] = [1, 2]  # the bytes say [1, 1]
+    short = request()
+    short.raw_input_contents[0] = b"\0" * 4
+    in_region = request()
+    in_region.inputs[0].parameters["shared_memory_region"].string_param = "r"
+    for message in (*odd, with_parameter, bad_shape, short, in_region):
+        assert group_key(facts, message) is None
+    assert group_key(ModelFacts.of(config(batching=False)), request()) is None
+    assert group_key(ModelFacts.of(config(max_batch_size=0)), request()) is None
+    assert group_key(ModelFacts(), request()) is None  # a model the front end cannot describe
+
+
+class Doubling:
+    """The engine's answers: y = 2x over the merged rows, every frame
+    recorded; frames wait for `go` to be answered."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[int]] = []
+        self.ones = 0
+        self.go = asyncio.Event()
+
+    async def answer_one(self, body, raw, seconds_left):
+        self.ones += 1
+        return b"alone"
+
+    async def answer_group(self, model, version, inputs, outputs, rows, seconds_left):
+        self.groups.append(list(rows))
+        assert inputs["n"].ravel().tolist() == [r for r in rows for _ in range(r)]
+        await self.go.wait()
+        return model, "7", {"y": 2 * inputs["x"]}
+
+
+async def frames_reach(engine: Doubling, count: int) -> None:
+    deadline = asyncio.get_running_loop().time() + 30
+    while len(engine.groups) < count and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.005)
+
+
+def test_requests_gather_while_frames_of_their_kind_are_in_the_engine(tmp_path):
+    engine = Doubling()
+    rows = (1, 3, 2, 2, 1, 3, 1)
+
+    async def main():
+        server = FeedServer(str(tmp_path / "feed.sock"), engine, 1 << 20)
+        arena = Arena(1 << 16)
+        client = await FeedClient.connect(server.path, arena)
+        facts = ModelFacts.of(config())
+        messages = [request(r) for r in rows]
+        sent = [list(m.raw_input_contents)[0] for m in messages]
+        calls = []
+        for message in messages:  # one at a time, so the order is known
+            calls.append(asyncio.ensure_future(client.infer(message, 5.0, facts)))
+            await asyncio.sleep(0)  # it is sent, or gathered
+        alone = asyncio.ensure_future(client.infer(request(x_type="FP16"), 5.0, facts))
+        await frames_reach(engine, 3)
+        await asyncio.sleep(0.05)  # a fourth frame, if one were sent too early
+        frames_while_busy = [list(g) for g in engine.groups]
+        engine.go.set()
+        answers = await asyncio.gather(*calls, alone)
+        await server.close()
+        arena.close()
+        return frames_while_busy, sent, answers
+
+    frames_while_busy, sent, answers = asyncio.run(main())
+    # Two frames at once (FRAMES_AHEAD); the rest gathered up to the model's
+    # 8 rows, which then went at once; the last one went once a frame was answered.
+    assert frames_while_busy == [[1], [3], [2, 2, 1, 3]]
+    assert engine.groups == [[1], [3], [2, 2, 1, 3], [1]] and engine.ones == 1
+    assert answers[-1] == b"alone"
+    for count, raw, answer in zip(rows, sent, answers):
+        response = pb.ModelInferResponse.FromString(answer)
+        assert (response.model_name, response.model_version, response.id) == \
+            ("m", "7", f"r{count}x2")
+        (output,) = response.outputs
+        assert (output.name, output.datatype, list(output.shape)) == ("y", "FP32", [count, 2, 3])
+        np.testing.assert_array_equal(
+            np.frombuffer(response.raw_output_contents[0], np.float32),
+            2 * np.frombuffer(raw, np.float32))
+
+
+def test_an_engine_error_reaches_every_request_of_the_frame(tmp_path):
+    class Failing(Doubling):
+        async def answer_group(self, *args):
+            raise Unavailable("the queue is full")
+
+    async def main():
+        server = FeedServer(str(tmp_path / "feed.sock"), Failing(), 1 << 20)
+        arena = Arena(1 << 16)
+        client = await FeedClient.connect(server.path, arena)
+        facts = ModelFacts.of(config())
+        outcomes = await asyncio.gather(*(client.infer(request(), 5.0, facts)
+                                          for _ in range(5)), return_exceptions=True)
+        assert arena.allocate(1 << 16) is not None  # the frame's block came back
+        await server.close()
+        arena.close()
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, FedError) and o.code == grpc.StatusCode.UNAVAILABLE.value[0]
+               and "queue is full" in str(o) for o in outcomes), outcomes

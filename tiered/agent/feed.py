@@ -3,22 +3,46 @@
 With `front_ends: N`, N processes share the agent's port and take in gRPC;
 one engine process holds the models, batchers and GPU. Each front end owns
 an arena, a memfd whose descriptor it hands the engine once, when it
-connects. For every ModelInfer it copies the request's raw input bytes into
-its arena and sends a small frame: the request without those bytes, where
-they lie, and the seconds left. The engine reads the tensors in place (never
-pickled, no copy before the batch is merged) and answers with the response's
-serialized bytes, which the front end gives gRPC untouched. A block of the
-arena is reused only once the engine has answered the request that used it.
+connects. Work that each request costs is done in the front ends, which run
+in parallel; the engine's event loop handles frames, each carrying many
+requests where it can.
 
-Frames on a unix stream socket, little-endian:
+- **A plain request** (raw input bytes of the shapes and datatypes its
+  model's config names, no parameters, the model batched: what almost every
+  client sends) is checked in the front end against the model's config
+  (`ModelFacts`). It goes at once while fewer than FRAMES_AHEAD frames of
+  its kind (model, inputs, outputs) are in the engine; otherwise it joins
+  the next frame, which gathers the requests of its kind until one of
+  those is answered (or it holds the model's max batch size). A frame's
+  input bytes are written into the arena as one batch, input by input, and
+  one GROUP frame says where; the engine runs it as one request of that
+  many rows and answers the outputs' bytes, which the front end splits and
+  turns into each request's response. So at one request at a time nothing
+  waits, and under load the engine sees a frame per several requests.
+- **Any other request** (shared-memory inputs, parameters, BYTES, a model
+  that does not batch) travels alone in a ONE frame: the request without its
+  raw input bytes, which lie in the arena (or inline when the arena is
+  full), and the engine answers the serialized response.
 
-    request  <IQdBHI>  length of the rest, call id, seconds left (inf: none),
-                       where (0: arena, 1: inline), raw buffers, request bytes;
-             <QQ>      (offset, length) per raw buffer: in the arena, or
-                       after the request bytes when inline;
-             the request without raw_input_contents; inline raw bytes.
-    reply    <IQH>     length of the rest, call id, gRPC status code (0: OK);
-             the serialized response, or the error message.
+A block of the arena is reused only once the engine has answered the frame
+that used it.
+
+Frames on a unix stream socket, little-endian; headers are `marshal`ed
+tuples (both ends are one agent's processes):
+
+    request  <IQdBI>  length of the rest, call id, seconds left (inf: none),
+                      kind, header length; the header; then
+             ONE      header (where: 0 arena / 1 inline, [(offset, length)]
+                      per raw buffer, request bytes); the request without
+                      raw_input_contents; inline raw bytes
+             GROUP    header (model, version, [outputs wanted],
+                      [(input, datatype, shape, arena offset)], [rows per request])
+    reply    <IQHI>   length of the rest, call id, gRPC status code (0: OK),
+                      header length; the header; then
+             ONE      the serialized response (no header)
+             GROUP    header (model, version, [(output, datatype, shape)]);
+                      the outputs' bytes, one after another
+             error    the message (no header)
 """
 
 from __future__ import annotations
@@ -26,32 +50,111 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import marshal
+import math
 import mmap
 import os
 import socket
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from tiered.errors import TieredError, Unavailable
+import numpy as np
+
+from tiered.errors import EngineError, TieredError, Unavailable
+from tiered.protocol import codec
+from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol import model_config_pb2 as mc
+from tiered.protocol.security import CALLER
 from tiered.protocol.status import describe, status_code
 
 log = logging.getLogger(__name__)
 
-REQUEST = struct.Struct("<IQdBHI")
-SPAN = struct.Struct("<QQ")
-REPLY = struct.Struct("<IQH")
+REQUEST = struct.Struct("<IQdBI")
+REPLY = struct.Struct("<IQHI")
 LENGTH = struct.Struct("<I")
+ONE, GROUP = 0, 1
 IN_ARENA, INLINE = 0, 1
 OK = 0
 HELLO_BYTES = 64  # the hello message that carries the arena's descriptor
+# A front end's frames of one key (model, inputs, outputs) in the engine at
+# once; the requests that come meanwhile gather into the next frame.
+FRAMES_AHEAD = 2
 
-# The engine's handler: (request bytes, raw input buffers, seconds left) -> response bytes.
-Answer = Callable[[bytes, list[memoryview], float], Awaitable[bytes]]
+Output = tuple[str, str, list[int]]  # name, datatype, shape
+
+
+class Answers(Protocol):
+    """What the engine does with frames (`InferenceServicer` does it)."""
+
+    async def answer_one(self, body: bytes, raw: list[memoryview], seconds_left: float) -> bytes:
+        """A request's bytes and its raw input buffers -> the response's bytes."""
+
+    async def answer_group(self, model: str, version: str, inputs: dict[str, np.ndarray],
+                           outputs: Sequence[str], rows: Sequence[int], seconds_left: float,
+                           ) -> tuple[str, str, dict[str, np.ndarray]]:
+        """Requests merged row-wise -> (model, version, outputs by name)."""
 
 
 # -- the front end's side ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a front end knows of a model from its ModelConfig."""
+
+    decoupled: bool = False
+    max_batch_size: int = 0  # 0: requests never share a frame
+    inputs: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    outputs: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, config: mc.ModelConfig) -> ModelFacts:
+        batches = config.max_batch_size > 0 and config.HasField("dynamic_batching")
+
+        def datatype(tensor) -> str:
+            name = mc.DataType.Name(tensor.data_type).removeprefix("TYPE_")
+            return "BYTES" if name == "STRING" else name
+
+        return cls(
+            decoupled=config.model_transaction_policy.decoupled,
+            max_batch_size=config.max_batch_size if batches else 0,
+            inputs={t.name: (datatype(t), tuple(t.dims)) for t in config.input},
+            outputs=frozenset(t.name for t in config.output))
+
+    def group_key(self, request: pb.ModelInferRequest,
+                  buffers: Sequence[bytes]) -> tuple[tuple, int] | None:
+        """(key, rows) when the request (`buffers`: its raw inputs) may share
+        a frame with others of its key: raw inputs the config accepts, no
+        parameters; else None (it travels alone, and the engine checks it and
+        answers any error)."""
+        if (not self.max_batch_size or self.decoupled
+                or any(key != CALLER for key in request.parameters)
+                or len(buffers) != len(request.inputs)):
+            return None
+        rows, signature = None, []
+        for tensor, raw in zip(request.inputs, buffers):
+            expected = self.inputs.get(tensor.name)
+            if (expected is None or expected[0] != tensor.datatype or tensor.datatype == "BYTES"
+                    or len(tensor.parameters) or tensor.HasField("contents")):
+                return None
+            shape, dims = tuple(tensor.shape), expected[1]
+            if len(shape) != len(dims) + 1 or any(d != -1 and s != d
+                                                  for s, d in zip(shape[1:], dims)):
+                return None
+            if rows is None:
+                rows = shape[0]
+            if shape[0] != rows or len(raw) != math.prod(shape) * \
+                    codec.DATATYPES[tensor.datatype].itemsize:
+                return None
+            signature.append((tensor.name, tensor.datatype, shape[1:]))
+        if not rows or rows > self.max_batch_size or any(
+                o.parameters or o.name not in self.outputs for o in request.outputs):
+            return None
+        outputs = tuple(o.name for o in request.outputs)
+        return (request.model_name, request.model_version, tuple(signature), outputs), rows
+
 
 @dataclass(eq=False)
 class Block:
@@ -108,6 +211,22 @@ class Arena:
         os.close(self.fd)
 
 
+@dataclass(eq=False)
+class _Group:
+    """Plain requests of one key, gathered in one loop turn."""
+
+    key: tuple
+    requests: list[pb.ModelInferRequest] = field(default_factory=list)
+    buffers: list[list[bytes]] = field(default_factory=list)  # each request's raw inputs
+    rows: list[int] = field(default_factory=list)
+    futures: list[asyncio.Future] = field(default_factory=list)
+    seconds_left: float = 0.0
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows)
+
+
 class FeedClient(asyncio.Protocol):
     """A front end's connection to the engine process."""
 
@@ -116,8 +235,11 @@ class FeedClient(asyncio.Protocol):
         self.closed = asyncio.Event()
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._calls: dict[int, tuple[asyncio.Future, Block | None]] = {}
+        # call id -> (the group's requests and futures, or one future; its block)
+        self._calls: dict[int, tuple[_Group | asyncio.Future, Block | None]] = {}
         self._next_id = 0
+        self._in_flight: dict[tuple, int] = {}  # GROUP frames unanswered, by key
+        self._gathering: dict[tuple, _Group] = {}  # the next frame of a key with enough
 
     @classmethod
     async def connect(cls, path: str, arena: Arena) -> FeedClient:
@@ -134,60 +256,188 @@ class FeedClient(asyncio.Protocol):
         self._transport = transport
 
     def connection_lost(self, exc) -> None:
-        for future, _ in self._calls.values():
-            if not future.done():
-                future.set_exception(Unavailable("the agent's engine process is gone"))
+        gone = Unavailable("the agent's engine process is gone")
+        waiting = [w for w, _ in self._calls.values()] + list(self._gathering.values())
+        for each in waiting:
+            for future in each.futures if isinstance(each, _Group) else [each]:
+                if not future.done():
+                    future.set_exception(gone)
         self._calls.clear()
+        self._gathering.clear()
         self.closed.set()
 
-    async def infer(self, request, seconds_left: float) -> bytes:
-        """Answer a ModelInferRequest through the engine; its raw inputs are
-        moved into the arena (the message loses them)."""
-        if self._transport is None or self._transport.is_closing():
+    @property
+    def _open(self) -> bool:
+        return self._transport is not None and not self._transport.is_closing()
+
+    async def infer(self, request: pb.ModelInferRequest, seconds_left: float,
+                    facts: ModelFacts | None = None) -> bytes:
+        """Answer a ModelInferRequest through the engine: with others of its
+        kind when `facts` (its model's) say it may share a frame, else alone.
+        Its raw inputs are moved into the arena (the message loses them)."""
+        if not self._open:
             raise Unavailable("the agent's engine process is gone")
         buffers = list(request.raw_input_contents)
+        del request.raw_input_contents[:]
+        grouped = facts.group_key(request, buffers) if facts is not None else None
+        if grouped is None:
+            return await self._answer(self._send_one(request, buffers, seconds_left))
+        key, rows = grouped
+        group = self._gathering.get(key)
+        if group is not None and group.total_rows + rows > facts.max_batch_size:
+            self._send_group(self._gathering.pop(key))  # full: it goes now
+            group = None
+        if group is None:
+            group = _Group(key)
+            if self._in_flight.get(key, 0) >= FRAMES_AHEAD:
+                self._gathering[key] = group  # goes when a frame of its key is answered
+        future = asyncio.get_running_loop().create_future()
+        group.requests.append(request)
+        group.buffers.append(buffers)
+        group.rows.append(rows)
+        group.futures.append(future)
+        group.seconds_left = max(group.seconds_left, seconds_left)
+        if key not in self._gathering:
+            self._send_group(group)
+        return await self._answer(future)
+
+    @staticmethod
+    async def _answer(future: asyncio.Future) -> bytes:
+        code, payload = await future
+        if code != OK:
+            raise FedError(code, payload.decode(errors="replace"))
+        return payload
+
+    def _call(self, waiting, block: Block | None) -> int:
+        call_id = self._next_id = self._next_id + 1
+        self._calls[call_id] = (waiting, block)
+        return call_id
+
+    def _write(self, call_id: int, seconds_left: float, kind: int, header: bytes,
+               parts: Sequence[bytes]) -> None:
+        length = REQUEST.size - LENGTH.size + len(header) + sum(map(len, parts))
+        self._transport.writelines([
+            REQUEST.pack(length, call_id, seconds_left, kind, len(header)), header, *parts])
+
+    def _send_one(self, request: pb.ModelInferRequest, buffers: list[bytes],
+                  seconds_left: float) -> asyncio.Future:
         total = sum(map(len, buffers))
         block = self.arena.allocate(total) if total else None
         spans, position = [], block.start if block else 0
         for buffer in buffers:
             if block is not None:
                 self.arena.memory[position:position + len(buffer)] = buffer
-            spans.append(SPAN.pack(position, len(buffer)))
+            spans.append((position, len(buffer)))
             position += len(buffer)
-        del request.raw_input_contents[:]
         body = request.SerializeToString()
         where = IN_ARENA if block is not None or not buffers else INLINE
-        tail = buffers if where == INLINE else []
-        length = (REQUEST.size - LENGTH.size + SPAN.size * len(spans) + len(body)
-                  + (total if where == INLINE else 0))
-        call_id = self._next_id = self._next_id + 1
         future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = (future, block)
-        self._transport.writelines([
-            REQUEST.pack(length, call_id, seconds_left, where, len(spans), len(body)),
-            *spans, body, *tail,
-        ])
-        code, payload = await future
-        if code != OK:
-            raise FedError(code, payload.decode(errors="replace"))
-        return payload
+        self._write(self._call(future, block), seconds_left, ONE,
+                    marshal.dumps((where, spans, len(body))),
+                    [body, *(buffers if where == INLINE else [])])
+        return future
+
+    def _send_group(self, group: _Group) -> None:
+        if not self._open:
+            for future in group.futures:
+                if not future.done():
+                    future.set_exception(Unavailable("the agent's engine process is gone"))
+            return
+        total = sum(sum(map(len, buffers)) for buffers in group.buffers)
+        block = self.arena.allocate(total)
+        if block is None:  # no room for them together: each travels alone, inline
+            for request, buffers, future in zip(group.requests, group.buffers, group.futures):
+                _chain(self._send_one(request, buffers, group.seconds_left), future)
+            return
+        model, version, signature, outputs = group.key
+        inputs, position, memory = [], block.start, self.arena.memory
+        for index, (name, datatype, shape) in enumerate(signature):
+            inputs.append((name, datatype, [group.total_rows, *shape], position))
+            for buffers in group.buffers:
+                buffer = buffers[index]
+                memory[position:position + len(buffer)] = buffer
+                position += len(buffer)
+        self._in_flight[group.key] = self._in_flight.get(group.key, 0) + 1
+        self._write(self._call(group, block), group.seconds_left, GROUP,
+                    marshal.dumps((model, version, list(outputs), inputs, group.rows)), [])
+
+    def _answered(self, key: tuple) -> None:
+        """A frame of `key` came back: the requests gathered meanwhile go."""
+        left = self._in_flight.pop(key) - 1
+        if left:
+            self._in_flight[key] = left
+        gathered = self._gathering.pop(key, None)
+        if gathered is not None:
+            self._send_group(gathered)
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
         buffer, used = self._buffer, 0
         while len(buffer) - used >= REPLY.size:
-            length, call_id, code = REPLY.unpack_from(buffer, used)
+            length, call_id, code, header_length = REPLY.unpack_from(buffer, used)
             end = used + LENGTH.size + length
             if len(buffer) < end:
                 break
-            payload = bytes(memoryview(buffer)[used + REPLY.size:end])  # one copy, not two
+            start = used + REPLY.size + header_length
+            header = bytes(buffer[used + REPLY.size:start]) if header_length else None
+            payload = bytes(memoryview(buffer)[start:end])  # one copy, not two
             used = end
-            future, block = self._calls.pop(call_id, (None, None))
+            waiting, block = self._calls.pop(call_id, (None, None))
             if block is not None:
                 self.arena.free(block)
-            if future is not None and not future.done():
-                future.set_result((code, payload))
+            if isinstance(waiting, _Group):
+                self._answered(waiting.key)
+                _answer_group(waiting, code, header, payload)
+            elif waiting is not None and not waiting.done():
+                waiting.set_result((code, payload))
         del buffer[:used]
+
+
+def _answer_group(group: _Group, code: int, header: bytes | None, payload: bytes) -> None:
+    """Each request of a group its own response, cut from the group's outputs."""
+    results = [(code, payload)] * len(group.futures)
+    if code == OK:
+        try:
+            results = _cut(group, marshal.loads(header), payload)
+        except Exception as error:  # a reply this front end cannot read fails its requests
+            log.exception("a group's reply could not be cut into responses")
+            results = [(status_code(error).value[0], describe(error).encode())] * len(results)
+    for future, result in zip(group.futures, results):
+        if not future.done():
+            future.set_result(result)
+
+
+def _cut(group: _Group, header, payload: bytes) -> list[tuple[int, bytes]]:
+    model, version, outputs = header
+    total, cuts, position = group.total_rows, [], 0
+    for name, datatype, shape in outputs:
+        if not shape or shape[0] != total:
+            raise EngineError(f"output {name!r} of shape {shape} does not have the "
+                              f"{total} rows of the requests merged")
+        size = math.prod(shape) * codec.DATATYPES[datatype].itemsize
+        cuts.append((name, datatype, shape[1:], size // total, position))
+        position += size
+    results, row = [], 0
+    for request, rows in zip(group.requests, group.rows):
+        response = pb.ModelInferResponse(model_name=model, model_version=version, id=request.id)
+        for name, datatype, shape, row_bytes, start in cuts:
+            response.outputs.add(name=name, datatype=datatype, shape=[rows, *shape])
+            begin = start + row * row_bytes
+            response.raw_output_contents.append(payload[begin:begin + rows * row_bytes])
+        row += rows
+        results.append((OK, response.SerializeToString()))
+    return results
+
+
+def _chain(source: asyncio.Future, target: asyncio.Future) -> None:
+    def copy(done: asyncio.Future) -> None:
+        if target.done():
+            return
+        if done.exception() is not None:
+            target.set_exception(done.exception())
+        else:
+            target.set_result(done.result())
+    source.add_done_callback(copy)
 
 
 class FedError(TieredError):
@@ -201,12 +451,12 @@ class FedError(TieredError):
 # -- the engine's side -------------------------------------------------------------
 
 class FeedServer:
-    """Listens on a unix socket for front ends and answers their requests."""
+    """Listens on a unix socket for front ends and answers their frames."""
 
-    def __init__(self, path: str, answer: Answer, max_frame_bytes: int) -> None:
+    def __init__(self, path: str, answers: Answers, max_frame_bytes: int) -> None:
         self.path = path
-        self._answer = answer
-        self._max_frame_bytes = max_frame_bytes
+        self.answers = answers
+        self.max_frame_bytes = max_frame_bytes
         self.connected = asyncio.Condition()
         self.connections: set[_FeedConnection] = set()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -282,37 +532,58 @@ class _FeedConnection(asyncio.Protocol):
         self._buffer += data
         buffer, used = self._buffer, 0
         while len(buffer) - used >= REQUEST.size:
-            length, call_id, seconds_left, where, count, body_length = REQUEST.unpack_from(
+            length, call_id, seconds_left, kind, header_length = REQUEST.unpack_from(
                 buffer, used)
-            if length > self.server._max_frame_bytes:
+            if length > self.server.max_frame_bytes:
                 log.error("a front end sent a frame of %d bytes; closing it", length)
                 self.transport.close()
                 return
             end = used + LENGTH.size + length
             if len(buffer) < end:
                 break
-            frame = bytes(memoryview(buffer)[used + REQUEST.size:end])
+            start = used + REQUEST.size
+            header = marshal.loads(memoryview(buffer)[start:start + header_length])
+            rest = bytes(memoryview(buffer)[start + header_length:end])
             used = end
-            spans = [SPAN.unpack_from(frame, i * SPAN.size) for i in range(count)]
-            body_start = count * SPAN.size
-            body = frame[body_start:body_start + body_length]
-            if where == IN_ARENA:
-                raw = [self.arena[offset:offset + size] for offset, size in spans]
-            else:
-                inline = memoryview(frame)[body_start + body_length:]
-                raw = [inline[offset:offset + size] for offset, size in spans]
-            task = asyncio.get_running_loop().create_task(
-                self._serve(call_id, body, raw, seconds_left))
+            serve = self._one(header, rest, seconds_left) if kind == ONE \
+                else self._group(header, seconds_left)
+            task = asyncio.get_running_loop().create_task(self._reply(call_id, serve))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         del buffer[:used]
 
-    async def _serve(self, call_id: int, body: bytes, raw: Sequence[memoryview],
-                     seconds_left: float) -> None:
+    async def _one(self, header, rest: bytes, seconds_left: float) -> tuple[bytes, list]:
+        where, spans, body_length = header
+        if where == IN_ARENA:
+            raw = [self.arena[offset:offset + size] for offset, size in spans]
+        else:
+            inline = memoryview(rest)[body_length:]
+            raw = [inline[offset:offset + size] for offset, size in spans]
+        return b"", [await self.server.answers.answer_one(rest[:body_length], raw,
+                                                          seconds_left)]
+
+    async def _group(self, header, seconds_left: float) -> tuple[bytes, list]:
+        model, version, outputs, inputs, rows = header
+        arrays = {}
+        for name, datatype, shape, offset in inputs:
+            dtype = codec.DATATYPES[datatype]
+            arrays[name] = np.frombuffer(self.arena, dtype, math.prod(shape), offset) \
+                .reshape(shape)
+        model, version, results = await self.server.answers.answer_group(
+            model, version, arrays, outputs, rows, seconds_left)
+        described, payload = [], []
+        for name, array in results.items():
+            datatype, shape, raw = codec.to_raw(array)
+            described.append((name, datatype, shape))
+            payload.append(raw)
+        return marshal.dumps((model, version, described)), payload
+
+    async def _reply(self, call_id: int, serve: Awaitable[tuple[bytes, list]]) -> None:
         try:
-            payload, code = await self.server._answer(body, list(raw), seconds_left), OK
+            (header, payload), code = await serve, OK
         except Exception as error:  # answered to the client; the engine goes on
-            payload, code = describe(error).encode(), status_code(error).value[0]
+            header, payload, code = b"", [describe(error).encode()], status_code(error).value[0]
         if not self.transport.is_closing():
-            self.transport.writelines([REPLY.pack(REPLY.size - LENGTH.size + len(payload),
-                                                  call_id, code), payload])
+            length = REPLY.size - LENGTH.size + len(header) + sum(map(len, payload))
+            self.transport.writelines([REPLY.pack(length, call_id, code, len(header)),
+                                       header, *payload])

@@ -5,15 +5,17 @@ GPU engine serves. With `front_ends: N` the agent process keeps the models,
 batchers, statistics, telemetry and shared-memory regions (the engine
 process) and starts N front ends that bind the agent's port together
 (SO_REUSEPORT: the kernel spreads connections over them). A front end
-answers ModelInfer and ModelStreamInfer through the feed (`feed.py`: input
-bytes in shared memory, one small frame each way) and passes every other
-call, bytes untouched, to the engine process's own gRPC server on a unix
-socket, so each behaves exactly as with one process; a streamed request to
-a decoupled (generative) model goes there too, on a stream of its own, so
-its responses come back one by one and its cancellation reaches the engine
-process. A front end checks
-who may call what (it alone sees the client's token and certificate); the
-engine's socket lives in a private directory and trusts its front ends.
+answers ModelInfer and ModelStreamInfer through the feed (`feed.py`: it
+checks each request against its model's config, writes the input bytes
+into shared memory, sends the plain requests of one loop turn as one frame
+and builds each response) and passes every other call, bytes untouched, to
+the engine process's own gRPC server on a unix socket, so each behaves
+exactly as with one process; a streamed request to a decoupled (generative)
+model goes there too, on a stream of its own, so its responses come back
+one by one and its cancellation reaches the engine process. A front end
+checks who may call what (it alone sees the client's token and
+certificate); the engine's socket lives in a private directory and trusts
+its front ends.
 
 `FrontEnds` starts, watches (a front end that dies is replaced) and stops
 them; `main` is a front end (`python -m tiered.agent.front_end`, its
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import grpc
 
-from tiered.agent.feed import Arena, FedError, FeedClient
+from tiered.agent.feed import Arena, FedError, FeedClient, ModelFacts
 from tiered.errors import ConfigError, TieredError
 from tiered.protocol import descriptors, drain
 from tiered.protocol import grpc_service_pb2 as pb
@@ -56,8 +58,8 @@ PORT_WAIT_S = 5.0
 # that and this much more, it is killed.
 EXIT_SLACK_S = 5.0
 MIN_CORES = 4  # below this a profile's front ends are not started
-DECOUPLED_TTL_S = 5.0  # how long a front end trusts what it learned of a model
-DECOUPLED_MODELS = 1024  # models it remembers at most
+MODEL_FACTS_TTL_S = 5.0  # how long a front end trusts what it learned of a model
+MODELS_REMEMBERED = 1024  # models it remembers at most
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
 # Calls that need an inference, a shared-memory or an admin credential
@@ -231,31 +233,31 @@ class _Handlers(grpc.GenericRpcHandler):
                 if path not in self._handlers:
                     self._handlers[path] = self._forwarder(
                         path, method.client_streaming, method.server_streaming)
-        self._decoupled: dict[tuple[str, str], tuple[bool, float]] = {}
+        self._models: dict[tuple[str, str], tuple[ModelFacts, float]] = {}
 
     def service(self, handler_call_details):
         return self._handlers.get(handler_call_details.method)
 
-    async def _is_decoupled(self, request: pb.ModelInferRequest) -> bool:
-        """Whether the model answers a streamed request with a stream of
-        responses, as the engine process's ModelConfig says (remembered for
-        DECOUPLED_TTL_S; a model it cannot describe is not)."""
+    async def _facts(self, request: pb.ModelInferRequest) -> ModelFacts:
+        """What the engine process's ModelConfig says of the request's model
+        (remembered for MODEL_FACTS_TTL_S; a model it cannot describe has no
+        facts, and the engine answers its requests' errors)."""
         key, now = (request.model_name, request.model_version), time.monotonic()
-        known = self._decoupled.get(key)
-        if known is not None and now - known[1] < DECOUPLED_TTL_S:
+        known = self._models.get(key)
+        if known is not None and now - known[1] < MODEL_FACTS_TTL_S:
             return known[0]
         ask = self._engine.unary_unary(
             _INFERENCE + "ModelConfig", request_serializer=pb.ModelConfigRequest.SerializeToString,
             response_deserializer=pb.ModelConfigResponse.FromString)
         try:
             answer = await ask(pb.ModelConfigRequest(name=key[0], version=key[1]), timeout=10)
-            decoupled = answer.config.model_transaction_policy.decoupled
+            facts = ModelFacts.of(answer.config)
         except grpc.aio.AioRpcError:
-            decoupled = False  # the feed answers its error
-        if len(self._decoupled) >= DECOUPLED_MODELS:
-            self._decoupled.clear()
-        self._decoupled[key] = (decoupled, now)
-        return decoupled
+            facts = ModelFacts()
+        if len(self._models) >= MODELS_REMEMBERED:
+            self._models.clear()
+        self._models[key] = (facts, now)
+        return facts
 
     async def _relay(self, request: pb.ModelInferRequest, context):
         """A decoupled model's responses to one request, from the engine
@@ -288,7 +290,8 @@ class _Handlers(grpc.GenericRpcHandler):
         try:
             self._authorizer.require_inference(context)
             claim(request, self._authorizer.caller(context))
-            return await self._feed.infer(request, seconds_left(context))
+            return await self._feed.infer(request, seconds_left(context),
+                                          await self._facts(request))
         except FedError as error:
             await context.abort(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), str(error))
         except Exception as error:  # the front end never dies of a request
@@ -297,11 +300,12 @@ class _Handlers(grpc.GenericRpcHandler):
     async def _stream(self, requests: AsyncIterator, context):
         async def infer(request):
             self._authorizer.require_inference(context)  # refused in the stream, per request
-            if await self._is_decoupled(request):
+            facts = await self._facts(request)
+            if facts.decoupled:
                 return self._relay(request, context)
             claim(request, self._authorizer.caller(context))
             try:
-                answer = await self._feed.infer(request, seconds_left(context))
+                answer = await self._feed.infer(request, seconds_left(context), facts)
             except FedError as error:
                 raise TieredError(str(error)) from error
             return pb.ModelInferResponse.FromString(answer)

@@ -255,9 +255,12 @@ class ModelVersion:
         requested: Sequence[str] = (),
         deadline: float = math.inf,
         tracer: trace.Tracer | None = None,
+        requests: Sequence[int] = (),
     ) -> dict[str, np.ndarray]:
         """Answer one request; `deadline` is on the monotonic clock. With a tracer,
-        the queue and engine phases become child spans of the current span."""
+        the queue and engine phases become child spans of the current span.
+        `requests`: the rows of each request when `inputs` are several merged
+        (a front end's group), each counted as a request of its own."""
         started = time.perf_counter_ns()
         with self.admissions.request():
             try:
@@ -268,16 +271,16 @@ class ModelVersion:
                                   for n, a in sorted(inputs.items()))
                 result = await self._submit(inputs, batch_size, signature, deadline)
             except TieredError as error:
-                self._failed(time.perf_counter_ns() - started, error)
+                for _ in requests or (None,):
+                    self._failed(time.perf_counter_ns() - started, error)
                 raise
         elapsed_ns = time.perf_counter_ns() - started
-        self.stats.request_succeeded(
-            elapsed_ns, int(result.queue_s * 1e9), result.timing, _now_ms()
-        )
-        if self.recorder is not None:
-            self.recorder.request_succeeded(
-                elapsed_ns / 1e9, result.queue_s, result.timing.infer_ns / 1e9, batch_size
-            )
+        queue_ns, now_ms = int(result.queue_s * 1e9), _now_ms()
+        for rows in requests or (batch_size,):
+            self.stats.request_succeeded(elapsed_ns, queue_ns, result.timing, now_ms)
+            if self.recorder is not None:
+                self.recorder.request_succeeded(
+                    elapsed_ns / 1e9, result.queue_s, result.timing.infer_ns / 1e9, rows)
         if tracer is not None:
             _trace_phases(tracer, result)
         return {name: result.outputs[name] for name in outputs}

@@ -168,7 +168,7 @@ async def _serve(settings: AgentSettings, private: Path) -> None:
             raise
         port = held.getsockname()[1]
         await server.start()
-        feed = FeedServer(str(private / "feed.sock"), servicer.answer_fed,
+        feed = FeedServer(str(private / "feed.sock"), servicer,
                           limits.max_message_bytes + FEED_FRAME_SLACK)
         front_ends = FrontEnds(processes, FrontEndSettings(
             host=settings.host, port=port, security=settings.security,

@@ -216,13 +216,27 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             sum(p.logprob for p in pieces) / len(pieces)
         return response
 
-    async def answer_fed(self, body: bytes, raw: list, seconds_left: float) -> bytes:
-        """A front end's request (`feed.Answer`); authorized by the front end."""
+    async def answer_one(self, body: bytes, raw: list, seconds_left: float) -> bytes:
+        """A front end's request that travelled alone (`feed.Answers`);
+        authorized by the front end."""
         try:
             request = pb.ModelInferRequest.FromString(body)
         except DecodeError as error:
             raise InvalidArgument(f"the request does not parse: {error}") from error
         return (await self.answer(request, seconds_left, raw=raw)).SerializeToString()
+
+    async def answer_group(self, model_name: str, version: str, inputs: dict[str, np.ndarray],
+                           outputs: tuple[str, ...], rows: list[int], seconds_left: float,
+                           ) -> tuple[str, str, dict[str, np.ndarray]]:
+        """Plain requests a front end checked and merged row-wise (`feed.Answers`),
+        run as one and counted as each."""
+        model = self.repository.get(model_name, version)
+        if isinstance(model, GenerativeVersion):
+            raise InvalidArgument(f"model {model_name!r} generates text: its requests are "
+                                  "not merged")
+        answer = await model.infer(inputs, outputs, time.monotonic() + seconds_left,
+                                   requests=rows)
+        return model.config.name, str(model.version), answer
 
     async def _infer(self, request: pb.ModelInferRequest, seconds_left: float,
                      raw: list | None) -> pb.ModelInferResponse:

@@ -545,6 +545,38 @@ def test_requests_staged_straight_into_pinned_buffers_match_a_merged_batch(model
 
 
 @needs_cuda
+@pytest.mark.parametrize("buckets", [[1, 2, 4, 8], []], ids=["graphs", "eager"])
+def test_requests_in_pinned_shared_memory_go_to_the_gpu_from_where_they_lie(models, buckets):
+    """A front end's arena, page-locked where the engine maps it: the batch's
+    parts are copied to the GPU from there, one copy each, no staging."""
+    import mmap
+
+    from tiered.agent.shared_memory import pin_host_memory
+
+    graphed = engine(models["mlp"], device="cuda", precision="fp32",
+                     cuda_graph_batch_sizes=buckets, streams=2)
+    arena = mmap.mmap(-1, 1 << 20)
+    unpin = pin_host_memory(arena)
+    assert unpin is not None
+    requests, at = [], 0
+    for size in (1, 3, 2):
+        data = rng.standard_normal((size, 16)).astype(np.float32)
+        view = np.frombuffer(arena, np.float32, data.size, at).reshape(data.shape)
+        view[:] = data
+        requests.append({"input": view})
+        at += data.nbytes
+    staged = graphed.stage(requests)
+    assert isinstance(staged.hosts[0], list)  # the parts themselves, not a staging copy
+    assert all(part.is_pinned() for part in staged.hosts[0])
+    merged = {"input": np.concatenate([r["input"] for r in requests])}
+    expected = reference(models["mlp"], merged)["probabilities"]
+    assert relative_error(graphed.run(staged)["probabilities"], expected) < 5e-3
+    assert relative_error(graphed.run(requests[1])["probabilities"],
+                          reference(models["mlp"], requests[1])["probabilities"]) < 5e-3
+    unpin()
+
+
+@needs_cuda
 def test_fp8_weight_only_runs_where_the_gpu_supports_it(models):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("this GPU has no fp8 (compute capability < 8.9)")

@@ -57,7 +57,7 @@ import os
 import socket
 import struct
 from collections import deque
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -453,9 +453,12 @@ class FedError(TieredError):
 class FeedServer:
     """Listens on a unix socket for front ends and answers their frames."""
 
-    def __init__(self, path: str, answers: Answers, max_frame_bytes: int) -> None:
+    def __init__(self, path: str, answers: Answers, max_frame_bytes: int,
+                 pin: Callable[[mmap.mmap], Callable[[], None] | None] = lambda _: None,
+                 ) -> None:
         self.path = path
         self.answers = answers
+        self.pin = pin  # page-locks an arena for the GPU; returns what unpins it
         self.max_frame_bytes = max_frame_bytes
         self.connected = asyncio.Condition()
         self.connections: set[_FeedConnection] = set()
@@ -477,8 +480,8 @@ class FeedServer:
                 if len(message) != HELLO_BYTES or len(fds) != 1:
                     raise OSError("a front end's hello carried no arena")
                 size = int.from_bytes(message[:8], "little")
-                try:
-                    memory = mmap.mmap(fds[0], size, access=mmap.ACCESS_READ)
+                try:  # writable only so that CUDA can page-lock it; never written here
+                    memory = mmap.mmap(fds[0], size)
                 finally:
                     os.close(fds[0])
                 sock.setblocking(False)
@@ -507,6 +510,7 @@ class FeedServer:
 class _FeedConnection(asyncio.Protocol):
     def __init__(self, server: FeedServer, arena: mmap.mmap) -> None:
         self.server = server
+        self._unpin = server.pin(arena)
         self.arena = memoryview(arena)
         self._memory = arena
         self.transport: asyncio.Transport | None = None
@@ -526,6 +530,8 @@ class _FeedConnection(asyncio.Protocol):
         self.server.connections.discard(self)
         with contextlib.suppress(BufferError):  # a request still reads it: closes with it
             self.arena.release()
+            if self._unpin is not None:
+                self._unpin()
             self._memory.close()
 
     def data_received(self, data: bytes) -> None:

@@ -41,7 +41,7 @@ from tiered.agent.front_end import (
 from tiered.agent.metrics import serve_metrics
 from tiered.agent.repository import ModelRepository
 from tiered.agent.servicer import InferenceServicer
-from tiered.agent.shared_memory import preload_cuda
+from tiered.agent.shared_memory import pin_host_memory, preload_cuda
 from tiered.agent.telemetry import TelemetryHub, TelemetryServicer
 from tiered.errors import ConfigError
 from tiered.profiles import MiB, TierProfile
@@ -169,7 +169,7 @@ async def _serve(settings: AgentSettings, private: Path) -> None:
         port = held.getsockname()[1]
         await server.start()
         feed = FeedServer(str(private / "feed.sock"), servicer,
-                          limits.max_message_bytes + FEED_FRAME_SLACK)
+                          limits.max_message_bytes + FEED_FRAME_SLACK, pin_host_memory)
         front_ends = FrontEnds(processes, FrontEndSettings(
             host=settings.host, port=port, security=settings.security,
             authorizer=settings.authorizer, feed=feed.path,

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import stat
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,8 @@ import numpy as np
 
 from tiered.errors import AlreadyExists, InvalidArgument, NotFound
 from tiered.protocol import codec
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 NVIDIA_DEVICE = Path("/dev/nvidiactl")  # where it exists, CUDA is loaded before serving
@@ -326,6 +330,26 @@ def preload_cuda() -> bool:
     return True
 
 
+def pin_host_memory(buffer) -> Callable[[], None] | None:
+    """Page-lock `buffer` (a writable mapping) for CUDA, so the GPU copies
+    from it by DMA without a staging copy; returns what unpins it, or None
+    where nothing was pinned (no CUDA in this process, or CUDA refused)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None  # no CUDA engine here: nothing would copy from it
+    view = np.frombuffer(buffer, np.uint8)
+    address, size = view.ctypes.data, view.nbytes
+    del view  # the mapping must stay closable
+    runtime = cuda_runtime()
+    code = runtime.cudaHostRegister(ctypes.c_void_p(address), size, 0)  # cudaHostRegisterDefault
+    if code != 0:
+        runtime.cudaGetLastError()  # clear it, or the next CUDA call reports it
+        log.warning("could not pin %d bytes of host memory for the GPU (CUDA error %d); "
+                    "batches are copied through staging buffers instead", size, code)
+        return None
+    return lambda: runtime.cudaHostUnregister(ctypes.c_void_p(address))
+
+
 @functools.cache
 def cuda_driver():
     """The CUDA driver library, with the calls used here typed."""
@@ -348,5 +372,7 @@ def cuda_runtime():
         runtime.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), IpcHandle,
                                                  ctypes.c_uint]
         runtime.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        runtime.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        runtime.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         return runtime
     raise InvalidArgument("CUDA shared memory: the CUDA runtime library is not loadable")

@@ -213,13 +213,31 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
+def _page_locked(array: np.ndarray) -> torch.Tensor | None:
+    """`array` as a tensor when it lies in page-locked memory (a front end's
+    arena, pinned where it was mapped), so the GPU can copy it from there."""
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        return None
+    tensor = torch.from_numpy(array)
+    return tensor if tensor.is_pinned() else None
+
+
+def _copy_rows(target: torch.Tensor, host: torch.Tensor | list[torch.Tensor],
+               non_blocking: bool) -> None:
+    """Host rows into the first rows of a device tensor: one copy, or one per part."""
+    at = 0
+    for part in host if isinstance(host, list) else [host]:
+        target[at:at + part.shape[0]].copy_(part, non_blocking=non_blocking)
+        at += part.shape[0]
+
+
 @dataclass
 class _Staged:
     """A batch already in a lane's pinned staging buffers (`TorchEngine.stage`);
     the lane is held until `run` has used it."""
 
     lane: _Lane
-    hosts: list[torch.Tensor]  # in the order of the engine's inputs
+    hosts: list[torch.Tensor | list[torch.Tensor]]  # in the order of the engine's inputs
 
 
 class TorchEngine(Engine):
@@ -317,8 +335,10 @@ class TorchEngine(Engine):
         return names
 
     def stage(self, requests: Sequence[Mapping[str, np.ndarray]]) -> Mapping[str, np.ndarray]:
-        """On CUDA with pinned memory, concatenate the requests straight into a
-        lane's staging buffers (one host copy fewer than merging, then staging)."""
+        """On CUDA with pinned memory, the requests' inputs where the GPU copies
+        them from: left where they are when already page-locked (a front end's
+        arena), else concatenated straight into a lane's staging buffers (one
+        host copy fewer than merging, then staging)."""
         if self.device == "cpu" or not self.settings.pinned_memory or len(requests) == 1:
             return super().stage(requests)
         lane = self._lanes.get()
@@ -326,6 +346,10 @@ class TorchEngine(Engine):
             hosts = []
             for spec in self.inputs:
                 parts = [np.asarray(request[spec.name]) for request in requests]
+                locked = [_page_locked(part) for part in parts]
+                if all(tensor is not None for tensor in locked):
+                    hosts.append(locked)  # each part goes to the GPU from where it lies
+                    continue
                 shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
                 host = lane.staging.view(f"in:{spec.name}", shape, _torch_dtype(parts[0].dtype))
                 concatenate_into(parts, host.numpy())
@@ -367,22 +391,31 @@ class TorchEngine(Engine):
         return {name: results[name].numpy() for name in names}
 
     def _run_cuda(
-        self, module: OnnxModule, lane: _Lane, hosts: list[torch.Tensor], names: list[str]
+        self, module: OnnxModule, lane: _Lane, hosts: list[torch.Tensor | list[torch.Tensor]],
+        names: list[str],
     ) -> dict[str, np.ndarray]:
-        """`hosts`: the inputs in host memory (in the lane's pinned staging when pinned)."""
-        rows = hosts[0].shape[0] if hosts and hosts[0].ndim else 1
+        """`hosts`: the inputs in host memory (in the lane's pinned staging when
+        pinned), each one tensor or the page-locked parts of its batch."""
+        first = hosts[0] if hosts else None
+        rows = (sum(part.shape[0] for part in first) if isinstance(first, list)
+                else first.shape[0] if first is not None and first.ndim else 1)
         bucket = choose_bucket(rows, self._buckets) if self._buckets else None
         pinned = self.settings.pinned_memory
         with torch.cuda.stream(lane.stream):
             if bucket is not None:
                 captured = lane.graphs.get(bucket) or self._capture(lane, bucket)
                 for spec, host in zip(self.inputs, hosts):
-                    captured.inputs[spec.name][:rows].copy_(host, non_blocking=pinned)
+                    _copy_rows(captured.inputs[spec.name], host, pinned)
                 captured.graph.replay()
                 produced = {name: captured.outputs[name][:rows] for name in names}
             else:
-                device_inputs = [host.to(self._torch_device, non_blocking=pinned)
-                                 for host in hosts]
+                device_inputs = []
+                for host in hosts:
+                    parts = host if isinstance(host, list) else [host]
+                    device = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype,
+                                         device=self._torch_device)
+                    _copy_rows(device, host, pinned)
+                    device_inputs.append(device)
                 results = dict(zip(module.output_names, module(*device_inputs)))
                 produced = {name: results[name] for name in names}
             if not pinned:
@@ -399,6 +432,9 @@ class TorchEngine(Engine):
     def _to_host_tensor(self, lane: _Lane, name: str, array: np.ndarray) -> torch.Tensor:
         if not self.settings.pinned_memory:
             return torch.from_numpy(array if array.flags.writeable else array.copy())
+        locked = _page_locked(array)
+        if locked is not None:
+            return locked
         host = lane.staging.view(f"in:{name}", array.shape, _torch_dtype(array.dtype))
         np.copyto(host.numpy(), array)
         return host

@@ -158,16 +158,39 @@ def _stat(pid: int) -> list[str] | None:
     return stat.rsplit(")", 1)[1].split()  # the command name may hold spaces
 
 
-def process_cpu_s(pid: int | None) -> float | None:
-    """utime + stime of a process and its live children (an agent's front ends),
-    all their threads (Linux); None where unknown."""
+def process_cpu_s(pid: int | None, children: bool = True) -> float | None:
+    """utime + stime of a process and (`children`) its live children (an
+    agent's front ends), all their threads (Linux); None where unknown."""
     if pid is None or (own := _stat(pid)) is None:
         return None
+    if not children:
+        return (int(own[11]) + int(own[12])) / _clock_ticks()
     children = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[1]) == pid:
             children.append(fields)
     return sum(int(f[11]) + int(f[12]) for f in (own, *children)) / _clock_ticks()
+
+
+def thread_cpu_s(pid: int | None) -> dict[str, float]:
+    """utime + stime of each thread of one process, summed by thread name
+    (digits dropped: a pool's threads count together); {} where unknown."""
+    by_name: dict[str, float] = {}
+    if pid is None:
+        return by_name
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return by_name
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        name = "".join(c for c in stat[stat.index("(") + 1:stat.rindex(")")] if not c.isdigit())
+        fields = stat.rsplit(")", 1)[1].split()
+        by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _clock_ticks()
+    return by_name
 
 
 def system_busy_s() -> float | None:

@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ TARGET_SERVED_VS_HOST = 0.5
 TARGET_SHM_VS_HOST = 0.9  # served from system shared memory
 TARGET_PERF_SYSTEM_VS_HOST = 0.8  # perf_analyzer --shared-memory system
 PERF_ANALYZER = "perf_analyzer"
+THREAD_ROWS = 6  # the engine process's busiest threads reported per row
 ONE_PROCESS = "1 agent, one process"
 
 
@@ -155,8 +156,9 @@ def per_request_ms(delta: Mapping[str, int]) -> dict[str, float | None]:
 
 
 def engine_cpu(cpu_s: float | None, delta: Mapping[str, int]) -> dict[str, float | None]:
-    """CPU microseconds of the agent's own process (the engine process when
-    front ends take in the requests) per request it answered and per batch it ran."""
+    """CPU microseconds of the agent's own process alone (the engine process
+    when front ends take in the requests) per request it answered and per
+    batch it ran."""
     us = None if cpu_s is None else cpu_s * 1e6
     return {"engine_cpu_us_per_request": common.ratio(us, delta.get("success_count") or None),
             "engine_cpu_us_per_batch": common.ratio(us, delta.get("execution_count") or None)}
@@ -190,12 +192,27 @@ class Reading:
 
     t: float
     joules: float | None
-    cpu_s: tuple[float | None, ...]
+    cpu_s: tuple[float | None, ...]  # each process with its children (front ends)
+    own_cpu_s: float | None = None  # the first process alone (the engine process)
+    threads: Mapping[str, float] = field(default_factory=dict)  # its threads, by name
 
     @classmethod
     def take(cls, energy: EnergyMeter, pids: Sequence[int] = ()) -> Reading:
+        first = pids[0] if pids else None
         return cls(time.monotonic(), energy.read_j(),
-                   tuple(common.process_cpu_s(pid) for pid in pids))
+                   tuple(common.process_cpu_s(pid) for pid in pids),
+                   common.process_cpu_s(first, children=False), common.thread_cpu_s(first))
+
+    def engine_cpu(self, later: Reading) -> tuple[float | None, dict[str, float]]:
+        """CPU seconds of the first process alone up to `later`, and by thread
+        name in cores (the busiest first)."""
+        seconds = later.t - self.t
+        own = None if self.own_cpu_s is None or later.own_cpu_s is None \
+            else later.own_cpu_s - self.own_cpu_s
+        threads = {name: (cpu - self.threads.get(name, 0.0)) / seconds
+                   for name, cpu in later.threads.items()}
+        busiest = sorted(threads.items(), key=lambda item: -item[1])[:THREAD_ROWS]
+        return own, {name: round(cores, 3) for name, cores in busiest if cores > 0}
 
     def until(self, later: Reading) -> tuple[float, float | None, float | None]:
         """Seconds, joules and CPU seconds (the processes together) up to `later`."""
@@ -461,6 +478,7 @@ def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
             client.close()
     (start, before), (end, after) = window.before, window.after
     seconds, joules, server_cpu_s = start.until(end)
+    engine_cpu_s, threads = start.engine_cpu(end)
     delta = common.stats_delta(before, after)
     summary = window.summary()
     served_images = summary["requests"] * images
@@ -480,7 +498,8 @@ def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
         "j_per_img": common.ratio(joules, served_images or None),
         "watts": common.ratio(joules, seconds),
         "server_cpu_cores": common.ratio(server_cpu_s, seconds),
-        **engine_cpu(server_cpu_s, delta),
+        **engine_cpu(engine_cpu_s, delta),
+        "engine_threads_cores": threads,
         "client_cpu_cores": window.tally.cpu_s / window.schedule.seconds,
     }
 
@@ -509,6 +528,7 @@ def perf_analyzer_point(setup: str, agent: ServerProcess, memory: str, concurren
             header, row = report.read_text().splitlines()[:2]
     figures = dict(zip(header.split(","), row.split(","), strict=True))
     seconds, joules, server_cpu_s = start.until(end)
+    engine_cpu_s, threads = start.engine_cpu(end)
     delta = common.stats_delta(before, after)
     throughput = float(figures["Inferences/Second"])
     return {
@@ -519,7 +539,7 @@ def perf_analyzer_point(setup: str, agent: ServerProcess, memory: str, concurren
         "j_per_img": common.ratio(joules, throughput * seconds or None),
         "watts": common.ratio(joules, seconds),
         "server_cpu_cores": common.ratio(server_cpu_s, seconds), "client_cpu_cores": None,
-        **engine_cpu(server_cpu_s, delta),
+        **engine_cpu(engine_cpu_s, delta), "engine_threads_cores": threads,
     }
 
 
@@ -705,6 +725,12 @@ def report(result: Mapping[str, Any]) -> str:
           r["served_img_per_s"], r["host_engine_x1_img_per_s"], r["host_engine_x2_img_per_s"],
           r["served_vs_best_host"]] for r in result["comparison"]],
     )
+    threads = common.table(
+        ["setup", "c", "engine process threads, cores (busiest first)"],
+        [[r["setup"], r["concurrency"],
+          ", ".join(f"{name} {cores:.2f}" for name, cores in r["engine_threads_cores"].items())]
+         for r in result["served"] if r.get("engine_threads_cores")],
+    )
     keys = ["request_bytes", "decode_one_request_ms", "merge_ms", "stage_to_pinned_ms",
             "h2d_pinned_ms", "h2d_pageable_ms", "compute_graph_ms", "d2h_ms", "engine_run_ms"]
     breakdown = common.table(["batch", *keys],
@@ -715,10 +741,11 @@ def report(result: Mapping[str, Any]) -> str:
         + "".join(f"\nSkipped: {s}" for s in result.get("skipped_without_cuda", [])),
         "In-process (same model and precision)\n" + inprocess,
         "Served (batch-1 FP32 requests; queue/merge/engine/split = the agent's per-request "
-        "means in ms;\nserver cpu in cores; us/req, us/batch: CPU of the agent's own (engine) process "
-        "per request and per batch; J/img = whole-GPU energy over the window / images)\n"
+        "means in ms;\nserver cpu: cores of the agent's processes (front ends included); "
+        "us/req, us/batch: CPU of the engine\nprocess alone per request and per batch; J/img = whole-GPU energy over the window / images)\n"
         + served,
         "Served vs in-process host-memory reference at the formed batch\n" + comparison,
+        "Where the engine process's CPU goes\n" + threads,
         "One batch's host path, each step alone (ms per batch)\n" + breakdown,
         "Targets\n" + common.targets_table(result["targets"]),
         *(f"{r['setup']} @c{r['concurrency']} failed: {r['error']}"

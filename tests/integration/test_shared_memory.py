@@ -142,6 +142,39 @@ def test_a_range_outside_its_region_or_an_unknown_region_is_refused(agent, regio
         client.unregister_system_shared_memory()
 
 
+def test_inputs_are_read_from_a_region_as_it_is_now_and_from_the_region_now_registered(
+        agent, regions):
+    """Every input in shared memory (with front ends, read there): new
+    contents are seen at once, and a name registered again for another
+    object is read from that object."""
+    def send(client, name):
+        inputs = []
+        for index, input_name in enumerate(("INPUT0", "INPUT1")):
+            tensor = grpcclient.InferInput(input_name, [1, 16], "FP32")
+            tensor.set_shared_memory(name, BYTES, offset=index * BYTES)
+            inputs.append(tensor)
+        return client.infer("add_sub", inputs).as_numpy("OUTPUT0")
+
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        client.unregister_system_shared_memory()
+        first, first_handle = regions()
+        second, second_handle = regions()
+        a, b = np.arange(16, dtype=np.float32)[None], np.full((1, 16), 2, np.float32)
+        shm.set_shared_memory_region(first_handle, [a, b])
+        shm.set_shared_memory_region(second_handle, [10 * a, b])
+        client.register_system_shared_memory("inputs", f"/{first}", 2 * BYTES)
+        np.testing.assert_array_equal(send(client, "inputs"), a + b)
+        shm.set_shared_memory_region(first_handle, [3 * a])
+        np.testing.assert_array_equal(send(client, "inputs"), 3 * a + b)
+        client.unregister_system_shared_memory("inputs")
+        client.register_system_shared_memory("inputs", f"/{second}", 2 * BYTES)
+        np.testing.assert_array_equal(send(client, "inputs"), 10 * a + b)
+        client.unregister_system_shared_memory()
+        with pytest.raises(InferenceServerException) as caught:
+            send(client, "inputs")
+        assert "no shared-memory region 'inputs' is registered" in caught.value.message()
+
+
 def test_a_region_whose_file_shrank_is_an_error_for_its_request_not_a_crash(agent, regions):
     """A client truncates the objects it registered: a mapping would have
     raised SIGBUS in the agent on the next read or write; the agent answers

@@ -105,6 +105,14 @@ def group_key(facts: ModelFacts, message):
     return facts.group_key(message, list(message.raw_input_contents))
 
 
+def test_a_front_end_keeps_as_many_frames_in_the_engine_as_it_runs_batches_at_once():
+    assert ModelFacts.of(config()).frames_ahead == 2  # one instance: still two, pipelined
+    message = config()
+    message.instance_group.add(count=2)
+    message.parameters["devices"].string_value = "cuda:0,cuda:1,cuda:2"
+    assert ModelFacts.of(message).frames_ahead == 6
+
+
 def test_a_plain_request_is_keyed_by_model_inputs_and_outputs_with_its_rows():
     facts = ModelFacts.of(config())
     key, rows = group_key(facts, request(rows=3))
@@ -184,7 +192,7 @@ def test_requests_gather_while_frames_of_their_kind_are_in_the_engine(tmp_path):
         return frames_while_busy, sent, answers
 
     frames_while_busy, sent, answers = asyncio.run(main())
-    # Two frames at once (FRAMES_AHEAD); the rest gathered up to the model's
+    # Two frames at once (MIN_FRAMES_AHEAD); the rest gathered up to the model's
     # 8 rows, which then went at once; the last one went once a frame was answered.
     assert frames_while_busy == [[1], [3], [2, 2, 1, 3]]
     assert engine.groups == [[1], [3], [2, 2, 1, 3], [1]] and engine.ones == 1

@@ -58,8 +58,10 @@ def test_empty_dynamic_batching_takes_every_key_from_the_profile(edge: TierProfi
     assert config.dynamic_batching == DynamicBatching(
         max_queue_delay_us=edge.dynamic_batching["max_queue_delay_us"],
         max_queue_size=edge.dynamic_batching["max_queue_size"],
+        wait_when_idle=edge.dynamic_batching["wait_when_idle"],
     )
     assert config.dynamic_batching.max_queue_delay_us == 200  # the built-in edge.yaml
+    assert config.dynamic_batching.wait_when_idle  # Triton's rule on two-core gateways
 
 
 def test_dynamic_batching_keys_given_by_the_model_win(edge: TierProfile) -> None:
@@ -72,6 +74,7 @@ def test_dynamic_batching_keys_given_by_the_model_win(edge: TierProfile) -> None
         max_queue_delay_us=5,
         preferred_batch_sizes=(4, 8),
         max_queue_size=edge.dynamic_batching["max_queue_size"],
+        wait_when_idle=True,  # the profile's, as the model names none
     )
 
 

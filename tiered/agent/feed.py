@@ -10,8 +10,8 @@ requests where it can.
 - **A plain request** (raw input bytes of the shapes and datatypes its
   model's config names, no parameters, the model batched: what almost every
   client sends) is checked in the front end against the model's config
-  (`ModelFacts`). It goes at once while fewer than FRAMES_AHEAD frames of
-  its kind (model, inputs, outputs) are in the engine; otherwise it joins
+  (`ModelFacts`). It goes at once while fewer frames of its kind than the
+  engine runs at once (`ModelFacts.frames_ahead`) (model, inputs, outputs) are in the engine; otherwise it joins
   the next frame, which gathers the requests of its kind until one of
   those is answered (or it holds the model's max batch size). A frame's
   input bytes are written into the arena as one batch, input by input, and
@@ -43,6 +43,9 @@ tuples (both ends are one agent's processes):
              GROUP    header (model, version, [(output, datatype, shape)]);
                       the outputs' bytes, one after another
              error    the message (no header)
+             notice   call id 0, header (caller, name): a system shared-memory
+                      region came or went ("": all the caller's), which the
+                      front end's view of the regions forgets
 """
 
 from __future__ import annotations
@@ -76,12 +79,13 @@ REQUEST = struct.Struct("<IQdBI")
 REPLY = struct.Struct("<IQHI")
 LENGTH = struct.Struct("<I")
 ONE, GROUP = 0, 1
+NOTICE = 0  # the call id of a reply that answers no call
 IN_ARENA, INLINE = 0, 1
 OK = 0
 HELLO_BYTES = 64  # the hello message that carries the arena's descriptor
-# A front end's frames of one key (model, inputs, outputs) in the engine at
-# once; the requests that come meanwhile gather into the next frame.
-FRAMES_AHEAD = 2
+# The fewest frames of one key (model, inputs, outputs) a front end keeps in
+# the engine at once; the requests that come meanwhile gather into the next.
+MIN_FRAMES_AHEAD = 2
 
 Output = tuple[str, str, list[int]]  # name, datatype, shape
 
@@ -106,12 +110,19 @@ class ModelFacts:
 
     decoupled: bool = False
     max_batch_size: int = 0  # 0: requests never share a frame
+    # Frames of one kind a front end keeps in the engine: as many batches as
+    # the model runs at once (instances on each of its devices), at least
+    # MIN_FRAMES_AHEAD, so every device and instance gets work.
+    frames_ahead: int = MIN_FRAMES_AHEAD
     inputs: Mapping[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     outputs: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, config: mc.ModelConfig) -> ModelFacts:
         batches = config.max_batch_size > 0 and config.HasField("dynamic_batching")
+        instances = sum(group.count for group in config.instance_group) or 1
+        devices = len(config.parameters["devices"].string_value.split(",")) \
+            if "devices" in config.parameters else 1
 
         def datatype(tensor) -> str:
             name = mc.DataType.Name(tensor.data_type).removeprefix("TYPE_")
@@ -120,6 +131,7 @@ class ModelFacts:
         return cls(
             decoupled=config.model_transaction_policy.decoupled,
             max_batch_size=config.max_batch_size if batches else 0,
+            frames_ahead=max(MIN_FRAMES_AHEAD, instances * devices),
             inputs={t.name: (datatype(t), tuple(t.dims)) for t in config.input},
             outputs=frozenset(t.name for t in config.output))
 
@@ -230,8 +242,10 @@ class _Group:
 class FeedClient(asyncio.Protocol):
     """A front end's connection to the engine process."""
 
-    def __init__(self, arena: Arena) -> None:
+    def __init__(self, arena: Arena,
+                 on_forget: Callable[[str, str], None] = lambda caller, name: None) -> None:
         self.arena = arena
+        self.on_forget = on_forget  # a notice: the engine's region (caller, name) changed
         self.closed = asyncio.Event()
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
@@ -242,14 +256,16 @@ class FeedClient(asyncio.Protocol):
         self._gathering: dict[tuple, _Group] = {}  # the next frame of a key with enough
 
     @classmethod
-    async def connect(cls, path: str, arena: Arena) -> FeedClient:
+    async def connect(cls, path: str, arena: Arena,
+                      on_forget: Callable[[str, str], None] = lambda caller, name: None,
+                      ) -> FeedClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
         socket.send_fds(sock, [arena.size.to_bytes(8, "little").ljust(HELLO_BYTES, b"\0")],
                         [arena.fd])
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
-        _, client = await loop.create_connection(lambda: cls(arena), sock=sock)
+        _, client = await loop.create_connection(lambda: cls(arena, on_forget), sock=sock)
         return client
 
     def connection_made(self, transport) -> None:
@@ -271,13 +287,16 @@ class FeedClient(asyncio.Protocol):
         return self._transport is not None and not self._transport.is_closing()
 
     async def infer(self, request: pb.ModelInferRequest, seconds_left: float,
-                    facts: ModelFacts | None = None) -> bytes:
+                    facts: ModelFacts | None = None,
+                    buffers: list[bytes] | None = None) -> bytes:
         """Answer a ModelInferRequest through the engine: with others of its
         kind when `facts` (its model's) say it may share a frame, else alone.
-        Its raw inputs are moved into the arena (the message loses them)."""
+        Its raw inputs (`buffers` when they were read elsewhere, such as from
+        shared memory) are moved into the arena (the message loses them)."""
         if not self._open:
             raise Unavailable("the agent's engine process is gone")
-        buffers = list(request.raw_input_contents)
+        if buffers is None:
+            buffers = list(request.raw_input_contents)
         del request.raw_input_contents[:]
         grouped = facts.group_key(request, buffers) if facts is not None else None
         if grouped is None:
@@ -289,7 +308,7 @@ class FeedClient(asyncio.Protocol):
             group = None
         if group is None:
             group = _Group(key)
-            if self._in_flight.get(key, 0) >= FRAMES_AHEAD:
+            if self._in_flight.get(key, 0) >= facts.frames_ahead:
                 self._gathering[key] = group  # goes when a frame of its key is answered
         future = asyncio.get_running_loop().create_future()
         group.requests.append(request)
@@ -382,6 +401,9 @@ class FeedClient(asyncio.Protocol):
             header = bytes(buffer[used + REPLY.size:start]) if header_length else None
             payload = bytes(memoryview(buffer)[start:end])  # one copy, not two
             used = end
+            if call_id == NOTICE:
+                self.on_forget(*marshal.loads(header))
+                continue
             waiting, block = self._calls.pop(call_id, (None, None))
             if block is not None:
                 self.arena.free(block)
@@ -490,6 +512,14 @@ class FeedServer:
                 sock.close()
                 continue
             await loop.create_connection(lambda: _FeedConnection(self, memory), sock=sock)
+
+    def forget(self, caller: str, name: str) -> None:
+        """Tell every front end that the system region (caller, name) came or went."""
+        header = marshal.dumps((caller, name))
+        notice = REPLY.pack(REPLY.size - LENGTH.size + len(header), NOTICE, OK, len(header))
+        for connection in self.connections:
+            if not connection.transport.is_closing():
+                connection.transport.writelines([notice, header])
 
     async def wait_for(self, count: int, timeout_s: float) -> None:
         async with self.connected:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import pickle
 import signal
@@ -40,8 +41,9 @@ from pathlib import Path
 import grpc
 
 from tiered.agent.feed import Arena, FedError, FeedClient, ModelFacts
+from tiered.agent.shared_memory import RegionViews, open_view
 from tiered.errors import ConfigError, TieredError
-from tiered.protocol import descriptors, drain
+from tiered.protocol import codec, descriptors, drain
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol.handlers import SERVER_OPTIONS, seconds_left
 from tiered.protocol.security import CALLER, Authorizer, TransportSecurity, add_port, claim
@@ -69,6 +71,8 @@ _NEEDS_INFERENCE = frozenset(_INFERENCE + m for m in ("ModelInfer", "ModelStream
 _NEEDS_SHARED_MEMORY = frozenset(_INFERENCE + m for m in (
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"))
+_REGION_PARAMETERS = frozenset((codec.SHARED_MEMORY_REGION, codec.SHARED_MEMORY_BYTE_SIZE,
+                                codec.SHARED_MEMORY_OFFSET))
 _NEEDS_ADMIN = frozenset(_INFERENCE + m for m in ("RepositoryModelLoad",
                                                   "RepositoryModelUnload"))
 
@@ -215,10 +219,11 @@ class _Handlers(grpc.GenericRpcHandler):
     the rest passed to the engine process's gRPC server."""
 
     def __init__(self, feed: FeedClient, engine: grpc.aio.Channel,
-                 authorizer: Authorizer) -> None:
+                 authorizer: Authorizer, regions: RegionViews) -> None:
         self._feed = feed
         self._engine = engine
         self._authorizer = authorizer
+        self._regions = regions
         self._handlers: dict[str, grpc.RpcMethodHandler] = {
             _INFERENCE + "ModelInfer": grpc.unary_unary_rpc_method_handler(
                 self._infer, request_deserializer=pb.ModelInferRequest.FromString),
@@ -259,6 +264,52 @@ class _Handlers(grpc.GenericRpcHandler):
         self._models[key] = (facts, now)
         return facts
 
+    async def _region_inputs(self, request: pb.ModelInferRequest, caller: str,
+                             facts: ModelFacts) -> list[bytes] | None:
+        """Where every input of a request that may share a frame lies in a
+        system shared-memory region: their bytes, read here (the regions'
+        parameters taken off the request). None where that is not so, or not
+        known here: then the request travels alone and the engine reads it."""
+        if not facts.max_batch_size or not request.inputs or request.raw_input_contents or any(
+                len(output.parameters) for output in request.outputs):
+            return None
+        buffers = []
+        for tensor in request.inputs:
+            parameters = codec.parameters_of(tensor.parameters)
+            name = parameters.get(codec.SHARED_MEMORY_REGION)
+            dtype = codec.DATATYPES.get(tensor.datatype)
+            if not isinstance(name, str) or not set(parameters) <= _REGION_PARAMETERS \
+                    or dtype is None or dtype.hasobject:
+                return None
+            if self._regions.get(caller, name) is None and not await self._look_up(caller, name):
+                return None
+            data = self._regions.read(caller, parameters)
+            if data is None or len(data) != math.prod(tensor.shape) * dtype.itemsize:
+                return None  # the engine answers what is wrong with it
+            buffers.append(data)
+        for tensor in request.inputs:
+            tensor.parameters.clear()
+        return buffers
+
+    async def _look_up(self, caller: str, name: str) -> bool:
+        """Ask the engine process where the caller's region lies, and open it here."""
+        generation = self._regions.generation
+        ask = self._engine.unary_unary(
+            _INFERENCE + "SystemSharedMemoryStatus",
+            request_serializer=pb.SystemSharedMemoryStatusRequest.SerializeToString,
+            response_deserializer=pb.SystemSharedMemoryStatusResponse.FromString)
+        try:
+            answer = await ask(pb.SystemSharedMemoryStatusRequest(name=name),
+                               metadata=[(CALLER, caller)], timeout=10)
+            if name not in answer.regions:
+                return False
+            found = answer.regions[name]
+            view = open_view(name, found.key, found.offset, found.byte_size)
+        except (grpc.aio.AioRpcError, TieredError):
+            return False
+        self._regions.keep(caller, view, generation)
+        return self._regions.get(caller, name) is not None
+
     async def _relay(self, request: pb.ModelInferRequest, context):
         """A decoupled model's responses to one request, from the engine
         process's own ModelStreamInfer; closing this cancels the call there."""
@@ -289,9 +340,11 @@ class _Handlers(grpc.GenericRpcHandler):
     async def _infer(self, request, context) -> bytes:
         try:
             self._authorizer.require_inference(context)
-            claim(request, self._authorizer.caller(context))
-            return await self._feed.infer(request, seconds_left(context),
-                                          await self._facts(request))
+            caller = self._authorizer.caller(context)
+            claim(request, caller)
+            facts = await self._facts(request)
+            buffers = await self._region_inputs(request, caller, facts)
+            return await self._feed.infer(request, seconds_left(context), facts, buffers)
         except FedError as error:
             await context.abort(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), str(error))
         except Exception as error:  # the front end never dies of a request
@@ -303,9 +356,11 @@ class _Handlers(grpc.GenericRpcHandler):
             facts = await self._facts(request)
             if facts.decoupled:
                 return self._relay(request, context)
-            claim(request, self._authorizer.caller(context))
+            caller = self._authorizer.caller(context)
+            claim(request, caller)
+            buffers = await self._region_inputs(request, caller, facts)
             try:
-                answer = await self._feed.infer(request, seconds_left(context), facts)
+                answer = await self._feed.infer(request, seconds_left(context), facts, buffers)
             except FedError as error:
                 raise TieredError(str(error)) from error
             return pb.ModelInferResponse.FromString(answer)
@@ -356,13 +411,14 @@ async def serve(settings: FrontEndSettings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     arena = Arena(settings.arena_bytes)
-    feed = await FeedClient.connect(settings.feed, arena)
+    regions = RegionViews()
+    feed = await FeedClient.connect(settings.feed, arena, regions.forget)
     options = [("grpc.max_receive_message_length", settings.max_message_bytes),
                ("grpc.max_send_message_length", settings.max_message_bytes)]
     engine = grpc.aio.insecure_channel(settings.engine, options=options)
     server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1), *SERVER_OPTIONS],
                              maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
-    server.add_generic_rpc_handlers([_Handlers(feed, engine, settings.authorizer),
+    server.add_generic_rpc_handlers([_Handlers(feed, engine, settings.authorizer, regions),
                                      drain.Marker()])
     add_port(server, f"{settings.host}:{settings.port}", settings.security)
     # Its own socket, beside the engine's, to drain itself through (`drain.stop`).
@@ -382,6 +438,7 @@ async def serve(settings: FrontEndSettings) -> int:
     for task in (engine_gone, signalled):
         task.cancel()
     arena.close()
+    regions.close()
     if lost:
         log.error("front end %d: the engine process is gone; exiting", os.getpid())
     return 1 if lost else 0

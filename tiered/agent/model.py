@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import itertools
 import logging
 import math
@@ -37,6 +38,14 @@ log = logging.getLogger(__name__)
 
 RESTART_DELAYS_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # then every 30 s
 BATCHES_AHEAD = 2  # an engine process's batches in flight, per instance of its engine
+BATCH_THREAD = "tiered-batch"  # the kernel's name of the threads that run batches
+
+
+def name_native_thread(name: str) -> None:
+    """Name the calling thread for the kernel too (top -H, /proc/PID/task),
+    where Python's thread names are not seen: at most 15 bytes."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15])  # PR_SET_NAME
 
 
 def batch_policy(config: ModelConfig) -> BatchPolicy:
@@ -203,7 +212,8 @@ class ModelVersion:
         if own_process:  # the next batches merge here while the engine process runs its own
             policy = replace(policy, instances=policy.instances * BATCHES_AHEAD)
         executor = ThreadPoolExecutor(policy.instances,
-                                      thread_name_prefix=f"{self.config.name}-v{self.version}")
+                                      thread_name_prefix=f"{self.config.name}-v{self.version}",
+                                      initializer=name_native_thread, initargs=(BATCH_THREAD,))
         batcher = Batcher(
             policy, engine.run, executor,
             on_batch=lambda size, timing: self._batch_ran(device, size, timing),

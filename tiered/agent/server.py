@@ -170,6 +170,7 @@ async def _serve(settings: AgentSettings, private: Path) -> None:
         await server.start()
         feed = FeedServer(str(private / "feed.sock"), servicer,
                           limits.max_message_bytes + FEED_FRAME_SLACK, pin_host_memory)
+        servicer.shared_memory.on_change.append(feed.forget)
         front_ends = FrontEnds(processes, FrontEndSettings(
             host=settings.host, port=port, security=settings.security,
             authorizer=settings.authorizer, feed=feed.path,

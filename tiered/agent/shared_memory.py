@@ -126,6 +126,9 @@ class SharedMemory:
         self.max_per_caller = max_per_caller
         self._system: dict[tuple[str, str], SystemRegion] = {}
         self._cuda: dict[tuple[str, str], CudaRegion] = {}
+        # Told (caller, name) whenever a system region comes or goes ("": all
+        # of the caller's): the front ends' views of the regions forget it.
+        self.on_change: list[Callable[[str, str], None]] = []
 
     # -- registration ----------------------------------------------------------
 
@@ -149,6 +152,7 @@ class SharedMemory:
         self._check_new(caller, name, byte_size)
         self._system[caller, name] = SystemRegion(name, key, offset, byte_size,
                                                   _open(key, offset + byte_size))
+        self._changed(caller, name)
 
     def register_cuda(self, caller: str, name: str, raw_handle: bytes, device_id: int,
                       byte_size: int) -> None:
@@ -160,6 +164,11 @@ class SharedMemory:
         """Empty name: every system region of the caller. An unknown name is not an error."""
         for region in _take(self._system, caller, name):
             os.close(region.fd)
+        self._changed(caller, name)
+
+    def _changed(self, caller: str, name: str) -> None:
+        for listener in self.on_change:
+            listener(caller, name)
 
     def unregister_cuda(self, caller: str, name: str) -> None:
         for region in _take(self._cuda, caller, name):
@@ -328,6 +337,56 @@ def preload_cuda() -> bool:
     cuda_runtime()
     cuda_driver()
     return True
+
+
+class RegionViews:
+    """A front end's view of the system regions its callers registered with
+    the engine process: each opened here once, so the front end reads a
+    request's inputs itself. The engine says when a region comes or goes
+    (`forget`); a view looked up while that happened is used once, not kept."""
+
+    def __init__(self, max_regions: int = MAX_REGIONS) -> None:
+        self.max_regions = max_regions
+        self._views: dict[tuple[str, str], SystemRegion] = {}
+        self.generation = 0  # counts what was forgotten
+
+    def get(self, caller: str, name: str) -> SystemRegion | None:
+        return self._views.get((caller, name))
+
+    def keep(self, caller: str, region: SystemRegion, generation: int) -> None:
+        """Keep a view looked up at `generation`, unless something changed since."""
+        if generation != self.generation or len(self._views) >= self.max_regions:
+            os.close(region.fd)
+            return
+        self._views[caller, region.name] = region
+
+    def forget(self, caller: str, name: str) -> None:
+        self.generation += 1
+        for region in _take(self._views, caller, name):
+            os.close(region.fd)
+
+    def read(self, caller: str, parameters: Mapping[str, Any]) -> bytes | None:
+        """An input's bytes from the view of the region its parameters name;
+        None where this view cannot say (unknown here, out of range, a file
+        that shrank): then the engine reads it, and answers any error."""
+        region = self._views.get((caller, parameters.get(REGION)))
+        size, offset = parameters.get(BYTE_SIZE), parameters.get(OFFSET, 0)
+        if region is None or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                 for v in (size, offset)) or offset + size > region.byte_size:
+            return None
+        data = os.pread(region.fd, size, region.offset + offset)
+        return data if len(data) == size else None
+
+    def close(self) -> None:
+        self.generation += 1
+        for region in self._views.values():
+            os.close(region.fd)
+        self._views.clear()
+
+
+def open_view(name: str, key: str, offset: int, byte_size: int) -> SystemRegion:
+    """A region as the engine registered it, opened here (the key checked again)."""
+    return SystemRegion(name, key, offset, byte_size, _open(key, offset + byte_size))
 
 
 def pin_host_memory(buffer) -> Callable[[], None] | None:

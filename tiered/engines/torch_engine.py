@@ -425,6 +425,11 @@ class TorchEngine(Engine):
                 host = lane.staging.view(f"out:{name}", tensor.shape, tensor.dtype)
                 host.copy_(tensor, non_blocking=True)
                 staged[name] = host
+            # Spins a core while the GPU runs (CUDA's choice with fewer contexts
+            # than CPUs). A blocking event freed those cores but, with front
+            # ends and clients keeping the host's cores busy, its thread woke
+            # late: 3,532 img/s on the wire at c=64 against 4,232 spinning
+            # (bench/results/gpu-blocking-sync.json).
             lane.stream.synchronize()
         # The staging buffers are reused by the lane's next run: hand out copies.
         return {name: host.numpy().copy() for name, host in staged.items()}

@@ -6,16 +6,17 @@ batchers, statistics, telemetry and shared-memory regions (the engine
 process) and starts N front ends that bind the agent's port together
 (SO_REUSEPORT: the kernel spreads connections over them). A front end
 answers ModelInfer and ModelStreamInfer through the feed (`feed.py`: it
-checks each request against its model's config, writes the input bytes
-into shared memory, sends the plain requests of one loop turn as one frame
-and builds each response) and passes every other call, bytes untouched, to
-the engine process's own gRPC server on a unix socket, so each behaves
-exactly as with one process; a streamed request to a decoupled (generative)
-model goes there too, on a stream of its own, so its responses come back
-one by one and its cancellation reaches the engine process. A front end
-checks who may call what (it alone sees the client's token and
-certificate); the engine's socket lives in a private directory and trusts
-its front ends.
+checks each request against its model's config, writes the input bytes,
+read from the wire or from the client's system shared memory, into its
+arena, sends the plain requests of a model that came while its earlier
+frames were in the engine as one frame, and builds each response) and
+passes every other call, bytes untouched, to the engine process's own gRPC
+server on a unix socket, so each behaves exactly as with one process; a
+streamed request to a decoupled (generative) model goes there too, on a
+stream of its own, so its responses come back one by one and its
+cancellation reaches the engine process. A front end checks who may call
+what (it alone sees the client's token and certificate); the engine's
+socket lives in a private directory and trusts its front ends.
 
 `FrontEnds` starts, watches (a front end that dies is replaced) and stops
 them; `main` is a front end (`python -m tiered.agent.front_end`, its

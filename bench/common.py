@@ -172,6 +172,20 @@ def process_cpu_s(pid: int | None, children: bool = True) -> float | None:
     return sum(int(f[11]) + int(f[12]) for f in (own, *children)) / _clock_ticks()
 
 
+def children_running(pid: int | None, module: str) -> list[int]:
+    """The live children of `pid` started as `python -m module`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[1]) == pid:
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if module.encode() in argv:
+                found.append(int(entry.name))
+    return found
+
+
 def thread_cpu_s(pid: int | None) -> dict[str, float]:
     """utime + stime of each thread of one process, summed by thread name
     (digits dropped: a pool's threads count together); {} where unknown."""

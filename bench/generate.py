@@ -71,11 +71,20 @@ MODELS: dict[str, str | tinyllama.TinyLlama] = {
     "tiny": "v1",
     "300m": tinyllama.TinyLlama(layers=24, hidden=1024, heads=16, kv_heads=4,
                                 intermediate=2816, context=512, train_steps=0),
+    # TinyLlama-1.1B's shape (its 32,000-token vocabulary too), random weights
+    "1b": tinyllama.TinyLlama(layers=22, hidden=2048, heads=32, kv_heads=4,
+                              intermediate=5632, context=2048, train_steps=0,
+                              padded_vocab=32000),
 }
+# Bytes a weight takes in each precision: the weight bytes one decode step
+# reads, for the effective bandwidth (gpt-fast's figure: weight bytes x tok/s).
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0,
+                    "int4": 0.5}
+CORE_MODULE = "tiered.agent.engine_core"
 
 
 def build(checkpoint: Path, repository: Path, tier: str, device: str,
-          max_sequences: int, tokens_per_response: int) -> Path:
+          max_sequences: int, tokens_per_response: int, engine_core: str) -> Path:
     """The tier's build of the checkpoint, its config set to run `max_sequences`
     at once (and on `device`, for the torch engine), streaming up to
     `tokens_per_response` ready tokens a response."""
@@ -93,7 +102,8 @@ def build(checkpoint: Path, repository: Path, tier: str, device: str,
     config = yaml.safe_load(path.read_text())
     config["engine"] = {**(config.get("engine") or {}), "max_sequences": max_sequences}
     config["generation"] = {**(config.get("generation") or {}),
-                            "max_tokens_per_response": tokens_per_response}
+                            "max_tokens_per_response": tokens_per_response,
+                            "engine_core": engine_core}
     if config.get("backend") == "torch-generative":
         config["engine"]["device"] = device
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -109,6 +119,8 @@ class Round:
         self.errors: list[str] = []
         self.active_j: float | None = None  # the meter's joules over the round, less idle
         self.metered_s = 0.0  # how long the meter's two readings lie apart
+        self.engine_cpu_s: float | None = None  # the engine's process, over an agent round
+        self.steps: int | None = None  # the agent's engine steps over the round
 
     def figures(self) -> dict[str, Any]:
         ended = [t[-1] for t in self.tokens.values() if t]
@@ -118,7 +130,8 @@ class Round:
         tpot = [b - a for t in self.tokens.values() for a, b in zip(t, t[1:])]
         return {"tokens": count, "seconds": span, "ttft_s": ttft, "tpot_s": tpot,
                 "errors": len(self.errors), "active_j": self.active_j,
-                "metered_s": self.metered_s}
+                "metered_s": self.metered_s, "engine_cpu_s": self.engine_cpu_s,
+                "steps": self.steps}
 
 
 def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: int) -> Round:
@@ -179,15 +192,23 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
     tokens = sum(f["tokens"] for f in figures)
     ttft = common.percentiles_ms([x for f in figures for x in f["ttft_s"]])
     tpot = common.percentiles_ms([x for f in figures for x in f["tpot_s"]])
-    return {"tokens": tokens, "tokens_per_s": tokens / seconds if seconds else None,
-            "ttft_p50_ms": ttft["p50_ms"], "ttft_p95_ms": ttft["p95_ms"],
-            "tpot_p50_ms": tpot["p50_ms"], "tpot_p95_ms": tpot["p95_ms"],
-            "j_per_token": j_per_token(figures, tokens),
-            "errors": sum(f["errors"] for f in figures)}
+    summary = {"tokens": tokens, "tokens_per_s": tokens / seconds if seconds else None,
+               "ttft_p50_ms": ttft["p50_ms"], "ttft_p95_ms": ttft["p95_ms"],
+               "tpot_p50_ms": tpot["p50_ms"], "tpot_p95_ms": tpot["p95_ms"],
+               "j_per_token": j_per_token(figures, tokens),
+               "errors": sum(f["errors"] for f in figures)}
+    cpu = [f["engine_cpu_s"] for f in figures]
+    steps = [f["steps"] for f in figures]
+    if cpu and None not in cpu and None not in steps and sum(steps):
+        summary["engine_cpu_us_per_step"] = sum(cpu) / sum(steps) * 1e6
+        summary["engine_cpu_us_per_token"] = sum(cpu) / tokens * 1e6 if tokens else None
+        summary["steps"] = sum(steps)
+    return summary
 
 
 def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], streams: int,
-            max_tokens: int, rounds: int, meter: Meter) -> dict[str, Any]:
+            max_tokens: int, rounds: int, meter: Meter, engine_pid: int | None = None
+            ) -> dict[str, Any]:
     prompts = [engine.encode(p) for p in text_prompts]
     recorded: dict[str, list[Round]] = {arm: [] for arm in ARMS}
     for arm in ARMS:  # a warm-up round each, not counted
@@ -195,7 +216,7 @@ def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], stre
     for _ in range(rounds):
         for arm in ARMS:
             recorded[arm].append(run_arm(arm, engine, addresses, prompts, text_prompts,
-                                         streams, max_tokens, meter))
+                                         streams, max_tokens, meter, engine_pid))
     row: dict[str, Any] = {"streams": streams, "max_tokens": max_tokens, "rounds": rounds}
     for arm in ARMS:
         row[arm] = summarize(recorded[arm])
@@ -258,11 +279,28 @@ def j_per_token(figures: Sequence[dict[str, Any]], tokens: int) -> float | None:
 
 
 def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens,
-            meter: Meter) -> Round:
+            meter: Meter, engine_pid: int | None = None) -> Round:
     if arm == "in-process":
         return meter.around(lambda: in_process(engine, prompts, streams, max_tokens))
-    return meter.around(lambda: asyncio.run(
+    if arm != "agent" or engine_pid is None:
+        return meter.around(lambda: asyncio.run(
+            served(addresses[arm], text_prompts, streams, max_tokens)))
+    cpu, steps = common.process_cpu_s(engine_pid, children=False), executions(addresses[arm])
+    record = meter.around(lambda: asyncio.run(
         served(addresses[arm], text_prompts, streams, max_tokens)))
+    after = common.process_cpu_s(engine_pid, children=False)
+    record.engine_cpu_s = None if cpu is None or after is None else after - cpu
+    record.steps = executions(addresses[arm]) - steps
+    return record
+
+
+def executions(address: str) -> int:
+    """The agent's engine steps of the model so far (Triton's execution count)."""
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(address) as client:
+        stats = client.get_inference_statistics(MODEL, as_json=True)
+    return int(stats["model_stats"][0].get("execution_count", 0))
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -301,15 +339,21 @@ def report(result: dict[str, Any]) -> str:
                          number(figures["tpot_p50_ms"], 2), number(figures["tpot_p95_ms"], 2),
                          number(figures.get("tpot_p50_ratio"), 2),
                          number(figures.get("j_per_token") and figures["j_per_token"] * 1e3, 3),
+                         number(figures.get("effective_gb_s"), 0),
+                         number(figures.get("engine_cpu_us_per_step"), 0),
                          figures["errors"]])
     config = result["config"]
     head = (f"generate: {config['model']} ({config['parameters'] / 1e6:.1f} M parameters), "
             f"{config['tier']} {config['backend']} ({config['precision']}) on "
             f"{config['device']}, {config['max_tokens']} tokens a sequence, up to "
             f"{config.get('tokens_per_response', 1)} a response, "
-            f"{config['rounds']} rounds; energy: " + _energy_said(config))
+            f"{config['rounds']} rounds; the agent's engine in "
+            f"{config.get('engine_process', 'the agent')}; energy: " + _energy_said(config)
+            + "\nGB/s: weight bytes x tok/s at one stream; eng us/step: CPU of the engine's "
+            "process (the engine core, else the whole agent) per engine step, agent rounds")
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
-                          "tpot p50", "tpot p95", "tpot x", "mJ/tok", "errors"], rows)
+                          "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
+                          "eng us/step", "errors"], rows)
     checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
                           [[c["name"], number(c["value"], 2)] for c in result["targets"]],
                           [c["verdict"] for c in result["targets"]])
@@ -351,6 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the agent's generation.max_tokens_per_response: 1 streams a "
                         "response a token, as Triton does; more sends the tokens ready")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--engine-core", default="auto", choices=("auto", "process", "thread"),
+                        help="the agent's generation.engine_core: the engine in a process of "
+                        "its own, or on a thread of the agent's (auto: a process on a GPU)")
     args = parser.parse_args(argv)
     streams = (1, 8) if args.smoke else (1, 8, 64)
     max_tokens = 8 if args.smoke else args.max_tokens
@@ -361,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         size = parameters(checkpoint)
         repository = Path(tmp) / "repository"
         version = build(checkpoint, repository, args.tier, args.device, max(streams),
-                        args.tokens_per_response)
+                        args.tokens_per_response, args.engine_core)
         config = yaml.safe_load((repository / MODEL / "config.yaml").read_text())
         facts = json.loads((version / "build.json").read_text()) \
             if (version / "build.json").is_file() else {}
@@ -370,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = open_generative(config["backend"], version, config.get("engine") or {})
         text_prompts = tinyllama.eval_prompts()
         with common.agent(args.tier, repository) as agent:
+            cores = common.children_running(agent.pid, CORE_MODULE)
+            engine_pid = cores[0] if cores else agent.pid
             table = Path(tmp) / "routing.json"
             table.write_text(json.dumps({"version": 1, "models": {MODEL: {
                 "max_in_flight": 1024, "tiers": {args.tier: {"agents": [agent.address]}}}}}))
@@ -377,13 +426,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             with common.serving([router]):
                 addresses = {"agent": agent.address, "router": router.address}
                 meter = Meter(args.device, 0.5 if args.smoke else IDLE_S)
-                rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds, meter)
-                        for n in streams]
+                rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds, meter,
+                                engine_pid) for n in streams]
+    precision = ((config.get("engine") or {}).get("precision") or facts.get("precision")
+                 or facts.get("build", {}).get("precision"))
+    weight_bytes = size * BYTES_PER_WEIGHT[precision] if precision in BYTES_PER_WEIGHT else None
+    for row in rows:
+        for arm in ARMS:
+            rate = row[arm]["tokens_per_s"]
+            if row["streams"] == 1 and rate and weight_bytes:
+                row[arm]["effective_gb_s"] = weight_bytes * rate / 1e9
     result.update({
         "config": {"tier": args.tier, "device": args.device, "backend": config["backend"],
-                   "model": args.model, "parameters": size,
-                   "precision": (config.get("engine") or {}).get("precision")
-                   or facts.get("precision") or facts.get("build", {}).get("precision"),
+                   "model": args.model, "parameters": size, "weight_bytes": weight_bytes,
+                   "engine_core": args.engine_core,
+                   "engine_process": "engine core" if cores else "agent",
+                   "precision": precision,
                    "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),
                    "tokens_per_response": args.tokens_per_response,
                    "energy_source": meter.source, "idle_watts": meter.idle_w,

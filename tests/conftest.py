@@ -258,3 +258,24 @@ def pytest_collection_modifyitems(config, items) -> None:
              *LONG_FILES)  # the longest start first
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first
                else len(first))  # a stable sort: each file's order is kept
+
+
+def engine_processes(agent) -> dict[str, list[int]]:
+    """The agent's engine processes (of devices and engine cores), by the
+    model they run."""
+    found: dict[str, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent.pid:
+                continue
+            model = environ_of(int(entry.name)).get("TIERED_ENGINE", "").split(" v")[0]
+        except (OSError, ValueError):
+            continue
+        if model:
+            found.setdefault(model, []).append(int(entry.name))
+    return found
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)

@@ -220,8 +220,15 @@ def test_energy_bench_aligns_agent_and_direct_energy_on_a_cpu(tmp_path):
 
 def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_path):
     pytest.importorskip("onnxruntime_genai")
-    result, stdout = run_smoke("generate", tmp_path)
+    # The engine in a core process of its own (its CPU per step read apart from the agent's)
+    result, stdout = run_smoke("generate", tmp_path, "--engine-core", "process")
+    assert result["config"]["engine_process"] == "engine core"
     assert [r["streams"] for r in result["rows"]] == [1, 8]
+    for row in result["rows"]:
+        agent = row["agent"]
+        # CPU time moves in clock ticks (10 ms): a smoke round may read none
+        assert agent["steps"] >= 8 and agent["engine_cpu_us_per_step"] >= 0, agent
+        assert "engine_cpu_us_per_step" not in row["router"]  # its rounds are not the core's alone
     for row in result["rows"]:
         for arm in ("in-process", "agent", "router"):
             figures = row[arm]
@@ -235,7 +242,7 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
         "router TPOT P50 within 10% of in-process at 1 stream"}
     assert all(t["verdict"] in {"PASS", "MISS"} for t in result["targets"])
     assert_header(stdout, "streams", "arm", "tok/s")
-    assert "mJ/tok" in stdout
+    assert "mJ/tok" in stdout and "eng us/step" in stdout
     # Energy per token only where a device-wide counter is readable (none on a
     # VM without RAPL: then every arm says so rather than a one-process model),
     # and never 0: smoke rounds are too short to read, so "-" there too.

@@ -23,6 +23,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from tests.conftest import engine_processes, environ_of
 from tests.integration.test_front_ends import add_sub
 from tiered.agent.repository import model_file, write_config
 from tiered.controller.judge import RolloutJudge
@@ -61,26 +62,6 @@ def agent(repository, tmp_path_factory):
         engines = [pid for pids in engine_processes(process).values() for pid in pids]
     # a stopped agent leaves no engine process behind
     assert engines and not [pid for pid in engines if Path(f"/proc/{pid}").exists()]
-
-
-def engine_processes(agent) -> dict[str, list[int]]:
-    """The agent's engine processes, by the model they run."""
-    found: dict[str, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent.pid:
-                continue
-            model = _environ(int(entry.name)).get("TIERED_ENGINE", "").split(" v")[0]
-        except (OSError, ValueError):
-            continue
-        if model:
-            found.setdefault(model, []).append(int(entry.name))
-    return found
-
-
-def _environ(pid: int) -> dict[str, str]:
-    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(p.decode().split("=", 1) for p in pairs if b"=" in p)
 
 
 def stats(agent, model: str) -> tpb.VersionStats:
@@ -212,7 +193,7 @@ def test_a_dead_engine_process_is_restarted_and_loses_no_request(agent):
 
 def _device_of(pid: int) -> str:
     """An engine process's device, from the environment it was started with."""
-    return _environ(pid)["TIERED_DEVICE"]
+    return environ_of(pid)["TIERED_DEVICE"]
 
 
 def test_a_device_that_cannot_come_back_is_reported_and_the_others_serve(agent, repository):

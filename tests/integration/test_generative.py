@@ -6,8 +6,10 @@ and parameter errors."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
+import signal
 import threading
 import time
 import urllib.error
@@ -21,11 +23,12 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
-from tests.conftest import add_generative
+from tests.conftest import add_generative, engine_processes
 from tests.generation import (
     PROMPT,
     Stream,
     generate,
+    ids_of,
     is_final,
     prompt_input,
     text_of,
@@ -42,16 +45,26 @@ WAIT_MS = 600  # model "one": how long a request waits for its single slot (4000
 # within it, so no test needs a clock to show a slot was freed at once
 
 
+# Every test runs against both layouts: the engine on a worker thread of the
+# agent, and in an engine core process of its own (`engine_core.py`).
+@pytest.fixture(scope="module", params=["thread", "process"])
+def layout(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def repository(generative_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("generative-repository")
-    add_generative(root, "tiny", generative_model, {"engine": {"max_sequences": 4}})
-    add_generative(root, "meter", generative_model, {})  # read by the telemetry test only
+def repository(layout, generative_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"generative-repository-{layout}")
+    core = {"engine_core": layout}
+    add_generative(root, "tiny", generative_model, {
+        "engine": {"max_sequences": 4}, "generation": core})
+    add_generative(root, "meter", generative_model, {"generation": core})  # the telemetry test's
     add_generative(root, "chunks", generative_model, {
-        "engine": {"max_sequences": 8}, "generation": {"max_tokens_per_response": 8}})
+        "engine": {"max_sequences": 8},
+        "generation": {"max_tokens_per_response": 8, **core}})
     add_generative(root, "one", generative_model, {
         "engine": {"max_sequences": 1}, "max_queue_size": 1,
-        "generation": {"max_queue_wait_ms": WAIT_MS}})
+        "generation": {"max_queue_wait_ms": WAIT_MS, **core}})
     return root
 
 
@@ -425,3 +438,34 @@ def test_token_telemetry_in_stats_and_metrics(agent, client):
     text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
     assert re.search(r'^tiered_energy_joules_per_output_token\{[^}]*model="meter"[^}]*'
                      r'source="(nvml|rapl|model)"[^}]*\} \S+$', text, re.MULTILINE)
+
+
+def test_each_version_runs_where_its_layout_says(agent, client, layout):
+    cores = engine_processes(agent)
+    said = client.get_model_config("tiny").config.parameters.get("engine_core")
+    if layout == "thread":
+        assert cores == {} and said is None
+    else:
+        assert sorted(cores) == ["chunks", "meter", "one", "tiny"], cores
+        assert all(len(pids) == 1 for pids in cores.values()), cores
+        assert said.string_value == f"process {cores['tiny'][0]}"
+
+
+def test_a_lost_engine_core_fails_its_requests_and_another_serves_the_next(
+        agent, client, layout):
+    if layout == "thread":
+        pytest.skip("the engine runs in the agent's process here")
+    expected = ids_of(generate(client, max_tokens=6))
+    [core] = engine_processes(agent)["tiny"]
+    stream = Stream(client)
+    try:
+        stream.send(max_tokens=4000)
+        stream.next()  # it runs
+        os.kill(core, signal.SIGKILL)
+        with pytest.raises(InferenceServerException, match="engine core exited"):
+            stream.until_final()
+    finally:
+        client.stop_stream()
+    assert ids_of(generate(client, max_tokens=6)) == expected  # from a new core
+    [new] = engine_processes(agent)["tiny"]
+    assert new != core and agent.alive()

@@ -22,6 +22,7 @@ from tiered.agent.config import (
     complete_with_engine,
     parse_model_config,
 )
+from tiered.agent.engine_core import runs_in_a_process
 from tiered.agent.model import batch_policy, check_inputs, check_outputs
 from tiered.engines.base import TensorSpec
 from tiered.errors import ConfigError, InvalidArgument
@@ -217,6 +218,10 @@ CONFIG_ERRORS = {
     "zero tokens a streamed response": (
         {"backend": "onnxruntime-genai", "generation": {"max_tokens_per_response": 0}},
         "must be >= 1", f"{WHERE}.generation",
+    ),
+    "an engine core layout that does not exist": (
+        {"backend": "onnxruntime-genai", "generation": {"engine_core": "fiber"}},
+        "engine_core: 'fiber' is not one of auto, process, thread", f"{WHERE}.generation",
     ),
 }
 
@@ -594,3 +599,17 @@ def test_read_yaml_of_a_missing_file_names_it(tmp_path: Path) -> None:
         read_yaml(tmp_path / "absent.yaml")
 
     assert "absent.yaml" in str(info.value)
+
+
+@pytest.mark.parametrize(("layout", "backend", "device", "gpus", "process"), [
+    ("process", "onnxruntime-genai", "auto", 0, True),
+    ("thread", "torch-generative", "cuda", 1, False),
+    ("auto", "torch-generative", "cuda", 0, True),  # asked for: its engine says if it can
+    ("auto", "torch-generative", "auto", 1, True),
+    ("auto", "torch-generative", "auto", 0, False),
+    ("auto", "torch-generative", "cpu", 1, False),
+    ("auto", "onnxruntime-genai", "auto", 1, False),
+])
+def test_a_generative_engine_gets_a_process_of_its_own_where_it_runs_on_a_gpu(
+        layout: str, backend: str, device: str, gpus: int, process: bool) -> None:
+    assert runs_in_a_process(layout, backend, {"device": device}, lambda: gpus) is process

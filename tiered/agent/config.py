@@ -27,6 +27,8 @@ from tiered.profiles import TierProfile
 from tiered.protocol import codec
 from tiered.settings import load_dataclass
 
+ENGINE_CORE_LAYOUTS = ("auto", "process", "thread")  # generation.engine_core
+
 # Names become directory names: no separators, no "..", nothing hidden.
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -83,8 +85,15 @@ class Generation:
     # A streamed response carries the tokens ready when it is sent, up to this
     # many (never waiting for more). 1: a response a token, as Triton streams.
     max_tokens_per_response: int = 1
+    # Where the engine runs: `process`, an engine core of its own
+    # (`engine_core.py`); `thread`, a worker thread of the agent's process;
+    # `auto`, a process where the engine runs on a GPU.
+    engine_core: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.engine_core not in ENGINE_CORE_LAYOUTS:
+            raise ConfigError(f"engine_core: {self.engine_core!r} is not one of "
+                              f"{', '.join(ENGINE_CORE_LAYOUTS)}")
         if self.max_queue_wait_ms < 0:
             raise ConfigError(f"max_queue_wait_ms: must be >= 0, got {self.max_queue_wait_ms}")
         if self.max_tokens_per_response < 1:

@@ -238,7 +238,7 @@ def _described(arrays: Mapping[str, np.ndarray]) -> tuple[list, list[memoryview]
             [memoryview(a).cast("B") for a in contiguous.values()])
 
 
-def _error_of(header: tuple[str, str]) -> TieredError:
+def error_of(header: tuple[str, str]) -> TieredError:
     name, message = header
     kind = getattr(errors, name, None)
     if not (isinstance(kind, type) and issubclass(kind, TieredError)):
@@ -352,7 +352,7 @@ class DeviceEngine(Engine):
         except (OSError, pickle.UnpicklingError):
             hello = None
         if hello is None or hello[1] != HELLO:
-            why = (str(_error_of(hello[2])) if hello and hello[1] == FAILED
+            why = (str(error_of(hello[2])) if hello and hello[1] == FAILED
                    else f"no answer in {START_TIMEOUT_S:.0f} s or it exited; its log is above")
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
@@ -443,7 +443,7 @@ class DeviceEngine(Engine):
                 if kind == DONE:
                     future.set_result(_arrays(header, payload))
                 else:
-                    future.set_exception(_error_of(header))
+                    future.set_exception(error_of(header))
         except OSError:
             pass
         self._lose("the engine process exited", sock)

@@ -1,5 +1,6 @@
-"""One served generative model version: its engine driven by a scheduler,
-its statistics, token telemetry and drain.
+"""One served generative model version: its engine driven by a scheduler
+(on a worker thread here, or as an engine core in a process of its own:
+`engine_core.py`), its statistics, token telemetry and drain.
 
 The agent's counterpart of `model.ModelVersion` for decoupled models: the
 repository, servicer, telemetry and metrics read the same attributes
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from tiered.agent.config import ModelConfig, TensorConfig
+from tiered.agent.engine_core import CoreScheduler, EngineCore
 from tiered.agent.generation import (
     STOP,
     TEXT_INPUT,
@@ -65,7 +67,7 @@ def with_tensors(config: ModelConfig, where: str) -> ModelConfig:
 class GenerativeVersion:
     """Created and used on the agent's event loop."""
 
-    def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine,
+    def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine | EngineCore,
                  built_from: Hashable = None, recorder: VersionRecorder | None = None,
                  build: Mapping[str, str] | None = None, device: str = "") -> None:
         assert config.generation is not None
@@ -79,7 +81,9 @@ class GenerativeVersion:
         self.tokens = TokenStats()
         self.recorder = recorder
         self.build = dict(build or {})
-        self.scheduler = Scheduler(
+        # An engine core runs its sequence loop itself; else a worker thread here.
+        scheduler = CoreScheduler if isinstance(engine, EngineCore) else Scheduler
+        self.scheduler = scheduler(
             engine,
             SchedulerLimits(config.max_queue_size, config.generation.max_queue_wait_ms / 1e3),
             asyncio.get_running_loop(), on_step=self._stepped,

@@ -27,13 +27,16 @@ from tiered.agent.config import (
     complete_with_engine,
     parse_model_config,
 )
-from tiered.agent.devices import DeviceEngine, DevicePool, EngineSpec, in_thread
+from tiered.agent.devices import DeviceEngine, DevicePool, EngineSpec, in_thread, nvml_gpu_count
+from tiered.agent.engine_core import CoreSpec, EngineCore, runs_in_a_process
 from tiered.agent.generative import GenerativeVersion, with_tensors
 from tiered.agent.model import ModelVersion
 from tiered.engines import Engine, open_engine
 from tiered.engines import build as build_report
 from tiered.engines.base import warm_up
 from tiered.engines.generative import is_checkpoint, open_generative
+from tiered.engines.generative.base import GenerativeEngine
+from tiered.engines.generative.text import open_tokenizer
 from tiered.errors import ConfigError, InvalidArgument, NotFound, TieredError, Unavailable
 from tiered.profiles import MiB, TierProfile
 from tiered.settings import read_yaml
@@ -334,8 +337,17 @@ class ModelRepository:
                                 source: tuple) -> GenerativeVersion:
         where = f"{config.name}/config.yaml (version {version})"
         completed = with_tensors(config, where)
-        engine = await asyncio.to_thread(
-            open_generative, config.backend, path, config.engine, f"{where}.engine")
+        assert config.generation is not None
+        if runs_in_a_process(config.generation.engine_core, config.backend, config.engine,
+                             nvml_gpu_count):
+            engine: GenerativeEngine | EngineCore = EngineCore(
+                CoreSpec(f"{config.name} v{version}", config.backend, path,
+                         dict(config.engine), f"{where}.engine"),
+                await asyncio.to_thread(open_tokenizer, config.backend, path))
+            await in_thread(engine.start)
+        else:
+            engine = await asyncio.to_thread(
+                open_generative, config.backend, path, config.engine, f"{where}.engine")
         return GenerativeVersion(
             completed, version, engine, built_from=source,
             recorder=VersionRecorder(time.monotonic) if self._telemetry else None,

@@ -1,33 +1,43 @@
-"""In-flight batching for one generative model version: a worker thread
-that owns the engine.
+"""In-flight batching for one generative model version, in two halves.
 
-Requests arrive from the event loop (`submit`), wait in a bounded queue for a
-sequence slot, and join the running batch between two steps; each `step`
-gives every running sequence one token, which goes back to its request's
-asyncio queue (one `call_soon_threadsafe` per step, with at most
-`MAX_UNDELIVERED_STEPS` of them not yet taken by the event loop: an engine
-that keeps the GIL through its step, as onnxruntime-genai does, would
-otherwise starve the loop and every other call the agent answers until its
-sequences end). A sequence leaves on its
-last token, its stop string, its deadline or its client's cancellation, and
-its slot is free for the next step. A request that finds no slot before its
-admission deadline fails RESOURCE_EXHAUSTED; one that cannot fit the context
-fails INVALID_ARGUMENT at once. An engine error fails the sequences of that
-call, never the worker. The engine is called from this thread only.
+- The sequence loop (`SequenceLoop`) lives beside the engine and alone calls
+  it. Requests wait in order for a sequence slot and join the running batch
+  between two steps; each turn ends what is past its deadline, admits what
+  fits, steps every running sequence once, and says what happened in one
+  `Turn`: admissions, each sequence's new token id, and the sequences that
+  ended with an error. A request that finds no slot before its admission
+  deadline fails RESOURCE_EXHAUSTED; an engine error fails the sequences of
+  that step, never the loop.
+- The text side (`Scheduler`) lives beside the wire. It takes requests from
+  the event loop (`submit`, into a bounded queue), tokenizes each and checks
+  that it fits the context before it waits (INVALID_ARGUMENT at once if not),
+  turns each turn's tokens into text pieces (a character split across tokens
+  waits, a stop string ends its sequence early) and hands them to their
+  requests' asyncio queues: one `call_soon_threadsafe` a turn, with at most
+  `MAX_UNDELIVERED_STEPS` of them not yet taken by the event loop (an engine
+  that keeps the GIL through its step, as onnxruntime-genai does, would
+  otherwise starve the loop and every other call the agent answers).
+
+`Scheduler` runs both halves on one worker thread of the agent's process;
+`engine_core.CoreScheduler` runs the sequence loop in a process of its own
+and the text side on a thread of the agent, one message a turn each way.
+A sequence leaves on its last token, its stop string, its deadline or its
+client's cancellation, and its slot is free for the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tiered.agent.generation import Detokenizer, GenerationRequest, StopText
-from tiered.engines.generative.base import GenerativeEngine
+from tiered.engines.generative.base import GenerativeEngine, Sampling
 from tiered.errors import (
     DeadlineExceeded,
     EngineError,
@@ -40,13 +50,14 @@ from tiered.errors import (
 log = logging.getLogger(__name__)
 
 
-# Steps whose tokens the event loop has not yet taken, at most: the worker
+# Turns whose tokens the event loop has not yet taken, at most: the worker
 # waits for the loop beyond that. 1 made the loop run every step (agent TPOT
 # P50 0.43 ms at one stream against 0.06 in-process, `bench/generate.py`, edge
 # INT4, this 2-core VM); 16 let tokens go out in bursts (P95 52 ms at 64
 # streams); 4: 0.14 ms and 38 ms, with the loop late by 3 ms on average.
 MAX_UNDELIVERED_STEPS = 4
 LOOP_WAIT_S = 0.1  # the longest the worker waits for the loop before going on
+UNLOADING = "the model is unloading"
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,146 @@ class SchedulerLimits:
     max_queue_size: int = 64  # requests waiting for a sequence slot
     max_queue_wait_s: float = 30.0  # the longest a request waits for a slot
 
+
+# -- the sequence loop -------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Entry:
+    """A request as the sequence loop knows it: token ids, no text."""
+
+    key: int  # the text side's name for it
+    prompt: list[int]
+    sampling: Sampling
+    arrived: float
+    deadline: float  # monotonic; inf: none
+    admit_by: float  # when waiting for a slot ends
+    generated: int = 0
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What one turn of the sequence loop did."""
+
+    at: float  # monotonic time it ended (clocks agree across processes)
+    step_s: float = 0.0  # how long the engine's step took; 0: no step
+    stepped: int = 0  # sequences in the step
+    admitted: tuple[tuple[int, float], ...] = ()  # (key, when)
+    tokens: tuple[tuple[int, int, float, bool], ...] = ()  # (key, token id, logprob, last)
+    failed: tuple[tuple[int, TieredError], ...] = ()
+    running: int = 0  # sequences in the batch after it
+
+    @property
+    def empty(self) -> bool:
+        return not (self.stepped or self.admitted or self.failed)
+
+
+class SequenceLoop:
+    """The engine's half; one thread at a time calls it (and the engine)."""
+
+    def __init__(self, engine: GenerativeEngine,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self._clock = clock
+        self._waiting: deque[Entry] = deque()
+        self._running: dict[int, Entry] = {}  # engine sequence id -> entry
+        self._sequence_of: dict[int, int] = {}  # key -> engine sequence id
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def add(self, entry: Entry) -> None:
+        self._waiting.append(entry)
+
+    def cancel(self, key: int) -> None:
+        """Drop the request now, running or waiting; unknown keys are ignored."""
+        sequence = self._sequence_of.pop(key, None)
+        if sequence is not None:
+            del self._running[sequence]
+            self.engine.stop(sequence)
+            return
+        for entry in self._waiting:
+            if entry.key == key:
+                self._waiting.remove(entry)
+                return
+
+    def turn(self) -> Turn:
+        failed: list[tuple[int, TieredError]] = []
+        self._expire(self._clock(), failed)
+        admitted = self._admit(failed)
+        step_s, stepped, tokens = self._step(failed) if self._running else (0.0, 0, [])
+        return Turn(self._clock(), step_s, stepped, tuple(admitted), tuple(tokens),
+                    tuple(failed), len(self._running))
+
+    def close(self) -> None:
+        """Stop every sequence and forget what waits (the text side fails them)."""
+        for sequence in self._running:
+            self.engine.stop(sequence)
+        self._running.clear()
+        self._sequence_of.clear()
+        self._waiting.clear()
+
+    def _expire(self, now: float, failed: list) -> None:
+        for sequence, entry in list(self._running.items()):
+            if now >= entry.deadline:
+                self._end(sequence)
+                self.engine.stop(sequence)
+                failed.append((entry.key, DeadlineExceeded(
+                    f"the request's deadline passed after {entry.generated} tokens")))
+        for entry in [e for e in self._waiting if now >= e.admit_by]:
+            self._waiting.remove(entry)
+            failed.append((entry.key, ResourceExhausted(
+                f"no sequence slot came free in {now - entry.arrived:.2f} s "
+                f"({len(self._running)} of {self.engine.max_sequences} sequences running, "
+                f"{len(self._waiting) + 1} requests waiting)")))
+
+    def _admit(self, failed: list) -> list[tuple[int, float]]:
+        admitted = []
+        while self._waiting and len(self._running) < self.engine.max_sequences:
+            entry = self._waiting.popleft()
+            try:
+                sequence = self.engine.start(entry.prompt, entry.sampling)
+            except ResourceExhausted:
+                self._waiting.appendleft(entry)  # the engine is fuller than it said
+                break
+            except Exception as error:  # noqa: BLE001 -- reported to its request
+                failed.append((entry.key, domain_error(error, "starting the sequence")))
+                continue
+            self._running[sequence] = entry
+            self._sequence_of[entry.key] = sequence
+            admitted.append((entry.key, self._clock()))
+        return admitted
+
+    def _step(self, failed: list) -> tuple[float, int, list]:
+        started = time.perf_counter()
+        stepped = len(self._running)
+        try:
+            tokens = self.engine.step()
+        except Exception as error:  # noqa: BLE001 -- fails this batch, not the loop
+            log.exception("generative engine step failed")
+            for sequence, entry in list(self._running.items()):
+                self.engine.stop(sequence)
+                failed.append((entry.key, EngineError(f"the engine failed: {error}")))
+            self._running.clear()
+            self._sequence_of.clear()
+            return time.perf_counter() - started, stepped, []
+        out = []
+        for token in tokens:
+            entry = self._running.get(token.sequence)
+            if entry is None:
+                continue
+            entry.generated += 1
+            if token.last:
+                self._end(token.sequence)
+            out.append((entry.key, token.id, token.logprob, token.last))
+        return time.perf_counter() - started, stepped, out
+
+    def _end(self, sequence: int) -> None:
+        entry = self._running.pop(sequence)
+        del self._sequence_of[entry.key]
+
+
+# -- the text side -----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Piece:
@@ -68,16 +219,15 @@ class Piece:
 
 @dataclass(eq=False)
 class Job:
-    """One request inside the scheduler. `queue` is read on the event loop;
-    the rest belongs to the worker thread once submitted."""
+    """One request on the text side. `queue` is read on the event loop; the
+    rest belongs to the worker thread once submitted."""
 
     request: GenerationRequest
     arrived: float
     deadline: float  # the request's own (monotonic; inf: none)
     admit_by: float  # when waiting for a slot ends
+    key: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Piece | TieredError
-    prompt: list[int] = field(default_factory=list)
-    sequence: int | None = None
     admitted: float | None = None
     tokens: int = 0
     detokenizer: Detokenizer | None = None
@@ -86,9 +236,15 @@ class Job:
 
 # Called on the event loop after each step: (seconds the step took, sequences in it).
 StepObserver = Callable[[float, int], None]
+Events = list[tuple[Job, Piece | TieredError]]
 
 
 class Scheduler:
+    """The text side, with the sequence loop on the same worker thread.
+
+    `engine` gives the tokenizer and the limits (encode, decode, max_context,
+    max_sequences); subclasses may run its loop elsewhere (`_work`)."""
+
     def __init__(self, engine: GenerativeEngine, limits: SchedulerLimits,
                  loop: asyncio.AbstractEventLoop, on_step: StepObserver | None = None,
                  name: str = "generation", clock: Callable[[], float] = time.monotonic) -> None:
@@ -100,11 +256,11 @@ class Scheduler:
         self._lock = threading.Condition()
         self._arrived: list[Job] = []  # submitted, not yet seen by the worker
         self._cancelled: list[Job] = []
-        self._waiting: deque[Job] = deque()  # worker-owned
-        self._running: dict[int, Job] = {}  # worker-owned: sequence id -> job
-        self._queued = 0  # arrived + waiting, under the lock
-        self.running = 0  # sequences in the batch, as of the last step (for readers)
         self._closed = False
+        self._queued = 0  # submitted and not yet admitted or ended, under the lock
+        self._keys = itertools.count(1)
+        self._jobs: dict[int, Job] = {}  # worker-owned: key -> job not yet ended
+        self.running = 0  # sequences in the batch, as of the last step (for readers)
         self._undelivered = threading.BoundedSemaphore(MAX_UNDELIVERED_STEPS)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -120,7 +276,7 @@ class Scheduler:
         job = Job(request, now, deadline, min(deadline, now + self.limits.max_queue_wait_s))
         with self._lock:
             if self._closed:
-                raise Unavailable("the model is unloading")
+                raise Unavailable(UNLOADING)
             if self._queued >= self.limits.max_queue_size:
                 raise ResourceExhausted(
                     f"{self._queued} requests already wait for a sequence slot "
@@ -128,6 +284,7 @@ class Scheduler:
             self._queued += 1
             self._arrived.append(job)
             self._lock.notify()
+        self._wake()
         return job
 
     def cancel(self, job: Job) -> None:
@@ -135,126 +292,119 @@ class Scheduler:
         with self._lock:
             self._cancelled.append(job)
             self._lock.notify()
+        self._wake()
 
     def close(self) -> None:
         """Fail what waits or runs (Unavailable) and stop the worker."""
         with self._lock:
             self._closed = True
             self._lock.notify()
+        self._wake()
         self._thread.join()
+
+    def _wake(self) -> None:
+        """Tell a worker that waits elsewhere than on the lock (a subclass's)."""
 
     # -- the worker thread ----------------------------------------------------------
 
     def _work(self) -> None:
+        sequences = SequenceLoop(self.engine, self._clock)
         while True:
             with self._lock:
-                while not (self._closed or self._arrived or self._cancelled or self._waiting
-                           or self._running):
+                while not (self._closed or self._arrived or self._cancelled
+                           or sequences.busy):
                     self._lock.wait()
-                arrived, self._arrived = self._arrived, []
-                cancelled, self._cancelled = self._cancelled, []
-                closed = self._closed
-            events: list[tuple[Job, Piece | TieredError]] = []
+            arrived, cancelled, closed = self._take()
             if closed:
-                self._shut(arrived, events)
-                self._send(events, 0.0, 0)
+                sequences.close()
+                self._shut(arrived)
                 return
-            for job in arrived:
-                self._take(job, events)
-            self._drop(cancelled)  # after: a request may arrive and go in one round
-            now = self._clock()
-            self._expire(now, events)
-            self._admit(events)
-            step_s, stepped = self._step(events) if self._running else (0.0, 0)
-            self._send(events, step_s, stepped)
+            entries, events = self._entries(arrived)
+            for entry in entries:
+                sequences.add(entry)
+            for key in self._forget(cancelled):  # after: a request may come and go at once
+                sequences.cancel(key)
+            turn = sequences.turn()
+            for key in self._read(turn, events):
+                sequences.cancel(key)
+            self._send(events, turn)
 
-    def _take(self, job: Job, events: list) -> None:
-        """Tokenize a new request and check it fits, before it waits."""
-        try:
-            job.prompt = self.engine.encode(job.request.prompt)
-            if not job.prompt:
-                raise InvalidArgument("text_input: the prompt has no tokens")
-            limit = self.engine.max_context
-            if len(job.prompt) + job.request.sampling.max_tokens > limit:
-                raise InvalidArgument(
-                    f"text_input: {len(job.prompt)} prompt tokens + max_tokens "
-                    f"{job.request.sampling.max_tokens} exceed the model's context of {limit}")
-        except Exception as error:  # noqa: BLE001 -- reported to its request
-            self._fail(job, _domain(error, "tokenizing the prompt"), events, queued=True)
-            return
-        self._waiting.append(job)
+    def _take(self) -> tuple[list[Job], list[Job], bool]:
+        with self._lock:
+            arrived, self._arrived = self._arrived, []
+            cancelled, self._cancelled = self._cancelled, []
+            return arrived, cancelled, self._closed
 
-    def _drop(self, cancelled: list[Job]) -> None:
-        for job in cancelled:
-            if job.sequence is not None and self._running.pop(job.sequence, None) is job:
-                self.engine.stop(job.sequence)
-            elif job in self._waiting:
-                self._waiting.remove(job)
-                self._dequeued(1)
-
-    def _expire(self, now: float, events: list) -> None:
-        for sequence, job in list(self._running.items()):
-            if now >= job.deadline:
-                del self._running[sequence]
-                self.engine.stop(sequence)
-                events.append((job, DeadlineExceeded(
-                    f"the request's deadline passed after {job.tokens} tokens")))
-        for job in [j for j in self._waiting if now >= j.admit_by]:
-            self._waiting.remove(job)
-            self._fail(job, ResourceExhausted(
-                f"no sequence slot came free in {now - job.arrived:.2f} s "
-                f"({len(self._running)} of {self.engine.max_sequences} sequences running, "
-                f"{len(self._waiting) + 1} requests waiting)"), events, queued=True)
-
-    def _admit(self, events: list) -> None:
-        while self._waiting and len(self._running) < self.engine.max_sequences:
-            job = self._waiting.popleft()
+    def _entries(self, arrived: Iterable[Job]) -> tuple[list[Entry], Events]:
+        """The new requests, tokenized and checked to fit the context, as the
+        sequence loop takes them; and the errors of those that cannot."""
+        entries, events = [], []
+        for job in arrived:
             try:
-                sequence = self.engine.start(job.prompt, job.request.sampling)
-            except ResourceExhausted:
-                self._waiting.appendleft(job)  # the engine is fuller than it said
-                return
+                prompt = self.engine.encode(job.request.prompt)
+                if not prompt:
+                    raise InvalidArgument("text_input: the prompt has no tokens")
+                limit = self.engine.max_context
+                if len(prompt) + job.request.sampling.max_tokens > limit:
+                    raise InvalidArgument(
+                        f"text_input: {len(prompt)} prompt tokens + max_tokens "
+                        f"{job.request.sampling.max_tokens} exceed the model's context of "
+                        f"{limit}")
             except Exception as error:  # noqa: BLE001 -- reported to its request
-                self._fail(job, _domain(error, "starting the sequence"), events, queued=True)
+                self._dequeued(1)
+                events.append((job, domain_error(error, "tokenizing the prompt")))
                 continue
-            self._dequeued(1)
-            job.sequence, job.admitted = sequence, self._clock()
-            job.detokenizer = Detokenizer(self.engine.decode)
-            job.stop_text = StopText(job.request.stop)
-            self._running[sequence] = job
+            job.key = next(self._keys)
+            self._jobs[job.key] = job
+            entries.append(Entry(job.key, prompt, job.request.sampling, job.arrived,
+                                 job.deadline, job.admit_by))
+        return entries, events
 
-    def _step(self, events: list) -> tuple[float, int]:
-        started = time.perf_counter()
-        stepped = len(self._running)
-        try:
-            tokens = self.engine.step()
-        except Exception as error:  # noqa: BLE001 -- fails this batch, not the worker
-            log.exception("generative engine step failed")
-            for sequence, job in list(self._running.items()):
-                self.engine.stop(sequence)
-                events.append((job, EngineError(f"the engine failed: {error}")))
-            self._running.clear()
-            return time.perf_counter() - started, stepped
-        step_s, at = time.perf_counter() - started, self._clock()
-        for token in tokens:
-            job = self._running.get(token.sequence)
-            if job is None:
+    def _forget(self, cancelled: Iterable[Job]) -> list[int]:
+        """The keys of the cancelled requests that had not ended."""
+        keys = []
+        for job in cancelled:
+            if self._jobs.pop(job.key, None) is job:
+                if job.admitted is None:
+                    self._dequeued(1)
+                keys.append(job.key)
+        return keys
+
+    def _read(self, turn: Turn, events: Events) -> list[int]:
+        """A turn's admissions, errors and tokens, into `events` as text
+        pieces; the keys whose sequences a stop string (or an error reading
+        a token) ended before the engine did."""
+        for key, at in turn.admitted:
+            job = self._jobs.get(key)
+            if job is not None:
+                self._dequeued(1)
+                job.admitted = at
+                job.detokenizer = Detokenizer(self.engine.decode)
+                job.stop_text = StopText(job.request.stop)
+        for key, error in turn.failed:
+            job = self._jobs.pop(key, None)
+            if job is not None:
+                if job.admitted is None:
+                    self._dequeued(1)
+                events.append((job, error))
+        stopped = []
+        for key, token, logprob, last in turn.tokens:
+            job = self._jobs.get(key)
+            if job is None:  # ended here already (a stop string, a cancellation)
                 continue
             try:
-                piece: Piece | TieredError = self._piece(job, token.id, token.last, at,
-                                                         token.logprob)
+                piece: Piece | TieredError = self._piece(job, token, last, turn.at, logprob)
                 ended = piece.last
             except Exception as error:  # noqa: BLE001 -- a tokenizer error fails its request
-                piece, ended = _domain(error, "decoding a token"), True
+                piece, ended = domain_error(error, "decoding a token"), True
             if ended:
-                del self._running[token.sequence]
-                if not token.last:  # its stop string (or an error) ended it early
-                    self.engine.stop(token.sequence)
+                del self._jobs[key]
+                if not last:
+                    stopped.append(key)
             events.append((job, piece))
-        return step_s, stepped
+        return stopped
 
-    def _piece(self, job: Job, token: int, last: bool, at: float,
-               logprob: float = 0.0) -> Piece:
+    def _piece(self, job: Job, token: int, last: bool, at: float, logprob: float) -> Piece:
         assert job.detokenizer is not None and job.stop_text is not None
         job.tokens += 1
         last = last or job.tokens >= job.request.sampling.max_tokens
@@ -268,26 +418,21 @@ class Scheduler:
             text += job.stop_text.flush()
         return Piece(text, token, last, at, logprob)
 
-    def _fail(self, job: Job, error: TieredError, events: list, queued: bool) -> None:
-        if queued:
-            self._dequeued(1)
-        events.append((job, error))
-
     def _dequeued(self, count: int) -> None:
         with self._lock:
             self._queued -= count
 
-    def _shut(self, arrived: list[Job], events: list) -> None:
-        for sequence, job in self._running.items():
-            self.engine.stop(sequence)
-            events.append((job, Unavailable("the model is unloading")))
-        for job in [*self._waiting, *arrived]:
-            events.append((job, Unavailable("the model is unloading")))
-        self._running.clear()
-        self._waiting.clear()
+    def _shut(self, arrived: list[Job]) -> None:
+        """Fail every request not yet ended: the model is unloading."""
+        jobs = [*self._jobs.values(), *arrived]
+        self._jobs.clear()
+        self.running = 0
+        self._send([(job, Unavailable(UNLOADING)) for job in jobs], None)
 
-    def _send(self, events: list, step_s: float, stepped: int) -> None:
-        self.running = len(self._running)
+    def _send(self, events: Events, turn: Turn | None) -> None:
+        step_s, stepped = 0.0, 0
+        if turn is not None:
+            self.running, step_s, stepped = turn.running, turn.step_s, turn.stepped
         if not events and not stepped:
             return
         taken = self._undelivered.acquire(timeout=LOOP_WAIT_S)
@@ -297,7 +442,7 @@ class Scheduler:
             if taken:
                 self._undelivered.release()
 
-    def _deliver(self, events: list, step_s: float, stepped: int, taken: bool) -> None:
+    def _deliver(self, events: Events, step_s: float, stepped: int, taken: bool) -> None:
         if taken:
             self._undelivered.release()
         if stepped and self._on_step is not None:
@@ -306,7 +451,7 @@ class Scheduler:
             job.queue.put_nowait(event)
 
 
-def _domain(error: Exception, doing: str) -> TieredError:
+def domain_error(error: Exception, doing: str) -> TieredError:
     if isinstance(error, TieredError):
         return error
     return EngineError(f"the engine failed {doing}: {type(error).__name__}: {error}")

@@ -52,6 +52,9 @@ class TinyLlama:
     kv_heads: int = 2
     intermediate: int = 256
     vocab: int = 512  # at most; the tokenizer learns fewer from CORPUS
+    # The model's vocabulary when larger than the tokenizer's (its embedding and
+    # lm_head the size of a real model's; ids past the tokenizer decode to nothing)
+    padded_vocab: int = 0
     context: int = 256
     seed: int = 0  # initial weights (and so the trained ones)
     train_steps: int = 80  # full-batch AdamW steps on CORPUS; 0 leaves the weights random
@@ -104,7 +107,7 @@ def write_checkpoint(out: Path, shape: TinyLlama = TinyLlama()) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
                                    bos_token="<s>", eos_token="</s>")
     config = LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=shape.hidden,
+        vocab_size=max(tokenizer.get_vocab_size(), shape.padded_vocab), hidden_size=shape.hidden,
         intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         max_position_embeddings=shape.context, bos_token_id=1, eos_token_id=EOS_ID,

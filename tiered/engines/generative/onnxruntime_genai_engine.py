@@ -20,6 +20,7 @@ import numpy as np
 import onnxruntime_genai as og
 
 from tiered.engines.generative.base import GenerativeEngine, Sampling, Token
+from tiered.engines.generative.text import GenAITokenizer
 from tiered.errors import ConfigError
 
 
@@ -29,7 +30,7 @@ class OrtGenAIEngine(GenerativeEngine):
             self._model = og.Model(str(model_dir))
         except Exception as error:  # noqa: BLE001 -- its errors are plain RuntimeErrors
             raise ConfigError(f"{model_dir}: not an onnxruntime-genai model: {error}") from error
-        self._tokenizer = og.Tokenizer(self._model)
+        self._tokenizer = GenAITokenizer(self._model)
         config = _config(model_dir)
         self.max_context = int(config["model"]["context_length"])
         self.max_sequences = max_sequences
@@ -38,10 +39,10 @@ class OrtGenAIEngine(GenerativeEngine):
         self._ids = itertools.count(1)
 
     def encode(self, text: str) -> list[int]:
-        return [int(t) for t in self._tokenizer.encode(text)]
+        return self._tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(np.asarray(ids, dtype=np.int32))
+        return self._tokenizer.decode(ids)
 
     def start(self, prompt: Sequence[int], sampling: Sampling) -> int:
         self.check_fits(prompt, sampling)

@@ -48,6 +48,7 @@ import torch
 from tiered import names
 from tiered.engines.generative import is_checkpoint
 from tiered.engines.generative.base import GenerativeEngine, Sampling, Token, pick
+from tiered.engines.generative.text import CheckpointTokenizer
 from tiered.errors import ConfigError, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -162,9 +163,7 @@ class TorchGenerativeEngine(GenerativeEngine):
             raise ConfigError(f"max_context: {self.max_context} exceeds the model's "
                               f"max_position_embeddings {shape.max_positions}")
         self.max_sequences = settings.max_sequences
-        from tokenizers import Tokenizer
-
-        self._tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+        self._tokenizer = CheckpointTokenizer(checkpoint)
         self._weights = _load_weights(checkpoint, shape, self.dtype, self.device)
         slots = self.max_sequences + 1  # the last is scratch
         cache_bytes = (2 * shape.layers * slots * shape.kv_heads * self.max_context
@@ -193,10 +192,10 @@ class TorchGenerativeEngine(GenerativeEngine):
     # -- the interface -------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text).ids)
+        return self._tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self._tokenizer.decode(ids)
 
     def start(self, prompt: Sequence[int], sampling: Sampling) -> int:
         self.check_fits(prompt, sampling)

@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from tiered import errors
-from tiered.protocol import codec, rest, status
+from tiered.protocol import codec, rest, rest_generate, rest_json, status
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
 
@@ -40,7 +40,7 @@ def test_message_json_writes_64_bit_integers_as_numbers_and_only_the_set_oneof()
     config.version_policy.latest.num_versions = 2
     config.dynamic_batching.max_queue_delay_microseconds = 2000
     config.parameters["tier"].string_value = "edge"
-    out = rest.message_json(config)
+    out = rest_json.message_json(config)
     assert out["input"][0]["dims"] == [3, 224] and out["input"][0]["data_type"] == "TYPE_FP32"
     assert out["version_policy"] == {"latest": {"num_versions": 2}}
     assert out["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
@@ -62,7 +62,7 @@ def test_binary_inputs_are_cut_from_the_body_in_order_and_rest_parameters_droppe
         {"name": "c", "datatype": "INT32", "shape": [2], "data": [7, 8]},
         {"name": "b", "datatype": "INT64", "shape": [2], "parameters": {"binary_data_size": 16}},
     ], outputs=[{"name": "y", "parameters": {"binary_data": False}}, {"name": "z"}])
-    request, binary = rest.infer_request("m", "2", body, length)
+    request, binary = rest_json.infer_request("m", "2", body, length)
     assert (request.model_name, request.model_version, request.id) == ("m", "2", "r")
     assert list(request.raw_input_contents) == [a, np.array([7, 8], "<i4").tobytes(), b]
     assert dict(request.parameters).keys() == {"priority"}
@@ -77,7 +77,7 @@ def test_shared_memory_inputs_keep_their_parameters_and_take_no_buffer():
     body, length = binary_request(inputs=[
         {"name": "a", "datatype": "FP32", "shape": [4],
          "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 16}}])
-    request, _ = rest.infer_request("m", "", body, length)
+    request, _ = rest_json.infer_request("m", "", body, length)
     assert not request.raw_input_contents
     assert request.inputs[0].parameters["shared_memory_region"].string_param == "r"
 
@@ -93,7 +93,7 @@ def test_shared_memory_inputs_keep_their_parameters_and_take_no_buffer():
 def test_numbers_beyond_the_message_fields_are_refused_naming_them(document, words):
     body = json.dumps(document).encode()
     with pytest.raises(errors.InvalidArgument, match=re.escape(words)):
-        rest.infer_request("m", "", body, len(body))
+        rest_json.infer_request("m", "", body, len(body))
 
 
 @pytest.mark.parametrize("where", ["id", "parameter", "key", "name", "bytes"])
@@ -108,10 +108,10 @@ def test_a_lone_surrogate_escape_is_refused_as_not_unicode(where):
         tensor.update(datatype="BYTES", data=["\udfff"])
     body = json.dumps({"inputs": [tensor], **document}).encode()
     with pytest.raises(errors.InvalidArgument, match="request body: a string holds a lone"):
-        rest.infer_request("m", "", body, len(body))
+        rest_json.infer_request("m", "", body, len(body))
     paired = json.dumps({"inputs": [tensor], "id": "\U0001f600"}).encode()  # one character
     if where not in ("name", "bytes"):
-        assert rest.infer_request("m", "", paired, len(paired))[0].id == "\U0001f600"
+        assert rest_json.infer_request("m", "", paired, len(paired))[0].id == "\U0001f600"
 
 
 @pytest.mark.parametrize("data, datatype, shape, expected", [
@@ -122,7 +122,7 @@ def test_a_lone_surrogate_escape_is_refused_as_not_unicode(where):
     ([], "FP32", [0, 3], np.array([], "<f4")),
 ])
 def test_json_data_becomes_the_bytes_grpc_carries(data, datatype, shape, expected):
-    assert rest.json_tensor_bytes(data, datatype, shape, "t") == expected.tobytes()
+    assert rest_json.json_tensor_bytes(data, datatype, shape, "t") == expected.tobytes()
 
 
 def test_bytes_elements_past_the_bound_are_refused_before_the_binary_data_is_read():
@@ -132,13 +132,13 @@ def test_bytes_elements_past_the_bound_are_refused_before_the_binary_data_is_rea
          "parameters": {"binary_data_size": 4 * count}} for name in ("a", "b")]}).encode()
     body = header + bytes(8 * count)
     with pytest.raises(errors.InvalidArgument, match="inputs: 65,538 BYTES elements"):
-        rest.infer_request("m", "", body, len(header))
+        rest_json.infer_request("m", "", body, len(header))
     with pytest.raises(errors.InvalidArgument, match="inputs\\[0\\] 'x': 65,537 BYTES"):
-        rest.json_tensor_bytes([""] * 65_537, "BYTES", [65_537], "inputs[0] 'x'")
+        rest_json.json_tensor_bytes([""] * 65_537, "BYTES", [65_537], "inputs[0] 'x'")
 
 
 def test_json_strings_become_length_prefixed_bytes():
-    assert rest.json_tensor_bytes(["ab", "é"], "BYTES", [2], "t") == \
+    assert rest_json.json_tensor_bytes(["ab", "é"], "BYTES", [2], "t") == \
         b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xc3\xa9"
 
 
@@ -154,7 +154,7 @@ def test_json_strings_become_length_prefixed_bytes():
 ])
 def test_json_data_of_the_wrong_kind_names_the_tensor(data, datatype, words):
     with pytest.raises(errors.InvalidArgument) as caught:
-        rest.json_tensor_bytes(data, datatype, [1], "inputs[0] 'x'")
+        rest_json.json_tensor_bytes(data, datatype, [1], "inputs[0] 'x'")
     assert str(caught.value).startswith("inputs[0] 'x'.") and words in str(caught.value)
 
 
@@ -170,9 +170,9 @@ def response_with(*tensors: tuple[str, str, list[int], bytes], **parameters):
 
 def test_binary_outputs_follow_the_json_in_order():
     a, b = np.ones(2, "<f4").tobytes(), np.zeros(3, "<f2").tobytes()
-    body, length = rest.infer_response(
+    body, length = rest_json.infer_response(
         response_with(("a", "FP32", [2], a), ("j", "INT8", [1], b"\x05"), ("b", "FP16", [3], b)),
-        rest.BinaryOutputs(True, {"j": False}))
+        rest_json.BinaryOutputs(True, {"j": False}))
     header = json.loads(body[:length])
     assert [o.get("parameters") for o in header["outputs"]] == [
         {"binary_data_size": 8}, None, {"binary_data_size": 6}]
@@ -181,16 +181,16 @@ def test_binary_outputs_follow_the_json_in_order():
 
 
 def test_all_json_answers_carry_no_header_length_and_fp16_as_numbers():
-    body, length = rest.infer_response(
+    body, length = rest_json.infer_response(
         response_with(("h", "FP16", [2], np.array([0.5, -2], "<f2").tobytes())),
-        rest.BinaryOutputs(False, {}))
+        rest_json.BinaryOutputs(False, {}))
     assert length is None and json.loads(body)["outputs"][0]["data"] == [0.5, -2.0]
 
 
 def test_an_output_in_shared_memory_has_neither_data_nor_parameters():
-    body, length = rest.infer_response(
+    body, length = rest_json.infer_response(
         response_with(("s", "FP32", [4], b""), s={"shared_memory_region": "out"}),
-        rest.BinaryOutputs(True, {}))
+        rest_json.BinaryOutputs(True, {}))
     assert length is None and json.loads(body)["outputs"] == [
         {"name": "s", "datatype": "FP32", "shape": [4]}]
 
@@ -198,9 +198,10 @@ def test_an_output_in_shared_memory_has_neither_data_nor_parameters():
 def test_bytes_that_are_not_text_are_refused_as_json_and_sent_as_binary():
     raw = b"\x01\x00\x00\x00\xff"
     with pytest.raises(errors.InvalidArgument, match="not UTF-8 text"):
-        rest.infer_response(response_with(("s", "BYTES", [1], raw)), rest.BinaryOutputs(False, {}))
-    body, length = rest.infer_response(response_with(("s", "BYTES", [1], raw)),
-                                       rest.BinaryOutputs(True, {}))
+        rest_json.infer_response(response_with(("s", "BYTES", [1], raw)),
+                                 rest_json.BinaryOutputs(False, {}))
+    body, length = rest_json.infer_response(response_with(("s", "BYTES", [1], raw)),
+                                            rest_json.BinaryOutputs(True, {}))
     assert body[length:] == raw
 
 
@@ -282,14 +283,14 @@ def test_only_the_json_part_of_a_body_is_held_to_the_json_limit():
                                                           "binary_data_size": len(data)}}])
         async with TestClient(TestServer(door.application())) as client:
             binary = await client.post("/v2/models/m/infer", data=body,
-                                       headers={rest.HEADER_LENGTH: str(length)})
+                                       headers={rest_json.HEADER_LENGTH: str(length)})
             assert binary.status == 200, await binary.text()
             as_json = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [200],
                                               "data": [0.0] * 200}]})
             refused = await client.post("/v2/models/m/infer", data=as_json)
             message = (await refused.json())["error"]
             assert refused.status == 413 and f"({len(as_json)} bytes)" in message \
-                and "256 bytes" in message and rest.HEADER_LENGTH in message
+                and "256 bytes" in message and rest_json.HEADER_LENGTH in message
             generate = await client.post("/v2/models/m/generate",
                                          data=json.dumps({"text_input": "x" * 300}))
             assert generate.status == 413 and "256 bytes" in (await generate.json())["error"]
@@ -301,7 +302,7 @@ def test_a_generate_body_becomes_typed_inputs_and_parameters():
     body = json.dumps({"text_input": "hi", "max_tokens": 5, "temperature": 0.5,
                        "stop": ["a", "b"], "flag": True, "id": "r7",
                        "parameters": {"seed": 3}}).encode()
-    request = rest.generate_request("m", "2", body)
+    request = rest_generate.generate_request("m", "2", body)
     assert (request.model_name, request.model_version, request.id) == ("m", "2", "r7")
     kinds = {t.name: (t.datatype, list(t.shape)) for t in request.inputs}
     assert kinds == {"text_input": ("BYTES", [1]), "max_tokens": ("INT64", [1]),
@@ -319,7 +320,7 @@ def test_a_generate_body_becomes_typed_inputs_and_parameters():
 ])
 def test_a_generate_input_of_no_one_kind_is_refused_by_name(body, named):
     with pytest.raises(errors.InvalidArgument, match=named):
-        rest.generate_request("m", "", json.dumps(body).encode())
+        rest_generate.generate_request("m", "", json.dumps(body).encode())
 
 
 def test_a_generate_answer_is_its_outputs_by_name():
@@ -329,6 +330,6 @@ def test_a_generate_answer_is_its_outputs_by_name():
     response.raw_output_contents.extend([
         len(b"ok").to_bytes(4, "little") + b"ok", np.array([7], np.int64).tobytes()])
     response.parameters["triton_final_response"].bool_param = True
-    assert rest.generate_json(response) == {
+    assert rest_generate.generate_json(response) == {
         "model_name": "m", "model_version": "1", "id": "r", "text_output": "ok",
         "token_ids": [7], "parameters": {"triton_final_response": True}}

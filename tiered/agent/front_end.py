@@ -64,18 +64,22 @@ MIN_CORES = 4  # below this a profile's front ends are not started
 MODEL_FACTS_TTL_S = 5.0  # how long a front end trusts what it learned of a model
 MODELS_REMEMBERED = 1024  # models it remembers at most
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_INFERENCE = f"/{descriptors.INFERENCE_SERVICE}/"
+
+
+def _inference(method: str) -> str:
+    return descriptors.method_path(descriptors.INFERENCE_SERVICE, method)
+
+
 # Calls that need an inference, a shared-memory or an admin credential
 # (checked here, where the client's address, metadata and certificate are seen).
-_NEEDS_INFERENCE = frozenset(_INFERENCE + m for m in ("ModelInfer", "ModelStreamInfer",
-                                                      "RepositoryIndex"))
-_NEEDS_SHARED_MEMORY = frozenset(_INFERENCE + m for m in (
+_NEEDS_INFERENCE = frozenset(map(_inference, ("ModelInfer", "ModelStreamInfer",
+                                              "RepositoryIndex")))
+_NEEDS_SHARED_MEMORY = frozenset(map(_inference, (
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"))
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister")))
 _REGION_PARAMETERS = frozenset((codec.SHARED_MEMORY_REGION, codec.SHARED_MEMORY_BYTE_SIZE,
                                 codec.SHARED_MEMORY_OFFSET))
-_NEEDS_ADMIN = frozenset(_INFERENCE + m for m in ("RepositoryModelLoad",
-                                                  "RepositoryModelUnload"))
+_NEEDS_ADMIN = frozenset(map(_inference, ("RepositoryModelLoad", "RepositoryModelUnload")))
 
 
 @dataclass(frozen=True)
@@ -226,16 +230,16 @@ class _Handlers(grpc.GenericRpcHandler):
         self._authorizer = authorizer
         self._regions = regions
         self._handlers: dict[str, grpc.RpcMethodHandler] = {
-            _INFERENCE + "ModelInfer": grpc.unary_unary_rpc_method_handler(
+            _inference("ModelInfer"): grpc.unary_unary_rpc_method_handler(
                 self._infer, request_deserializer=pb.ModelInferRequest.FromString),
-            _INFERENCE + "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+            _inference("ModelStreamInfer"): grpc.stream_stream_rpc_method_handler(
                 self._stream, request_deserializer=pb.ModelInferRequest.FromString,
                 response_serializer=pb.ModelStreamInferResponse.SerializeToString),
         }
         pool = descriptors.reflection_pool()
         for name in descriptors.reflection_service_names():
             for method in pool.FindServiceByName(name).methods:
-                path = f"/{name}/{method.name}"
+                path = descriptors.method_path(name, method.name)
                 if path not in self._handlers:
                     self._handlers[path] = self._forwarder(
                         path, method.client_streaming, method.server_streaming)
@@ -253,7 +257,7 @@ class _Handlers(grpc.GenericRpcHandler):
         if known is not None and now - known[1] < MODEL_FACTS_TTL_S:
             return known[0]
         ask = self._engine.unary_unary(
-            _INFERENCE + "ModelConfig", request_serializer=pb.ModelConfigRequest.SerializeToString,
+            _inference("ModelConfig"), request_serializer=pb.ModelConfigRequest.SerializeToString,
             response_deserializer=pb.ModelConfigResponse.FromString)
         try:
             answer = await ask(pb.ModelConfigRequest(name=key[0], version=key[1]), timeout=10)
@@ -296,7 +300,7 @@ class _Handlers(grpc.GenericRpcHandler):
         """Ask the engine process where the caller's region lies, and open it here."""
         generation = self._regions.generation
         ask = self._engine.unary_unary(
-            _INFERENCE + "SystemSharedMemoryStatus",
+            _inference("SystemSharedMemoryStatus"),
             request_serializer=pb.SystemSharedMemoryStatusRequest.SerializeToString,
             response_deserializer=pb.SystemSharedMemoryStatusResponse.FromString)
         try:
@@ -315,7 +319,7 @@ class _Handlers(grpc.GenericRpcHandler):
         """A decoupled model's responses to one request, from the engine
         process's own ModelStreamInfer; closing this cancels the call there."""
         call = self._engine.stream_stream(
-            _INFERENCE + "ModelStreamInfer",
+            _inference("ModelStreamInfer"),
             request_serializer=pb.ModelInferRequest.SerializeToString,
             response_deserializer=pb.ModelStreamInferResponse.FromString,
         )(iter([request]), metadata=_forwarded(context, self._authorizer),

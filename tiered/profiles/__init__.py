@@ -55,7 +55,7 @@ class ServerLimits:
 
     max_message_bytes: int = 64 * MiB  # larger gRPC messages get RESOURCE_EXHAUSTED, REST 413
     # A REST body's JSON part above this gets 413: it is parsed on the event
-    # loop (see tiered.protocol.rest.MAX_JSON_BYTES); binary data is not.
+    # loop (see tiered.protocol.rest_json.MAX_JSON_BYTES); binary data is not.
     max_json_bytes: int = 4 * MiB
     max_concurrent_rpcs: int = 1024  # beyond this gRPC answers RESOURCE_EXHAUSTED
     max_queue_size: int = 256  # per model version, when its config sets none

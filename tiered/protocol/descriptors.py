@@ -16,6 +16,7 @@ Public names:
   ``model_config.proto`` (filled when ``tiered.protocol.grpc_service_pb2`` /
   ``model_config_pb2`` are imported).
 * :data:`INFERENCE_SERVICE` -- ``"inference.GRPCInferenceService"``.
+* :func:`method_path` -- the path a gRPC call names a service's method by.
 * :func:`reflection_pool` -- :data:`POOL`, made complete for gRPC server
   reflection (adds the health and reflection service files).
 * :func:`reflection_service_names` -- the service names to pass to
@@ -41,6 +42,7 @@ __all__ = [
     "POOL",
     "TELEMETRY_SERVICE",
     "build_message_classes",
+    "method_path",
     "reflection_pool",
     "reflection_service_names",
 ]
@@ -56,6 +58,12 @@ TELEMETRY_SERVICE = "tiered.v1.Telemetry"
 """Fully-qualified name of tiered's telemetry service."""
 
 _reflection_lock = threading.Lock()
+
+
+def method_path(service: str, method: str) -> str:
+    """The path a gRPC call names `method` of `service` by, e.g.
+    ``/inference.GRPCInferenceService/ModelInfer``."""
+    return f"/{service}/{method}"
 
 
 def build_message_classes(file: FileDescriptor, module_name: str, module: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from tiered import errors, names
-from tiered.protocol import codec, messages, routing, security
+from tiered.protocol import codec, descriptors, messages, routing, security
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol.status import error_from_status
@@ -58,8 +58,8 @@ SERVED_TIER = "tiered-tier"  # the response parameter naming the tier that answe
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.DEADLINE_EXCEEDED})
 GENERATION_TEMPERATURE = "temperature"  # a generation request's; 0 or unset: greedy
-INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
-STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+INFER_METHOD = descriptors.method_path(descriptors.INFERENCE_SERVICE, "ModelInfer")
+STREAM_METHOD = descriptors.method_path(descriptors.INFERENCE_SERVICE, "ModelStreamInfer")
 _READY = grpc.ChannelConnectivity.READY
 _CONNECTING = (grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.CONNECTING)
 

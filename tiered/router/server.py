@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import start_http_server
 
 from tiered import errors
-from tiered.protocol import descriptors, drain, rest, routing, security
+from tiered.protocol import descriptors, drain, rest, rest_json, routing, security
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.protocol.handlers import SERVER_OPTIONS, GenericOnly
 from tiered.protocol.security import PLAINTEXT, Authorizer, TransportSecurity
@@ -52,7 +52,7 @@ class RouterSettings:
     authorizer: Authorizer = Authorizer()  # who may infer through it (default: open)
     agent_token: str | None = None  # presented to agents that require a token
     max_message_bytes: int = forward.MAX_MESSAGE_BYTES  # gRPC messages and REST bodies
-    max_json_bytes: int = rest.MAX_JSON_BYTES  # a REST body's JSON part
+    max_json_bytes: int = rest_json.MAX_JSON_BYTES  # a REST body's JSON part
 
 
 async def watch_table(router: dataplane.Router, path: Path, seen: tuple[int, int] | None,

@@ -17,7 +17,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from tiered.telemetry.energy import (
     DeviceEnergy,
@@ -33,9 +33,11 @@ WINDOW_S = 60.0
 RESERVOIR_PER_SLOT = 64
 
 
-@dataclass
-class Slot:
-    start: float
+@dataclass(kw_only=True)
+class Tally:
+    """What one version's requests and engines did: recorded into a slot,
+    added up over slots into a summary."""
+
     latency: Histogram = field(default_factory=Histogram)
     queue: Histogram = field(default_factory=Histogram)
     compute: Histogram = field(default_factory=Histogram)
@@ -53,43 +55,31 @@ class Slot:
     first_token: Histogram = field(default_factory=Histogram)
     per_token: Histogram = field(default_factory=Histogram)
 
+    def add(self, more: Tally) -> None:
+        """Add `more` into this, field by field."""
+        for counted in fields(Tally):
+            total, extra = getattr(self, counted.name), getattr(more, counted.name)
+            if isinstance(total, Histogram):
+                total.merge(extra)
+            elif isinstance(total, list):
+                total.extend(extra)
+            elif isinstance(total, dict):
+                _add_into(total, extra)
+            else:
+                setattr(self, counted.name, total + extra)
+
 
 @dataclass
-class Summary:
+class Slot(Tally):
+    start: float
+
+
+@dataclass
+class Summary(Tally):
     """Slots merged: what happened to one version between two cursors."""
 
     start: float
     end: float
-    latency: Histogram = field(default_factory=Histogram)
-    queue: Histogram = field(default_factory=Histogram)
-    compute: Histogram = field(default_factory=Histogram)
-    samples: list[float] = field(default_factory=list)
-    success: int = 0
-    failure: int = 0
-    client_errors: int = 0
-    inferences: int = 0
-    busy_s: float = 0.0
-    device_busy_s: dict[str, float] = field(default_factory=dict)
-    device_inferences: dict[str, int] = field(default_factory=dict)
-    output_tokens: int = 0
-    first_token: Histogram = field(default_factory=Histogram)
-    per_token: Histogram = field(default_factory=Histogram)
-
-    def add(self, slot: Slot) -> None:
-        self.latency.merge(slot.latency)
-        self.queue.merge(slot.queue)
-        self.compute.merge(slot.compute)
-        self.samples.extend(slot.samples)
-        self.success += slot.success
-        self.failure += slot.failure
-        self.client_errors += slot.client_errors
-        self.inferences += slot.inferences
-        self.busy_s += slot.busy_s
-        _add_into(self.device_busy_s, slot.device_busy_s)
-        _add_into(self.device_inferences, slot.device_inferences)
-        self.output_tokens += slot.output_tokens
-        self.first_token.merge(slot.first_token)
-        self.per_token.merge(slot.per_token)
 
 
 def _add_into(total: dict, more: Mapping) -> None:

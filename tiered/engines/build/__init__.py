@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from tiered.engines.build.fetch import fetch_artifact
 from tiered.engines.build.gate import GateDecision
-from tiered.engines.build.pipeline import BuildOutcome, build
-from tiered.engines.build.report import read_report, version_facts
+from tiered.engines.build.pipeline import build
+from tiered.engines.build.report import BuildOutcome, read_report, version_facts
 from tiered.engines.build.spec import (
     BuildRequest,
     BuildSettings,

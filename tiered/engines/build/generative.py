@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from tiered.engines import generative as engines
-from tiered.engines.build import gate, install, pipeline, report, spec
+from tiered.engines.build import gate, install, report, spec
 from tiered.engines.generative.base import GenerativeEngine, Sampling
 from tiered.errors import ConfigError, EngineError
 from tiered.profiles import TierProfile
@@ -56,8 +56,8 @@ class Target:
 def build_checkpoint(
     request: spec.BuildRequest, profile: TierProfile, settings: spec.GenerativeBuildSettings,
     *, now: datetime.datetime, clock: Callable[[], float] = time.perf_counter,
-    verdict: pipeline.VerdictOf | None = None,
-) -> pipeline.BuildOutcome:
+    verdict: report.VerdictOf | None = None,
+) -> report.BuildOutcome:
     prompts = _preflight(request, settings)
     target = choose_target(settings)
     with tempfile.TemporaryDirectory(prefix="tiered-build-") as work_name:
@@ -113,7 +113,7 @@ def build_checkpoint(
                 config["engine"] = engine_settings
             installed = install.install_version(version, request.repository, request.model,
                                                 request.version, config, force=request.force)
-    return pipeline.BuildOutcome(record, decision, installed)
+    return report.BuildOutcome(record, decision, installed)
 
 
 def choose_target(settings: spec.GenerativeBuildSettings) -> Target:

@@ -15,8 +15,7 @@ from __future__ import annotations
 import datetime
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from tiered import names
 from tiered.engines import Engine, TensorSpec, open_engine, quantize
-from tiered.engines.build import gate, install, report, samples, spec
+from tiered.engines.build import gate, generative, install, report, samples, spec
 from tiered.engines.generative import is_checkpoint
 from tiered.errors import ConfigError, EngineError
 from tiered.profiles import TierProfile
@@ -36,21 +35,6 @@ LATENCY_WARMUP_RUNS = 2
 LATENCY_MIN_RUNS = 5  # timed runs per batch size, whatever the budget
 
 
-@dataclass(frozen=True)
-class BuildOutcome:
-    report: dict[str, Any]  # also DIR/<model>/<version>/build.json when installed
-    decision: gate.GateDecision
-    installed: Path | None  # the version directory, when written
-
-
-# What the caller records under an installed version's report key "verdict",
-# given the gate's decision and the version directory it goes to. The caller
-# owns the verdict's schema (tiered.protocol.verdict, which engines may not
-# import); it is asked here so that build.json holds it from the first moment
-# an agent can see the version.
-VerdictOf = Callable[[gate.GateDecision, Path], Mapping[str, Any]]
-
-
 def build(
     request: spec.BuildRequest,
     profile: TierProfile,
@@ -58,16 +42,14 @@ def build(
     *,
     now: datetime.datetime,
     clock: Callable[[], float] = time.perf_counter,
-    verdict: VerdictOf | None = None,
-) -> BuildOutcome:
+    verdict: report.VerdictOf | None = None,
+) -> report.BuildOutcome:
     """Build for `profile`'s tier, measure, judge; install only when the gate accepts.
 
     A checkpoint directory is built by `generative.build_checkpoint`, with
     `settings` itself where it is a GenerativeBuildSettings, else with its
     `generative` mapping."""
     if is_checkpoint(request.source):
-        from tiered.engines.build import generative  # it builds on this module's names
-
         chosen = settings if isinstance(settings, spec.GenerativeBuildSettings) else \
             load_dataclass(spec.GenerativeBuildSettings, settings.generative,
                            f"{profile.tier} build.generative")
@@ -130,7 +112,7 @@ def build(
             installed = install.install_version(artifact.parent, request.repository,
                                                 request.model, request.version, config,
                                                 force=request.force)
-    return BuildOutcome(record, decision, installed)
+    return report.BuildOutcome(record, decision, installed)
 
 
 def _lower(

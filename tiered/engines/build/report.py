@@ -13,8 +13,8 @@ import datetime
 import importlib.metadata
 import json
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,21 @@ from tiered.errors import ConfigError
 from tiered.files import sha256_file, sha256_tree
 
 REPORT_FILE = "build.json"
+
+
+@dataclass(frozen=True)
+class BuildOutcome:
+    report: dict[str, Any]  # also DIR/<model>/<version>/build.json when installed
+    decision: gate.GateDecision
+    installed: Path | None  # the version directory, when written
+
+
+# What the caller records under an installed version's report key "verdict",
+# given the gate's decision and the version directory it goes to. The caller
+# owns the verdict's schema (tiered.protocol.verdict, which engines may not
+# import); the build asks for it so that build.json holds it from the first
+# moment an agent can see the version.
+VerdictOf = Callable[[gate.GateDecision, Path], Mapping[str, Any]]
 
 
 def compose(

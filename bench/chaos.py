@@ -77,6 +77,7 @@ from tiered.local.supervisor import (
     RouterPorts,
     prepare_sample_models,
 )
+from tiered.rollout import snapshot
 
 MODEL = "digits"
 DEADLINE_S = 10.0  # each request's
@@ -404,8 +405,9 @@ def tally(records: Sequence[Sent], window: dict[str, Any]) -> dict[str, Any]:
 def rollout_checks(history: Sequence[tuple[int, float, dict]], windows: Sequence[dict],
                    version: int) -> dict[str, Any]:
     """What the controller decided during the agents' faults, from its history."""
-    mine = [(t, s) for _, t, s in history if s.get("canary_version") == version
-            or (s.get("stable_version") == version and s.get("action") == names.Action.PROMOTE)]
+    snaps = [(t, snapshot.from_record(kept)) for _, t, kept in history]
+    mine = [(t, s) for t, s in snaps if s.canary_version == version
+            or (s.stable_version == version and s.action == names.Action.PROMOTE)]
     faults = []
     for window in windows:
         if "tier" not in window:
@@ -419,24 +421,24 @@ def rollout_checks(history: Sequence[tuple[int, float, dict]], windows: Sequence
         faults.append({
             "fault": window["fault"],
             "passes": len(during),
-            "advanced_or_promoted": sum(1 for s in during if s["action"] in ADVANCING),
-            "held_unreadable": sum(1 for s in around if s["action"] == names.Action.HOLD
-                                   and "telemetry unreadable" in s["reason"]),
-            "stages": sorted({s["stage_index"] for s in during}),
-            "decided_after": next((f"{s['action']}: {s['reason'][:80]}" for t, s in mine
-                                   if t > back and "telemetry unreadable" not in s["reason"]),
+            "advanced_or_promoted": sum(1 for s in during if s.action in ADVANCING),
+            "held_unreadable": sum(1 for s in around if s.action == names.Action.HOLD
+                                   and "telemetry unreadable" in s.reason),
+            "stages": sorted({s.stage_index for s in during}),
+            "decided_after": next((f"{s.action}: {s.reason[:80]}" for t, s in mine
+                                   if t > back and "telemetry unreadable" not in s.reason),
                                   None),
         })
-    stages = [s["stage_index"] for _, s in mine if s.get("canary_version") == version]
+    stages = [s.stage_index for _, s in mine if s.canary_version == version]
     return {
         "faults": faults,
         "went_back_a_stage": any(b < a for a, b in zip(stages, stages[1:])),
-        "rolled_back": any(s["action"] == names.Action.ROLLBACK for _, s in mine),
-        "promoted": any(s["action"] == names.Action.PROMOTE for _, s in mine),
-        "decisions": [{"t": round(t - windows[0]["start"], 1), "action": s["action"],
-                       "stage": s["stage_index"], "reason": s["reason"][:160]}
-                      for t, s in mine if s["action"] != names.Action.HOLD
-                      or "telemetry unreadable" in s["reason"]],
+        "rolled_back": any(s.action == names.Action.ROLLBACK for _, s in mine),
+        "promoted": any(s.action == names.Action.PROMOTE for _, s in mine),
+        "decisions": [{"t": round(t - windows[0]["start"], 1), "action": s.action,
+                       "stage": s.stage_index, "reason": s.reason[:160]}
+                      for t, s in mine if s.action != names.Action.HOLD
+                      or "telemetry unreadable" in s.reason],
     }
 
 

@@ -91,7 +91,8 @@ from tiered.rollout.analysis import (  # noqa: E402
     rollout_tests,
 )
 from tiered.rollout.analysis import quantile_upper_rank as engine_quantile_rank  # noqa: E402
-from tiered.rollout.spec import TieredModel, load_tiered_model, to_plain  # noqa: E402
+from tiered.rollout.spec import TieredModel, load_tiered_model  # noqa: E402
+from tiered.rollout.wire import to_plain  # noqa: E402
 
 SHARES = (5.0, 20.0)
 # Rollouts per row. A regression's rollout ends when it is caught; an

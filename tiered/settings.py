@@ -9,6 +9,7 @@ so a typo in a config never passes silently.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
@@ -54,7 +55,7 @@ def load_dataclass(cls: type[T], data: Any, where: str,
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
     spell = spelling or _as_is
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     fields = {spell(f.name): f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
@@ -118,15 +119,28 @@ def rfc3339(seconds: float) -> str:
     return text.replace("+00:00", "Z")
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """The resolved type hints of `cls`'s fields."""
+    return typing.get_type_hints(cls)
+
+
+def strip_optional(hint: Any) -> tuple[Any, bool]:
+    """`hint` without its `| None`, and whether it had one."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return hint, False
+
+
 def _convert(hint: Any, value: Any, where: str,
              spelling: Callable[[str], str] | None = None) -> Any:
+    hint, optional = strip_optional(hint)
+    if optional and value is None:
+        return None
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, where, spelling)
     if dataclasses.is_dataclass(hint):
         return load_dataclass(hint, value, where, spelling)
     if origin is tuple:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.chart import helm, openapi
-from tiered.rollout.spec import API_GROUP, API_VERSION
+from tiered.rollout.wire import API_GROUP, API_VERSION
 
 EXAMPLES = helm.ROOT / "examples"
 CRD = helm.CHART / "crds" / "tieredmodels.tiered.dev.yaml"

@@ -13,7 +13,7 @@ import pytest
 from tests.chart import helm
 from tests.chart.test_chart import objects, one
 from tiered.controller.metrics import RolloutMetrics
-from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, TieredModelStatus
+from tiered.rollout.status import AnalysisRun, MetricResult, RolloutStatus, TieredModelStatus
 from tiered.router.counters import RouterMetrics, ShadowAgreement
 from tiered.telemetry.exposition import render
 

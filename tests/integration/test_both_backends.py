@@ -47,7 +47,8 @@ from tiered.protocol import routing  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
 from tiered.protocol.security import ChannelCache  # noqa: E402
-from tiered.rollout.spec import API_GROUP, API_VERSION, as_resource  # noqa: E402
+from tiered.rollout.spec import as_resource  # noqa: E402
+from tiered.rollout.wire import API_GROUP, API_VERSION  # noqa: E402
 
 NAME, NAMESPACE = "digits", "both"
 TIERS = ("edge", "regional")

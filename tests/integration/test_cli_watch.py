@@ -27,15 +27,10 @@ from tiered.controller.store import StateStore
 from tiered.files import hold_shared_lock
 from tiered.local.processes import AgentProcess, interruptible
 from tiered.rollout import engine
-from tiered.rollout.spec import (
-    API_GROUP,
-    API_VERSION,
-    ArtifactVersion,
-    HistoryEntry,
-    TieredModelStatus,
-    load_tiered_model,
-    to_plain,
-)
+from tiered.rollout.snapshot import to_record
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.status import ArtifactVersion, HistoryEntry, TieredModelStatus
+from tiered.rollout.wire import API_GROUP, API_VERSION, to_plain
 
 SHA = "ab" * 32
 DOCUMENT = {"name": "digits", "artifact": {"uri": "/models/digits.onnx", "sha256": SHA},
@@ -117,8 +112,8 @@ def test_a_watch_whose_reader_goes_away_ends_quietly(state, as_controller, verb)
             while process.poll() is None and time.monotonic() < deadline:
                 count += 1
                 write(store, f"message {count}", engine.start(SPEC, 1, 2, 0.0))
-                store.record("digits", make_snapshot(SPEC, engine.start(SPEC, 1, 2, 0.0),
-                                                     "hold", f"step {count}"))
+                store.record("digits", to_record(make_snapshot(
+                    SPEC, engine.start(SPEC, 1, 2, 0.0), "hold", f"step {count}")))
                 time.sleep(0.3)
             assert process.wait(DEADLINE_S) == 0
             assert process.stderr.read() == ""
@@ -197,7 +192,8 @@ class LocalBackend:
         status = TieredModelStatus(rollout=rollout, message=rollout.message,
                                    artifacts=ARTIFACTS, observed_generation=record.generation)
         self.store.write_status("digits", record.revision, status=to_plain(status))
-        self.store.record("digits", make_snapshot(SPEC, rollout, action, rollout.message))
+        self.store.record("digits", to_record(make_snapshot(SPEC, rollout, action,
+                                                            rollout.message)))
 
 
 class KubeBackend:

@@ -36,7 +36,8 @@ from tiered.protocol import routing  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
 from tiered.protocol.security import ChannelCache  # noqa: E402
-from tiered.rollout.spec import RolloutStatus, load_tiered_model  # noqa: E402
+from tiered.rollout.spec import load_tiered_model  # noqa: E402
+from tiered.rollout.status import RolloutStatus  # noqa: E402
 from tiered.router.forward import ChannelPool  # noqa: E402
 from tiered.router.observations import Observer, TelemetryPoller, pods_behind  # noqa: E402
 from tiered.telemetry.recorder import SLOT_S  # noqa: E402

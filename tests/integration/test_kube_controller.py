@@ -42,7 +42,7 @@ from tiered.controller.reconciler import decode_status  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
 from tiered.protocol.verdict import BuildVerdict  # noqa: E402
-from tiered.rollout.spec import API_GROUP, API_VERSION, to_plain  # noqa: E402
+from tiered.rollout.wire import API_GROUP, API_VERSION, to_plain  # noqa: E402
 
 NAMESPACE = "models"
 GROUP, VERSION, PLURAL = API_GROUP, API_VERSION, "tieredmodels"

@@ -16,14 +16,9 @@ from tests.kubeapi import FakeKubeAPI  # noqa: E402
 from tiered.controller.kube import render  # noqa: E402
 from tiered.controller.kube.backend import KubeBackend  # noqa: E402
 from tiered.controller.reconciler import decode_status  # noqa: E402
-from tiered.rollout.spec import (  # noqa: E402
-    API_GROUP,
-    HistoryEntry,
-    RolloutStatus,
-    TieredModelStatus,
-    load_tiered_model,
-    to_plain,
-)
+from tiered.rollout.spec import load_tiered_model  # noqa: E402
+from tiered.rollout.status import HistoryEntry, RolloutStatus, TieredModelStatus  # noqa: E402
+from tiered.rollout.wire import API_GROUP, to_plain  # noqa: E402
 
 NAMESPACE = "ml"
 SPEC = {"artifact": {"uri": "https://models.example/digits.onnx", "sha256": "ab" * 32},
@@ -46,7 +41,7 @@ def old_object(name: str) -> dict:
             "metadata": {"name": name, "namespace": NAMESPACE}, "spec": SPEC}
 
 
-def test_an_object_stored_at_v1alpha1_is_rewritten_at_v1alpha2_on_first_read():
+def test_an_object_stored_at_v1alpha1_is_rewritten_at_v1alpha2_before_it_is_reconciled():
     with FakeKubeAPI() as api:
         kube = client.ApiClient(api.client_configuration())
         custom = client.CustomObjectsApi(kube)
@@ -67,7 +62,12 @@ def test_an_object_stored_at_v1alpha1_is_rewritten_at_v1alpha2_on_first_read():
         lines: list[str] = []
         backend = KubeBackend(render.ClusterSettings(namespace=NAMESPACE), kube, {},
                               lines.append)
-        stored = backend.read("old")
+        writes = len(api.events)
+        found = backend.read("old")  # a read writes nothing; it says what is to be written
+        assert len(api.events) == writes and lines == []
+        assert not found.settled and found.rewrite.from_version == "v1alpha1"
+        stored = backend.settle(found)  # what the Reconciler does with it
+        assert stored.settled
         assert lines == [f"old: rewritten from {API_GROUP}/v1alpha1 as v1alpha2"]
         assert load_tiered_model(stored.document) == load_tiered_model(
             {"name": "old", **SPEC})
@@ -78,9 +78,10 @@ def test_an_object_stored_at_v1alpha1_is_rewritten_at_v1alpha2_on_first_read():
                                            "cascade": kept["spec"]["routing"]["cascade"]}
         assert kept["status"]["rollout"]["stageStartedAt"] == "2026-12-01T18:13:39.500000Z"
 
-        # Read again: at v1alpha2 now, nothing more is written.
+        # Read again: at v1alpha2 now, settled, nothing more is written.
         writes = len(api.events)
-        assert decode_status("old", backend.read("old").status) == STATUS
+        again = backend.read("old")
+        assert again.settled and decode_status("old", again.status) == STATUS
         assert len(api.events) == writes and len(lines) == 1
         (other,) = [o for o in api.objects("tieredmodels")
                     if o["metadata"]["name"] == "untouched"]

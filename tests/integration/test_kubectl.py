@@ -10,7 +10,7 @@ test_kube_controller.py, Deployments and DaemonSets made available as a
 kubelet would) makes the model Ready, and kubectl shows and waits on it.
 
 Nothing here depends on the spec's field spellings: the API version comes
-from `tiered.rollout.spec`, the printer columns from the CRD, the tier names
+from `tiered.rollout.wire`, the printer columns from the CRD, the tier names
 from the example's `spec.tiers` keys.
 """
 
@@ -36,7 +36,7 @@ from tests.kubeapi import CRD_PATH, FakeKubeAPI, load_crd, version_priority  # n
 from tiered.controller.kube import render  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
-from tiered.rollout.spec import API_GROUP, API_VERSION  # noqa: E402
+from tiered.rollout.wire import API_GROUP, API_VERSION  # noqa: E402
 
 BIN = Path(sys.executable).parent
 KUBECTL = BIN / "kubectl"

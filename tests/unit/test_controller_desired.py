@@ -26,7 +26,8 @@ from tiered.controller.desired import (
 )
 from tiered.protocol.routing import DEFAULT_STAGE_FLOOR, dump_table, parse_table
 from tiered.rollout import engine
-from tiered.rollout.spec import Artifact, RolloutStatus, load_tiered_model
+from tiered.rollout.spec import Artifact, load_tiered_model
+from tiered.rollout.status import RolloutStatus
 
 SHA_A, SHA_B, SHA_C = "aa" * 32, "bb" * 32, "cc" * 32
 NOW = 1000.0

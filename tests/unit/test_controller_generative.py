@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from tiered import names
-from tiered.cli.progress import progress_line
 from tiered.controller import plan, verbs
 from tiered.controller.judge import readings_of
 from tiered.controller.measure import StageAccumulator, VersionReading
@@ -23,7 +22,9 @@ from tiered.demo import report
 from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.rollout import engine
-from tiered.rollout.spec import TieredModelStatus, load_tiered_model
+from tiered.rollout.progress import progress_line
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.status import TieredModelStatus
 from tiered.telemetry.histogram import GROWTH, LOWEST_S
 from tiered.telemetry.recorder import VersionEnergy, VersionRecorder
 
@@ -223,29 +224,30 @@ def summary_numbers():
 
 
 def test_the_summary_of_a_generative_stage_gives_ttft_tpot_and_j_per_token():
-    numbers = summary_numbers()
-    assert numbers["stable_requests"] == 480 and numbers["canary_output_tokens"] == 1440
-    assert 150 < numbers["ttft_p95_stable_ms"] < 300
-    assert 15 < numbers["tpot_p95_canary_ms"] < 30
-    assert numbers["jpt_canary"] == pytest.approx(0.02)
-    assert numbers["edge.tpot_p95_canary_ms"] == numbers["tpot_p95_canary_ms"]
-    assert numbers["energy_source_canary"] == "nvml"
-    assert not {"p95_stable_ms", "jpi_stable"} & set(numbers)  # not what it is judged on
+    figures = summary_numbers()
+    stable, canary = figures.stable, figures.canary
+    assert stable.requests == 480 and canary.output_tokens == 1440
+    assert 150 < stable.ttft_p95_ms < 300
+    assert 15 < canary.tpot_p95_ms < 30
+    assert canary.jpt == pytest.approx(0.02)
+    assert figures.tiers["edge"].canary.tpot_p95_ms == canary.tpot_p95_ms
+    assert canary.energy_source == "nvml"
+    assert (stable.p95_ms, stable.jpi) == (None, None)  # not what it is judged on
 
 
 def test_the_progress_line_shows_ttft_tpot_and_mj_per_token():
-    numbers = summary_numbers()
-    snap = make_snapshot(SPEC, engine.start(SPEC, 1, 2, 0.0), "hold", "waiting", numbers)
+    figures = summary_numbers()
+    snap = make_snapshot(SPEC, engine.start(SPEC, 1, 2, 0.0), "hold", "waiting", figures)
     line = progress_line(0.0, snap)
-    assert (f"canary n 120 ttft p95 {numbers['ttft_p95_canary_ms']:.2f} ms tpot p95 "
-            f"{numbers['tpot_p95_canary_ms']:.2f} ms 20.000 mJ/tok") in line
+    assert (f"canary n 120 ttft p95 {figures.canary.ttft_p95_ms:.2f} ms tpot p95 "
+            f"{figures.canary.tpot_p95_ms:.2f} ms 20.000 mJ/tok") in line
     assert "(nvml)" in line and "mJ/inf" not in line
 
 
 def test_the_report_labels_ttft_tpot_and_j_per_token():
-    numbers = summary_numbers()
-    history = [{"t": t, **make_snapshot(SPEC, engine.start(SPEC, 1, 2, 0.0), action, "r",
-                                        numbers)} for t, action in ((0, "start"), (10, "hold"))]
+    figures = summary_numbers()
+    history = [(t, make_snapshot(SPEC, engine.start(SPEC, 1, 2, 0.0), action, "r", figures))
+               for t, action in ((0, "start"), (10, "hold"))]
     page = report.render_html(history, "t", {}, verbs.report_thresholds(SPEC))
     for said in ("TTFT p95 on edge", "TPOT p95 on edge", "Energy per output token (nvml) on edge",
                  "Rollouts of generative models", "TTFT p95 canary (ms)", "J/token canary",
@@ -263,6 +265,7 @@ def test_a_kubernetes_status_history_of_a_generative_rollout_reports_the_same():
                       summary_numbers())
     assert step.sources == {"jpt_stable": "nvml", "jpt_canary": "nvml"}
     (kept,) = verbs.snapshots_of(SPEC, TieredModelStatus(history=(step,)))
-    assert kept["kind"] == "generative" and kept["energy_source_canary"] == "nvml"
+    _, snap = kept
+    assert snap.kind == "generative" and snap.figures.canary.energy_source == "nvml"
     page = report.render_html([kept], "t", {}, verbs.report_thresholds(SPEC))
     assert "Energy per output token (nvml) on edge" in page

@@ -3,11 +3,14 @@ reservoir, J/inference windows, shadow deltas and the summary numbers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from tiered.controller import measure
 from tiered.controller.measure import StageAccumulator, VersionReading
+from tiered.rollout.snapshot import Figures, StageFigures
 
 STABLE, CANARY = 1, 2
 
@@ -172,30 +175,26 @@ def test_summary_numbers():
     acc.add([reading("edge", STABLE, 100, 0, (), 2.0)])
     acc.set_shadow({("edge", "agree"): 23.0, ("edge", "disagree"): 2.0})
     summary = acc.summary(STABLE, ["edge"])
-    pooled = {k: v for k, v in summary.items() if "." not in k}
-    assert pooled == {
-        "stable_requests": 300, "canary_requests": 8,
-        "p95_stable_ms": pytest.approx(float(np.percentile([1000 * s for s in stable_s], 95))),
-        "p95_canary_ms": pytest.approx(float(np.percentile([2.0, 4.0, 6.0, 100.0], 95))),
-        "jpi_stable": 2.0, "jpi_canary": 3.0,
-        "energy_source_stable": "nvml", "energy_source_canary": "nvml",
-        "agreement": pytest.approx(18 / 20), "agreement_compared": 20,
-    }
-    assert summary["p95_stable_ms"] == pytest.approx(95.05)
-    # The one tier judged (regional is not in `tiers`) has the pooled figures as its own.
-    per_tier = {k.partition(".")[2]: v for k, v in summary.items() if k.startswith("edge.")}
-    assert per_tier and all(per_tier[k] == pooled[k] for k in per_tier)
-    assert not any(k.startswith("regional.") for k in summary)
+    assert (summary.stable, summary.canary, summary.agreement, summary.agreement_compared) == (
+        Figures(requests=300, jpi=2.0, energy_source="nvml", p95_ms=pytest.approx(
+            float(np.percentile([1000 * s for s in stable_s], 95)))),
+        Figures(requests=8, jpi=3.0, energy_source="nvml", p95_ms=pytest.approx(
+            float(np.percentile([2.0, 4.0, 6.0, 100.0], 95)))),
+        pytest.approx(18 / 20), 20)
+    assert summary.stable.p95_ms == pytest.approx(95.05)
+    # The one tier judged (regional is not in `tiers`) has the pooled figures as its
+    # own (the pooled ones name the energy source).
+    assert list(summary.tiers) == ["edge"]
+    edge = summary.tiers["edge"]
+    assert (edge.stable, edge.canary) == tuple(dataclasses.replace(pooled, energy_source=None)
+                                               for pooled in (summary.stable, summary.canary))
 
 
 def test_summary_with_nothing_measured():
     summary = accumulator().summary(STABLE, ["edge"])
-    assert summary == {
-        "stable_requests": 0, "canary_requests": 0, "p95_stable_ms": None,
-        "p95_canary_ms": None, "jpi_stable": None, "jpi_canary": None,
-        "energy_source_stable": "", "energy_source_canary": "",
-        "agreement": None, "agreement_compared": 0,
-    }
+    assert summary == StageFigures(stable=Figures(requests=0, energy_source=""),
+                                   canary=Figures(requests=0, energy_source=""),
+                                   agreement=None, agreement_compared=0)
 
 
 def test_each_version_carries_the_source_of_its_energy_figures_and_mixed_is_unknown():
@@ -224,7 +223,7 @@ def test_client_errors_are_kept_apart_from_failures_and_restored():
 def test_summary_agreement_none_when_only_errors_compared():
     acc = accumulator()
     acc.set_shadow({("edge", "error"): 12.0})
-    assert acc.summary(STABLE, ["edge"])["agreement"] is None
+    assert acc.summary(STABLE, ["edge"]).agreement is None
 
 
 def test_energy_pools_the_polls_of_one_window():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiered.controller.metrics import RolloutMetrics
-from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, TieredModelStatus
+from tiered.rollout.status import AnalysisRun, MetricResult, RolloutStatus, TieredModelStatus
 from tiered.telemetry.exposition import render
 
 

@@ -10,15 +10,15 @@ import pytest
 from tiered import names
 from tiered.controller import plan
 from tiered.rollout import engine
-from tiered.rollout.spec import (
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.status import (
     ArtifactVersion,
     Condition,
     RolloutStatus,
     TieredModelStatus,
     load_status,
-    load_tiered_model,
-    to_plain,
 )
+from tiered.rollout.wire import to_plain
 
 SHA = {1: "1" * 64, 2: "2" * 64}
 SPEC = load_tiered_model({

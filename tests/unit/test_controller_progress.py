@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from tiered.cli.progress import (
+from tiered.controller.plan import make_snapshot
+from tiered.rollout.progress import (
     ProgressLines,
     progress_line,
     quiet_tail,
     still_line,
     weights_label,
 )
-from tiered.controller.plan import make_snapshot
-from tiered.rollout.spec import AnalysisRun, MetricResult, RolloutStatus, load_tiered_model
+from tiered.rollout.snapshot import Figures, StageFigures
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.status import AnalysisRun, MetricResult, RolloutStatus
 
 SPEC = load_tiered_model({
     "name": "digits", "artifact": {"uri": "digits.onnx", "sha256": "a" * 64},
     "tiers": {"edge": {}, "regional": {}},
     "rollout": {"stages": [{"name": "edge", "weights": {"edge": 20}},
                            {"name": "wide", "weights": {"edge": 50, "regional": 50}}]}})
-NUMBERS = {"stable_requests": 400, "canary_requests": 120, "p95_stable_ms": 1.5,
-           "p95_canary_ms": 1.7, "jpi_stable": 0.2, "jpi_canary": 0.21, "agreement": 0.97,
-           "agreement_compared": 90}
+NUMBERS = StageFigures(stable=Figures(requests=400, p95_ms=1.5, jpi=0.2),
+                       canary=Figures(requests=120, p95_ms=1.7, jpi=0.21), agreement=0.97,
+                       agreement_compared=90)
 
 
 def live(run):
@@ -35,7 +39,7 @@ def test_a_hold_names_what_keeps_the_analysis_from_passing():
         MetricResult("latency_p95", "Inconclusive", "too few samples", tier="regional"),
         MetricResult("agreement", "Inconclusive", "lower bound not yet >= 0.95")))
     snap = make_snapshot(SPEC, live(run), "hold", "stage 2/2 'wide': analysis inconclusive", NUMBERS)
-    assert snap["pending"] == ["latency_p95 on regional", "agreement"]
+    assert snap.pending == ("latency_p95 on regional", "agreement")
     line = progress_line(0.0, snap)
     assert "stage 2/2 wide [all tiers 50%]" in line
     assert "stable n 400 p95 1.50 ms 200.000 mJ/inf  canary n 120 p95 1.70 ms" in line
@@ -50,24 +54,24 @@ def test_a_hold_with_a_passing_analysis_and_other_decisions_read_plainly():
     advanced = progress_line(0.0, make_snapshot(SPEC, live(passing), "advance", "stage 1 passed",
                                            NUMBERS))
     assert advanced.endswith("| advance: stage 1 passed")
-    assert make_snapshot(SPEC, live(None), "hold", "no measurements yet")["pending"] == []
+    assert make_snapshot(SPEC, live(None), "hold", "no measurements yet").pending == ()
 
 
-@pytest.mark.parametrize("sources, shown", [
-    ({"energy_source_stable": "model", "energy_source_canary": "model"},
+@pytest.mark.parametrize("stable, canary, shown", [
+    ({"energy_source": "model"}, {"energy_source": "model"},
      "210.000 mJ/inf (model, estimate)  agree"),
-    ({"energy_source_stable": "nvml", "energy_source_canary": "nvml"},
-     "210.000 mJ/inf (nvml)  agree"),
-    ({"energy_source_stable": "nvml", "energy_source_canary": "model"},
+    ({"energy_source": "nvml"}, {"energy_source": "nvml"}, "210.000 mJ/inf (nvml)  agree"),
+    ({"energy_source": "nvml"}, {"energy_source": "model"},
      "210.000 mJ/inf (stable nvml, canary model, estimate)  agree"),
-    ({}, "210.000 mJ/inf  agree"),
-    ({"energy_source_stable": "nvml", "energy_source_canary": "nvml", "jpi_stable": None,
-      "jpi_canary": None}, "p95 1.70 ms - mJ/inf  agree"),
+    ({}, {}, "210.000 mJ/inf  agree"),
+    ({"energy_source": "nvml", "jpi": None}, {"energy_source": "nvml", "jpi": None},
+     "p95 1.70 ms - mJ/inf  agree"),
 ])
-def test_j_per_inference_shows_its_source_when_the_snapshot_has_one(sources, shown):
+def test_j_per_inference_shows_its_source_when_the_snapshot_has_one(stable, canary, shown):
     passing = AnalysisRun(5, "Successful", ())
-    line = progress_line(0.0, make_snapshot(SPEC, live(passing), "hold", "too short",
-                                            {**NUMBERS, **sources}))
+    figures = dataclasses.replace(NUMBERS, stable=dataclasses.replace(NUMBERS.stable, **stable),
+                                  canary=dataclasses.replace(NUMBERS.canary, **canary))
+    line = progress_line(0.0, make_snapshot(SPEC, live(passing), "hold", "too short", figures))
     assert shown in line
 
 

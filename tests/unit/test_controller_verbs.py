@@ -21,15 +21,9 @@ from tiered.controller.verbs import (
 )
 from tiered.errors import ConfigError, Conflict, InvalidArgument
 from tiered.rollout import engine
-from tiered.rollout.spec import (
-    AnalysisRun,
-    MetricResult,
-    RolloutStatus,
-    TieredModelStatus,
-    as_resource,
-    load_tiered_model,
-    to_plain,
-)
+from tiered.rollout.spec import as_resource, load_tiered_model
+from tiered.rollout.status import AnalysisRun, MetricResult, RolloutStatus, TieredModelStatus
+from tiered.rollout.wire import to_plain
 
 SHA = "ab" * 32
 NOW = 2000.0
@@ -472,16 +466,17 @@ def test_analysis_lines_name_each_metric_and_tier():
 
 def test_history_lines_say_where_each_energy_figure_came_from():
     from tiered.controller.plan import _step
-    from tiered.rollout.spec import TieredModelStatus, load_tiered_model
+    from tiered.rollout.snapshot import Figures, StageFigures
+    from tiered.rollout.spec import load_tiered_model
+    from tiered.rollout.status import TieredModelStatus
 
     spec = load_tiered_model({"name": "m", "artifact": {"uri": "/m.onnx", "sha256": "a" * 64},
                               "tiers": {"edge": {}},
                               "rollout": {"stages": [{"name": "edge", "weights": {"edge": 10}}]}})
     rollout = RolloutStatus(stable_version=1, canary_version=2, phase="Progressing")
-    step = _step(spec, rollout, "advance", "ok", 0.0, {
-        "stable_requests": 900, "jpi_stable": 0.5, "jpi_canary": 0.25,
-        "energy_source_stable": "nvml", "energy_source_canary": "model",
-        "p95_canary_ms": None})
+    step = _step(spec, rollout, "advance", "ok", 0.0, StageFigures(
+        stable=Figures(requests=900, jpi=0.5, energy_source="nvml"),
+        canary=Figures(jpi=0.25, energy_source="model", p95_ms=None), agreement_compared=None))
     assert step.sources == {"jpi_stable": "nvml", "jpi_canary": "model"}
     assert "p95_canary_ms" not in step.numbers  # no figure: nothing stored
     (line,) = verbs.history_lines(TieredModelStatus(history=(step,)))

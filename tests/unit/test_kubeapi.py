@@ -13,7 +13,7 @@ import yaml
 from kubernetes import client, config, watch
 
 from tests.kubeapi import FakeKubeAPI, go_text, human_duration, jsonpath
-from tiered.rollout.spec import API_GROUP, API_VERSION
+from tiered.rollout.wire import API_GROUP, API_VERSION
 
 NS = "default"
 GROUP, VERSION, PLURAL = API_GROUP, API_VERSION, "tieredmodels"

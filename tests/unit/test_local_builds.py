@@ -6,7 +6,8 @@ from __future__ import annotations
 from tiered import names
 from tiered.controller import local_builds, plan
 from tiered.controller.local_builds import BuildKey
-from tiered.rollout.spec import ArtifactVersion, RolloutStatus, load_tiered_model
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.status import ArtifactVersion, RolloutStatus
 
 SHA = {1: "1" * 64, 2: "2" * 64}
 SPEC = load_tiered_model({

@@ -10,7 +10,9 @@ import xml.etree.ElementTree as ET
 
 from tiered.controller import verbs
 from tiered.demo import report
-from tiered.rollout.spec import HistoryEntry, TieredModelStatus, load_tiered_model
+from tiered.rollout import snapshot
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.status import HistoryEntry, TieredModelStatus
 
 SPEC = load_tiered_model({
     "name": "digits", "artifact": {"uri": "/m.onnx", "sha256": "ab" * 32},
@@ -21,11 +23,12 @@ SPEC = load_tiered_model({
 
 
 def snap(t, action="hold", **numbers):
-    return {"t": t, "model": "digits", "stable_version": 1, "canary_version": 2,
-            "phase": "Progressing", "stage_index": 1, "stage_name": "wide", "stages": 2,
-            "weights": {"edge": 50, "regional": 50}, "action": action, "reason": "r",
-            "energy_source_stable": "rapl", "energy_source_canary": "rapl",
-            "jpi_stable": 0.002, "jpi_canary": 0.0021, **numbers}
+    return t, snapshot.from_record({
+        "model": "digits", "stable_version": 1, "canary_version": 2,
+        "phase": "Progressing", "stage_index": 1, "stage_name": "wide", "stages": 2,
+        "weights": {"edge": 50, "regional": 50}, "action": action, "reason": "r",
+        "energy_source_stable": "rapl", "energy_source_canary": "rapl",
+        "jpi_stable": 0.002, "jpi_canary": 0.0021, **numbers})
 
 
 PER_TIER = [snap(t, **{f"{tier}.{k}": v * (2 if tier == "regional" else 1) for tier in
@@ -78,10 +81,11 @@ def test_the_status_history_reads_as_report_snapshots():
                      sources={"jpi_stable": "nvml"}),
         HistoryEntry(t=9.0, action="promote", reason="done", phase="Promoted",
                      stable_version=2)))
-    first, last = verbs.snapshots_of(SPEC, status)
-    assert (first["stage_index"], first["stage_name"], first["weights"]) == (
+    (_, first), (_, last) = verbs.snapshots_of(SPEC, status)
+    assert (first.stage_index, first.stage_name, first.weights) == (
         1, "wide", {"edge": 50.0, "regional": 50.0})
-    assert first["edge.p95_canary_ms"] == 11.0 and first["energy_source_stable"] == "nvml"
-    assert last["weights"] == {"edge": 0.0, "regional": 0.0} and last["action"] == "promote"
+    assert first.figures.tiers["edge"].canary.p95_ms == 11.0
+    assert first.figures.stable.energy_source == "nvml"
+    assert last.weights == {"edge": 0.0, "regional": 0.0} and last.action == "promote"
     page = report.render_html(verbs.snapshots_of(SPEC, status), "t", {}, THRESHOLDS)
     assert "p95 latency on edge" in titles(page)

@@ -19,7 +19,9 @@ from tiered.errors import InvalidArgument
 from tiered.rollout import analysis as a
 from tiered.rollout import engine as e
 from tiered.rollout import spec as s
-from tiered.rollout.spec import RolloutStatus, load_tiered_model
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.status import RolloutStatus
+from tiered.settings import type_hints
 
 SHA = "cd" * 32
 
@@ -174,7 +176,7 @@ def _snake_spec_fields() -> set[str]:
     while todo:
         cls = todo.pop()
         seen.add(cls)
-        for hint in s._hints(cls).values():
+        for hint in type_hints(cls).values():
             inner = [hint, *typing.get_args(hint)]
             for each in [*inner, *(arg for i in inner for arg in typing.get_args(i))]:
                 if dataclasses.is_dataclass(each) and each not in seen:

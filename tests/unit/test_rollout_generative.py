@@ -15,6 +15,7 @@ from tiered.errors import ConfigError
 from tiered.rollout import analysis as a
 from tiered.rollout import engine as e
 from tiered.rollout import spec as s
+from tiered.rollout.openapi import crd_validation
 
 SHA = "ab" * 32
 GENERATIVE, PREDICTIVE = names.ModelKind.GENERATIVE, names.ModelKind.PREDICTIVE
@@ -88,7 +89,7 @@ def test_a_kind_with_every_one_of_its_metrics_null_is_refused():
 
 
 def test_the_crd_declares_kind_and_the_generative_bounds():
-    spec = s.crd_validation()["openAPIV3Schema"]["properties"]["spec"]
+    spec = crd_validation()["openAPIV3Schema"]["properties"]["spec"]
     assert spec["properties"]["kind"]["enum"] == ["predictive", "generative"]
     assert spec["properties"]["kind"]["default"] == "predictive"
     analysis = spec["properties"]["rollout"]["properties"]["analysis"]["properties"]

@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from tiered.demo import report
+from tiered.rollout import snapshot
 
 STAGES = (("edge-5", {"edge": 5, "regional": 0, "datacenter": 0}),
           ("region-50", {"edge": 50, "regional": 50, "datacenter": 0}),
@@ -31,7 +32,16 @@ def snap(t, action="hold", reason="waiting for samples", *, stable=1, canary=2, 
             "agreement_compared": int(t) * 5, "verdict": verdict}
 
 
+def timed(records):
+    """Records with their time, as the report takes them: (t, snapshot)."""
+    return [(r["t"], snapshot.from_record(r)) for r in records]
+
+
 def history():
+    return timed(records())
+
+
+def records():
     """v2 promoted through three stages, then v3 rolled back in its first stage."""
     return [
         snap(0, "start", "rollout of v2 started", p95=(None, None), jpi=(None, None),
@@ -146,7 +156,8 @@ def test_write_report_writes_both_files_and_json_round_trips(tmp_path):
     assert sorted(p.name for p in out_dir.iterdir()) == ["report.html", "report.json"]
 
 
-@pytest.mark.parametrize("points", [[], [snap(0, "start", "go")]], ids=["empty", "single"])
+@pytest.mark.parametrize("points", [[], timed([snap(0, "start", "go")])],
+                         ids=["empty", "single"])
 def test_empty_and_single_snapshot_histories_render(points, tmp_path):
     page = report.render_html(points, "r", {})
     assert_finite_geometry(page)
@@ -161,7 +172,8 @@ def test_empty_and_single_snapshot_histories_render(points, tmp_path):
 
 
 def test_all_unknown_and_constant_series_render_without_division_by_zero():
-    points = [snap(t, p95=(None, None), jpi=(0.5, 0.5), agreement=1.0) for t in (0, 10, 20)]
+    points = timed([snap(t, p95=(None, None), jpi=(0.5, 0.5), agreement=1.0)
+                    for t in (0, 10, 20)])
     page = report.render_html(points, "r", {})
     p95, _, _, agreement = svgs(page)
     assert "no data" in ["".join(t.itertext()) for t in p95.iter("text")]
@@ -171,8 +183,8 @@ def test_all_unknown_and_constant_series_render_without_division_by_zero():
 
 
 def test_energy_figures_name_their_source():
-    modeled = [{**s, "energy_source_stable": "model", "energy_source_canary": "model"}
-               for s in history()]
+    modeled = timed([{**s, "energy_source_stable": "model", "energy_source_canary": "model"}
+                     for s in records()])
     page = report.render_html(modeled, "t", {})
     assert "Energy per inference (model, estimate)" in page
     assert "<td>model, estimate</td>" in page
@@ -185,16 +197,16 @@ def test_energy_figures_name_their_source():
 def test_a_retried_rollout_is_a_rollout_of_its_own():
     """v2 rolled back, retried and aborted, retried and promoted: three rollouts,
     each with its own outcome and duration; nothing runs on to the retry."""
-    points = [snap(0, "start", "rollout of v2"), snap(30),
-              snap(60, "rollback", "failed", phase="RolledBack"),
-              snap(100, "retry", "retrying version 2 by hand", canary=None),
-              snap(110, "start", "rollout of v2"), snap(130),
-              snap(150, "abort", "aborted by hand", phase="Aborted"),
-              snap(200, "retry", "retrying version 2 by hand", canary=None),
-              snap(210, "start", "rollout of v2"),
-              snap(240, "advance", "on to stage 2", stage=1),
-              snap(300, "promote", "promoted", stable=2, canary=None, stage=1,
-                   phase="Promoted")]
+    points = timed([snap(0, "start", "rollout of v2"), snap(30),
+                    snap(60, "rollback", "failed", phase="RolledBack"),
+                    snap(100, "retry", "retrying version 2 by hand", canary=None),
+                    snap(110, "start", "rollout of v2"), snap(130),
+                    snap(150, "abort", "aborted by hand", phase="Aborted"),
+                    snap(200, "retry", "retrying version 2 by hand", canary=None),
+                    snap(210, "start", "rollout of v2"),
+                    snap(240, "advance", "on to stage 2", stage=1),
+                    snap(300, "promote", "promoted", stable=2, canary=None, stage=1,
+                         phase="Promoted")])
     rollouts = report.report_json(points, "r", {})["rollouts"]
     assert [(r["stable_version"], r["canary_version"], r["outcome"], r["started_s"],
              r["duration_s"]) for r in rollouts] == [(1, 2, "RolledBack", 0, 60),
@@ -208,11 +220,11 @@ def test_a_retried_rollout_is_a_rollout_of_its_own():
 
 
 def test_a_new_version_applied_after_a_retry_starts_its_own_rollout():
-    points = [snap(0, "start", "rollout of v2"),
-              snap(60, "rollback", "failed", phase="RolledBack"),
-              snap(100, "retry", "retrying version 2 by hand", canary=None),
-              snap(110, "start", "rollout of v3", canary=3),
-              snap(200, "promote", "promoted", stable=3, canary=None, phase="Promoted")]
+    points = timed([snap(0, "start", "rollout of v2"),
+                    snap(60, "rollback", "failed", phase="RolledBack"),
+                    snap(100, "retry", "retrying version 2 by hand", canary=None),
+                    snap(110, "start", "rollout of v3", canary=3),
+                    snap(200, "promote", "promoted", stable=3, canary=None, phase="Promoted")])
     rollouts = report.report_json(points, "r", {})["rollouts"]
     assert [(r["canary_version"], r["outcome"]) for r in rollouts] == [
         (2, "RolledBack"), (None, "Progressing"), (3, "Promoted")]
@@ -263,7 +275,8 @@ def test_the_local_report_of_retried_rollouts(tmp_path):
     from tiered.controller.plan import make_snapshot
     from tiered.controller.reconciler import decode_status
     from tiered.controller.store import StateStore
-    from tiered.rollout.spec import ArtifactVersion, TieredModelStatus, to_plain
+    from tiered.rollout.status import ArtifactVersion, TieredModelStatus
+    from tiered.rollout.wire import to_plain
 
     artifacts = tuple(ArtifactVersion(v, f"/m/v{v}.onnx", SHAS[v]) for v in (1, 2))
     with StateStore(tmp_path / "state" / "state.db") as store:
@@ -276,7 +289,8 @@ def test_the_local_report_of_retried_rollouts(tmp_path):
                                        artifacts=artifacts,
                                        observed_generation=record.generation)
             store.write_status("digits", record.revision, status=to_plain(status))
-            store.record("digits", make_snapshot(spec, status.rollout, action, reason), t)
+            store.record("digits", snapshot.to_record(make_snapshot(
+                spec, status.rollout, action, reason)), t)
 
         retried_twice(controller, lambda name, t: verbs.rollout_verb(
             store, "digits", name, now=lambda: t))
@@ -293,7 +307,8 @@ def test_the_kubernetes_report_of_retried_rollouts_reads_the_same():
     from tiered.controller import verbs
     from tiered.controller.plan import _step
     from tiered.rollout import engine
-    from tiered.rollout.spec import TieredModelStatus, load_tiered_model
+    from tiered.rollout.spec import load_tiered_model
+    from tiered.rollout.status import TieredModelStatus
 
     spec = load_tiered_model(DOCUMENT)
     status = TieredModelStatus()
@@ -313,6 +328,6 @@ def test_the_kubernetes_report_of_retried_rollouts_reads_the_same():
 
     retried_twice(controller, verb)
     history = verbs.snapshots_of(spec, status)
-    t0 = history[0]["t"]
-    data = report.report_json([dict(s, t=s["t"] - t0) for s in history], "r", {})
+    t0 = history[0][0]
+    data = report.report_json([(t - t0, snap) for t, snap in history], "r", {})
     assert outcomes(data) == EXPECTED

@@ -14,6 +14,9 @@ import yaml
 from tiered import names
 from tiered.errors import ConfigError
 from tiered.rollout import spec as s
+from tiered.rollout.openapi import crd_validation, openapi_schema
+from tiered.rollout.status import Retirement, RolloutStatus, TieredModelStatus, load_status
+from tiered.rollout.wire import to_plain
 
 SHA = "ab" * 32
 
@@ -103,23 +106,23 @@ def test_errors_name_the_field_as_the_document_writes_it():
 
 
 def test_status_times_are_rfc3339_and_read_back_to_the_microsecond():
-    status = s.TieredModelStatus(
-        rollout=s.RolloutStatus(stable_version=1, stage_started_at=1796148819.25),
-        retiring=(s.Retirement(version=1, after=1796148820.5),))
-    plain = s.to_plain(status)
+    status = TieredModelStatus(
+        rollout=RolloutStatus(stable_version=1, stage_started_at=1796148819.25),
+        retiring=(Retirement(version=1, after=1796148820.5),))
+    plain = to_plain(status)
     assert plain["rollout"]["stageStartedAt"] == "2026-12-01T18:13:39.250000Z"
     assert plain["retiring"] == [{"version": 1, "after": "2026-12-01T18:13:40.500000Z"}]
     assert "observedGeneration" in plain and "stageSamples" in plain
-    assert s.load_status(plain, "status") == status
+    assert load_status(plain, "status") == status
     # v1alpha1 wrote seconds and snake_case; it still reads.
-    assert s.load_status(s.to_plain(status, spell=None), "status", "v1alpha1") == status
+    assert load_status(to_plain(status, spell=None), "status", "v1alpha1") == status
     plain["rollout"]["stageStartedAt"] = "yesterday"
     with pytest.raises(ConfigError, match=r"status\.rollout\.stageStartedAt: expected an RFC "
                        r"3339 time"):
-        s.load_status(plain, "status")
+        load_status(plain, "status")
     plain["rollout"]["stageStartedAt"] = "2026-12-01T18:13:39"
     with pytest.raises(ConfigError, match="has no time zone"):
-        s.load_status(plain, "status")
+        load_status(plain, "status")
 
 
 def test_a_metric_set_to_null_is_not_judged():
@@ -264,7 +267,7 @@ def _walk(schema: dict, path: str = ""):
 
 
 def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
-    root = s.crd_validation()["openAPIV3Schema"]
+    root = crd_validation()["openAPIV3Schema"]
     json.dumps(root)  # plain JSON data
     spec = root["properties"]["spec"]
     assert spec["type"] == "object"
@@ -312,7 +315,7 @@ def test_the_crd_schema_has_types_required_fields_enums_and_bounds():
 
 def test_schema_defaults_pass_the_same_validation():
     # A default that the validation would refuse would be a schema bug.
-    spec = s.openapi_schema(s.TieredModel)
+    spec = openapi_schema(s.TieredModel)
     analysis = spec["properties"]["rollout"]["properties"]["analysis"]
     s.AnalysisSpec(**{k: v["default"] for k, v in analysis["properties"].items()
                       if k in ("confidence", "min_samples", "consecutive_failure_limit")})

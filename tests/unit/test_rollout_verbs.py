@@ -14,14 +14,9 @@ from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.errors import InvalidArgument
 from tiered.rollout import engine as e
-from tiered.rollout.spec import (
-    ArtifactVersion,
-    HistoryEntry,
-    RolloutStatus,
-    TieredModelStatus,
-    load_tiered_model,
-    to_plain,
-)
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.status import ArtifactVersion, HistoryEntry, RolloutStatus, TieredModelStatus
+from tiered.rollout.wire import to_plain
 
 SHAS = {v: f"{v:x}" * 64 for v in (1, 2, 3)}
 DOCUMENT = {"name": "digits", "artifact": {"uri": "/m/v3.onnx", "sha256": SHAS[3],

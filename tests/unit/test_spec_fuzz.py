@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file, read_documents
 from tiered.errors import ConfigError
-from tiered.rollout.spec import TieredModel, load_tiered_model, to_plain
+from tiered.rollout.spec import TieredModel, load_tiered_model
+from tiered.rollout.wire import to_plain
 
 BASE = yaml.safe_load((Path(__file__).parents[2] / "examples" / "digits.yaml").read_text())
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,

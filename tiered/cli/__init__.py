@@ -6,8 +6,9 @@ controller), `verbs` (apply, get, rollout, crds) and `load` each add their parse
 and handlers with `register(commands)`; `flags` holds the flags several
 commands share. Arguments are parsed in `main()`, never at import, and a
 handler imports what it runs only when it runs, so `tiered --help` stays
-fast. `top` and `progress` are how results read on a terminal; `watch` is
-what every --watch loop shares (ending on Ctrl-C or a closed pipe).
+fast. `top` is how an agent's figures read on a terminal (a rollout's
+progress lines are `tiered.rollout.progress`); `watch` is what every --watch
+loop shares (ending on Ctrl-C or a closed pipe).
 """
 
 from __future__ import annotations

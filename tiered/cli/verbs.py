@@ -19,7 +19,8 @@ from tiered.cli.watch import EXIT_INTERRUPTED, until_closed, wait
 from tiered.errors import ConfigError, TieredError
 
 if TYPE_CHECKING:
-    from tiered.rollout.spec import TieredModel, TieredModelStatus
+    from tiered.rollout.spec import TieredModel
+    from tiered.rollout.status import TieredModelStatus
 
 WATCH_INTERVAL_S = 1.0
 STILL_EVERY_S = 30.0  # rollout status --watch: a line at least this often while a stage holds
@@ -254,6 +255,7 @@ def _rollout_report(args: argparse.Namespace) -> int:
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
     from tiered.demo.report import write_report
+    from tiered.rollout import snapshot
     from tiered.rollout.spec import load_tiered_model
 
     builds: list[dict] = []
@@ -267,7 +269,8 @@ def _rollout_report(args: argparse.Namespace) -> int:
         with _store(args) as store:
             record = store.get(args.name)
             spec, status = verbs.spec_of(record), decode_status(args.name, record.status)
-            history = [dict(snap, t=t) for _, t, snap in store.history(args.name)]
+            history = [(t, snapshot.from_record(kept))
+                       for _, t, kept in store.history(args.name)]
         builds = _build_reports(args.state, spec, status)
         where = f"local, {args.state}"
     rollout = status.rollout
@@ -275,8 +278,8 @@ def _rollout_report(args: argparse.Namespace) -> int:
              "phase": rollout.phase if rollout else "Pending",
              "stable version": rollout.stable_version if rollout else None,
              "steps": len(history)}
-    t0 = history[0]["t"] if history else 0.0
-    html, data = write_report([dict(s, t=s["t"] - t0) for s in history],
+    t0 = history[0][0] if history else 0.0
+    html, data = write_report([(t - t0, snap) for t, snap in history],
                               args.out or Path(f"{args.name}-report"),
                               f"Rollouts of {args.name}", extra,
                               verbs.report_thresholds(spec), builds)
@@ -368,9 +371,9 @@ def still(look: Look, now: float, quiet_s: float) -> str:
     maxDurationSeconds. From the status alone, so both backends say the same."""
     import time
 
-    from tiered.cli.progress import quiet_tail, still_line
     from tiered.controller import desired
     from tiered.controller.plan import make_snapshot
+    from tiered.rollout.progress import quiet_tail, still_line
 
     spec, status = look.spec, look.status
     rollout = status.rollout
@@ -403,9 +406,10 @@ def _store_steps(store, name: str) -> Callable[[], Look]:
     """A poll of the local store: the first look prints the summary, the
     analysis and the last steps, later ones new steps (a hold only when its
     reason changed)."""
-    from tiered.cli.progress import ProgressLines
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
+    from tiered.rollout import snapshot
+    from tiered.rollout.progress import ProgressLines
 
     last = None
     shown = ProgressLines()
@@ -423,8 +427,8 @@ def _store_steps(store, name: str) -> Callable[[], Look]:
             last = 0
         else:
             history = store.history(name, after_id=last)
-        for entry_id, t, snap in history:
-            line = shown.line(t, snap)
+        for entry_id, t, kept in history:
+            line = shown.line(t, snapshot.from_record(kept))
             if line is not None:
                 lines.append(line)
             last = entry_id

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from tiered.rollout.spec import API_GROUP, API_VERSION, KIND, OLD_VERSIONS, crd_validation
+from tiered.rollout.openapi import crd_validation
+from tiered.rollout.wire import API_GROUP, API_VERSION, KIND, OLD_VERSIONS
 
 PLURAL = "tieredmodels"
 SINGULAR = "tieredmodel"

@@ -15,13 +15,8 @@ from tiered import names
 from tiered.errors import InvalidArgument
 from tiered.protocol import routing
 from tiered.rollout import engine
-from tiered.rollout.spec import (
-    Artifact,
-    ArtifactVersion,
-    RolloutStatus,
-    TieredModel,
-    TieredModelStatus,
-)
+from tiered.rollout.spec import Artifact, TieredModel
+from tiered.rollout.status import ArtifactVersion, RolloutStatus, TieredModelStatus
 
 
 def version_of(artifact: Artifact, known: Sequence[ArtifactVersion]

@@ -25,7 +25,8 @@ from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 from tiered.rollout import engine
-from tiered.rollout.spec import RolloutStatus, TieredModel
+from tiered.rollout.spec import TieredModel
+from tiered.rollout.status import RolloutStatus
 
 log = logging.getLogger(__name__)
 

@@ -52,7 +52,10 @@ from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import routing
 from tiered.protocol.security import ChannelCache
-from tiered.rollout.spec import ArtifactVersion, RolloutStatus, TieredModel, to_plain
+from tiered.rollout.snapshot import to_record
+from tiered.rollout.spec import TieredModel
+from tiered.rollout.status import ArtifactVersion, RolloutStatus
+from tiered.rollout.wire import to_plain
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +197,11 @@ class LocalBackend:
         """Nothing to do: a record removed from the store has no deletion
         marker to clear, and the next table leaves its routes out."""
 
+    def settle(self, stored: Stored) -> Stored:
+        """Never asked: the store keeps every model at the current API version
+        and has no finalizers, so what it reads is settled."""
+        return stored
+
     def prepare(self, spec: TieredModel, wanted: plan.Versions
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
         """Build what is missing, in the background: a version is Ready on a
@@ -288,7 +296,7 @@ class LocalBackend:
 
     def record(self, spec: TieredModel, made: plan.Plan, now: float) -> None:
         if made.snapshot is not None:
-            self.store.record(spec.name, made.snapshot, now)
+            self.store.record(spec.name, to_record(made.snapshot), now)
 
     def write_routing(self) -> None:
         models = routed(Stored(r.name, r.spec, r.status, r.generation)

@@ -40,6 +40,7 @@ import numpy as np
 
 from tiered import names
 from tiered.rollout.analysis import Measurements, TierSamples, VersionSamples
+from tiered.rollout.snapshot import Compared, Figures, StageFigures
 
 RESERVOIR = 4000  # latency (TTFT, TPOT) samples kept per (tier, version); uniform over the stage
 WINDOWS = 600  # J/inference (J/token) windows kept per (tier, version)
@@ -261,34 +262,36 @@ class StageAccumulator:
                               joules_per_token=tuple(series.joules_per_token()))
 
     def summary(self, stable_version: int, tiers: Iterable[str],
-                kind: str = names.ModelKind.PREDICTIVE) -> dict[str, float | str | None]:
-        """The headline numbers for progress lines and history snapshots, and
+                kind: str = names.ModelKind.PREDICTIVE) -> StageFigures:
+        """The headline figures for progress lines and history snapshots, with
         the source of each version's energy figures (nvml, rapl, model); the
-        same per tier that served the canary, as 'edge.p95_canary_ms'. The
-        figures are those the model's `kind` is judged on: request p95 and
-        J/inference (p95_*_ms, jpi_*), or a generative model's TTFT and TPOT
-        p95 and J per output token (ttft_p95_*_ms, tpot_p95_*_ms, jpt_*)."""
+        same per tier that served the canary. The figures are those the
+        model's `kind` is judged on: request p95 and J/inference, or a
+        generative model's output tokens, TTFT and TPOT p95 and J per output
+        token."""
         m = self.measurements(stable_version, tiers)
+        generative = kind == names.ModelKind.GENERATIVE
+
+        def headline(samples: VersionSamples, energy_source: str | None = None) -> Figures:
+            if generative:
+                return Figures(requests=samples.requests, output_tokens=samples.output_tokens,
+                               ttft_p95_ms=_p95(samples.ttft_ms),
+                               tpot_p95_ms=_p95(samples.tpot_ms),
+                               jpt=_median(samples.joules_per_token),
+                               energy_source=energy_source)
+            return Figures(requests=samples.requests, p95_ms=_p95(samples.latencies_ms),
+                           jpi=_median(samples.joules_per_inference),
+                           energy_source=energy_source)
+
         stable, canary = m.pooled("stable"), m.pooled("canary")
-        figures = _GENERATIVE_FIGURES if kind == names.ModelKind.GENERATIVE \
-            else _PREDICTIVE_FIGURES
-
-        def headline(samples: VersionSamples, who: str) -> list[tuple[str, float | None]]:
-            return [(f"{who}_requests", samples.requests),
-                    *((key.format(who=who), figure(samples)) for key, figure in figures)]
-
-        return {
-            **dict(headline(stable, "stable") + headline(canary, "canary")),
-            "energy_source_stable": stable.energy_source,
-            "energy_source_canary": canary.energy_source,
-            "agreement": (m.shadow_agreed / m.shadow_compared if m.shadow_compared else None),
-            "agreement_compared": m.shadow_compared,
+        return StageFigures(
+            stable=headline(stable, stable.energy_source),
+            canary=headline(canary, canary.energy_source),
+            agreement=(m.shadow_agreed / m.shadow_compared if m.shadow_compared else None),
+            agreement_compared=m.shadow_compared,
             # Each tier on its own, as the analysis judges it (the report's per-tier charts).
-            **{f"{tier}.{key}": value for tier, samples in m.tiers.items()
-               for key, value in (headline(samples.stable, "stable")
-                                  + headline(samples.canary, "canary"))
-               if samples.canary.requests and value is not None},
-        }
+            tiers={tier: Compared(headline(samples.stable), headline(samples.canary))
+                   for tier, samples in m.tiers.items() if samples.canary.requests})
 
 
 def _p95(values: Sequence[float]) -> float | None:
@@ -297,18 +300,6 @@ def _p95(values: Sequence[float]) -> float | None:
 
 def _median(values: Sequence[float]) -> float | None:
     return float(np.median(values)) if len(values) else None
-
-
-# The headline figures of each kind: key (with the version's "stable" or
-# "canary") and how it is read from the version's samples.
-_PREDICTIVE_FIGURES = (
-    ("p95_{who}_ms", lambda v: _p95(v.latencies_ms)),
-    ("jpi_{who}", lambda v: _median(v.joules_per_inference)))
-_GENERATIVE_FIGURES = (
-    ("{who}_output_tokens", lambda v: v.output_tokens),
-    ("ttft_p95_{who}_ms", lambda v: _p95(v.ttft_ms)),
-    ("tpot_p95_{who}_ms", lambda v: _p95(v.tpot_ms)),
-    ("jpt_{who}", lambda v: _median(v.joules_per_token)))
 
 
 def _pool(windows: dict[int, list[float]], window: int, per_unit: float, units: int) -> None:

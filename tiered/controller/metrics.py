@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from tiered import names
-from tiered.rollout.spec import TieredModelStatus
+from tiered.rollout.status import TieredModelStatus
 from tiered.telemetry.exposition import Family
 
 OUTCOMES = tuple(names.Outcome)

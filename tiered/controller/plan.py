@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -37,13 +37,14 @@ from tiered.controller import desired
 from tiered.errors import ConfigError
 from tiered.rollout import engine
 from tiered.rollout.analysis import Measurements
-from tiered.rollout.spec import (
+from tiered.rollout.snapshot import Snapshot, StageFigures, to_step_numbers
+from tiered.rollout.spec import TieredModel
+from tiered.rollout.status import (
     ArtifactVersion,
     Condition,
     HistoryEntry,
     Retirement,
     RolloutStatus,
-    TieredModel,
     TieredModelStatus,
 )
 
@@ -77,7 +78,7 @@ class StageReading:
     canary_version: int
     stage_index: int
     measurements: Measurements | None
-    numbers: Mapping[str, Any] = field(default_factory=dict)  # headline numbers
+    figures: StageFigures | None = None  # the headline figures, as far as read
     unreadable: tuple[str, ...] = ()  # agents whose telemetry could not be read
     state: Mapping[str, Any] | None = None  # the stage's samples, kept in the status
     # engine processes down, as "<agent> <device>: <why>" (a GPU gone, say)
@@ -117,7 +118,7 @@ class Plan:
     keep: tuple[int, ...]  # versions whose agents must exist
     retire: tuple[int, ...]  # versions whose agents go now
     events: tuple[Event, ...] = ()
-    snapshot: Mapping[str, Any] | None = None  # this pass's rollout snapshot, if judged or moved
+    snapshot: Snapshot | None = None  # this pass's rollout snapshot, if judged or moved
     requeue_after_s: float | None = None
 
 
@@ -187,7 +188,7 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
     rollout = status.rollout
     events: list[Event] = []
     steps: list[HistoryEntry] = []
-    snapshot: dict[str, Any] | None = None
+    snapshot: Snapshot | None = None
     requeue: float | None = None
     blocked = waiting(spec, rollout, wanted, observed.states)
     if blocked is not None:
@@ -203,10 +204,10 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
                 requeue = spec.rollout.analysis.interval_s
         elif desired.live(rollout):
             held = rollout.message  # the reason of the last decision
-            decision, numbers = _judge(spec, rollout, observed.reading, now)
+            decision, figures = _judge(spec, rollout, observed.reading, now)
             decision = desired.explain_starvation(spec, decision)
             rollout = decision.status
-            snapshot = make_snapshot(spec, rollout, decision.action, decision.reason, numbers)
+            snapshot = make_snapshot(spec, rollout, decision.action, decision.reason, figures)
             if decision.action == names.Action.HOLD:
                 if engine.reason_gist(decision.reason) != engine.reason_gist(held):
                     events.append(Event(_REASONS[decision.action],
@@ -217,7 +218,7 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
                                     warning=decision.action in (names.Action.ROLLBACK,
                                                                 names.Action.PAUSE)))
                 steps.append(_step(spec, rollout, decision.action, decision.reason, now,
-                                   numbers))
+                                   figures))
             requeue = decision.requeue_after_s
             if requeue is None or requeue > spec.rollout.analysis.interval_s:
                 requeue = spec.rollout.analysis.interval_s
@@ -249,7 +250,7 @@ def _tiers(spec: TieredModel) -> list[str]:
 
 
 def _judge(spec: TieredModel, rollout: RolloutStatus, reading: StageReading | None,
-           now: float) -> tuple[engine.Decision, Mapping[str, Any]]:
+           now: float) -> tuple[engine.Decision, StageFigures | None]:
     """The engine's decision on the live stage from what was read for it.
     Partial data is never judged: an unreadable agent holds the stage, and
     its clock stops while it is blind (judged at the moment it went blind),
@@ -257,19 +258,19 @@ def _judge(spec: TieredModel, rollout: RolloutStatus, reading: StageReading | No
     maxDurationSeconds; the time held moves the stage's start on once it reads again."""
     if reading is None or (reading.canary_version, reading.stage_index) != (
             rollout.canary_version, rollout.stage_index):
-        return engine.decide(spec, rollout, None, rollout.blind_since or now), {}
+        return engine.decide(spec, rollout, None, rollout.blind_since or now), None
     if reading.unreadable:
         blind = rollout.blind_since if rollout.blind_since is not None else now
         decision = engine.decide(spec, rollout, None, blind)
         why = f"telemetry unreadable from {', '.join(reading.unreadable)}: {decision.reason}"
         held = blind if decision.action == names.Action.HOLD else None
         return dataclasses.replace(decision, reason=why, status=dataclasses.replace(
-            decision.status, message=why, blind_since=held)), reading.numbers
+            decision.status, message=why, blind_since=held)), reading.figures
     if rollout.blind_since is not None:  # sighted again: the time held does not count
         rollout = dataclasses.replace(
             rollout, blind_since=None,
             stage_started_at=rollout.stage_started_at + (now - rollout.blind_since))
-    return engine.decide(spec, rollout, reading.measurements, now), reading.numbers
+    return engine.decide(spec, rollout, reading.measurements, now), reading.figures
 
 
 def _stage_samples(status: TieredModelStatus, rollout: RolloutStatus | None,
@@ -386,44 +387,29 @@ def _ready(rollout: RolloutStatus, routed: Routed | None,
         f" ({', '.join(unasked)} did not answer)" if unasked else "")
 
 
-# Each energy figure of the headline numbers, and the number naming its source.
-SOURCE_OF = {"jpi_stable": "energy_source_stable", "jpi_canary": "energy_source_canary",
-             "jpt_stable": "energy_source_stable", "jpt_canary": "energy_source_canary"}
-
-
 def _step(spec: TieredModel, rollout: RolloutStatus, action: str, reason: str, now: float,
-          numbers: Mapping[str, Any] | None = None) -> HistoryEntry:
-    numbers = numbers or {}
+          figures: StageFigures | None = None) -> HistoryEntry:
+    numbers, sources = to_step_numbers(figures) if figures is not None else ({}, {})
     return HistoryEntry(
         t=now, action=action, reason=reason, phase=rollout.phase,
         stable_version=rollout.stable_version, canary_version=rollout.canary_version,
         stage=desired.stage_label(spec, rollout) if rollout.canary_version else "",
-        numbers={k: float(v) for k, v in numbers.items()
-                 if isinstance(v, (int, float))},  # figures only: the status schema's type
-        sources={figure: str(numbers[source]) for figure, source in SOURCE_OF.items()
-                 if numbers.get(figure) is not None and numbers.get(source)})
+        numbers=numbers, sources=sources)
 
 
 def make_snapshot(spec: TieredModel, status: RolloutStatus, action: str, reason: str,
-                  numbers: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  figures: StageFigures | None = None) -> Snapshot:
     """One line of the local rollout history (progress lines, the report):
-    where the rollout stands and the numbers it used."""
+    where the rollout stands and the figures it used."""
     index = min(status.stage_index, len(spec.rollout.stages) - 1)
     run = status.last_analysis
-    return {
-        "model": spec.name, "kind": spec.kind, "stable_version": status.stable_version,
-        "canary_version": status.canary_version, "phase": status.phase,
-        "stage_index": index, "stage_name": spec.rollout.stages[index].name,
-        "stages": len(spec.rollout.stages),
-        "weights": dict(engine.canary_weights(spec, status)),
-        "action": action, "reason": reason,
-        "verdict": run.verdict if run is not None else None,
-        # what keeps the analysis from passing: metric labels, with their tier
-        "pending": [m.label for m in run.metrics
-                    if m.outcome not in (names.Outcome.SUCCESSFUL, names.Outcome.NOT_JUDGED)]
-        if run is not None else [],
-        **{key: None for key in ("stable_requests", "canary_requests", "p95_stable_ms",
-                                 "p95_canary_ms", "jpi_stable", "jpi_canary", "agreement")},
-        "agreement_compared": 0,
-        **(numbers or {}),
-    }
+    return Snapshot(
+        model=spec.name, kind=spec.kind, stable_version=status.stable_version,
+        canary_version=status.canary_version, phase=status.phase, stage_index=index,
+        stage_name=spec.rollout.stages[index].name, stages=len(spec.rollout.stages),
+        weights=dict(engine.canary_weights(spec, status)), action=action, reason=reason,
+        verdict=run.verdict if run is not None else None,
+        pending=tuple(m.label for m in run.metrics
+                      if m.outcome not in (names.Outcome.SUCCESSFUL, names.Outcome.NOT_JUDGED))
+        if run is not None else (),
+        figures=figures or StageFigures())

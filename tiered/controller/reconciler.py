@@ -26,16 +26,20 @@ from tiered.controller import desired, plan
 from tiered.controller.judge import RolloutJudge
 from tiered.controller.metrics import RolloutMetrics
 from tiered.errors import ConfigError
-from tiered.rollout.spec import (
-    RolloutStatus,
-    TieredModel,
-    TieredModelStatus,
-    load_status,
-    load_tiered_model,
-    to_plain,
-)
+from tiered.rollout.spec import TieredModel, load_tiered_model
+from tiered.rollout.status import RolloutStatus, TieredModelStatus, load_status
+from tiered.rollout.wire import to_plain
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A model stored at an older API version, and its form at the current one
+    (the status under "status")."""
+
+    from_version: str
+    body: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,14 @@ class Stored:
     generation: int
     revision: Any = None  # what a write must match (the store's revision)
     deleting: bool = False  # Kubernetes: a deletionTimestamp is set
+    held: bool = True  # Kubernetes: it carries the controller's finalizer
+    rewrite: Rewrite | None = None  # Kubernetes: stored at an older API version
+
+    @property
+    def settled(self) -> bool:
+        """Kept as the controller keeps a model: at the current API version,
+        held by its finalizer (always, in the local store)."""
+        return self.held and self.rewrite is None
 
 
 def decode_status(name: str, plain: Mapping[str, Any] | None) -> TieredModelStatus:
@@ -90,6 +102,10 @@ class Backend(Protocol):
     def finalize(self, stored: Stored) -> None:
         """A model being deleted: let it go (its routes first)."""
 
+    def settle(self, stored: Stored) -> Stored:
+        """Write the model as the controller keeps it (see `Stored.settled`);
+        what it is then."""
+
     def prepare(self, spec: TieredModel, wanted: plan.Versions
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
         """Bring about the agents of the wanted versions; their state per
@@ -131,6 +147,8 @@ class Reconciler:
     def reconcile(self, name: str) -> float | None:
         """Make the world match one model; seconds until it wants another look."""
         stored = self.backend.read(name)
+        if stored is not None and not stored.deleting and not stored.settled:
+            stored = self.backend.settle(stored)
         if stored is None or stored.deleting:
             self.judge.forget(name)
             self.metrics.forget(name)

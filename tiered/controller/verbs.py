@@ -22,25 +22,15 @@ import yaml
 
 from tiered import names
 from tiered.controller import desired
-from tiered.controller.plan import HISTORY_LIMIT, SOURCE_OF, make_snapshot
+from tiered.controller.plan import HISTORY_LIMIT, make_snapshot
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import Record, StateStore
 from tiered.errors import ConfigError, Conflict
 from tiered.files import sha256_file, sha256_tree
-from tiered.rollout import engine
-from tiered.rollout.spec import (
-    API_GROUP,
-    API_VERSION,
-    ArtifactVersion,
-    HistoryEntry,
-    RolloutStatus,
-    TieredModel,
-    TieredModelStatus,
-    as_resource,
-    load_tiered_model,
-    to_plain,
-    wire_key,
-)
+from tiered.rollout import engine, snapshot
+from tiered.rollout.spec import TieredModel, as_resource, load_tiered_model
+from tiered.rollout.status import ArtifactVersion, HistoryEntry, RolloutStatus, TieredModelStatus
+from tiered.rollout.wire import API_GROUP, API_VERSION, to_plain, wire_key
 
 CONFLICT_RETRIES = 5
 MAX_PATH = 4096  # longest artifact path accepted
@@ -263,9 +253,11 @@ def report_thresholds(spec: TieredModel) -> dict[str, float | None]:
             "energy_max_ratio": energy.max_ratio if energy else None}
 
 
-def snapshots_of(spec: TieredModel, status: TieredModelStatus) -> list[dict[str, Any]]:
-    """The status's history steps as report snapshots (what the local store
-    records every pass, Kubernetes keeps for each step in the status)."""
+def snapshots_of(spec: TieredModel, status: TieredModelStatus
+                 ) -> list[tuple[float, snapshot.Snapshot]]:
+    """The status's history steps as report snapshots, each with its time
+    (what the local store records every pass, Kubernetes keeps for each step
+    in the status)."""
     stages = spec.rollout.stages
     snapshots = []
     for step in status.history:
@@ -274,16 +266,14 @@ def snapshots_of(spec: TieredModel, status: TieredModelStatus) -> list[dict[str,
                       if len(label) == 2 and stage.name == label[1]), 0)
         live = step.canary_version is not None and step.phase in (
             names.Phase.PROGRESSING, names.Phase.PAUSED)
-        snapshots.append({
-            "t": step.t, "model": spec.name, "kind": spec.kind,
-            "stable_version": step.stable_version,
-            "canary_version": step.canary_version, "phase": step.phase,
-            "stage_index": index, "stage_name": stages[index].name, "stages": len(stages),
-            "weights": {tier: float(stages[index].weights.get(tier, 0.0)) if live else 0.0
-                        for tier in names.TIERS if tier in spec.tiers},
-            "action": step.action, "reason": step.reason, **step.numbers,
-            **{source: step.sources[figure] for figure, source in SOURCE_OF.items()
-               if figure in step.sources}})
+        snapshots.append((step.t, snapshot.Snapshot(
+            model=spec.name, kind=spec.kind, stable_version=step.stable_version,
+            canary_version=step.canary_version, phase=step.phase, stage_index=index,
+            stage_name=stages[index].name, stages=len(stages),
+            weights={tier: float(stages[index].weights.get(tier, 0.0)) if live else 0.0
+                     for tier in names.TIERS if tier in spec.tiers},
+            action=step.action, reason=step.reason,
+            figures=snapshot.from_step_numbers(step.numbers, step.sources))))
     return snapshots
 
 
@@ -378,8 +368,8 @@ def rollout_verb(store: StateStore, name: str, verb: str, *, full: bool = False,
                                status=to_plain(with_decision(status, decision, spec, when)))
         except Conflict:
             continue
-        store.record(name, make_snapshot(spec, decision.status, decision.action,
-                                         decision.reason), when)
+        store.record(name, snapshot.to_record(make_snapshot(
+            spec, decision.status, decision.action, decision.reason)), when)
         return decision
     raise Conflict(f"{name}: the controller kept writing; try again")
 

@@ -1,10 +1,10 @@
 """The rollout report: one self-contained HTML page and its JSON twin.
 
-Renders the snapshots the controller recorded during rollouts (plain dicts in
-time order) as summary tables, SVG charts with a marker at every decision,
-and a table of decisions. Latency and energy are judged per tier, so where
-the snapshots carry per-tier figures ('edge.p95_canary_ms') each tier gets
-its own p95 and J/inference charts with the canary's limit drawn (the
+Renders the snapshots the controller recorded during rollouts (each with its
+time, in time order) as summary tables, SVG charts with a marker at every
+decision, and a table of decisions. Latency and energy are judged per tier,
+so where the snapshots carry per-tier figures each tier gets its own p95
+and J/inference charts with the canary's limit drawn (the
 spec's max_ratio times stable's figure, and max_ms), and a table of p95 and
 J/inference per tier and version; energy always names its source (nvml,
 rapl, or model: an estimate). A generative model's rollouts show what it is
@@ -18,17 +18,19 @@ Every string from the history or `extra` is escaped.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tiered import names, tables
-from tiered.cli.progress import energy_sources, generative
 from tiered.files import write_atomically
-from tiered.rollout import engine
+from tiered.rollout import engine, snapshot
+from tiered.rollout.progress import energy_sources
+from tiered.rollout.snapshot import Figures, Snapshot, StageFigures
 
 W, H = 760, 250
 LEFT, RIGHT, TOP, BOTTOM = 60, 32, 34, 40  # plot margins inside the SVG
@@ -58,9 +60,10 @@ svg .t{font-weight:600;font-size:13px}
 svg .mark text{paint-order:stroke;stroke:#fff;stroke-width:3px}
 """
 
-Getter = Callable[[Mapping], Any]
+Timed = tuple[float, Snapshot]  # a snapshot and its time (s)
+Getter = Callable[[Snapshot], Any]
 Line = tuple[str, str, Getter]  # legend label, color, value of a snapshot
-Mark = tuple[Mapping, str]  # a decision's snapshot and its label
+Mark = tuple[Timed, str]  # a decision's snapshot and its label
 
 
 def _e(value: Any) -> str:
@@ -85,94 +88,116 @@ def _plain(value: Any) -> Any:
     return value if value is None or isinstance(value, (bool, int, str)) else str(value)
 
 
-def _canary(group: Sequence[Mapping]) -> int | None:
-    return next((s["canary_version"] for s in group if s.get("canary_version") is not None), None)
+def _canary(group: Sequence[Timed]) -> int | None:
+    return next((s.canary_version for _, s in group if s.canary_version is not None), None)
 
 
-def _rollouts(history: Sequence[Mapping]) -> list[list[Mapping]]:
+def _rollouts(history: Sequence[Timed]) -> list[list[Timed]]:
     """Snapshots grouped per rollout: one begins at 'start', at 'retry' (a
     rolled-back or aborted canary rolled out again is a rollout of its own)
     or at a model's new canary version, and ends at its outcome (promoted,
     rolled back, aborted): what comes after a finished rollout belongs to none
     until the next one begins. A retry's own 'start', once its agents are up,
     stays in the retry's rollout."""
-    groups: list[list[Mapping]] = []
-    current: dict[Any, list[Mapping]] = {}
-    retried: dict[Any, Any] = {}  # per model, the canary version its last retry rolls out
-    for s in history:
-        model, canary, group = s.get("model"), s.get("canary_version"), current.get(s.get("model"))
-        action = s.get("action") or names.Action.HOLD
-        if action == names.Action.RETRY:
+    groups: list[list[Timed]] = []
+    current: dict[str, list[Timed]] = {}
+    retried: dict[str, int | None] = {}  # per model, the canary version its last retry rolls out
+    for timed in history:
+        s = timed[1]
+        model, canary, group = s.model, s.canary_version, current.get(s.model)
+        if s.action == names.Action.RETRY:
             retried[model] = _canary(group) if group else None
             group = current[model] = []
             groups.append(group)
-        elif (action == names.Action.START and group and group[-1].get("action")
+        elif (s.action == names.Action.START and group and group[-1][1].action
               == names.Action.RETRY and canary == retried.get(model)):
             pass  # the retry's rollout starting, its agents up again
-        elif action == names.Action.START or (
+        elif s.action == names.Action.START or (
                 canary is not None and (group is None or canary != _canary(group))):
             group = current[model] = []
             groups.append(group)
-        elif group is None or group[-1].get("phase") in engine.FINISHED:
+        elif group is None or group[-1][1].phase in engine.FINISHED:
             continue
-        group.append(s)
+        group.append(timed)
     return groups
 
 
-def _decisions(history: Sequence[Mapping], canary: Mapping[Any, Any] | None = None
+def _decisions(history: Sequence[Timed], canary: Mapping[str, int] | None = None
                ) -> list[Mark]:
     """Every non-hold snapshot with a short label: 'advance to stage 2', 'rollback v3'.
     `canary`: each model's canary version as known before the first snapshot (a
     retry names the version it rolls out again before its start does)."""
     found, canary = [], dict(canary or {})
-    for s in history:
-        if s.get("canary_version") is not None:
-            canary[s.get("model")] = s["canary_version"]
-        action = s.get("action") or names.Action.HOLD
-        if action == names.Action.HOLD:
+    for timed in history:
+        s = timed[1]
+        if s.canary_version is not None:
+            canary[s.model] = s.canary_version
+        if s.action == names.Action.HOLD:
             continue
-        if action == names.Action.ADVANCE:
-            label = f"advance to stage {(s.get('stage_index') or 0) + 1}"
-        elif action in (names.Action.START, names.Action.PROMOTE, names.Action.ROLLBACK,
-                        names.Action.ABORT, names.Action.RETRY) and s.get("model") in canary:
-            label = f"{action} v{canary[s.get('model')]}"
+        if s.action == names.Action.ADVANCE:
+            label = f"advance to stage {s.stage_index + 1}"
+        elif s.action in (names.Action.START, names.Action.PROMOTE, names.Action.ROLLBACK,
+                          names.Action.ABORT, names.Action.RETRY) and s.model in canary:
+            label = f"{s.action} v{canary[s.model]}"
         else:
-            label = action
-        found.append((s, label))
+            label = s.action
+        found.append((timed, label))
     return found
 
 
-def _known_canary(group: Sequence[Mapping]) -> dict[Any, Any]:
+def _known_canary(group: Sequence[Timed]) -> dict[str, int]:
     """The rollout's canary version, known from its first snapshot on."""
     version = _canary(group)
-    return {} if version is None else {group[0].get("model"): version}
+    return {} if version is None else {group[0][1].model: version}
 
 
-def _summary(group: Sequence[Mapping]) -> dict[str, Any]:
-    first, last = group[0], group[-1]
-    t0, t1 = _num(first.get("t")), _num(last.get("t"))
-    kind = names.ModelKind.GENERATIVE if generative(last) else names.ModelKind.PREDICTIVE
-    keys = FINAL_METRICS + (FINAL_GENERATIVE if kind == names.ModelKind.GENERATIVE else ())
-    final = {k: next((s[k] for s in reversed(group) if s.get(k) is not None), None)
-             for k in keys}
-    return {"model": first.get("model"), "kind": kind,
-            "stable_version": first.get("stable_version"),
-            "canary_version": _canary(group), "outcome": last.get("phase"), "started_s": t0,
+def _last_known(values: Iterable[Any]) -> Any:
+    """The last of `values` that is not None (None when none is)."""
+    return next((v for v in reversed(list(values)) if v is not None), None)
+
+
+def _last_figures(versions: Sequence[Figures]) -> Figures:
+    """Each figure as last known."""
+    return Figures(**{field.name: _last_known(getattr(v, field.name) for v in versions)
+                      for field in dataclasses.fields(Figures)})
+
+
+def _final(group: Sequence[Timed]) -> Snapshot:
+    """The rollout's last snapshot with its verdict and each pooled figure as last known."""
+    snaps = [s for _, s in group]
+    figures = [s.figures for s in snaps]
+    known = StageFigures(stable=_last_figures([f.stable for f in figures]),
+                         canary=_last_figures([f.canary for f in figures]),
+                         agreement=_last_known(f.agreement for f in figures),
+                         agreement_compared=_last_known(f.agreement_compared for f in figures))
+    return dataclasses.replace(snaps[-1], verdict=_last_known(s.verdict for s in snaps),
+                               figures=known)
+
+
+def _summary(group: Sequence[Timed]) -> dict[str, Any]:
+    (t0, first), (t1, last) = group[0], group[-1]
+    t0, t1 = _num(t0), _num(t1)
+    kind = names.ModelKind.GENERATIVE if last.generative else names.ModelKind.PREDICTIVE
+    keys = FINAL_METRICS + (FINAL_GENERATIVE if last.generative else ())
+    final = snapshot.to_record(_final(group))
+    return {"model": first.model, "kind": kind, "stable_version": first.stable_version,
+            "canary_version": _canary(group), "outcome": last.phase, "started_s": t0,
             "duration_s": None if t0 is None or t1 is None else t1 - t0,
-            "stages_reached": max((s.get("stage_index") or 0) for s in group) + 1,
-            "stages": last.get("stages"),
-            "decisions": [{"t": s.get("t"), "action": s.get("action"), "label": label,
-                           "reason": s.get("reason")}
-                          for s, label in _decisions(group, _known_canary(group))],
-            "final": final}
+            "stages_reached": max(s.stage_index for _, s in group) + 1,
+            "stages": last.stages,
+            "decisions": [{"t": t, "action": s.action, "label": label, "reason": s.reason}
+                          for (t, s), label in _decisions(group, _known_canary(group))],
+            "final": {key: final.get(key) for key in keys}}
 
 
-def report_json(history: Sequence[Mapping], title: str, extra: Mapping,
+def report_json(history: Sequence[Timed], title: str, extra: Mapping,
                 builds: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """The report as JSON data: title, extra, one summary per rollout, the
-    history, and the build reports when there are any."""
+    history (each snapshot's record, keys sorted as the store keeps them, with
+    its time t), and the build reports when there are any."""
     data = {"title": title, "extra": extra,
-            "rollouts": [_summary(g) for g in _rollouts(history)], "history": list(history)}
+            "rollouts": [_summary(g) for g in _rollouts(history)],
+            "history": [dict(sorted(snapshot.to_record(s).items()), t=t) for t, s in history]}
     return _plain({**data, "builds": list(builds)} if builds else data)
 
 
@@ -251,14 +276,14 @@ def _marker(x: float, label: str, color: str) -> str:
                     'rotate(90)"') + "</g>")
 
 
-def _chart(title: str, unit: str, history: Sequence[Mapping], lines: Sequence[Line],
+def _chart(title: str, unit: str, history: Sequence[Timed], lines: Sequence[Line],
            include: Sequence[float], marks: Sequence[Mark], step: bool = False) -> str:
     """One SVG line chart over time: a line per (label, color, getter), a marker per decision.
 
     The y range spans the known values and `include` (e.g. 0, so that a ratio is not magnified).
     """
-    ts = [_num(s.get("t")) for s in history]
-    series = [(color, [_num(get(s)) for s in history]) for _, color, get in lines]
+    ts = [_num(t) for t, _ in history]
+    series = [(color, [_num(get(s)) for _, s in history]) for _, color, get in lines]
     known_t = [t for t in ts if t is not None]
     values = [v for _, ys in series for v in ys if v is not None]
     x0, x1 = (min(known_t), max(known_t)) if known_t else (0.0, 1.0)
@@ -272,68 +297,68 @@ def _chart(title: str, unit: str, history: Sequence[Mapping], lines: Sequence[Li
               *(f'<path d="{_path(list(zip(ts, ys)), sx, sy, step)}" stroke="{color}"'
                 + (' stroke-dasharray="6 4"' if color == LIMIT else "") + "/>"
                 for color, ys in series), "</g>"]
-    parts += [_marker(sx(t), label, MARK_COLORS.get(s.get("action"), "#475569"))
-              for s, label in marks if (t := _num(s.get("t"))) is not None]
+    parts += [_marker(sx(t), label, MARK_COLORS.get(s.action, "#475569"))
+              for (t, s), label in marks]
     return (f'<svg viewBox="0 0 {W} {H}" role="img" aria-label="{_e(title)}">'
             + "".join(parts) + "</svg>")
 
 
-def _field(key: str) -> Getter:
-    return lambda s: s.get(key)
-
-
 def _weight(tier: str) -> Getter:
-    return lambda s: (s.get("weights") or {}).get(tier)
+    return lambda s: s.weights.get(tier)
 
 
-def _pair(stable: str, canary: str) -> list[Line]:
-    return [("stable", STABLE, _field(stable)), ("canary", CANARY, _field(canary))]
+def _figure(tier: str | None, who: str, figure: Callable[[Figures], Any]) -> Getter:
+    """A version's figure at each snapshot: on `tier`, or pooled (None)."""
+    def get(s: Snapshot) -> Any:
+        compared = s.figures if tier is None else s.figures.tiers.get(tier)
+        return None if compared is None else figure(getattr(compared, who))
+    return get
 
 
-def _tiers_in(history: Sequence[Mapping]) -> list[str]:
+def _tiers_in(history: Sequence[Timed]) -> list[str]:
     """The tiers the snapshots carry figures of their own for, cheapest first."""
-    return [tier for tier in names.TIERS
-            if any(str(key).startswith(f"{tier}.") for s in history for key in s)]
+    return [tier for tier in names.TIERS if any(tier in s.figures.tiers for _, s in history)]
 
 
-def _limit(key: str, ratio: float | None) -> Getter:
+def _limit(stable: Getter, ratio: float | None) -> Getter:
     """The canary's limit at each snapshot: `ratio` times stable's figure."""
-    def get(s: Mapping) -> float | None:
-        value = _num(s.get(key))
+    def get(s: Snapshot) -> float | None:
+        value = _num(stable(s))
         return None if value is None or ratio is None else value * ratio
     return get
 
 
-# Each tier's charts, per kind of model: title, unit, the figure's key (with
-# "{who}" for stable or canary) and the `thresholds` keys of its limits
-# (max_ratio x stable's figure, and an absolute max in ms).
-_TIER_CHARTS = {
+# Each tier's charts, per kind of model: title, unit, the figure and the
+# `thresholds` keys of its limits (max_ratio x stable's figure, and an
+# absolute max in ms).
+_TIER_CHARTS: dict[str, tuple[tuple[str, str, Callable[[Figures], Any], str, str | None], ...]] = {
     names.ModelKind.PREDICTIVE: (
-        ("p95 latency", "ms", "p95_{who}_ms", "latency_p95_max_ratio", "latency_p95_max_ms"),
-        ("Energy per inference", "J / inference", "jpi_{who}", "energy_max_ratio", None)),
+        ("p95 latency", "ms", lambda f: f.p95_ms, "latency_p95_max_ratio",
+         "latency_p95_max_ms"),
+        ("Energy per inference", "J / inference", lambda f: f.jpi, "energy_max_ratio", None)),
     names.ModelKind.GENERATIVE: (
-        ("TTFT p95", "ms", "ttft_p95_{who}_ms", "ttft_p95_max_ratio", "ttft_p95_max_ms"),
-        ("TPOT p95", "ms", "tpot_p95_{who}_ms", "tpot_p95_max_ratio", "tpot_p95_max_ms"),
-        ("Energy per output token", "J / token", "jpt_{who}", "energy_per_token_max_ratio",
-         None)),
+        ("TTFT p95", "ms", lambda f: f.ttft_p95_ms, "ttft_p95_max_ratio", "ttft_p95_max_ms"),
+        ("TPOT p95", "ms", lambda f: f.tpot_p95_ms, "tpot_p95_max_ratio", "tpot_p95_max_ms"),
+        ("Energy per output token", "J / token", lambda f: f.jpt,
+         "energy_per_token_max_ratio", None)),
 }
 
 
-def _charts(history: Sequence[Mapping], marks: Sequence[Mark],
+def _charts(history: Sequence[Timed], marks: Sequence[Mark],
             thresholds: Mapping[str, Any]) -> str:
     """One model's charts: p95 and J/inference (a generative model's TTFT and
     TPOT p95 and J/token) per tier where the snapshots have per-tier figures
     (pooled otherwise), each with the canary's limit; canary weight per tier;
     agreement. Energy's title names its sources."""
-    sources = next((label for s in reversed(history) if (label := energy_sources(s))), "")
-    kind = (names.ModelKind.GENERATIVE if history and generative(history[-1])
+    sources = next((label for _, s in reversed(history) if (label := energy_sources(s))), "")
+    kind = (names.ModelKind.GENERATIVE if history and history[-1][1].generative
             else names.ModelKind.PREDICTIVE)
     charts = []
     for tier in _tiers_in(history) or [None]:
-        prefix, where = (f"{tier}.", f" on {tier}") if tier else ("", "")
-        for title, unit, key, ratio_key, max_key in _TIER_CHARTS[kind]:
-            stable = prefix + key.format(who="stable")
-            lines = _pair(stable, prefix + key.format(who="canary"))
+        where = f" on {tier}" if tier else ""
+        for title, unit, figure, ratio_key, max_key in _TIER_CHARTS[kind]:
+            stable = _figure(tier, "stable", figure)
+            lines = [("stable", STABLE, stable), ("canary", CANARY, _figure(tier, "canary", figure))]
             ratio, most = thresholds.get(ratio_key), thresholds.get(max_key) if max_key else None
             if ratio is not None:
                 lines.append((f"limit ({ratio:g} x stable)", LIMIT, _limit(stable, ratio)))
@@ -348,33 +373,31 @@ def _charts(history: Sequence[Mapping], marks: Sequence[Mark],
                [(tier, TIER_COLORS[tier], _weight(tier)) for tier in names.TIERS], [0, 100], marks,
                step=True),
         _chart("Agreement with stable", "fraction", history,
-               [("agreement", CANARY, _field("agreement"))], [1], marks)])
+               [("agreement", CANARY, lambda s: s.figures.agreement)], [1], marks)])
 
 
-def _per_tier_rows(summaries_groups: Sequence[Sequence[Mapping]],
+def _per_tier_rows(summaries_groups: Sequence[Sequence[Timed]],
                    kind: str = names.ModelKind.PREDICTIVE) -> list[tuple]:
     """Per rollout, tier and version: the latest p95 and J/inference (a
     generative model's TTFT and TPOT p95 and J/token), the way operators
     publish edge/regional/datacenter figures; rollouts of models of `kind`."""
     rows = []
     for group in summaries_groups:
-        if generative(group[-1]) != (kind == names.ModelKind.GENERATIVE):
+        if group[-1][1].generative != (kind == names.ModelKind.GENERATIVE):
             continue
-        first = group[0]
+        first = group[0][1]
         canary = _canary(group)
-        source = next((label for s in reversed(group) if (label := energy_sources(s))), "-")
+        source = next((label for _, s in reversed(group) if (label := energy_sources(s))), "-")
         for tier in _tiers_in(group):
-            for who, version in (("stable", first.get("stable_version")), ("canary", canary)):
-                def latest(key: str, tier=tier, who=who) -> Any:
-                    return next((s[f"{tier}.{key}"] for s in reversed(group)
-                                 if s.get(f"{tier}.{key}") is not None), None)
+            for who, version in (("stable", first.stable_version), ("canary", canary)):
+                latest = _last_figures([getattr(s.figures.tiers[tier], who) for _, s in group
+                                        if tier in s.figures.tiers])
                 if kind == names.ModelKind.GENERATIVE:
-                    figures = (latest(f"ttft_p95_{who}_ms"), latest(f"tpot_p95_{who}_ms"),
-                               _mj(latest(f"jpt_{who}")))
+                    figures = (latest.ttft_p95_ms, latest.tpot_p95_ms, _mj(latest.jpt))
                 else:
-                    figures = (latest(f"p95_{who}_ms"), _mj(latest(f"jpi_{who}")))
-                rows.append((first.get("model"), tier, f"v{version} ({who})",
-                             latest(f"{who}_requests"), *figures, source))
+                    figures = (latest.p95_ms, _mj(latest.jpi))
+                rows.append((first.model, tier, f"v{version} ({who})", latest.requests,
+                             *figures, source))
     return rows
 
 
@@ -421,7 +444,7 @@ def _versions(stable: Any, canary: Any) -> str:
     return f"v{stable}" if canary is None else f"v{stable} → v{canary}"
 
 
-def render_html(history: Sequence[Mapping], title: str, extra: Mapping,
+def render_html(history: Sequence[Timed], title: str, extra: Mapping,
                 thresholds: Mapping[str, Any] | None = None,
                 builds: Sequence[Mapping[str, Any]] = ()) -> str:
     """The report as one self-contained HTML page. `thresholds`: the limits the
@@ -431,24 +454,24 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping,
     facts = [(k, json.dumps(_plain(v)) if isinstance(v, (Mapping, list, tuple)) else v)
              for k, v in extra.items()]
     groups = _rollouts(history)
-    summaries = [_summary(g) for g in groups]
-    def rollout_row(r: Mapping[str, Any], figures: Sequence[str]) -> tuple:
+
+    def rollout_row(group: Sequence[Timed]) -> tuple:
+        r, final = _summary(group), _final(group)
+        stable, canary = final.figures.stable, final.figures.canary
+        figures = ((stable.ttft_p95_ms, canary.ttft_p95_ms, stable.tpot_p95_ms,
+                    canary.tpot_p95_ms, stable.jpt, canary.jpt) if final.generative
+                   else (stable.p95_ms, canary.p95_ms, stable.jpi, canary.jpi))
         return (r["model"], _versions(r["stable_version"], r["canary_version"]),
                 _badge(r["outcome"]),
                 r["duration_s"], f'{r["stages_reached"]}/{tables.cell(r["stages"])}',
-                *(r["final"][k] for k in figures),
-                energy_sources({**r["final"], "kind": r["kind"]}) or "-",
-                r["final"]["agreement"])
+                *figures, energy_sources(final) or "-", final.figures.agreement)
 
-    rollouts = [rollout_row(r, FINAL_METRICS[:4]) for r in summaries
-                if r["kind"] != names.ModelKind.GENERATIVE]
-    generative_rollouts = [rollout_row(r, FINAL_GENERATIVE) for r in summaries
-                           if r["kind"] == names.ModelKind.GENERATIVE]
+    rollouts = [rollout_row(g) for g in groups if not g[-1][1].generative]
+    generative_rollouts = [rollout_row(g) for g in groups if g[-1][1].generative]
     marks = _decisions(history)
-    decisions = [(s.get("t"), s.get("model"),
-                  _versions(s.get("stable_version"), s.get("canary_version")),
-                  f'{(s.get("stage_index") or 0) + 1} {s.get("stage_name") or ""}'.strip(),
-                  label, s.get("reason")) for s, label in marks]
+    decisions = [(t, s.model, _versions(s.stable_version, s.canary_version),
+                  f"{s.stage_index + 1} {s.stage_name or ''}".strip(),
+                  label, s.reason) for (t, s), label in marks]
     sections = [f"<h1>{_e(title)}</h1>", _table(["fact", "value"], facts) if facts else ""]
     if not history:
         sections.append("<p>No snapshots were recorded.</p>")
@@ -473,10 +496,10 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping,
             sections += ["<h2>Per tier: TTFT, TPOT and energy per output token</h2>", _table(
                 ["model", "tier", "version", "requests", "TTFT p95 (ms)", "TPOT p95 (ms)",
                  "J/token (mJ)", "energy source"], per_tier)]
-        for model in dict.fromkeys(s.get("model") for s in history):
+        for model in dict.fromkeys(s.model for _, s in history):
             sections += [f"<h2>{_e(model)}</h2>", _charts(
-                [s for s in history if s.get("model") == model],
-                [m for m in marks if m[0].get("model") == model], thresholds or {})]
+                [timed for timed in history if timed[1].model == model],
+                [m for m in marks if m[0][1].model == model], thresholds or {})]
         sections += ["<h2>Decisions</h2>", _table(
             ["t (s)", "model", "versions", "stage", "action", "reason"], decisions)]
     if builds:
@@ -487,7 +510,7 @@ def render_html(history: Sequence[Mapping], title: str, extra: Mapping,
             + "\n".join(sections) + "\n</body></html>\n")
 
 
-def write_report(history: Sequence[Mapping], out_dir: Path, title: str,
+def write_report(history: Sequence[Timed], out_dir: Path, title: str,
                  extra: Mapping, thresholds: Mapping[str, Any] | None = None,
                  builds: Sequence[Mapping[str, Any]] = ()) -> tuple[Path, Path]:
     """Write report.html and report.json into out_dir (created if missing); return both paths."""

@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from tiered import names
-from tiered.cli.progress import ProgressLines
 from tiered.controller.local import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
@@ -54,7 +53,9 @@ from tiered.local.supervisor import (
     RouterPorts,
     prepare_sample_models,
 )
-from tiered.rollout.spec import RolloutStatus
+from tiered.rollout import snapshot
+from tiered.rollout.progress import ProgressLines
+from tiered.rollout.status import RolloutStatus
 
 # The examples of the source tree: the demo runs from a checkout.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -159,8 +160,8 @@ def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None
         if supervise:  # one thread looks after the processes
             up.restart_dead()
             up.echo_controller()
-        for entry_id, t, snap in store.history(model, after_id=last_id):
-            line = shown.line(t, snap)
+        for entry_id, t, kept in store.history(model, after_id=last_id):
+            line = shown.line(t, snapshot.from_record(kept))
             if line is not None:
                 say(line)
             last_id = entry_id
@@ -173,6 +174,14 @@ def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None
         if time.monotonic() > deadline:
             raise Undecided(f"{model}: no outcome within {timeout_s:.0f} s: {message}")
         time.sleep(0.5)
+
+
+def _timed(store: StateStore, model: str) -> list[tuple[float, snapshot.Snapshot]]:
+    """The model's history for the report: each snapshot with its seconds
+    since the first."""
+    history = store.history(model)
+    t0 = history[0][1] if history else 0.0
+    return [(t - t0, snapshot.from_record(kept)) for _, t, kept in history]
 
 
 def rollout_timeout_s(spec_file: Path, builds_s: float = 180.0) -> float:
@@ -300,9 +309,8 @@ class GenerativeAct:
             self.say(f"tiered load {summary[0]}")
             self.check("every generative request answered",
                        load.returncode == 0 and " errors 0 " in summary[0])
-            history = [dict(snap, t=t) for _, t, snap in store.history(GENERATIVE)]
-        t0 = history[0]["t"] if history else 0.0
-        html, _ = write_report([dict(h, t=h["t"] - t0) for h in history], self.out / GENERATIVE,
+            history = _timed(store, GENERATIVE)
+        html, _ = write_report(history, self.out / GENERATIVE,
                                "tiered demo: tinyllama v1 -> v2 (promoted) -> v3 (rolled back)",
                                {"traffic": " ".join(GENERATIVE_LOAD), "load": summary[0]})
         self.say(f"report: {html}")
@@ -402,15 +410,14 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
                 checks += act.join(SERVED_TIMEOUT_S + sum(rollout_timeout_s(
                     EXAMPLES / f"{GENERATIVE}-{v}.yaml") for v in ("v2", "v3")))
 
-            history = [dict(snap, t=t) for _, t, snap in store.history(MODEL)]
+            history = _timed(store, MODEL)
         ok = traffic.outcomes["ok"]
         failed = {k: v for k, v in traffic.outcomes.items() if k != "ok"}
         print(f"7. Traffic: {ok} answered, {sum(failed.values())} failed")
         for what, count in failed.items():
             print(f"     {count} x {what}")
         check("every client request answered", ok > 0 and not failed)
-        t0 = history[0]["t"] if history else 0.0
-        html, js = write_report([dict(s, t=s["t"] - t0) for s in history], out,
+        html, js = write_report(history, out,
                                 "tiered demo: digits v1 -> v2 (promoted) -> v3 (rolled back)",
                                 {"requests answered": ok, "requests failed": sum(failed.values()),
                                  "traffic": f"{RATE_PER_S:g}/s, {CONCURRENCY} clients",

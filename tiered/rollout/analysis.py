@@ -125,17 +125,15 @@ import numpy as np
 from tiered import names
 from tiered.rollout.spec import (
     AgreementBound,
-    AnalysisRun,
     AnalysisSpec,
     EnergyBound,
     ErrorRateBound,
     LatencyBound,
-    MetricResult,
     ShiftBound,
     Stage,
-    wire_key,
-    wire_path,
 )
+from tiered.rollout.status import AnalysisRun, MetricResult
+from tiered.rollout.wire import wire_key, wire_path
 
 SUCCESSFUL, FAILED, INCONCLUSIVE, ERROR, NOT_JUDGED = (
     names.Outcome.SUCCESSFUL, names.Outcome.FAILED, names.Outcome.INCONCLUSIVE,

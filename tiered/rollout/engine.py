@@ -42,7 +42,9 @@ from types import MappingProxyType
 from tiered import names
 from tiered.errors import InvalidArgument
 from tiered.rollout.analysis import Measurements, analyze, rollout_tests
-from tiered.rollout.spec import AnalysisRun, RolloutStatus, Stage, TieredModel, wire_key
+from tiered.rollout.spec import Stage, TieredModel
+from tiered.rollout.status import AnalysisRun, RolloutStatus
+from tiered.rollout.wire import wire_key
 
 # The phases a rollout does not leave by itself.
 FINISHED = (names.Phase.PROMOTED, names.Phase.ROLLED_BACK, names.Phase.ABORTED)

@@ -1,19 +1,10 @@
-"""The `TieredModel` spec and the rollout status, as frozen dataclasses.
+"""The `TieredModel` spec, as frozen dataclasses.
 
-One schema definition: each field's constraints (range, enum, pattern, item
-count, allowed mapping keys) are declared once in the field's metadata with
-`spec_field`. `check_fields` enforces them when a dataclass is built (so
-`tiered.settings.load_dataclass` reports a bad value with its field path) and
-`openapi_schema` turns the same dataclasses into the CRD's openAPIV3Schema.
-Cross-field rules (durations, stage tiers) live in `__post_init__`.
-
-Pure data: no I/O here (`load_tiered_model` takes an already-parsed mapping).
-One document drives the local backend and Kubernetes. As written (API version
-v1alpha2) keys are camelCase, Kubernetes' convention, with units spelled out
-(`interval_s` is `intervalSeconds`, `slo_ms` is `sloMilliseconds`; `wire_key`
-is the one rule), and times are RFC 3339 strings. The fields keep their
-snake_case names in Python. Documents of v1alpha1 (the same fields in
-snake_case) are still read; `to_document` writes the current version.
+Each field's constraints are declared with `spec_field` (`tiered.rollout.schema`);
+cross-field rules (durations, stage tiers) live in `__post_init__`. Pure data:
+no I/O here (`load_tiered_model` takes an already-parsed mapping). One document
+drives the local backend and Kubernetes; `tiered.rollout.wire` says how it is
+written.
 """
 
 # spec_field returns dataclasses.field(...) with metadata; ruff cannot tell.
@@ -21,150 +12,28 @@ snake_case) are still read; `to_document` writes the current version.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import functools
-import math
-import re
 import types
-import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tiered import names
 from tiered.errors import ConfigError
-from tiered.settings import Quantity, Timestamp, load_dataclass, rfc3339
-
-API_GROUP = "tiered.dev"
-API_VERSION = "v1alpha2"
-OLD_VERSIONS = ("v1alpha1",)  # read and converted; keys are the Python field names
-KIND = "TieredModel"
-_UNITS = {"s": "Seconds", "ms": "Milliseconds", "us": "Microseconds"}
-_RENAMED = {"t": "time"}
-
-
-def wire_key(name: str) -> str:
-    """A field's key as written: camelCase with its unit spelled out
-    (`max_duration_s` -> `maxDurationSeconds`)."""
-    if name in _RENAMED:
-        return _RENAMED[name]
-    first, *rest = name.split("_")
-    if rest and rest[-1] in _UNITS:
-        rest[-1] = _UNITS[rest[-1]]
-    return first + "".join(part[:1].upper() + part[1:] for part in rest)
-
-
-def wire_path(*names: str) -> str:
-    """Nested fields as written, for messages a user reads beside the YAML
-    (`wire_path("energy_per_inference", "allow_modeled")` ->
-    `energyPerInference.allowModeled`)."""
-    return ".".join(wire_key(name) for name in names)
-
-_CONSTRAINTS = frozenset({
-    "minimum", "maximum", "exclusive_minimum", "exclusive_maximum", "enum",
-    "min_items", "max_items", "min_length", "pattern", "keys",
-})
-
-
-def spec_field(default: Any = dataclasses.MISSING, *, doc: str = "",
-               default_factory: Any = dataclasses.MISSING, **constraints: Any) -> Any:
-    """A dataclass field with its constraints and description as metadata.
-
-    Scalars: minimum, maximum, exclusive_minimum/maximum (bools, OpenAPI 3.0
-    style), enum, min_length, pattern. Tuples: min_items, max_items; enum and
-    the numeric bounds apply to the items. Mappings: keys (the allowed keys);
-    enum and the numeric bounds apply to the values.
-    """
-    unknown = set(constraints) - _CONSTRAINTS
-    if unknown:
-        raise TypeError(f"spec_field: unknown constraint {min(unknown)!r}")
-    metadata = {"doc": doc, **constraints}
-    if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _strip_optional(hint: Any) -> tuple[Any, bool]:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return hint, False
-
-
-def _check_scalar(name: str, value: Any, meta: Mapping[str, Any]) -> None:
-    if "enum" in meta and value not in meta["enum"]:
-        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(map(str, meta['enum']))}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
-        low, high = meta.get("minimum"), meta.get("maximum")
-        if low is not None:
-            if meta.get("exclusive_minimum") and not value > low:
-                raise ConfigError(f"{name}: must be > {low}, got {value}")
-            if not value >= low:
-                raise ConfigError(f"{name}: must be >= {low}, got {value}")
-        if high is not None:
-            if meta.get("exclusive_maximum") and not value < high:
-                raise ConfigError(f"{name}: must be < {high}, got {value}")
-            if not value <= high:
-                raise ConfigError(f"{name}: must be <= {high}, got {value}")
-    if isinstance(value, str):
-        if len(value) < meta.get("min_length", 0):
-            raise ConfigError(f"{name}: must not be empty" if meta["min_length"] == 1
-                              else f"{name}: needs at least {meta['min_length']} characters")
-        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
-            raise ConfigError(f"{name}: {value!r} does not match {meta['pattern']}")
-
-
-def check_fields(instance: Any) -> None:
-    """Enforce the constraints declared with `spec_field`; errors name the field."""
-    for f in dataclasses.fields(instance):
-        meta = f.metadata
-        value = getattr(instance, f.name)
-        if value is None or not (set(meta) & _CONSTRAINTS):
-            continue
-        if isinstance(value, tuple):
-            if len(value) < meta.get("min_items", 0):
-                raise ConfigError(f"{f.name}: needs at least {meta['min_items']} item"
-                                  f"{'s' if meta['min_items'] > 1 else ''}")
-            if "max_items" in meta and len(value) > meta["max_items"]:
-                raise ConfigError(f"{f.name}: at most {meta['max_items']} items")
-            for index, item in enumerate(value):
-                _check_scalar(f"{f.name}[{index}]", item, meta)
-        elif isinstance(value, Mapping):
-            for key, item in value.items():
-                if "keys" in meta and key not in meta["keys"]:
-                    raise ConfigError(f"{f.name}: unknown key {key!r}; expected one "
-                                      f"of {', '.join(meta['keys'])}")
-                _check_scalar(f"{f.name}[{key!r}]", item, meta)
-        else:
-            _check_scalar(f.name, value, meta)
-
-
-def _freeze_mappings(instance: Any) -> None:
-    # load_dataclass builds plain dicts; a frozen spec should not hand out
-    # mutable state.
-    for f in dataclasses.fields(instance):
-        value = getattr(instance, f.name)
-        if isinstance(value, dict):
-            object.__setattr__(instance, f.name, types.MappingProxyType(dict(value)))
-
-
-class _Checked:
-    """Base for spec dataclasses: declared constraints are checked on build."""
-
-    def __post_init__(self) -> None:
-        _freeze_mappings(self)
-        check_fields(self)
-
-
-# --- the spec ---------------------------------------------------------------
+from tiered.rollout.schema import Checked, spec_field
+from tiered.rollout.wire import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    OLD_VERSIONS,
+    respell,
+    spelling,
+    wire_key,
+)
+from tiered.settings import Quantity, load_dataclass
 
 
 @dataclass(frozen=True)
-class Artifact(_Checked):
+class Artifact(Checked):
     """The ONNX artifact every tier's engine is built from."""
 
     uri: str = spec_field(doc="path or URI of the ONNX model", min_length=1)
@@ -185,7 +54,7 @@ class Artifact(_Checked):
 
 
 @dataclass(frozen=True)
-class Batching(_Checked):
+class Batching(Checked):
     max_batch_size: int = spec_field(8, doc="largest batch the engine runs",
                                      minimum=1, maximum=4096)
     max_queue_delay_us: int = spec_field(
@@ -193,7 +62,7 @@ class Batching(_Checked):
 
 
 @dataclass(frozen=True)
-class Toleration(_Checked):
+class Toleration(Checked):
     """A Kubernetes toleration, for tiers on tainted nodes (edge gateways, GPU pools)."""
 
     key: str = spec_field("", doc="taint key; empty with Exists: every taint")
@@ -207,7 +76,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 
 @dataclass(frozen=True)
-class Resources(_Checked):
+class Resources(Checked):
     """Container resources of the tier's agents, as Kubernetes quantities."""
 
     requests: Mapping[str, Quantity] = spec_field(default_factory=dict,
@@ -230,7 +99,7 @@ class Resources(_Checked):
 
 
 @dataclass(frozen=True)
-class TierSpec(_Checked):
+class TierSpec(Checked):
     """How one tier runs the model."""
 
     engine: str | None = spec_field(None, doc="engine backend; null: the tier profile's",
@@ -251,7 +120,7 @@ class TierSpec(_Checked):
 
 
 @dataclass(frozen=True)
-class CascadeSettings(_Checked):
+class CascadeSettings(Checked):
     tiers: tuple[str, ...] = spec_field(names.TIERS, doc="escalation order, cheapest first",
                                         min_items=1, enum=names.TIERS)
     threshold: float = spec_field(0.9, doc="escalate when confidence is below this",
@@ -265,7 +134,7 @@ class CascadeSettings(_Checked):
 
 
 @dataclass(frozen=True)
-class Routing(_Checked):
+class Routing(Checked):
     policy: str = spec_field(names.Policy.SLO_ENERGY, doc="how the router picks a tier",
                              enum=tuple(names.Policy))
     slo_ms: float = spec_field(50.0, doc="latency target when a request sets none",
@@ -275,7 +144,7 @@ class Routing(_Checked):
 
 
 @dataclass(frozen=True)
-class Stage(_Checked):
+class Stage(Checked):
     """One step of the rollout: canary traffic per tier and how long to judge it."""
 
     name: str = spec_field(doc="shown in status and the CLI", min_length=1)
@@ -300,7 +169,7 @@ class Stage(_Checked):
 
 
 @dataclass(frozen=True)
-class LatencyBound(_Checked):
+class LatencyBound(Checked):
     """A latency percentile (p95, p99) of the canary against stable's: of
     requests, or of a generative model's first token or time per token."""
 
@@ -313,7 +182,7 @@ class LatencyBound(_Checked):
 
 
 @dataclass(frozen=True)
-class ShiftBound(_Checked):
+class ShiftBound(Checked):
     """The canary's latencies as a whole against stable's (a location test)."""
 
     max_ratio: float = spec_field(
@@ -322,7 +191,7 @@ class ShiftBound(_Checked):
 
 
 @dataclass(frozen=True)
-class ErrorRateBound(_Checked):
+class ErrorRateBound(Checked):
     max: float | None = spec_field(0.01, doc="absolute bound on the canary's error rate",
                                    minimum=0.0, maximum=1.0)
     max_ratio: float = spec_field(
@@ -330,7 +199,7 @@ class ErrorRateBound(_Checked):
 
 
 @dataclass(frozen=True)
-class EnergyBound(_Checked):
+class EnergyBound(Checked):
     """Energy per inference, or per output token of a generative model."""
 
     max_ratio: float = spec_field(
@@ -346,14 +215,14 @@ class EnergyBound(_Checked):
 
 
 @dataclass(frozen=True)
-class AgreementBound(_Checked):
+class AgreementBound(Checked):
     min: float = spec_field(0.99, doc="least share of shadowed requests where canary and "
                             "stable agree (judged by its lower confidence bound)",
                             minimum=0.0, maximum=1.0)
 
 
 @dataclass(frozen=True)
-class AnalysisSpec(_Checked):
+class AnalysisSpec(Checked):
     """What a canary must show; a metric set to null is not judged, nor one
     of the other kind of model (`METRICS_OF_KIND`)."""
 
@@ -420,7 +289,7 @@ METRICS_OF_KIND: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
 
 
 @dataclass(frozen=True)
-class RolloutSpec(_Checked):
+class RolloutSpec(Checked):
     stages: tuple[Stage, ...] = spec_field(doc="canary steps, in order", min_items=1,
                                            max_items=32)
     analysis: AnalysisSpec = spec_field(default_factory=AnalysisSpec,
@@ -449,7 +318,7 @@ class RolloutSpec(_Checked):
 
 
 @dataclass(frozen=True)
-class TieredModel(_Checked):
+class TieredModel(Checked):
     """A model served on the tiers, and how new versions of it roll out."""
 
     name: str = spec_field(doc="model name", min_length=1,
@@ -511,22 +380,12 @@ def load_tiered_model(data: Any, where: str = KIND) -> TieredModel:
     return load_dataclass(TieredModel, data, where)
 
 
-def load_status(data: Any, where: str, version: str = API_VERSION) -> TieredModelStatus:
-    """A stored status, as `to_plain` wrote it (or as v1alpha1 did)."""
-    return load_dataclass(TieredModelStatus, data or {}, where, spelling(version))
-
-
 def _api_version(data: Mapping[str, Any], where: str) -> str:
     group, _, version = str(data.get("apiVersion", "")).partition("/")
     if group != API_GROUP or version not in (API_VERSION, *OLD_VERSIONS):
         raise ConfigError(f"{where}.apiVersion: expected {API_GROUP}/{API_VERSION}, "
                           f"got {data.get('apiVersion')!r}")
     return version
-
-
-def spelling(version: str):
-    """How the fields of `version` of the API are written."""
-    return wire_key if version == API_VERSION else None
 
 
 def as_resource(document: Mapping[str, Any]) -> dict[str, Any]:
@@ -537,314 +396,10 @@ def as_resource(document: Mapping[str, Any]) -> dict[str, Any]:
         resource = dict(document)
         if _api_version(document, KIND) == API_VERSION:
             return resource
-        resource["spec"] = _respell(TieredModel, document["spec"])
+        resource["spec"] = respell(TieredModel, document["spec"])
     else:
         spec = {k: v for k, v in document.items() if k != "name"}
         resource = {"kind": KIND, "metadata": {"name": document.get("name")},
-                    "spec": _respell(TieredModel, spec)}
+                    "spec": respell(TieredModel, spec)}
     resource["apiVersion"] = f"{API_GROUP}/{API_VERSION}"
     return resource
-
-
-def _respell(hint: Any, value: Any) -> Any:
-    """`value`, read as `hint` with Python field names, with its keys as written now."""
-    hint, _ = _strip_optional(hint)
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
-        hints, known = _hints(hint), {f.name for f in dataclasses.fields(hint)}
-        return {(wire_key(k) if k in known else k):
-                (_respell(hints[k], v) if k in known else v) for k, v in value.items()}
-    if origin is tuple and isinstance(value, (list, tuple)):
-        return [_respell(typing.get_args(hint)[0], v) for v in value]
-    if origin in (Mapping, dict) and isinstance(value, Mapping):
-        inner = typing.get_args(hint)[1]
-        return {k: _respell(inner, v) for k, v in value.items()}
-    return value
-
-
-# --- status -----------------------------------------------------------------
-
-
-# An analysis run's verdicts: a metric not judged counts as Successful in it.
-VERDICTS = tuple(o for o in names.Outcome if o != names.Outcome.NOT_JUDGED)
-
-
-@dataclass(frozen=True)
-class MetricResult:
-    """One metric's outcome and every number it was decided from."""
-
-    metric: str = spec_field(doc="latency_p95, latency_p99, latency_shift, error_rate, "
-                             "energy_per_inference, agreement; of a generative model "
-                             "ttft_p95, ttft_shift, tpot_p95, energy_per_token")
-    outcome: str = spec_field(doc="the metric's outcome; NotJudged: shown, neither holding "
-                              "nor failing the stage", enum=tuple(names.Outcome))
-    reason: str = spec_field(doc="the outcome in words, with its numbers")
-    numbers: Mapping[str, float] = spec_field(
-        default_factory=dict, doc="samples, quantiles, test statistic, p-value, thresholds")
-    tier: str | None = spec_field(
-        default=None, doc="the tier judged; null for agreement, judged over every tier")
-
-    @property
-    def label(self) -> str:
-        return self.metric if self.tier is None else f"{self.metric} on {self.tier}"
-
-
-@dataclass(frozen=True)
-class AnalysisRun:
-    """One analysis of canary vs stable: the worst metric outcome wins."""
-
-    window: int = spec_field(doc="measurement window judged; the same window counts once")
-    verdict: str = spec_field(doc="worst outcome of the metrics judged", enum=VERDICTS)
-    metrics: tuple[MetricResult, ...] = spec_field(default=(), doc="per metric")
-
-    def with_outcome(self, outcome: str) -> tuple[MetricResult, ...]:
-        return tuple(m for m in self.metrics if m.outcome == outcome)
-
-    def summary(self) -> str:
-        return "; ".join(f"{m.label} {m.outcome}: {m.reason}" for m in self.metrics)
-
-
-@dataclass(frozen=True)
-class RolloutStatus:
-    """Everything the engine needs to resume: all progress lives here."""
-
-    stable_version: int = spec_field(doc="version serving the rest of the traffic", minimum=0)
-    canary_version: int | None = spec_field(None, doc="version being rolled out", minimum=1)
-    stage_index: int = spec_field(0, doc="current stage of spec.rollout.stages", minimum=0)
-    phase: str = spec_field(names.Phase.PROGRESSING, doc="where the rollout stands",
-                            enum=tuple(names.Phase))
-    stage_started_at: Timestamp = spec_field(0.0, doc="when the current stage began (moved "
-                                             "on by the time it was held blind)")
-    blind_since: Timestamp | None = spec_field(
-        None, doc="when the stage's telemetry became unreadable: its clock stops (min and "
-        "max duration) until every agent reads again")
-    consecutive_failures: int = spec_field(0, doc="failed analyses in a row", minimum=0)
-    paused: bool = spec_field(False, doc="true while paused (by hand, by onFailure or "
-                              "onUndecided)")
-    last_analysis: AnalysisRun | None = spec_field(None, doc="the latest analysis")
-    message: str = spec_field("", doc="the latest decision's reason")
-
-
-@dataclass(frozen=True)
-class ArtifactVersion:
-    """A version number given to one artifact digest; numbers are never reused."""
-
-    version: int = spec_field(doc="version number the agents serve it as", minimum=1)
-    uri: str = spec_field(doc="where the artifact was", min_length=1)
-    sha256: str = spec_field(doc="its digest", pattern=r"[0-9a-f]{64}")
-
-
-CONDITION_STATUSES = ("True", "False", "Unknown")
-
-
-@dataclass(frozen=True)
-class Condition:
-    """One aspect of the resource's state, in Kubernetes' `metav1.Condition`
-    shape (hence the camelCase names), so `kubectl wait --for=condition=Ready`
-    and kstatus read it."""
-
-    type: str = spec_field(doc="Ready, Progressing or Degraded", min_length=1)
-    status: str = spec_field(doc="True, False or Unknown", enum=CONDITION_STATUSES)
-    reason: str = spec_field(doc="why, in one CamelCase word", pattern=r"[A-Za-z][A-Za-z0-9]*")
-    lastTransitionTime: str = spec_field(doc="when status last changed (RFC 3339)",
-                                         min_length=1)
-    message: str = spec_field("", doc="why, in words")
-    observedGeneration: int = spec_field(0, doc="the spec generation it was set for",
-                                         minimum=0)
-
-
-@dataclass(frozen=True)
-class HistoryEntry:
-    """One step of the rollout (a start, advance, promotion, rollback, pause,
-    abort), with the numbers it was taken on."""
-
-    t: Timestamp = spec_field(doc="when")
-    action: str = spec_field(doc="start, advance, promote, rollback, pause, resume, abort")
-    reason: str = spec_field(doc="the decision in words, with its numbers")
-    phase: str = spec_field(doc="the rollout's phase after it", enum=tuple(names.Phase))
-    stable_version: int = spec_field(doc="stable version after it", minimum=0)
-    canary_version: int | None = spec_field(None, doc="canary version after it")
-    stage: str = spec_field("", doc="the stage it left or entered, as 'N/M name'")
-    numbers: Mapping[str, float] = spec_field(
-        default_factory=dict, doc="the stage's headline numbers: requests, p95s, "
-        "J/inference, agreement (generative: TTFT and TPOT p95s, J/token)")
-    sources: Mapping[str, str] = spec_field(
-        default_factory=dict, doc="where each J/inference (J/token) number came from: nvml, "
-        "rapl (measured) or model (an estimate)")
-
-
-@dataclass(frozen=True)
-class Retirement:
-    """A version no longer wanted, kept until `after` so that every router has
-    read a routing table without it."""
-
-    version: int = spec_field(doc="the version", minimum=1)
-    after: Timestamp = spec_field(doc="when it may go")
-
-
-@dataclass(frozen=True)
-class TieredModelStatus:
-    """The resource's status, the same on both backends: the rollout's progress
-    plus what the controller keeps so that a restarted one resumes."""
-
-    rollout: RolloutStatus | None = spec_field(None, doc="the rollout; null before the "
-                                               "first version serves")
-    artifacts: tuple[ArtifactVersion, ...] = spec_field((), doc="every artifact seen, "
-                                                        "with its version number")
-    weights: Mapping[str, float] = spec_field(default_factory=dict, keys=names.TIERS,
-                                              doc="percent of each tier's traffic on the "
-                                              "canary now")
-    stage: str = spec_field("", doc="the live stage, as 'N/M name'; empty when none")
-    weights_summary: str = spec_field("", doc="weights in one line, for kubectl get")
-    observed_generation: int = spec_field(0, doc="the spec generation this status is for",
-                                          minimum=0)
-    message: str = spec_field("", doc="the latest event or error, in words")
-    conditions: tuple[Condition, ...] = spec_field((), doc="Ready, Progressing, Degraded")
-    history: tuple[HistoryEntry, ...] = spec_field(
-        (), doc="the rollout's latest steps, oldest first (bounded)")
-    retiring: tuple[Retirement, ...] = spec_field(
-        (), doc="versions on their way out, and when they go")
-    stage_samples: Mapping[str, Any] | None = spec_field(
-        None, doc="the live stage's samples so far (counts, latency buckets, energy "
-        "windows, shadow counts, telemetry cursors): a restarted controller goes on "
-        "from them")
-
-
-# --- OpenAPI schema ---------------------------------------------------------
-
-_SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
-
-
-def to_plain(value: Any, spell: Any = wire_key) -> Any:
-    """A spec or status as plain data, written as API version `spell` writes
-    keys (the current one by default; None: the Python field names, as
-    v1alpha1 did, with times as seconds)."""
-    if isinstance(value, enum.Enum):  # a tiered.names member: its plain string
-        return value.value
-    if dataclasses.is_dataclass(value):
-        hints = _hints(type(value))
-        plain = {}
-        for f in dataclasses.fields(value):
-            item = getattr(value, f.name)
-            if spell is None:
-                plain[f.name] = to_plain(item, spell)
-            elif _strip_optional(hints[f.name])[0] is Timestamp and item is not None:
-                plain[spell(f.name)] = rfc3339(item)
-            else:
-                plain[spell(f.name)] = to_plain(item, spell)
-        return plain
-    if isinstance(value, tuple):
-        return [to_plain(v, spell) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): to_plain(v, spell) for k, v in value.items()}
-    return value
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _bounds(meta: Mapping[str, Any]) -> dict[str, Any]:
-    schema: dict[str, Any] = {}
-    for ours, theirs in (("minimum", "minimum"), ("maximum", "maximum"),
-                         ("exclusive_minimum", "exclusiveMinimum"),
-                         ("exclusive_maximum", "exclusiveMaximum"),
-                         ("min_length", "minLength")):
-        if meta.get(ours) is not None:
-            schema[theirs] = meta[ours]
-    if "pattern" in meta:
-        schema["pattern"] = f"^(?:{meta['pattern']})$"
-    if "enum" in meta:
-        schema["enum"] = [to_plain(v) for v in meta["enum"]]
-    return schema
-
-
-def _type_schema(hint: Any, meta: Mapping[str, Any], spell: Any) -> dict[str, Any]:
-    hint, optional = _strip_optional(hint)
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        schema = openapi_schema(hint, spell=spell)
-    elif origin is tuple:
-        schema = {"type": "array",
-                  "items": _type_schema(typing.get_args(hint)[0], meta, spell)}
-        if "min_items" in meta:
-            schema["minItems"] = meta["min_items"]
-        if "max_items" in meta:
-            schema["maxItems"] = meta["max_items"]
-        return _nullable(schema, optional)
-    elif origin in (Mapping, dict) or hint is dict:
-        args = typing.get_args(hint)
-        value_schema = _type_schema(args[1] if len(args) == 2 else Any, meta, spell)
-        if "keys" in meta:  # known keys: one property each, so the API server checks them
-            schema = {"type": "object",
-                      "properties": {to_plain(key): dict(value_schema) for key in meta["keys"]}}
-        else:
-            schema = {"type": "object", "additionalProperties": value_schema}
-        return _nullable(schema, optional)
-    elif hint is Any:
-        schema = {"x-kubernetes-preserve-unknown-fields": True}
-    elif hint is Quantity:  # as Kubernetes's own quantities are declared
-        schema = {"anyOf": [{"type": "integer"}, {"type": "string"}],
-                  "x-kubernetes-int-or-string": True}
-    elif hint is Timestamp:
-        schema = ({"type": "string", "format": "date-time"} if spell is not None
-                  else {"type": "number"})
-    elif hint in _SCALARS:
-        schema = {"type": _SCALARS[hint], **_bounds(meta)}
-    else:
-        raise TypeError(f"openapi_schema: unsupported type {hint!r}")
-    return _nullable(schema, optional)
-
-
-def _nullable(schema: dict[str, Any], optional: bool) -> dict[str, Any]:
-    if optional:
-        schema["nullable"] = True
-    return schema
-
-
-def openapi_schema(cls: type, exclude: tuple[str, ...] = (),
-                   spell: Any = wire_key) -> dict[str, Any]:
-    """The OpenAPI v3 (Kubernetes structural) schema of a spec dataclass: types,
-    required fields, defaults, enums and bounds, from the same declarations
-    `check_fields` enforces; keys written as `spell` writes them (see `to_plain`)."""
-    hints = _hints(cls)
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    for f in dataclasses.fields(cls):
-        if f.name in exclude:
-            continue
-        key = f.name if spell is None else spell(f.name)
-        schema = _type_schema(hints[f.name], f.metadata, spell)
-        if f.metadata.get("doc"):
-            schema["description"] = f.metadata["doc"]
-        if f.default is not dataclasses.MISSING:
-            if f.default is not None and not (hints[f.name] is Timestamp and spell):
-                schema["default"] = to_plain(f.default, spell)
-        elif f.default_factory is not dataclasses.MISSING:
-            schema["default"] = to_plain(f.default_factory(), spell)
-        else:
-            required.append(key)
-        properties[key] = schema
-    result: dict[str, Any] = {"type": "object", "properties": properties}
-    if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):
-        result["description"] = " ".join(cls.__doc__.split())
-    if required:
-        result["required"] = required
-    return result
-
-
-def crd_validation(version: str = API_VERSION) -> dict[str, Any]:
-    """The `validation` block of a version of the TieredModel CRD (spec and status)."""
-    spell = spelling(version)
-    return {"openAPIV3Schema": {
-        "type": "object",
-        "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": openapi_schema(TieredModel, exclude=("name",), spell=spell),
-            "status": openapi_schema(TieredModelStatus, spell=spell),
-        },
-        "required": ["spec"],
-    }}

@@ -31,19 +31,12 @@ from kubernetes.client.exceptions import ApiException
 from tiered.controller import desired, plan
 from tiered.controller.crd import PLURAL
 from tiered.controller.kube import render
-from tiered.controller.reconciler import Stored, routed
+from tiered.controller.reconciler import Rewrite, Stored, routed
 from tiered.errors import ConfigError, Conflict
 from tiered.protocol import routing
-from tiered.rollout.spec import (
-    API_GROUP,
-    API_VERSION,
-    OLD_VERSIONS,
-    RolloutStatus,
-    TieredModel,
-    as_resource,
-    load_status,
-    to_plain,
-)
+from tiered.rollout.spec import TieredModel, as_resource
+from tiered.rollout.status import RolloutStatus, load_status
+from tiered.rollout.wire import API_GROUP, API_VERSION, OLD_VERSIONS, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -71,44 +64,50 @@ class KubeBackend:
 
     def read(self, name: str) -> Stored | None:
         try:
-            obj = self._migrated(self._custom("get", name))
+            obj = self._custom("get", name)
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
-        metadata = obj["metadata"]
-        if not metadata.get("deletionTimestamp") and render.FINALIZER not in (
-                metadata.get("finalizers") or []):
-            metadata["finalizers"] = [*(metadata.get("finalizers") or []), render.FINALIZER]
-            obj = self._replace_model(obj)
-        self._uids[name] = metadata["uid"]
-        return _stored(obj)
+        self._uids[name] = obj["metadata"]["uid"]
+        return _stored(obj, self._rewrite(obj))
 
-    def _migrated(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """The object, rewritten at the current API version first if it is stored
-        at an older one. Conversion between the versions is None (the API server
-        only relabels), so before any other write (which would store the pruned
-        view) its spec, then its status, are written again from the older view."""
+    def _rewrite(self, obj: dict[str, Any]) -> Rewrite | None:
+        """What to write when the object is stored at an older API version;
+        None when it is not. Conversion between the versions is None (the API
+        server only relabels), so the older view is read before any write
+        (which would store the pruned view)."""
         if _rollout(obj) is not None or not obj.get("status"):
-            return obj
-        name = obj["metadata"]["name"]
+            return None
         for version in OLD_VERSIONS:
             try:
                 older = self.custom.get_namespaced_custom_object(
-                    API_GROUP, version, self.namespace, PLURAL, name)
+                    API_GROUP, version, self.namespace, PLURAL, obj["metadata"]["name"])
             except ApiException as error:
                 if error.status == 404:  # that version is no longer served
                     continue
                 raise
             body = upgraded(obj, older)
-            if body is None:
-                continue
+            if body is not None:
+                return Rewrite(version, body)
+        return None
+
+    def settle(self, stored: Stored) -> Stored:
+        """Rewrite the model at the current API version (its spec, then its
+        status) and add the finalizer, as the Reconciler asks."""
+        obj = dict(stored.document)
+        if stored.rewrite is not None:
+            body = dict(stored.rewrite.body)
             status = body.pop("status")
             obj = self._replace_model(body)
-            obj = self._custom("replace_status", name, {**obj, "status": status})
-            self.progress(f"{name}: rewritten from {API_GROUP}/{version} as {API_VERSION}")
-            break
-        return obj
+            obj = self._custom("replace_status", stored.name, {**obj, "status": status})
+            self.progress(f"{stored.name}: rewritten from {API_GROUP}/"
+                          f"{stored.rewrite.from_version} as {API_VERSION}")
+        metadata = dict(obj["metadata"])
+        if render.FINALIZER not in (metadata.get("finalizers") or []):
+            metadata["finalizers"] = [*(metadata.get("finalizers") or []), render.FINALIZER]
+            obj = self._replace_model({**obj, "metadata": metadata})
+        return _stored(obj)
 
     def finalize(self, stored: Stored) -> None:
         self.write_routing(without=stored.name)
@@ -317,10 +316,11 @@ class KubeBackend:
         return tuple(sorted(found))
 
 
-def _stored(obj: Mapping[str, Any]) -> Stored:
+def _stored(obj: Mapping[str, Any], rewrite: Rewrite | None = None) -> Stored:
     metadata = obj["metadata"]
     return Stored(metadata["name"], obj, obj.get("status"), metadata.get("generation", 0),
-                  metadata.get("resourceVersion"), bool(metadata.get("deletionTimestamp")))
+                  metadata.get("resourceVersion"), bool(metadata.get("deletionTimestamp")),
+                  held=render.FINALIZER in (metadata.get("finalizers") or []), rewrite=rewrite)
 
 
 def _rollout(obj: Mapping[str, Any]) -> RolloutStatus | None:

@@ -29,7 +29,7 @@ from tiered.controller.kube.queue import WorkQueue
 from tiered.controller.reconciler import Reconciler
 from tiered.errors import Conflict, TieredError
 from tiered.protocol.security import PLAINTEXT, ChannelCache, TransportSecurity
-from tiered.rollout.spec import API_GROUP, API_VERSION
+from tiered.rollout.wire import API_GROUP, API_VERSION
 
 log = logging.getLogger(__name__)
 

@@ -26,17 +26,9 @@ from tiered.controller import desired, plan
 from tiered.errors import ConfigError
 from tiered.protocol import routing
 from tiered.protocol.verdict import read_verdict
-from tiered.rollout.spec import (
-    API_GROUP,
-    API_VERSION,
-    KIND,
-    ArtifactVersion,
-    TieredModel,
-    TieredModelStatus,
-    TierSpec,
-    Toleration,
-    to_plain,
-)
+from tiered.rollout.spec import TieredModel, TierSpec, Toleration
+from tiered.rollout.status import ArtifactVersion, TieredModelStatus
+from tiered.rollout.wire import API_GROUP, API_VERSION, KIND, to_plain
 from tiered.settings import Quantity, load_dataclass, read_yaml
 
 AGENT_PORT = 8001

@@ -31,12 +31,8 @@ from tiered.controller.verbs import (
 )
 from tiered.errors import ConfigError, Conflict, NotFound
 from tiered.rollout import engine
-from tiered.rollout.spec import (
-    API_GROUP,
-    API_VERSION,
-    load_tiered_model,
-    to_plain,
-)
+from tiered.rollout.spec import load_tiered_model
+from tiered.rollout.wire import API_GROUP, API_VERSION, to_plain
 
 
 def api_client(kubeconfig: Path | None = None, context: str | None = None):

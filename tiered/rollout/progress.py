@@ -10,32 +10,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
 
 from tiered import names
 from tiered.rollout.engine import reason_gist
+from tiered.rollout.snapshot import Snapshot
 
 
 def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}{unit}"
 
 
-def generative(snap: Mapping[str, Any]) -> bool:
-    """Whether the snapshot is of a generative model's rollout (TTFT, TPOT
-    and J/token figures, not request p95 and J/inference)."""
-    return snap.get("kind") == names.ModelKind.GENERATIVE
-
-
-def energy_sources(snap: Mapping[str, Any]) -> str:
+def energy_sources(snap: Snapshot) -> str:
     """The energy figures' sources (J/inference, or a generative model's
     J/token) as the snapshot names them ('nvml', 'model, estimate', or each
     version's when they differ); '' when it names none or has no figure."""
-    stable, canary = snap.get("energy_source_stable"), snap.get("energy_source_canary")
-    if not stable and not canary:
+    figures = snap.figures
+    if not figures.stable.energy_source and not figures.canary.energy_source:
         return ""
-    figure = "jpt" if generative(snap) else "jpi"
-    stable = stable if snap.get(f"{figure}_stable") is not None else None
-    canary = canary if snap.get(f"{figure}_canary") is not None else None
+    stable, canary = (version.energy_source if version.energy(snap.generative) is not None
+                      else None for version in (figures.stable, figures.canary))
     return "" if stable is None and canary is None else names.energy_sources_label(stable, canary)
 
 
@@ -55,33 +48,32 @@ def weights_label(weights: Mapping[str, float]) -> str:
     return ", ".join(f"{tier} {w:g}%" for tier, w in shown)
 
 
-def progress_line(t: float, snap: Mapping[str, Any]) -> str:
-    versions = f"v{snap['stable_version']}"
-    if snap.get("canary_version") is not None:
-        versions += f"->v{snap['canary_version']}"
-    head = (f"{time.strftime('%H:%M:%S', time.localtime(t))} {snap['model']} {versions} "
-            f"{snap['phase']:<11}")
-    if snap.get("canary_version") is not None:
-        head += (f" stage {snap['stage_index'] + 1}/{snap['stages']} "
-                 f"{snap['stage_name']!s} [{weights_label(snap.get('weights') or {})}]")
-    decision = f"{snap['action']}: {snap['reason']}"
-    if snap.get("canary_requests") is None:
+def progress_line(t: float, snap: Snapshot) -> str:
+    versions = f"v{snap.stable_version}"
+    if snap.canary_version is not None:
+        versions += f"->v{snap.canary_version}"
+    head = (f"{time.strftime('%H:%M:%S', time.localtime(t))} {snap.model} {versions} "
+            f"{snap.phase:<11}")
+    if snap.canary_version is not None:
+        head += (f" stage {snap.stage_index + 1}/{snap.stages} "
+                 f"{snap.stage_name!s} [{weights_label(snap.weights)}]")
+    decision = f"{snap.action}: {snap.reason}"
+    figures = snap.figures
+    if figures.canary.requests is None:
         return f"{head} | {decision}"
-    agreement = snap.get("agreement")
     sources = energy_sources(snap)
-    if generative(snap):
+    if snap.generative:
         numbers = "  ".join(
-            f"{who} n {snap[f'{who}_requests']} ttft p95 "
-            f"{_number(snap.get(f'ttft_p95_{who}_ms'))} ms tpot p95 "
-            f"{_number(snap.get(f'tpot_p95_{who}_ms'))} ms {_mj(snap.get(f'jpt_{who}'))} mJ/tok"
-            for who in ("stable", "canary"))
+            f"{who} n {version.requests} ttft p95 {_number(version.ttft_p95_ms)} ms tpot p95 "
+            f"{_number(version.tpot_p95_ms)} ms {_mj(version.jpt)} mJ/tok"
+            for who, version in figures.each())
     else:
         numbers = "  ".join(
-            f"{who} n {snap[f'{who}_requests']} p95 {_number(snap[f'p95_{who}_ms'])} ms "
-            f"{_mj(snap[f'jpi_{who}'])} mJ/inf" for who in ("stable", "canary"))
+            f"{who} n {version.requests} p95 {_number(version.p95_ms)} ms "
+            f"{_mj(version.jpi)} mJ/inf" for who, version in figures.each())
     numbers += ((f" ({sources})" if sources else "") + "  agree "
-                + ("-" if agreement is None else f"{agreement:.1%}")
-                + f" ({snap.get('agreement_compared', 0)})")
+                + ("-" if figures.agreement is None else f"{figures.agreement:.1%}")
+                + f" ({figures.agreement_compared})")
     return f"{head} | {numbers} | {decision}"
 
 
@@ -96,7 +88,7 @@ def quiet_tail(quiet_s: float, stage: tuple[float, float] | None = None) -> str:
     return tail
 
 
-def still_line(t: float, snap: Mapping[str, Any], quiet_s: float,
+def still_line(t: float, snap: Snapshot, quiet_s: float,
                stage: tuple[float, float] | None = None) -> str:
     """The line a watch prints when nothing new was decided for a while: where
     the rollout stands and what it waits for (a hold snapshot's reason), then
@@ -104,11 +96,11 @@ def still_line(t: float, snap: Mapping[str, Any], quiet_s: float,
     return f"{progress_line(t, snap)} | {quiet_tail(quiet_s, stage)}"
 
 
-def hold_key(snap: Mapping[str, Any]) -> tuple:
+def hold_key(snap: Snapshot) -> tuple:
     """What makes a hold worth another line: where the rollout stands and the
     reason, its running counts aside ('35 of 40 requests', '12 s in')."""
-    return (snap.get("model"), snap.get("phase"), snap.get("canary_version"),
-            snap.get("stage_index"), reason_gist(str(snap.get("reason"))))
+    return (snap.model, snap.phase, snap.canary_version, snap.stage_index,
+            reason_gist(snap.reason))
 
 
 class ProgressLines:
@@ -116,12 +108,11 @@ class ProgressLines:
     changed since the last line of its model."""
 
     def __init__(self) -> None:
-        self._last: dict[Any, tuple] = {}
+        self._last: dict[str, tuple] = {}
 
-    def line(self, t: float, snap: Mapping[str, Any]) -> str | None:
+    def line(self, t: float, snap: Snapshot) -> str | None:
         key = hold_key(snap)
-        model = snap.get("model")
-        if snap.get("action") == names.Action.HOLD and self._last.get(model) == key:
+        if snap.action == names.Action.HOLD and self._last.get(snap.model) == key:
             return None
-        self._last[model] = key
+        self._last[snap.model] = key
         return progress_line(t, snap)

@@ -1,6 +1,6 @@
 """Real tier builds in the background on the local backend.
 
-The local controller (`LocalController`, in a thread, as `tiered controller`
+The local controller (`HostController`, in a thread, as `tiered controller`
 runs it) over a state directory whose agents are small gRPC servers that
 answer RepositoryModelLoad; the builds are real `tiered build` processes.
 The slow artifact is a ResNet-18 at 48x48 built INT8 for the edge tier
@@ -33,7 +33,8 @@ import onnx
 import pytest
 import yaml
 
-from tiered.controller.local import LocalController, RunningSystem, StateLayout
+from tiered.controller.host.controller import HostController
+from tiered.controller.host.state import RunningSystem, StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.files import sha256_file
@@ -87,7 +88,7 @@ class Controller:
 
     def _run(self) -> None:
         try:
-            controller = LocalController(self.state, interval_s=0.3, progress=self.lines.append,
+            controller = HostController(self.state, interval_s=0.3, progress=self.lines.append,
                                          max_builds=self.max_builds)
         except BaseException as error:
             self.failure = error

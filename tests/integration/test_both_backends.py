@@ -33,10 +33,11 @@ pytest.importorskip("kubernetes")
 from kubernetes import client  # noqa: E402
 
 from tests.kubeapi import FakeKubeAPI  # noqa: E402
+from tiered.controller.host.backend import HostBackend
+from tiered.controller.host.state import RunningSystem, StateLayout  # noqa: E402
 from tiered.controller.judge import RolloutJudge  # noqa: E402
 from tiered.controller.kube import render  # noqa: E402
 from tiered.controller.kube.backend import KubeBackend  # noqa: E402
-from tiered.controller.local import LocalBackend, RunningSystem, StateLayout  # noqa: E402
 from tiered.controller.reconciler import Reconciler, decode_status  # noqa: E402
 from tiered.controller.store import StateStore  # noqa: E402
 from tiered.files import sha256_file  # noqa: E402
@@ -131,7 +132,7 @@ class Local:
             server, address = serve(FakeAgent(tier, lambda t=tier: self.loaded(t)))
             self.servers.append(server)
             agents[tier] = (address,)
-        self.backend = LocalBackend(self.layout, self.store, ChannelCache(), lambda _: None)
+        self.backend = HostBackend(self.layout, self.store, ChannelCache(), lambda _: None)
         self.backend.system = RunningSystem(agents, "")
 
     def config(self, tier: str) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tiered.controller.local import RunningSystem, StateLayout, controller_running
+from tiered.controller.host.state import RunningSystem, StateLayout, controller_running
 from tiered.controller.plan import make_snapshot
 from tiered.controller.store import StateStore
 from tiered.files import hold_shared_lock

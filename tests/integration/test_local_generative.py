@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from tiered import names
-from tiered.controller.local import StateLayout
+from tiered.controller.host.state import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.local.processes import interruptible

@@ -36,7 +36,7 @@ import yaml
 
 from tests import canaries
 from tiered import names
-from tiered.controller.local import StateLayout
+from tiered.controller.host.state import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.demo.rollouts import Traffic

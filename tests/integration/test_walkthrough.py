@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from tiered import names
-from tiered.controller.local import StateLayout
+from tiered.controller.host.state import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.local.processes import interruptible

@@ -23,6 +23,7 @@ from tiered.protocol import telemetry_messages
 from tiered.protocol import telemetry_pb2 as tpb
 from tiered.rollout import engine
 from tiered.rollout.progress import progress_line
+from tiered.rollout.snapshot import from_history
 from tiered.rollout.spec import load_tiered_model
 from tiered.rollout.status import TieredModelStatus
 from tiered.telemetry.histogram import GROWTH, LOWEST_S
@@ -264,7 +265,7 @@ def test_a_kubernetes_status_history_of_a_generative_rollout_reports_the_same():
     step = plan._step(SPEC, engine.start(SPEC, 1, 2, 0.0), "start", "go", 5.0,
                       summary_numbers())
     assert step.sources == {"jpt_stable": "nvml", "jpt_canary": "nvml"}
-    (kept,) = verbs.snapshots_of(SPEC, TieredModelStatus(history=(step,)))
+    (kept,) = from_history(SPEC, TieredModelStatus(history=(step,)))
     _, snap = kept
     assert snap.kind == "generative" and snap.figures.canary.energy_source == "nvml"
     page = report.render_html([kept], "t", {}, verbs.report_thresholds(SPEC))

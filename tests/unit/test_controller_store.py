@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from tiered.controller import store as store_module
-from tiered.controller.local import StateLayout
+from tiered.controller.host.state import StateLayout
 from tiered.controller.store import StateStore
 from tiered.errors import ConfigError, Conflict, NotFound
 

@@ -9,16 +9,12 @@ import hashlib
 import pytest
 import yaml
 
+from tiered.cli.model_lines import analysis_lines, summary_row
 from tiered.controller import verbs
+from tiered.controller.pinning import checked, pin_artifact, read_documents
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
-from tiered.controller.verbs import (
-    apply_file,
-    pin_artifact,
-    read_documents,
-    rollout_verb,
-    summary_row,
-)
+from tiered.controller.verbs import apply_file, rollout_verb
 from tiered.errors import ConfigError, Conflict, InvalidArgument
 from tiered.rollout import engine
 from tiered.rollout.spec import as_resource, load_tiered_model
@@ -175,11 +171,11 @@ def test_a_mistyped_field_is_named_before_the_artifact_is_looked_at(base, form):
     spec = document.get("spec", document)
     spec["tiers"]["edge"]["replicaz"] = 2  # the typo; the artifact is missing too
     with pytest.raises(ConfigError, match="replicaz") as caught:
-        verbs.checked(document, base, "f.yaml")
+        checked(document, base, "f.yaml")
     assert "artifact" not in str(caught.value)
     spec["tiers"]["edge"].pop("replicaz")
     spec["artifact"] = {"uri": "models/m.onnx"}
-    model, pinned = verbs.checked(document, base, "f.yaml")
+    model, pinned = checked(document, base, "f.yaml")
     assert artifact_of(pinned)["sha256"] == MODEL_SHA and model.name == "digits"
 
 
@@ -451,22 +447,25 @@ def test_verb_gives_up_after_retries(store, monkeypatch):
 
 
 def test_analysis_lines_name_each_metric_and_tier():
-    assert verbs.analysis_lines(None) == []
-    assert verbs.analysis_lines(RolloutStatus(stable_version=1)) == []
+    assert analysis_lines(None) == []
+    assert analysis_lines(RolloutStatus(stable_version=1)) == []
     run = AnalysisRun(7, "Failed", (
         MetricResult("latency_p95", "Successful", "no regression", tier="edge"),
         MetricResult("energy_per_inference", "Failed", "canary uses more", tier="regional"),
         MetricResult("agreement", "Inconclusive", "too few shadowed requests")))
-    assert verbs.analysis_lines(RolloutStatus(stable_version=1, last_analysis=run)) == [
+    assert analysis_lines(RolloutStatus(stable_version=1, last_analysis=run)) == [
         "last analysis: Failed",
         "  latency_p95 on edge: Successful: no regression",
         "  energy_per_inference on regional: Failed: canary uses more",
         "  agreement: Inconclusive: too few shadowed requests"]
 
 
-def test_history_lines_say_where_each_energy_figure_came_from():
+def test_a_status_step_says_where_each_energy_figure_came_from():
+    """Kubernetes keeps a rollout's steps in its status: their lines read as
+    the local store's snapshots do, with each figure's energy source."""
     from tiered.controller.plan import _step
-    from tiered.rollout.snapshot import Figures, StageFigures
+    from tiered.rollout.progress import progress_line
+    from tiered.rollout.snapshot import Figures, StageFigures, from_history
     from tiered.rollout.spec import load_tiered_model
     from tiered.rollout.status import TieredModelStatus
 
@@ -476,11 +475,14 @@ def test_history_lines_say_where_each_energy_figure_came_from():
     rollout = RolloutStatus(stable_version=1, canary_version=2, phase="Progressing")
     step = _step(spec, rollout, "advance", "ok", 0.0, StageFigures(
         stable=Figures(requests=900, jpi=0.5, energy_source="nvml"),
-        canary=Figures(jpi=0.25, energy_source="model", p95_ms=None), agreement_compared=None))
+        canary=Figures(requests=100, jpi=0.25, energy_source="model", p95_ms=None),
+        agreement_compared=None))
     assert step.sources == {"jpi_stable": "nvml", "jpi_canary": "model"}
     assert "p95_canary_ms" not in step.numbers  # no figure: nothing stored
-    (line,) = verbs.history_lines(TieredModelStatus(history=(step,)))
-    assert line.endswith("[stable_requests=900 jpi_stable=0.5 (nvml) jpi_canary=0.25 (model)]")
+    [(t, snap)] = from_history(spec, TieredModelStatus(history=(step,)))
+    line = progress_line(t, snap)
+    assert ("stable n 900 p95 - ms 500.000 mJ/inf  canary n 100 p95 - ms 250.000 mJ/inf "
+            "(stable nvml, canary model, estimate)  agree - (-) | advance: ok") in line, line
 
 
 def test_get_keeps_each_table_cell_to_a_line(base, store, capsys):

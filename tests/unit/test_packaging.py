@@ -140,7 +140,7 @@ def run_without_agent_packages(code: str) -> subprocess.CompletedProcess:
 def test_the_controller_and_router_import_without_the_agents_packages():
     done = run_without_agent_packages(
         "import tiered.cli, tiered.router.server, tiered.controller.kube.controller\n"
-        "import tiered.controller.kube.backend, tiered.controller.local\n"
+        "import tiered.controller.kube.backend, tiered.controller.host.controller\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "
         f"{BLOCKED!r} and sys.modules[m] is not None))")
     assert done.returncode == 0, done.stderr

@@ -11,6 +11,7 @@ import xml.etree.ElementTree as ET
 from tiered.controller import verbs
 from tiered.demo import report
 from tiered.rollout import snapshot
+from tiered.rollout.snapshot import from_history
 from tiered.rollout.spec import load_tiered_model
 from tiered.rollout.status import HistoryEntry, TieredModelStatus
 
@@ -81,11 +82,11 @@ def test_the_status_history_reads_as_report_snapshots():
                      sources={"jpi_stable": "nvml"}),
         HistoryEntry(t=9.0, action="promote", reason="done", phase="Promoted",
                      stable_version=2)))
-    (_, first), (_, last) = verbs.snapshots_of(SPEC, status)
+    (_, first), (_, last) = from_history(SPEC, status)
     assert (first.stage_index, first.stage_name, first.weights) == (
         1, "wide", {"edge": 50.0, "regional": 50.0})
     assert first.figures.tiers["edge"].canary.p95_ms == 11.0
     assert first.figures.stable.energy_source == "nvml"
     assert last.weights == {"edge": 0.0, "regional": 0.0} and last.action == "promote"
-    page = report.render_html(verbs.snapshots_of(SPEC, status), "t", {}, THRESHOLDS)
+    page = report.render_html(from_history(SPEC, status), "t", {}, THRESHOLDS)
     assert "p95 latency on edge" in titles(page)

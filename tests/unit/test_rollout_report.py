@@ -13,6 +13,7 @@ import pytest
 
 from tiered.demo import report
 from tiered.rollout import snapshot
+from tiered.rollout.snapshot import from_history
 
 STAGES = (("edge-5", {"edge": 5, "regional": 0, "datacenter": 0}),
           ("region-50", {"edge": 50, "regional": 50, "datacenter": 0}),
@@ -327,7 +328,7 @@ def test_the_kubernetes_report_of_retried_rollouts_reads_the_same():
         status = verbs.with_decision(status, decision, spec, t)
 
     retried_twice(controller, verb)
-    history = verbs.snapshots_of(spec, status)
+    history = from_history(spec, status)
     t0 = history[0][0]
     data = report.report_json([(t - t0, snap) for t, snap in history], "r", {})
     assert outcomes(data) == EXPECTED

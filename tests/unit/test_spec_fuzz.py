@@ -18,8 +18,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tiered.controller.pinning import read_documents
 from tiered.controller.store import StateStore
-from tiered.controller.verbs import apply_file, read_documents
+from tiered.controller.verbs import apply_file
 from tiered.errors import ConfigError
 from tiered.rollout.spec import TieredModel, load_tiered_model
 from tiered.rollout.wire import to_plain

@@ -2,7 +2,7 @@
 that runs it.
 
 `agent` (agent, top), `router`, `demo`, `build`, `models`, `controller` (up,
-controller), `verbs` (apply, get, rollout, crds) and `load` each add their parsers
+controller), `tieredmodels` (apply, get, rollout, crds) and `load` each add their parsers
 and handlers with `register(commands)`; `flags` holds the flags several
 commands share. Arguments are parsed in `main()`, never at import, and a
 handler imports what it runs only when it runs, so `tiered --help` stays
@@ -19,13 +19,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from tiered.cli import agent, build, controller, demo, load, models, router, verbs
+from tiered.cli import agent, build, controller, demo, load, models, router, tieredmodels
 from tiered.local.processes import take_sigint
 
 __all__ = ["build_parser", "kubectl_main", "main"]
 
 # In the order `tiered --help` lists the commands.
-_COMMANDS = (agent, router, demo, build, models, controller, verbs, load)
+_COMMANDS = (agent, router, demo, build, models, controller, tieredmodels, load)
 # The commands that act on a cluster with --kubernetes (as `kubectl tiered` does).
 CLUSTER_VERBS = ("apply", "get", "rollout")
 _COMMAND_NAMES = frozenset(("agent", "top", "router", "demo", "build", "models", "up",

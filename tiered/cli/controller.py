@@ -123,7 +123,7 @@ def _run_controller(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from tiered.controller.local import LocalController
+    from tiered.controller.host.controller import HostController
 
     if args.log_level == "INFO":  # progress is printed; builds' library chatter is not
         logging.getLogger().setLevel(logging.WARNING)
@@ -133,7 +133,7 @@ def _run_controller(args: argparse.Namespace) -> int:
     if args.kubernetes:
         return _kube_controller(args, stop)
     try:
-        controller = LocalController(args.state, interval_s=args.interval,
+        controller = HostController(args.state, interval_s=args.interval,
                                      retire_grace_s=args.retire_grace,
                                      progress=lambda line: print(line, flush=True),
                                      max_builds=args.max_builds)
@@ -161,9 +161,9 @@ def _kube_controller(args: argparse.Namespace, stop) -> int:
     import json
     import socket
 
+    from tiered.controller.kube.cluster import api_client, current_namespace
     from tiered.controller.kube.controller import ControllerOptions, KubeController
     from tiered.controller.kube.render import AgentPods, ClusterSettings, load_agent_pods
-    from tiered.controller.kube.verbs import api_client, current_namespace
 
     try:
         args.namespace = args.namespace or current_namespace(args.kubeconfig, args.context)

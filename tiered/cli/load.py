@@ -264,7 +264,7 @@ def _router(args: argparse.Namespace) -> tuple[str, str]:
     """The router's address and where it came from (said when it does not answer)."""
     if args.router:
         return args.router, "--router"
-    from tiered.controller.local import RunningSystem, StateLayout
+    from tiered.controller.host.state import RunningSystem, StateLayout
 
     layout = StateLayout(args.state)
     running = RunningSystem.read(layout.system)

@@ -107,7 +107,7 @@ class _Agent:
 def local_agents(state: Path) -> list[str]:
     """The agents `tiered up` started on the state directory, cheapest tier
     first, as it recorded them (system.json, also what the controller reads)."""
-    from tiered.controller.local import RunningSystem, StateLayout
+    from tiered.controller.host.state import RunningSystem, StateLayout
 
     path = StateLayout(Path(state)).system
     try:

@@ -236,7 +236,7 @@ AgentsOf = Callable[[TieredModel, str, int], Sequence[str]]  # (spec, tier, vers
 
 
 def same_agents(agents: Mapping[str, Sequence[str]]) -> AgentsOf:
-    """Every version of a tier on the same agents (the local backend)."""
+    """Every version of a tier on the same agents (the host backend)."""
     return lambda spec, tier, version: tuple(agents.get(tier, ()))
 
 

@@ -1,4 +1,4 @@
-"""The local backend's state store: one SQLite file, written in transactions.
+"""The local system's state store: one SQLite file, written in transactions.
 
 Holds what Kubernetes would hold for the cluster backend: each TieredModel's
 spec (with a generation that bumps only when the spec changes) and its status
@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tiered.errors import ConfigError, Conflict, NotFound
 
@@ -59,6 +59,31 @@ class Record:
     status: Mapping[str, Any] | None
     revision: int
     updated_at: float
+
+
+class ModelStore(Protocol):
+    """Where the user's verbs keep TieredModels (`controller/verbs.py`, written
+    once against it): the local system's SQLite store (`StateStore`) or a
+    cluster's TieredModel resources (`kube.cluster.ClusterStore`)."""
+
+    def get(self, name: str) -> Record:
+        """The model; NotFound when none of that name is applied."""
+
+    def list(self) -> list[Record]: ...
+
+    def apply(self, name: str, spec: Mapping[str, Any]) -> Record:
+        """Create or update a model; its generation moves only when its spec changes."""
+
+    def write_status(self, name: str, revision: Any, *, status: Mapping[str, Any] | None
+                     ) -> Any:
+        """Replace the status if the model is still at `revision`; Conflict if not."""
+
+    def record(self, name: str, snapshot: Mapping[str, Any], t: float | None = None) -> None:
+        """Keep a rollout step's snapshot (its record form)."""
+
+    def history(self, name: str | None = None, after_id: Any = 0
+                ) -> list[tuple[Any, float, dict[str, Any]]]:
+        """(id, time, snapshot record) in order, those after `after_id`."""
 
 
 class StateStore:

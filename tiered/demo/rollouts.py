@@ -40,10 +40,11 @@ from typing import Any
 import numpy as np
 
 from tiered import names
-from tiered.controller.local import StateLayout
+from tiered.controller.host.state import StateLayout
+from tiered.controller.pinning import read_documents
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
-from tiered.controller.verbs import apply_file, read_documents
+from tiered.controller.verbs import apply_file
 from tiered.demo.report import write_report
 from tiered.local.processes import interruptible
 from tiered.local.supervisor import (

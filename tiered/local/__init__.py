@@ -4,7 +4,7 @@
 controller as child processes, restarts them when they die and stops them in
 order. `processes` starts and stops one `tiered agent` or `tiered router`
 process (also for the demo, the benchmarks and the tests). The controller's
-local backend (`tiered.controller.local`) owns the state directory's layout;
+host backend (`tiered.controller.host`) owns the state directory's layout;
 this package only starts processes around it and never reconciles anything
 itself.
 """

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiered import names
-from tiered.controller.local import RunningSystem, StateLayout
+from tiered.controller.host.state import RunningSystem, StateLayout
 from tiered.controller.plan import RETIRE_GRACE_S
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file

@@ -32,6 +32,11 @@ def energy_sources(snap: Snapshot) -> str:
     return "" if stable is None and canary is None else names.energy_sources_label(stable, canary)
 
 
+def _count(value: float | None) -> str:
+    """A count as kept (a status step keeps it as a float); '-' unknown."""
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _mj(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.3f}"
 
@@ -64,16 +69,16 @@ def progress_line(t: float, snap: Snapshot) -> str:
     sources = energy_sources(snap)
     if snap.generative:
         numbers = "  ".join(
-            f"{who} n {version.requests} ttft p95 {_number(version.ttft_p95_ms)} ms tpot p95 "
+            f"{who} n {_count(version.requests)} ttft p95 {_number(version.ttft_p95_ms)} ms tpot p95 "
             f"{_number(version.tpot_p95_ms)} ms {_mj(version.jpt)} mJ/tok"
             for who, version in figures.each())
     else:
         numbers = "  ".join(
-            f"{who} n {version.requests} p95 {_number(version.p95_ms)} ms "
+            f"{who} n {_count(version.requests)} p95 {_number(version.p95_ms)} ms "
             f"{_mj(version.jpi)} mJ/inf" for who, version in figures.each())
     numbers += ((f" ({sources})" if sources else "") + "  agree "
                 + ("-" if figures.agreement is None else f"{figures.agreement:.1%}")
-                + f" ({figures.agreement_compared})")
+                + f" ({_count(figures.agreement_compared)})")
     return f"{head} | {numbers} | {decision}"
 
 

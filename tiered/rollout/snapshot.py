@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiered import names
+
+if TYPE_CHECKING:
+    from tiered.rollout.spec import TieredModel
+    from tiered.rollout.status import TieredModelStatus
 
 WHO = ("stable", "canary")  # the versions compared, as `Compared` and the keys name them
 
@@ -179,3 +183,27 @@ def _read_figures(record: Mapping[str, Any]) -> StageFigures:
     return StageFigures(**compared(""), agreement=record.get("agreement"),
                         agreement_compared=record.get("agreement_compared"),
                         tiers={tier: Compared(**compared(tier)) for tier in found if tier})
+
+
+def from_history(spec: TieredModel, status: TieredModelStatus
+                 ) -> list[tuple[float, Snapshot]]:
+    """The status's history steps as report snapshots, each with its time
+    (what the local store records every pass, Kubernetes keeps for each step
+    in the status)."""
+    stages = spec.rollout.stages
+    snapshots = []
+    for step in status.history:
+        label = step.stage.split(" ", 1)
+        index = next((i for i, stage in enumerate(stages)
+                      if len(label) == 2 and stage.name == label[1]), 0)
+        live = step.canary_version is not None and step.phase in (
+            names.Phase.PROGRESSING, names.Phase.PAUSED)
+        snapshots.append((step.t, Snapshot(
+            model=spec.name, kind=spec.kind, stable_version=step.stable_version,
+            canary_version=step.canary_version, phase=step.phase, stage_index=index,
+            stage_name=stages[index].name, stages=len(stages),
+            weights={tier: float(stages[index].weights.get(tier, 0.0)) if live else 0.0
+                     for tier in names.TIERS if tier in spec.tiers},
+            action=step.action, reason=step.reason,
+            figures=from_step_numbers(step.numbers, step.sources))))
+    return snapshots

@@ -3,7 +3,7 @@
 Each field's constraints are declared with `spec_field` (`tiered.rollout.schema`);
 cross-field rules (durations, stage tiers) live in `__post_init__`. Pure data:
 no I/O here (`load_tiered_model` takes an already-parsed mapping). One document
-drives the local backend and Kubernetes; `tiered.rollout.wire` says how it is
+drives the host backend and Kubernetes; `tiered.rollout.wire` says how it is
 written.
 """
 

@@ -1,4 +1,5 @@
-"""The local backend: the Reconciler's adapter for processes on this machine.
+"""The host backend: the Reconciler's adapter for agents run as processes on
+this machine (the local system's; `tiered.local` starts them).
 
 `tiered up` starts one agent per tier, the router and this controller as
 child processes (see `tiered.local.supervisor`) and writes their addresses into
@@ -9,7 +10,7 @@ module only observes and applies:
 - a wanted version is built for each tier into that tier's model repository
   with `tiered build` in a process of its own, as the Kubernetes init
   container does (the artifact is checked against its sha256 first), in the
-  background and a few at a time (`tiered.controller.local_builds`): the pass
+  background and a few at a time (`tiered.controller.host.builds`): the pass
   goes on, the version is Pending with what it waits for ("building, 12 s")
   and a later pass finds it built, or Refused with the build's verdict; it
   is Ready once the tier's agent serves it;
@@ -27,14 +28,9 @@ where it was; only the stage's samples start afresh (the stage clock does not).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -42,16 +38,15 @@ import yaml
 
 from tiered import names
 from tiered.controller import desired, plan
-from tiered.controller.judge import RolloutJudge
-from tiered.controller.local_builds import LOADING, BuildKey, BuildRequest, Builds
-from tiered.controller.reconciler import Reconciler, Stored, routed
+from tiered.controller.host.builds import LOADING, BuildKey, BuildRequest, Builds
+from tiered.controller.host.state import RunningSystem, StateLayout
+from tiered.controller.reconciler import Stored, routed
 from tiered.controller.store import StateStore
-from tiered.errors import ConfigError, Conflict, NotFound, TieredError
-from tiered.files import hold_shared_lock, lock_held, write_atomically
+from tiered.errors import ConfigError, NotFound
+from tiered.files import write_atomically
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 from tiered.protocol import routing
-from tiered.protocol.security import ChannelCache
 from tiered.rollout.snapshot import to_record
 from tiered.rollout.spec import TieredModel
 from tiered.rollout.status import ArtifactVersion, RolloutStatus
@@ -60,97 +55,6 @@ from tiered.rollout.wire import to_plain
 log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Where the local backend keeps things, under one state directory."""
-
-    root: Path
-
-    @property
-    def store(self) -> Path:
-        return self.root / "state.db"
-
-    @property
-    def routing_table(self) -> Path:
-        return self.root / "routing.yaml"
-
-    @property
-    def system(self) -> Path:
-        return self.root / "system.json"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def up_lock(self) -> Path:
-        """Locked by the `tiered up` running on this directory (it holds its pid)."""
-        return self.root / "up.lock"
-
-    @property
-    def controller_lock(self) -> Path:
-        """Locked (shared) by every controller running on this directory, so the
-        verbs can say when none is (`controller_running`)."""
-        return self.root / "controller.lock"
-
-    @property
-    def admin_token(self) -> Path:
-        """The token the agents accept for load and unload (mode 0600)."""
-        return self.root / "admin.token"
-
-    def create(self) -> StateLayout:
-        """The state directory, private to this user: whoever can write it can
-        run every control verb, so it is the local system's authorization."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        return self
-
-    def ensure_admin_token(self) -> Path:
-        if not self.admin_token.is_file():
-            import secrets
-
-            self.create()
-            fd = os.open(self.admin_token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(secrets.token_urlsafe(32) + "\n")
-        return self.admin_token
-
-    def repository(self, tier: str) -> Path:
-        return self.root / "repositories" / tier
-
-    @property
-    def builds(self) -> Path:
-        """The records of the tier builds (see `tiered.controller.local_builds`)."""
-        return self.root / "builds"
-
-
-def controller_running(layout: StateLayout) -> bool:
-    """Whether a controller runs on the state directory now."""
-    return lock_held(layout.controller_lock)
-
-
-@dataclass(frozen=True)
-class RunningSystem:
-    """What `tiered up` started: agent addresses per tier, the router's."""
-
-    agents: Mapping[str, tuple[str, ...]]
-    router: str  # its gRPC address: routes, and the canary's shadow agreement
-
-    @staticmethod
-    def read(path: Path) -> RunningSystem | None:
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        return RunningSystem({t: tuple(a) for t, a in data["agents"].items()},
-                             data["router"])
-
-    def write(self, path: Path) -> None:
-        write_atomically(path, json.dumps({"agents": {t: list(a) for t, a in
-                                                      self.agents.items()},
-                                           "router": self.router}, indent=2))
 
 
 def _file_stamp(uri: str) -> tuple[int, int] | None:
@@ -169,7 +73,7 @@ def _file_stamp(uri: str) -> tuple[int, int] | None:
     return stat.st_size, stat.st_mtime_ns
 
 
-class LocalBackend:
+class HostBackend:
     """Observes and applies for the Reconciler: builds, agents, store, table file."""
 
     def __init__(self, layout: StateLayout, store: StateStore,
@@ -319,58 +223,3 @@ class LocalBackend:
         return [tier for tier in names.TIERS if tier in spec.tiers]
 
 
-class LocalController:
-    """Reconciles every model in the store against the running local system."""
-
-    def __init__(self, state_dir: Path, *, interval_s: float = 2.0,
-                 clock: Callable[[], float] = time.time, seed: int = 0,
-                 retire_grace_s: float = plan.RETIRE_GRACE_S,
-                 progress: Callable[[str], None] | None = None,
-                 max_builds: int | None = None) -> None:
-        self.layout = StateLayout(Path(state_dir))
-        self.store = StateStore(self.layout.store)
-        self.interval_s = interval_s
-        self.progress = progress or (lambda line: log.info("%s", line))
-        self._channel = ChannelCache()  # loopback agents run --insecure
-        self.backend = LocalBackend(self.layout, self.store, self._channel, self.progress,
-                                    max_builds=max_builds)
-        self.reconciler = Reconciler(self.backend, RolloutJudge(self._channel, seed),
-                                     clock=clock, progress=self.progress,
-                                     retire_grace_s=retire_grace_s)
-
-    def close(self) -> None:
-        self.backend.close()
-        self._channel.close()
-        self.store.close()
-
-    def run(self, stop: threading.Event) -> None:
-        self.progress(f"controller: state in {self.layout.root}, every {self.interval_s:g} s")
-        lock = hold_shared_lock(self.layout.controller_lock)  # the verbs see it runs
-        try:
-            while not stop.is_set():
-                try:
-                    self.reconcile_all()
-                except TieredError as error:
-                    self.progress(f"controller: {error}")
-                stop.wait(self.interval_s)
-        finally:
-            os.close(lock)
-
-    def reconcile_all(self) -> None:
-        system = RunningSystem.read(self.layout.system)
-        if system is None:
-            raise TieredError(f"no running system in {self.layout.system}: start `tiered up`")
-        self.backend.system = system
-        records = self.store.list()
-        self.backend.builds.keep_models(record.name for record in records)
-        for record in records:
-            try:
-                self.reconciler.reconcile(record.name)
-            except Conflict as error:
-                self.progress(f"{record.name}: {error}")  # a verb wrote first: next pass
-            except TieredError as error:
-                self.progress(f"{record.name}: error: {error}")
-            except grpc.RpcError as error:
-                self.progress(f"{record.name}: an agent did not answer: "
-                              f"{error.code().name} {error.details()}")
-        self.backend.write_routing()  # also when no model is left

@@ -113,18 +113,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     crds.set_defaults(handler=_crds)
 
 
-def _cluster(args: argparse.Namespace):
-    from tiered.controller.kube.verbs import ClusterVerbs, api_client, current_namespace
+def _models(args: argparse.Namespace, verb: str | None = None):
+    """Where the verbs find the models, as a context manager: the cluster's
+    resources with --kubernetes, else the local system's store; with `verb`,
+    a line on stderr when no local controller runs on it (nothing would act
+    on what the verb writes, and the status it shows is as last written)."""
+    if args.kubernetes:
+        from tiered.controller.kube.cluster import ClusterStore, api_client, current_namespace
 
-    namespace = args.namespace or current_namespace(args.kubeconfig, args.context)
-    return ClusterVerbs(api_client(args.kubeconfig, args.context), namespace)
-
-
-def _store(args: argparse.Namespace, verb: str | None = None):
-    """The local system's store; with `verb`, a line on stderr when no
-    controller runs on it (nothing would act on what the verb writes, and the
-    status it shows is as last written)."""
-    from tiered.controller.local import StateLayout, controller_running
+        namespace = args.namespace or current_namespace(args.kubeconfig, args.context)
+        return contextlib.nullcontext(ClusterStore(api_client(args.kubeconfig, args.context),
+                                                   namespace))
+    from tiered.controller.host.state import StateLayout, controller_running
     from tiered.controller.store import StateStore
 
     layout = StateLayout(args.state)
@@ -142,7 +142,7 @@ def no_controller(verb: str, state: Path) -> str:
 
 
 def _verb(name: str, body) -> Callable[[argparse.Namespace], int]:
-    """Run a store verb; domain errors become one line on stderr and exit code 1."""
+    """Run a verb; domain errors become one line on stderr and exit code 1."""
     def handler(args: argparse.Namespace) -> int:
         try:
             return body(args)
@@ -155,11 +155,8 @@ def _verb(name: str, body) -> Callable[[argparse.Namespace], int]:
 def _apply(args: argparse.Namespace) -> int:
     from tiered.controller.verbs import apply_file
 
-    if args.kubernetes:
-        results = _cluster(args).apply_file(args.file)
-    else:
-        with _store(args, "apply") as store:
-            results = apply_file(store, args.file)
+    with _models(args, "apply") as models:
+        results = apply_file(models, args.file)
     for name, result in results:
         print(f"tieredmodel/{name} {result}")
     return 0
@@ -170,28 +167,21 @@ def _get(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from tiered.controller import verbs
+    from tiered.cli.model_lines import describe, summary_row
     from tiered.tables import render
 
     def look() -> str:
-        if args.kubernetes:
-            rows = cluster.rows(args.name)
-            documents = ([cluster.get(args.name)] if args.name else
-                         [cluster.get(row["NAME"]) for row in rows])
-        else:
-            records = [store.get(args.name)] if args.name else store.list()
-            rows = [verbs.summary_row(r) for r in records]
-            documents = [verbs.describe(r) for r in records]
+        records = [models.get(args.name)] if args.name else models.list()
         if args.output != "table":
+            documents = [describe(r) for r in records]
             return (json.dumps(documents, indent=2) + "\n" if args.output == "json"
                     else yaml.safe_dump_all(documents, sort_keys=False))
-        if not rows:
+        if not records:
             return "no TieredModels applied\n"
+        rows = [summary_row(r) for r in records]
         return render(list(rows[0]), [[_cell(v) for v in r.values()] for r in rows]) + "\n"
 
-    with contextlib.ExitStack() as stack:
-        cluster = _cluster(args) if args.kubernetes else None
-        store = None if args.kubernetes else stack.enter_context(_store(args, "get"))
+    with _models(args, "get") as models:
         if not args.watch:
             print(look(), end="")
             return 0
@@ -220,59 +210,38 @@ def _rollout(args: argparse.Namespace) -> int:
 
     if args.verb == "status":
         return _rollout_status(args)
-    if args.verb == "undo":
-        return _rollout_undo(args)
     if args.verb == "report":
         return _rollout_report(args)
-    if args.kubernetes:
-        decision = _cluster(args).rollout_verb(args.name, args.verb, full=args.full)
-    else:
-        with _store(args, "rollout") as store:
-            decision = verbs.rollout_verb(store, args.name, args.verb, full=args.full)
+    with _models(args, "rollout") as models:
+        if args.verb == "undo":
+            found = verbs.rollout_undo(models, args.name, args.to_version)
+            print(f"{args.name}: {'unchanged' if found.unchanged else 'undo'}: {found.reason}"
+                  + ("; nothing to do" if found.unchanged else ""))
+            return 0
+        decision = verbs.rollout_verb(models, args.name, args.verb, full=args.full)
     print(f"{args.name}: {decision.action}: {decision.reason}")
     return 0
 
 
-def _rollout_undo(args: argparse.Namespace) -> int:
-    from tiered.controller import verbs
-
-    if args.kubernetes:
-        found = _cluster(args).rollout_undo(args.name, args.to_version)
-    else:
-        with _store(args, "rollout") as store:
-            found = verbs.rollout_undo(store, args.name, args.to_version)
-    print(f"{args.name}: {'unchanged' if found.unchanged else 'undo'}: {found.reason}"
-          + ("; nothing to do" if found.unchanged else ""))
-    return 0
-
-
 def _rollout_report(args: argparse.Namespace) -> int:
-    """The rollout report from what the backend keeps: the local store's
-    snapshot of every pass (and the tier builds' reports), or the steps the
-    TieredModel's status keeps on Kubernetes."""
+    """The rollout report from the steps the backend keeps (the local store's
+    snapshot of every pass, the steps a TieredModel's status keeps on
+    Kubernetes) and, locally, the tier builds' reports."""
     import time
 
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
     from tiered.demo.report import write_report
-    from tiered.rollout import snapshot
-    from tiered.rollout.spec import load_tiered_model
+    from tiered.rollout.snapshot import from_record
 
-    builds: list[dict] = []
+    with _models(args) as models:
+        record = models.get(args.name)
+        history = [(t, from_record(kept)) for _, t, kept in models.history(args.name)]
+    spec, status = verbs.spec_of(record), decode_status(args.name, record.status)
     if args.kubernetes:
-        obj = _cluster(args).get(args.name)
-        spec, status = load_tiered_model(obj, args.name), decode_status(args.name,
-                                                                       obj.get("status"))
-        history = verbs.snapshots_of(spec, status)
-        where = f"Kubernetes, namespace {obj['metadata'].get('namespace', '')}"
+        builds, where = [], f"Kubernetes, namespace {record.spec['metadata'].get('namespace')}"
     else:
-        with _store(args) as store:
-            record = store.get(args.name)
-            spec, status = verbs.spec_of(record), decode_status(args.name, record.status)
-            history = [(t, snapshot.from_record(kept))
-                       for _, t, kept in store.history(args.name)]
-        builds = _build_reports(args.state, spec, status)
-        where = f"local, {args.state}"
+        builds, where = _build_reports(args.state, spec, status), f"local, {args.state}"
     rollout = status.rollout
     extra = {"backend": where, "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
              "phase": rollout.phase if rollout else "Pending",
@@ -292,7 +261,7 @@ def _build_reports(state: Path, spec, status) -> list[dict]:
     local tier repositories."""
     import json
 
-    from tiered.controller.local import StateLayout
+    from tiered.controller.host.state import StateLayout
     from tiered.engines.build.report import REPORT_FILE
 
     found = []
@@ -309,20 +278,17 @@ def _build_reports(state: Path, spec, status) -> list[dict]:
 
 def _rollout_status(args: argparse.Namespace) -> int:
     """Print where the rollout stands; with --watch or --timeout, follow its
-    steps until it ends or pauses, saying what a long hold waits for. One loop
-    for both backends: each gives a look (spec, status, new lines). The exit
-    code says how it ended (see --help)."""
+    steps until it ends or pauses, saying what a long hold waits for. The
+    exit code says how it ended (see --help)."""
     import time
 
+    from tiered.cli.model_lines import still
     from tiered.controller import verbs
 
     follow = args.watch or args.timeout is not None
     deadline = time.monotonic() + args.timeout if args.timeout is not None else None
-    with contextlib.ExitStack() as stack:
-        if args.kubernetes:
-            poll = _cluster_steps(_cluster(args), args.name)
-        else:
-            poll = _store_steps(stack.enter_context(_store(args, "rollout status")), args.name)
+    with _models(args, "rollout status") as models:
+        poll = _steps(models, args.name)
 
         def steps() -> int:
             said = new = time.monotonic()  # when a line was printed; a new one
@@ -354,7 +320,7 @@ def _rollout_status(args: argparse.Namespace) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Look:
-    """One look of `rollout status` at a backend: the model and the lines
+    """One look of `rollout status` at the models: the model and the lines
     that are new since the last look."""
 
     name: str
@@ -364,106 +330,37 @@ class Look:
     lines: tuple[str, ...]
 
 
-def still(look: Look, now: float, quiet_s: float) -> str:
-    """The line for a watch with nothing new for `quiet_s` seconds: what the
-    rollout waits for (the controller, a version's agents, a stage's data)
-    and, while a stage is judged, how long it has run against its
-    maxDurationSeconds. From the status alone, so both backends say the same."""
-    import time
-
-    from tiered.controller import desired
-    from tiered.controller.plan import make_snapshot
-    from tiered.rollout.progress import quiet_tail, still_line
-
-    spec, status = look.spec, look.status
-    rollout = status.rollout
-    if status.observed_generation < look.generation:
-        reason = (f"the controller has not seen the applied spec yet (generation "
-                  f"{look.generation}; it has seen {status.observed_generation})")
-    elif desired.live(rollout):
-        reason = rollout.message
-    else:
-        reason = status.message or (rollout.message if rollout else "")
-    if rollout is None:
-        clock = time.strftime("%H:%M:%S", time.localtime(now))
-        return f"{clock} {look.name} | {reason or 'no version serves yet'} | " \
-            f"{quiet_tail(quiet_s)}"
-    stage = None
-    if desired.live(rollout) and status.observed_generation >= look.generation:
-        index = min(rollout.stage_index, len(spec.rollout.stages) - 1)
-        ran = (rollout.blind_since or now) - rollout.stage_started_at  # blind: clock stopped
-        stage = (ran, spec.rollout.stages[index].max_duration_s)
-    snap = make_snapshot(spec, rollout, names.Action.HOLD, reason)
-    return still_line(now, snap, quiet_s, stage)
-
-
-def _summary_line(row: dict[str, str]) -> str:
-    """A `tiered get` row as one line of `key: value`, empty fields left out."""
-    return "  ".join(f"{k.lower()}: {v}" for k, v in row.items() if v not in ("", "-"))
-
-
-def _store_steps(store, name: str) -> Callable[[], Look]:
-    """A poll of the local store: the first look prints the summary, the
-    analysis and the last steps, later ones new steps (a hold only when its
-    reason changed)."""
+def _steps(models, name: str) -> Callable[[], Look]:
+    """A poll of the models: the first look prints the summary, the analysis
+    and the last steps, later ones new steps (a hold only when its reason
+    changed)."""
+    from tiered.cli.model_lines import analysis_lines, summary_line, summary_row
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
-    from tiered.rollout import snapshot
     from tiered.rollout.progress import ProgressLines
+    from tiered.rollout.snapshot import from_record
 
     last = None
     shown = ProgressLines()
 
     def poll() -> Look:
         nonlocal last
-        record = store.get(name)
+        record = models.get(name)
         status = decode_status(name, record.status)
         lines = []
         if last is None:
-            row = verbs.summary_row(record)
-            lines.append(_summary_line(row))
-            lines += verbs.analysis_lines(status.rollout)
-            history = store.history(name)[-10:]
+            lines.append(summary_line(summary_row(record)))
+            lines += analysis_lines(status.rollout)
+            history = models.history(name)[-10:]
             last = 0
         else:
-            history = store.history(name, after_id=last)
+            history = models.history(name, after_id=last)
         for entry_id, t, kept in history:
-            line = shown.line(t, snapshot.from_record(kept))
+            line = shown.line(t, from_record(kept))
             if line is not None:
                 lines.append(line)
             last = entry_id
         return Look(name, verbs.spec_of(record), status, record.generation, tuple(lines))
-
-    return poll
-
-
-def _cluster_steps(cluster, name: str) -> Callable[[], Look]:
-    """As `_store_steps`, from the TieredModel's status on Kubernetes."""
-    from tiered.controller import verbs
-    from tiered.controller.reconciler import decode_status
-    from tiered.rollout.spec import load_tiered_model
-
-    shown: float | None = None
-
-    def poll() -> Look:
-        nonlocal shown
-        obj = cluster.get(name)
-        status = decode_status(name, obj.get("status"))
-        lines = []
-        if shown is None:
-            row = cluster.rows(name)[0]
-            lines.append(_summary_line(row))
-            lines += [*verbs.analysis_lines(status.rollout), "history:"]
-            fresh = status.history[-10:]
-        else:
-            fresh = [step for step in status.history if step.t > shown]
-        if fresh:
-            lines += verbs.history_lines(dataclasses.replace(status, history=tuple(fresh)))
-            shown = fresh[-1].t
-        elif shown is None:
-            shown = 0.0
-        return Look(name, load_tiered_model(obj, name), status,
-                    obj["metadata"].get("generation", 0), tuple(lines))
 
     return poll
 

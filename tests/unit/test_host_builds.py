@@ -4,8 +4,9 @@ what the waiting message says, and why a build without a verdict failed."""
 from __future__ import annotations
 
 from tiered import names
-from tiered.controller import local_builds, plan
-from tiered.controller.local_builds import BuildKey
+from tiered.controller import plan
+from tiered.controller.host import builds
+from tiered.controller.host.builds import BuildKey
 from tiered.rollout.spec import load_tiered_model
 from tiered.rollout.status import ArtifactVersion, RolloutStatus
 
@@ -25,30 +26,30 @@ def keys(*versions: int) -> list[BuildKey]:
 
 
 def test_the_oldest_queued_builds_start_as_slots_free():
-    assert local_builds.startable(keys(1, 2, 3), running=0, limit=2) == tuple(keys(1, 2))
-    assert local_builds.startable(keys(1, 2, 3), running=1, limit=2) == tuple(keys(1))
-    assert local_builds.startable(keys(1, 2), running=2, limit=2) == ()
-    assert local_builds.startable(keys(1), running=3, limit=2) == ()  # over: none, never < 0
-    assert local_builds.startable([], running=0, limit=2) == ()
+    assert builds.startable(keys(1, 2, 3), running=0, limit=2) == tuple(keys(1, 2))
+    assert builds.startable(keys(1, 2, 3), running=1, limit=2) == tuple(keys(1))
+    assert builds.startable(keys(1, 2), running=2, limit=2) == ()
+    assert builds.startable(keys(1), running=3, limit=2) == ()  # over: none, never < 0
+    assert builds.startable([], running=0, limit=2) == ()
 
 
 def test_one_build_at_a_time_on_two_cores():
-    assert [local_builds.default_max_builds(c) for c in (1, 2, 3, 4, 64)] == [1, 1, 2, 2, 2]
+    assert [builds.default_max_builds(c) for c in (1, 2, 3, 4, 64)] == [1, 1, 2, 2, 2]
 
 
 def test_pending_reasons_read_as_phrases():
-    assert local_builds.building(12.4) == "building, 12 s"
-    assert local_builds.building(-0.2) == "building, 0 s"  # a clock step back
-    assert local_builds.queued(0) == "queued to build"
-    assert local_builds.queued(2) == "queued to build, 2 ahead"
+    assert builds.building(12.4) == "building, 12 s"
+    assert builds.building(-0.2) == "building, 0 s"  # a clock step back
+    assert builds.queued(0) == "queued to build"
+    assert builds.queued(2) == "queued to build, 2 ahead"
 
 
 def test_a_build_without_a_verdict_says_how_it_ended_and_its_last_line():
-    assert local_builds.no_verdict(-9, "") == (
+    assert builds.no_verdict(-9, "") == (
         "tiered build was killed by SIGKILL and left no verdict")
-    assert local_builds.no_verdict(1, "Traceback ...\n  boom\nMemoryError: out\n\n") == (
+    assert builds.no_verdict(1, "Traceback ...\n  boom\nMemoryError: out\n\n") == (
         "tiered build exited with code 1 and no verdict: MemoryError: out")
-    assert local_builds.no_verdict(-99, "").startswith("tiered build was killed by signal 99")
+    assert builds.no_verdict(-99, "").startswith("tiered build was killed by signal 99")
 
 
 def test_the_waiting_message_says_what_each_tier_waits_for():
@@ -61,7 +62,7 @@ def test_the_waiting_message_says_what_each_tier_waits_for():
 
 
 def test_a_tier_without_a_reason_is_named_alone():
-    states = {("edge", 2): plan.VersionState(plan.PENDING, local_builds.LOADING),
+    states = {("edge", 2): plan.VersionState(plan.PENDING, builds.LOADING),
               ("regional", 2): plan.VersionState(plan.PENDING)}  # nothing observed yet
     assert plan.waiting(SPEC, SERVING_1, WANTED, states) == (
         "version 2: waiting for its agents on edge (built, loading), regional, datacenter")

@@ -1,4 +1,4 @@
-"""The local backend's tier builds, in the background.
+"""The host backend's tier builds, in the background.
 
 Each `tiered build` runs in a process of its own, as the Kubernetes init
 container does, at most `max_builds` at a time (builds are CPU heavy): a

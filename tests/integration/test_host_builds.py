@@ -1,4 +1,4 @@
-"""The local backend's background builds (`tiered.controller.local_builds`) with
+"""The local backend's background builds (`tiered.controller.host.builds`) with
 real processes standing in for `tiered build`: each sleeps, writes a verdict
 line (or none) on stderr and exits as told, so what is checked is how builds
 are queued, reaped, refused, stopped and found again by a restarted
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tiered.controller import plan
-from tiered.controller.local_builds import BuildKey, BuildRequest, Builds
+from tiered.controller.host.builds import BuildKey, BuildRequest, Builds
 from tiered.protocol.verdict import BuildVerdict
 
 # argv: starts file, seconds, verdict line ('' for none), exit code

@@ -238,12 +238,52 @@ def _described(arrays: Mapping[str, np.ndarray]) -> tuple[list, list[memoryview]
             [memoryview(a).cast("B") for a in contiguous.values()])
 
 
-def error_of(header: tuple[str, str]) -> TieredError:
+def _error_of(header: tuple[str, str]) -> TieredError:
     name, message = header
     kind = getattr(errors, name, None)
     if not (isinstance(kind, type) and issubclass(kind, TieredError)):
         kind = EngineError
     return kind(message)
+
+
+def spawn(module: str, spec_for: Callable[[int], Any], env: Mapping[str, str], what: str,
+          fds: Sequence[int] = (), started: Callable[[int], None] | None = None,
+          reap: Callable[[subprocess.Popen], Any] = subprocess.Popen.wait
+          ) -> tuple[subprocess.Popen, socket.socket, Any]:
+    """Start `python -m module` on a socket pair, its spec (`spec_for` the
+    child's socket fd) pickled on stdin, and wait for its HELLO: (the process,
+    our socket, the hello's header). When it says FAILED, exits or is silent
+    for START_TIMEOUT_S, it is killed and reaped, and a ConfigError says why
+    `what` did not start."""
+    ours, theirs = socket.socketpair()
+    spec = spec_for(theirs.fileno())
+    try:
+        process = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE,
+                                   env=dict(env), pass_fds=(theirs.fileno(), *fds))
+    except OSError:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    if started is not None:
+        started(process.pid)
+    process.stdin.write(pickle.dumps(spec))
+    process.stdin.close()
+    ours.settimeout(START_TIMEOUT_S)
+    try:
+        hello = read_frame(ours)
+    except (OSError, pickle.UnpicklingError):
+        hello = None
+    if hello is None or hello[1] != HELLO:
+        why = (str(_error_of(hello[2])) if hello and hello[1] == FAILED
+               else f"no answer in {START_TIMEOUT_S:.0f} s or it exited; its log is above")
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        reap(process)
+        ours.close()
+        raise ConfigError(f"{what} did not start: {why}")
+    ours.settimeout(None)
+    return process, ours, hello[2]
 
 
 # -- the agent's side ------------------------------------------------------------------
@@ -327,43 +367,22 @@ class DeviceEngine(Engine):
     def start(self) -> None:
         """Start the engine process and wait until its engine is loaded and warm."""
         arena = Arena(self._arena_bytes)
-        ours, theirs = socket.socketpair()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": self._device.visible,
                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # GPU indices as NVML counts them
                "TIERED_DEVICE": self.label, "TIERED_ENGINE": self._spec.name}
-        spec = EngineSpec(**{**self._spec.__dict__, "socket_fd": theirs.fileno(),
-                             "arena_fd": arena.fd, "arena_bytes": arena.size})
         try:
-            process = subprocess.Popen([sys.executable, "-m", "tiered.agent.devices"],
-                                       stdin=subprocess.PIPE, env=env,
-                                       pass_fds=(theirs.fileno(), arena.fd))
-        except OSError:
-            ours.close()
+            process, ours, hello = spawn(
+                "tiered.agent.devices", lambda fd: EngineSpec(**{
+                    **self._spec.__dict__, "socket_fd": fd, "arena_fd": arena.fd,
+                    "arena_bytes": arena.size}),
+                env, f"{self.label}: the engine process", (arena.fd,),
+                lambda pid: self._pool.started(self.label, pid), self._reap)
+        except (OSError, ConfigError):
             arena.close()
             raise
-        finally:
-            theirs.close()
-        self._pool.started(self.label, process.pid)
-        process.stdin.write(pickle.dumps(spec))
-        process.stdin.close()
-        ours.settimeout(START_TIMEOUT_S)
-        try:
-            hello = read_frame(ours)
-        except (OSError, pickle.UnpicklingError):
-            hello = None
-        if hello is None or hello[1] != HELLO:
-            why = (str(error_of(hello[2])) if hello and hello[1] == FAILED
-                   else f"no answer in {START_TIMEOUT_S:.0f} s or it exited; its log is above")
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            self._reap(process)
-            ours.close()
-            arena.close()
-            raise ConfigError(f"{self.label}: the engine process did not start: {why}")
-        ours.settimeout(None)
         previous = self._socket, self._arena
         with self._calls_lock:
-            self._facts, self._process, self._socket, self._arena = hello[2], process, ours, arena
+            self._facts, self._process, self._socket, self._arena = hello, process, ours, arena
             self._lost = ""
         for old in previous:
             if old is not None:
@@ -443,7 +462,7 @@ class DeviceEngine(Engine):
                 if kind == DONE:
                     future.set_result(_arrays(header, payload))
                 else:
-                    future.set_exception(error_of(header))
+                    future.set_exception(_error_of(header))
         except OSError:
             pass
         self._lose("the engine process exited", sock)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tiered.agent.devices import FAILED, HELLO, error_of, read_frame, send_frame
+from tiered.agent.devices import FAILED, HELLO, read_frame, send_frame, spawn
 from tiered.agent.scheduler import (
     Entry,
     Scheduler,
@@ -49,7 +49,7 @@ from tiered.agent.scheduler import (
     Turn,
 )
 from tiered.engines.generative.text import Tokenizer
-from tiered.errors import ConfigError, EngineError, Unavailable
+from tiered.errors import EngineError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -134,36 +134,12 @@ class EngineCore:
 
     def start(self) -> None:
         """Start the core and wait until its engine is loaded."""
-        ours, theirs = socket.socketpair()
-        spec = replace(self.spec, socket_fd=theirs.fileno())
-        env = {**os.environ, "TIERED_ENGINE": self.spec.name}
-        try:
-            process = subprocess.Popen([sys.executable, "-m", "tiered.agent.engine_core"],
-                                       stdin=subprocess.PIPE, env=env,
-                                       pass_fds=(theirs.fileno(),))
-        except OSError:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        process.stdin.write(pickle.dumps(spec))
-        process.stdin.close()
-        ours.settimeout(START_TIMEOUT_S)
-        try:
-            hello = read_frame(ours)
-        except (OSError, pickle.UnpicklingError):
-            hello = None
-        if hello is None or hello[1] != HELLO:
-            why = (str(error_of(hello[2])) if hello and hello[1] == FAILED
-                   else f"no answer in {START_TIMEOUT_S:.0f} s or it exited; its log is above")
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            process.wait()
-            ours.close()
-            raise ConfigError(f"{self.spec.name}: the engine core did not start: {why}")
-        ours.settimeout(None)
+        process, ours, facts = spawn(
+            "tiered.agent.engine_core", lambda fd: replace(self.spec, socket_fd=fd),
+            {**os.environ, "TIERED_ENGINE": self.spec.name},
+            f"{self.spec.name}: the engine core")
         self.close()  # an earlier process, if any
-        self._facts, self._process, self.socket = hello[2], process, ours
+        self._facts, self._process, self.socket = facts, process, ours
         log.info("%s: engine core on %s (pid %d)", self.spec.name, self.device, process.pid)
 
     def send(self, entries: Sequence[Entry], cancelled: Sequence[int]) -> None:

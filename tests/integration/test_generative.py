@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
-from tests.conftest import add_generative, engine_processes
+from tests.conftest import add_generative, engine_processes, environ_of
 from tests.generation import (
     PROMPT,
     Stream,
@@ -469,3 +469,54 @@ def test_a_lost_engine_core_fails_its_requests_and_another_serves_the_next(
     assert ids_of(generate(client, max_tokens=6)) == expected  # from a new core
     [new] = engine_processes(agent)["tiny"]
     assert new != core and agent.alive()
+
+
+def device_shares(agent, model: str) -> dict[str, tpb.DeviceShare]:
+    with grpc.insecure_channel(agent.address) as channel:
+        [version] = tpb_grpc.TelemetryStub(channel).Stats(
+            tpb.StatsRequest(model_name=model), timeout=10).versions
+    return {share.device: share for share in version.devices}
+
+
+def test_a_core_per_device_takes_its_share_and_a_lost_one_leaves_the_other_serving(
+        repository, layout):
+    if layout == "thread":
+        pytest.skip("the engine runs in the agent's process here")
+    with AgentProcess("edge", repository, extra_args=["--devices", "cpu,cpu"]) as process, \
+            grpcclient.InferenceServerClient(process.address) as client:
+        cores = engine_processes(process)["tiny"]
+        assert sorted(environ_of(pid)["TIERED_DEVICE"] for pid in cores) == ["cpu:0", "cpu:1"]
+        said = client.get_model_config("tiny").config.parameters["engine_core"].string_value
+        assert sorted(said.removeprefix("process ").split(", ")) == sorted(map(str, cores))
+        # Two streams at once: each on the core holding fewer, so one on each.
+        stream = Stream(client)
+        try:
+            for name in ("a", "b"):
+                stream.send(max_tokens=4000, request_id=name)
+            for _ in range(2):
+                stream.next()
+            deadline = time.monotonic() + 10  # the telemetry's slots close each second
+            while True:
+                shares = device_shares(process, "tiny")
+                both = {d for d, share in shares.items() if share.inferences} == {
+                    "cpu:0", "cpu:1"}
+                if both or time.monotonic() > deadline:
+                    break
+                time.sleep(0.3)
+            assert both, shares
+            os.kill(cores[0], signal.SIGKILL)
+            with pytest.raises(InferenceServerException, match="engine core exited"):
+                while True:  # the request on the lost core fails; the other streams on
+                    stream.next()
+        finally:
+            client.stop_stream(cancel_requests=True)
+        # The other core serves at once, while the lost one starts again.
+        assert len(ids_of(generate(client, max_tokens=5))) == 5
+        wait_until = time.monotonic() + 60
+        while time.monotonic() < wait_until:
+            now = engine_processes(process)["tiny"]
+            if len(now) == 2 and cores[0] not in now:
+                break
+            time.sleep(0.2)
+        assert len(now) == 2 and cores[0] not in now and cores[1] in now, (cores, now)
+        assert process.alive(), process.log_tail()

@@ -107,6 +107,13 @@ def resolve_devices(setting: Any, environ: Mapping[str, str],
                  for i, entry in enumerate(entries))
 
 
+def device_environment(device: Device) -> dict[str, str]:
+    """What an engine process of `device` sees of the GPUs, and its name."""
+    return {"CUDA_VISIBLE_DEVICES": device.visible,
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # GPU indices as NVML counts them
+            "TIERED_DEVICE": device.name}
+
+
 def nvml_gpu_count() -> int:
     """GPUs NVML sees; 0 without a driver."""
     try:
@@ -367,9 +374,8 @@ class DeviceEngine(Engine):
     def start(self) -> None:
         """Start the engine process and wait until its engine is loaded and warm."""
         arena = Arena(self._arena_bytes)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": self._device.visible,
-               "CUDA_DEVICE_ORDER": "PCI_BUS_ID",  # GPU indices as NVML counts them
-               "TIERED_DEVICE": self.label, "TIERED_ENGINE": self._spec.name}
+        env = {**os.environ, **device_environment(self._device),
+               "TIERED_ENGINE": self._spec.name}
         try:
             process, ours, hello = spawn(
                 "tiered.agent.devices", lambda fd: EngineSpec(**{

@@ -24,6 +24,7 @@ running requests; the next request starts a new one. `main` is the core
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -39,7 +40,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tiered.agent.devices import FAILED, HELLO, read_frame, send_frame, spawn
+from tiered.agent.devices import (
+    FAILED,
+    HELLO,
+    Device,
+    device_environment,
+    read_frame,
+    send_frame,
+    spawn,
+)
 from tiered.agent.scheduler import (
     Entry,
     Scheduler,
@@ -57,6 +66,7 @@ WORK, TURN = 4, 5  # frame kinds beside devices' HELLO and FAILED
 START_TIMEOUT_S = 600.0  # loading the weights and capturing CUDA graphs takes a while
 STOP_TIMEOUT_S = 30.0
 RESTART_DELAY_S = 1.0
+WAIT_FOR_A_CORE_S = 0.1  # how often a worker with no core up looks again
 
 
 def runs_in_a_process(layout: str, backend: str, settings: Mapping[str, Any],
@@ -99,9 +109,11 @@ class EngineCore:
     its version's tokenizer (what the text side asks of an engine), and the
     frames to and from the process. `start` blocks: call it off the event loop."""
 
-    def __init__(self, spec: CoreSpec, tokenizer: Tokenizer) -> None:
+    def __init__(self, spec: CoreSpec, tokenizer: Tokenizer,
+                 device: Device | None = None) -> None:
         self.spec = spec
         self._tokenizer = tokenizer
+        self._device = device  # None: the devices the agent sees
         self._facts = CoreFacts("cpu", 1, 1, {})
         self._process: subprocess.Popen | None = None
         self.socket: socket.socket | None = None
@@ -110,6 +122,11 @@ class EngineCore:
     @property
     def device(self) -> str:
         return self._facts.device
+
+    @property
+    def label(self) -> str | None:
+        """The device as telemetry names it, where the core has one of its own."""
+        return self._device.name if self._device is not None else None
 
     @property
     def max_sequences(self) -> int:
@@ -126,6 +143,10 @@ class EngineCore:
     def describe(self) -> dict[str, str]:
         return {**self._facts.facts, "engine_core": f"process {self.pid}"}
 
+    @property
+    def up(self) -> bool:
+        return self.socket is not None
+
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)
 
@@ -134,13 +155,16 @@ class EngineCore:
 
     def start(self) -> None:
         """Start the core and wait until its engine is loaded."""
+        env = {**os.environ, "TIERED_ENGINE": self.spec.name}
+        if self._device is not None:
+            env.update(device_environment(self._device))
         process, ours, facts = spawn(
-            "tiered.agent.engine_core", lambda fd: replace(self.spec, socket_fd=fd),
-            {**os.environ, "TIERED_ENGINE": self.spec.name},
-            f"{self.spec.name}: the engine core")
+            "tiered.agent.engine_core", lambda fd: replace(self.spec, socket_fd=fd), env,
+            f"{self.spec.name}: the engine core" + (f" on {self.label}" if self.label else ""))
         self.close()  # an earlier process, if any
         self._facts, self._process, self.socket = facts, process, ours
-        log.info("%s: engine core on %s (pid %d)", self.spec.name, self.device, process.pid)
+        log.info("%s: engine core on %s (pid %d)", self.spec.name, self.label or self.device,
+                 process.pid)
 
     def send(self, entries: Sequence[Entry], cancelled: Sequence[int]) -> None:
         assert self.socket is not None
@@ -172,20 +196,88 @@ class EngineCore:
             sock.close()
 
 
+class EngineCores:
+    """The engine cores of one version, one per device (or one): what the
+    text side asks of an engine (the tokenizer, the limits, the facts) and
+    what the version closes."""
+
+    def __init__(self, cores: Sequence[EngineCore]) -> None:
+        self.cores = tuple(cores)
+        self._first = self.cores[0]
+
+    @property
+    def device(self) -> str:
+        return self._first.device
+
+    @property
+    def max_sequences(self) -> int:
+        """Sequences the version runs at once, on all its cores."""
+        return sum(core.max_sequences for core in self.cores)
+
+    @property
+    def max_context(self) -> int:
+        return self._first.max_context
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The cores' devices as telemetry names them; () with one core of the agent's."""
+        return tuple(core.label for core in self.cores if core.label is not None)
+
+    def describe(self) -> dict[str, str]:
+        return {**self._first.describe(), "engine_core": "process " + ", ".join(
+            str(core.pid) for core in self.cores)}
+
+    def encode(self, text: str) -> list[int]:
+        return self._first.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._first.decode(ids)
+
+    def start(self) -> None:
+        """Start every core at once; the first failure, once all have tried."""
+        failures: list[Exception] = []
+
+        def start(core: EngineCore) -> None:
+            try:
+                core.start()
+            except Exception as error:  # noqa: BLE001 -- raised below, after the others
+                failures.append(error)
+
+        threads = [threading.Thread(target=start, args=(core,)) for core in self.cores]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            self.close()
+            raise failures[0]
+
+    def close(self) -> None:
+        for core in self.cores:
+            core.close()
+
+
 class CoreScheduler(Scheduler):
-    """The text side on a thread of the agent; the sequence loop in the core.
+    """The text side on a thread of the agent; the sequence loop in engine
+    cores, one per device of the agent (or one).
 
-    The worker waits on the core's socket and on a wake-up socket the event
-    loop's calls write to; each round sends the new and cancelled requests
-    in one frame and reads one turn."""
+    The worker waits on the cores' sockets and on a wake-up socket the event
+    loop's calls write to. Each round places the new requests, each on the
+    core holding the fewest, sends each core its new and cancelled requests
+    in one frame, and reads the turns that came. A core that is lost fails
+    the requests it held; the others go on, and it is started again."""
 
-    def __init__(self, core: EngineCore, limits: SchedulerLimits,
+    def __init__(self, cores: EngineCores, limits: SchedulerLimits,
                  loop: asyncio.AbstractEventLoop, on_step: StepObserver | None = None,
                  name: str = "generation", clock: Callable[[], float] = time.monotonic) -> None:
+        self.cores = cores.cores
+        self._running_on = [0] * len(self.cores)  # sequences of each core's last turn
+        self._restarting: set[int] = set()  # lanes whose core a thread starts again
+        self._why_down = ""  # the last start's error
         self._wake_in, self._wake_out = socket.socketpair()
         self._wake_out.setblocking(False)
         self._wake_in.setblocking(False)
-        super().__init__(core, limits, loop, on_step, name, clock)
+        super().__init__(cores, limits, loop, on_step, name, clock)  # type: ignore[arg-type]
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):  # full: it wakes anyway
@@ -193,17 +285,25 @@ class CoreScheduler(Scheduler):
 
     def _work(self) -> None:
         try:
-            while not self._round(self.engine):  # type: ignore[arg-type]
+            while not self._round():
                 pass
         finally:
             self._wake_in.close()
             self._wake_out.close()
 
-    def _round(self, core: EngineCore) -> bool:
-        """Send what came, read a turn if one is there; True once closed."""
-        if core.socket is None:
-            return self._restart(core)
-        readable, _, _ = select.select([core.socket, self._wake_out], [], [])
+    def _round(self) -> bool:
+        """Send what came, read the turns that are there; True once closed."""
+        for lane, core in enumerate(self.cores):
+            if not core.up and lane not in self._restarting:
+                self._restarting.add(lane)
+                threading.Thread(target=self._restart, args=(lane,), daemon=True,
+                                 name=f"{core.spec.name}-restart").start()
+        up = [lane for lane, core in enumerate(self.cores)
+              if core.up and lane not in self._restarting]
+        if not up:
+            return self._wait_for_a_core()
+        readable, _, _ = select.select([self.cores[lane].socket for lane in up]
+                                       + [self._wake_out], [], [])
         if self._wake_out in readable:
             with contextlib.suppress(BlockingIOError):
                 self._wake_out.recv(4096)
@@ -212,48 +312,86 @@ class CoreScheduler(Scheduler):
             self._shut(arrived)
             return True
         entries, events = self._entries(arrived)
-        cancelled_keys = self._forget(cancelled)
-        turn = None
-        try:
-            if entries or cancelled_keys:
-                core.send(entries, cancelled_keys)
-            if core.socket in readable:
-                turn = core.receive()
-                if turn is None:
-                    raise OSError("it exited")
-                stopped = self._read(turn, events)
-                if stopped:
-                    core.send((), stopped)
-        except OSError as error:
-            self._lost(core, events, f"the engine core exited ({error})")
-        self._send(events, turn)
+        work: dict[int, tuple[list[Entry], list[int]]] = {lane: ([], []) for lane in up}
+        held = collections.Counter(job.lane for job in self._jobs.values())
+        for entry in entries:
+            job = self._jobs[entry.key]
+            job.lane = min(up, key=lambda lane: held[lane])
+            held[job.lane] += 1
+            work[job.lane][0].append(entry)
+        for job in self._forget(cancelled):
+            if job.lane in work:
+                work[job.lane][1].append(job.key)
+        steps = []
+        for lane in up:
+            core = self.cores[lane]
+            try:
+                if any(work[lane]):
+                    core.send(*work[lane])
+                if core.socket in readable:
+                    turn = core.receive()
+                    if turn is None:
+                        raise OSError("it exited")
+                    stopped = self._read(turn, events)
+                    if stopped:
+                        core.send((), stopped)
+                    self._running_on[lane] = turn.running
+                    if turn.stepped:
+                        steps.append((turn.step_s, turn.stepped, core.label))
+            except OSError as error:
+                self._lost(lane, events, f"the engine core exited ({error})")
+        self.running = sum(self._running_on)
+        self._send(events, steps)
         return False
 
-    def _lost(self, core: EngineCore, events: list, why: str) -> None:
-        """Fail what the core held; the next round starts another."""
-        log.error("%s: %s; failing its %d requests and starting another", core.spec.name, why,
-                  len(self._jobs))
-        for job in self._jobs.values():
+    def _lost(self, lane: int, events: list, why: str) -> None:
+        """Fail what the core held; a later round starts another."""
+        core = self.cores[lane]
+        lost = [job for job in self._jobs.values() if job.lane == lane]
+        log.error("%s: %s; failing its %d requests and starting another",
+                  core.label or core.spec.name, why, len(lost))
+        for job in lost:
+            del self._jobs[job.key]
             if job.admitted is None:
                 self._dequeued(1)
             events.append((job, EngineError(why)))
-        self._jobs.clear()
+        self._running_on[lane] = 0
         core.close()
 
-    def _restart(self, core: EngineCore) -> bool:
-        """Start the core again; while it cannot, what comes fails. True once closed."""
-        try:
-            core.start()
-            return False
-        except Exception as error:  # noqa: BLE001 -- told to the requests that came
-            arrived, _, closed = self._take()
-            if closed:
-                self._shut(arrived)
-                return True
-            self._dequeued(len(arrived))
-            self._send([(job, Unavailable(str(error))) for job in arrived], None)
-            time.sleep(RESTART_DELAY_S)
-            return False
+    def _restart(self, lane: int) -> None:
+        """Start a lost core again, off the worker (the others go on), until it
+        runs or the scheduler closes."""
+        while not self._closed:
+            try:
+                self.cores[lane].start()
+                self._why_down = ""
+                break
+            except Exception as error:  # noqa: BLE001 -- said, and tried again
+                log.error("%s", error)
+                self._why_down = str(error)
+                time.sleep(RESTART_DELAY_S)
+        self._restarting.discard(lane)
+        self._wake()
+
+    def _wait_for_a_core(self) -> bool:
+        """No core runs: requests wait while one starts (up to their admission
+        deadline), and fail at once while starting fails; True once closed."""
+        with self._lock:
+            self._lock.wait(WAIT_FOR_A_CORE_S)
+            now, closed = self._clock(), self._closed
+            if closed or self._why_down:
+                failing, self._arrived = self._arrived, []
+            else:
+                failing = [job for job in self._arrived if now >= job.admit_by]
+                self._arrived = [job for job in self._arrived if now < job.admit_by]
+        if closed:
+            self._shut(failing)
+            return True
+        self._dequeued(len(failing))
+        why = (f"no engine core runs: {self._why_down}" if self._why_down
+               else "no engine core came up in time")
+        self._send([(job, Unavailable(why)) for job in failing], [])
+        return False
 
 
 # -- the engine core process -------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from tiered.agent.config import ModelConfig, TensorConfig
-from tiered.agent.engine_core import CoreScheduler, EngineCore
+from tiered.agent.engine_core import CoreScheduler, EngineCores
 from tiered.agent.generation import (
     STOP,
     TEXT_INPUT,
@@ -67,22 +67,24 @@ def with_tensors(config: ModelConfig, where: str) -> ModelConfig:
 class GenerativeVersion:
     """Created and used on the agent's event loop."""
 
-    def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine | EngineCore,
+    def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine | EngineCores,
                  built_from: Hashable = None, recorder: VersionRecorder | None = None,
                  build: Mapping[str, str] | None = None, device: str = "") -> None:
         assert config.generation is not None
         self.config = config
         self.version = version
         self.engine = engine
-        self.devices = (device or engine.device,)  # as the energy ledger names it
+        # as the energy ledger names them: a core's each, else the engine's
+        labels = engine.labels if isinstance(engine, EngineCores) else ()
+        self.devices = labels or (device or engine.device,)
         self.ready = True
         self.built_from = built_from
         self.stats = InferenceStats()  # Triton's shape: a step is an execution
         self.tokens = TokenStats()
         self.recorder = recorder
         self.build = dict(build or {})
-        # An engine core runs its sequence loop itself; else a worker thread here.
-        scheduler = CoreScheduler if isinstance(engine, EngineCore) else Scheduler
+        # Engine cores run the sequence loop themselves; else a worker thread here.
+        scheduler = CoreScheduler if isinstance(engine, EngineCores) else Scheduler
         self.scheduler = scheduler(
             engine,
             SchedulerLimits(config.max_queue_size, config.generation.max_queue_wait_ms / 1e3),
@@ -121,10 +123,10 @@ class GenerativeVersion:
     def _failed(self, elapsed_ns: int, error: TieredError) -> None:
         record_failure(self.stats, self.recorder, elapsed_ns, error)
 
-    def _stepped(self, seconds: float, sequences: int) -> None:
+    def _stepped(self, seconds: float, sequences: int, device: str | None = None) -> None:
         self.stats.batch_executed(sequences, BatchTiming(0, int(seconds * 1e9), 0))
         if self.recorder is not None:
-            self.recorder.batch_ran(seconds, self.devices[0], sequences)
+            self.recorder.batch_ran(seconds, device or self.devices[0], sequences)
 
     async def generate(self, request: GenerationRequest, deadline: float = math.inf,
                        most: int = 1) -> AsyncIterator[list[Piece]]:

@@ -28,7 +28,7 @@ from tiered.agent.config import (
     parse_model_config,
 )
 from tiered.agent.devices import DeviceEngine, DevicePool, EngineSpec, in_thread, nvml_gpu_count
-from tiered.agent.engine_core import CoreSpec, EngineCore, runs_in_a_process
+from tiered.agent.engine_core import CoreSpec, EngineCore, EngineCores, runs_in_a_process
 from tiered.agent.generative import GenerativeVersion, with_tensors
 from tiered.agent.model import ModelVersion
 from tiered.engines import Engine, open_engine
@@ -340,10 +340,12 @@ class ModelRepository:
         assert config.generation is not None
         if runs_in_a_process(config.generation.engine_core, config.backend, config.engine,
                              nvml_gpu_count):
-            engine: GenerativeEngine | EngineCore = EngineCore(
-                CoreSpec(f"{config.name} v{version}", config.backend, path,
-                         dict(config.engine), f"{where}.engine"),
-                await asyncio.to_thread(open_tokenizer, config.backend, path))
+            spec = CoreSpec(f"{config.name} v{version}", config.backend, path,
+                            dict(config.engine), f"{where}.engine")
+            tokenizer = await asyncio.to_thread(open_tokenizer, config.backend, path)
+            engine: GenerativeEngine | EngineCores = EngineCores(
+                [EngineCore(spec, tokenizer, device) for device in self.devices.devices]
+                or [EngineCore(spec, tokenizer)])  # a core per device of the agent, or one
             await in_thread(engine.start)
         else:
             engine = await asyncio.to_thread(

@@ -227,6 +227,7 @@ class Job:
     deadline: float  # the request's own (monotonic; inf: none)
     admit_by: float  # when waiting for a slot ends
     key: int = 0
+    lane: int = 0  # which engine core runs it, where there are several
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Piece | TieredError
     admitted: float | None = None
     tokens: int = 0
@@ -234,8 +235,10 @@ class Job:
     stop_text: StopText | None = None
 
 
-# Called on the event loop after each step: (seconds the step took, sequences in it).
-StepObserver = Callable[[float, int], None]
+# Called on the event loop after each step: (seconds the step took, sequences in
+# it, the device it ran on; None: the version's one device).
+StepObserver = Callable[[float, int, "str | None"], None]
+Step = tuple[float, int, "str | None"]  # what a StepObserver is told
 Events = list[tuple[Job, Piece | TieredError]]
 
 
@@ -322,12 +325,13 @@ class Scheduler:
             entries, events = self._entries(arrived)
             for entry in entries:
                 sequences.add(entry)
-            for key in self._forget(cancelled):  # after: a request may come and go at once
-                sequences.cancel(key)
+            for job in self._forget(cancelled):  # after: a request may come and go at once
+                sequences.cancel(job.key)
             turn = sequences.turn()
             for key in self._read(turn, events):
                 sequences.cancel(key)
-            self._send(events, turn)
+            self.running = turn.running
+            self._send(events, [(turn.step_s, turn.stepped, None)] if turn.stepped else [])
 
     def _take(self) -> tuple[list[Job], list[Job], bool]:
         with self._lock:
@@ -360,15 +364,15 @@ class Scheduler:
                                  job.deadline, job.admit_by))
         return entries, events
 
-    def _forget(self, cancelled: Iterable[Job]) -> list[int]:
-        """The keys of the cancelled requests that had not ended."""
-        keys = []
+    def _forget(self, cancelled: Iterable[Job]) -> list[Job]:
+        """The cancelled requests that had not ended."""
+        gone = []
         for job in cancelled:
             if self._jobs.pop(job.key, None) is job:
                 if job.admitted is None:
                     self._dequeued(1)
-                keys.append(job.key)
-        return keys
+                gone.append(job)
+        return gone
 
     def _read(self, turn: Turn, events: Events) -> list[int]:
         """A turn's admissions, errors and tokens, into `events` as text
@@ -427,26 +431,25 @@ class Scheduler:
         jobs = [*self._jobs.values(), *arrived]
         self._jobs.clear()
         self.running = 0
-        self._send([(job, Unavailable(UNLOADING)) for job in jobs], None)
+        self._send([(job, Unavailable(UNLOADING)) for job in jobs], [])
 
-    def _send(self, events: Events, turn: Turn | None) -> None:
-        step_s, stepped = 0.0, 0
-        if turn is not None:
-            self.running, step_s, stepped = turn.running, turn.step_s, turn.stepped
-        if not events and not stepped:
+    def _send(self, events: Events, steps: list[Step]) -> None:
+        """Hand a round's events and steps to the event loop."""
+        if not events and not steps:
             return
         taken = self._undelivered.acquire(timeout=LOOP_WAIT_S)
         try:
-            self._loop.call_soon_threadsafe(self._deliver, events, step_s, stepped, taken)
+            self._loop.call_soon_threadsafe(self._deliver, events, steps, taken)
         except RuntimeError:  # the loop is closed: nobody is left to tell
             if taken:
                 self._undelivered.release()
 
-    def _deliver(self, events: Events, step_s: float, stepped: int, taken: bool) -> None:
+    def _deliver(self, events: Events, steps: list[Step], taken: bool) -> None:
         if taken:
             self._undelivered.release()
-        if stepped and self._on_step is not None:
-            self._on_step(step_s, stepped)
+        if self._on_step is not None:
+            for step in steps:
+                self._on_step(*step)
         for job, event in events:
             job.queue.put_nowait(event)
 

@@ -365,6 +365,8 @@ class CoreScheduler(Scheduler):
             try:
                 self.cores[lane].start()
                 self._why_down = ""
+                if self._closed:  # the version unloaded meanwhile
+                    self.cores[lane].close()
                 break
             except Exception as error:  # noqa: BLE001 -- said, and tried again
                 log.error("%s", error)

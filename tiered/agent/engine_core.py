@@ -313,7 +313,8 @@ class CoreScheduler(Scheduler):
             return True
         entries, events = self._entries(arrived)
         work: dict[int, tuple[list[Entry], list[int]]] = {lane: ([], []) for lane in up}
-        held = collections.Counter(job.lane for job in self._jobs.values())
+        new = {entry.key for entry in entries}
+        held = collections.Counter(job.lane for job in self._jobs.values() if job.key not in new)
         for entry in entries:
             job = self._jobs[entry.key]
             job.lane = min(up, key=lambda lane: held[lane])

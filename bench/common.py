@@ -165,24 +165,29 @@ def process_cpu_s(pid: int | None, children: bool = True) -> float | None:
         return None
     if not children:
         return (int(own[11]) + int(own[12])) / _clock_ticks()
-    children = []
+    stats = [own, *(fields for _, fields in _children(pid))]
+    return sum(int(f[11]) + int(f[12]) for f in stats) / _clock_ticks()
+
+
+def _children(pid: int) -> list[tuple[int, list[str]]]:
+    """The live children of `pid` and their /proc stat fields."""
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[1]) == pid:
-            children.append(fields)
-    return sum(int(f[11]) + int(f[12]) for f in (own, *children)) / _clock_ticks()
+            found.append((int(entry.name), fields))
+    return found
 
 
 def children_running(pid: int | None, module: str) -> list[int]:
     """The live children of `pid` started as `python -m module`."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[1]) == pid:
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if module.encode() in argv:
-                found.append(int(entry.name))
+    for child, _ in _children(pid) if pid is not None else ():
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() in argv:
+            found.append(child)
     return found
 
 

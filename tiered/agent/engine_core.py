@@ -105,23 +105,17 @@ class CoreFacts:
 
 
 class EngineCore:
-    """The agent's handle on an engine core process: the engine's facts and
-    its version's tokenizer (what the text side asks of an engine), and the
-    frames to and from the process. `start` blocks: call it off the event loop."""
+    """The agent's handle on one engine core process: the facts its engine
+    said, and the frames to and from it. `start` blocks: call it off the
+    event loop."""
 
-    def __init__(self, spec: CoreSpec, tokenizer: Tokenizer,
-                 device: Device | None = None) -> None:
+    def __init__(self, spec: CoreSpec, device: Device | None = None) -> None:
         self.spec = spec
-        self._tokenizer = tokenizer
         self._device = device  # None: the devices the agent sees
-        self._facts = CoreFacts("cpu", 1, 1, {})
+        self.facts = CoreFacts("cpu", 1, 1, {})
         self._process: subprocess.Popen | None = None
         self.socket: socket.socket | None = None
         self._send_lock = threading.Lock()
-
-    @property
-    def device(self) -> str:
-        return self._facts.device
 
     @property
     def label(self) -> str | None:
@@ -129,29 +123,12 @@ class EngineCore:
         return self._device.name if self._device is not None else None
 
     @property
-    def max_sequences(self) -> int:
-        return self._facts.max_sequences
-
-    @property
-    def max_context(self) -> int:
-        return self._facts.max_context
-
-    @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
-
-    def describe(self) -> dict[str, str]:
-        return {**self._facts.facts, "engine_core": f"process {self.pid}"}
 
     @property
     def up(self) -> bool:
         return self.socket is not None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids)
 
     def start(self) -> None:
         """Start the core and wait until its engine is loaded."""
@@ -162,9 +139,9 @@ class EngineCore:
             "tiered.agent.engine_core", lambda fd: replace(self.spec, socket_fd=fd), env,
             f"{self.spec.name}: the engine core" + (f" on {self.label}" if self.label else ""))
         self.close()  # an earlier process, if any
-        self._facts, self._process, self.socket = facts, process, ours
-        log.info("%s: engine core on %s (pid %d)", self.spec.name, self.label or self.device,
-                 process.pid)
+        self.facts, self._process, self.socket = facts, process, ours
+        log.info("%s: engine core on %s (pid %d)", self.spec.name,
+                 self.label or facts.device, process.pid)
 
     def send(self, entries: Sequence[Entry], cancelled: Sequence[int]) -> None:
         assert self.socket is not None
@@ -197,26 +174,26 @@ class EngineCore:
 
 
 class EngineCores:
-    """The engine cores of one version, one per device (or one): what the
-    text side asks of an engine (the tokenizer, the limits, the facts) and
-    what the version closes."""
+    """The engine cores of one version, one per device (or one), and its
+    tokenizer: what the text side asks of an engine (encode, decode, the
+    limits, the facts) and what the version closes."""
 
-    def __init__(self, cores: Sequence[EngineCore]) -> None:
+    def __init__(self, cores: Sequence[EngineCore], tokenizer: Tokenizer) -> None:
         self.cores = tuple(cores)
-        self._first = self.cores[0]
+        self._tokenizer = tokenizer
 
     @property
     def device(self) -> str:
-        return self._first.device
+        return self.cores[0].facts.device
 
     @property
     def max_sequences(self) -> int:
         """Sequences the version runs at once, on all its cores."""
-        return sum(core.max_sequences for core in self.cores)
+        return sum(core.facts.max_sequences for core in self.cores)
 
     @property
     def max_context(self) -> int:
-        return self._first.max_context
+        return self.cores[0].facts.max_context
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -224,14 +201,14 @@ class EngineCores:
         return tuple(core.label for core in self.cores if core.label is not None)
 
     def describe(self) -> dict[str, str]:
-        return {**self._first.describe(), "engine_core": "process " + ", ".join(
+        return {**self.cores[0].facts.facts, "engine_core": "process " + ", ".join(
             str(core.pid) for core in self.cores)}
 
     def encode(self, text: str) -> list[int]:
-        return self._first.encode(text)
+        return self._tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._first.decode(ids)
+        return self._tokenizer.decode(ids)
 
     def start(self) -> None:
         """Start every core at once; the first failure, once all have tried."""

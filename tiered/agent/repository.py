@@ -344,8 +344,8 @@ class ModelRepository:
                             dict(config.engine), f"{where}.engine")
             tokenizer = await asyncio.to_thread(open_tokenizer, config.backend, path)
             engine: GenerativeEngine | EngineCores = EngineCores(
-                [EngineCore(spec, tokenizer, device) for device in self.devices.devices]
-                or [EngineCore(spec, tokenizer)])  # a core per device of the agent, or one
+                [EngineCore(spec, device) for device in self.devices.devices]
+                or [EngineCore(spec)], tokenizer)  # a core per device of the agent, or one
             await in_thread(engine.start)
         else:
             engine = await asyncio.to_thread(

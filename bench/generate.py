@@ -84,15 +84,17 @@ CORE_MODULE = "tiered.agent.engine_core"
 
 
 def build(checkpoint: Path, repository: Path, tier: str, device: str,
-          max_sequences: int, tokens_per_response: int, engine_core: str) -> Path:
-    """The tier's build of the checkpoint, its config set to run `max_sequences`
-    at once (and on `device`, for the torch engine), streaming up to
-    `tokens_per_response` ready tokens a response."""
+          max_sequences: int, tokens_per_response: int, engine_core: str,
+          precision: str | None = None) -> Path:
+    """The tier's build of the checkpoint (in `precision`, else the tier's),
+    its config set to run `max_sequences` at once (and on `device`, for the
+    torch engine), streaming up to `tokens_per_response` ready tokens a
+    response."""
     prompts = checkpoint.parent / tinyllama.EVAL_FILE
     built = subprocess.run(
         [sys.executable, "-m", "tiered", "build", str(checkpoint), "--tier", tier,
          "--repository", str(repository), "--model", MODEL, "--version", "1",
-         "--eval", str(prompts),
+         "--eval", str(prompts), *(["--precision", precision] if precision else []),
          # past the end of its sentences (no EOS here) the model's greedy tokens
          # are near ties that INT4 flips: speed is measured, not the gate
          "--allow-accuracy-drop"], capture_output=True, text=True, timeout=600)
@@ -395,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the agent's generation.max_tokens_per_response: 1 streams a "
                         "response a token, as Triton does; more sends the tokens ready")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--precision", default=None,
+                        help="build in this precision instead of the tier's (datacenter: "
+                        "fp16, or fp8 where the GPU has FP8 tensor cores)")
     parser.add_argument("--engine-core", default="auto", choices=("auto", "process", "thread"),
                         help="the agent's generation.engine_core: the engine in a process of "
                         "its own, or on a thread of the agent's (auto: a process on a GPU)")
@@ -408,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         size = parameters(checkpoint)
         repository = Path(tmp) / "repository"
         version = build(checkpoint, repository, args.tier, args.device, max(streams),
-                        args.tokens_per_response, args.engine_core)
+                        args.tokens_per_response, args.engine_core, args.precision)
         config = yaml.safe_load((repository / MODEL / "config.yaml").read_text())
         facts = json.loads((version / "build.json").read_text()) \
             if (version / "build.json").is_file() else {}
@@ -430,7 +435,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 engine_pid) for n in streams]
     precision = ((config.get("engine") or {}).get("precision") or facts.get("precision")
                  or facts.get("build", {}).get("precision"))
-    weight_bytes = size * BYTES_PER_WEIGHT[precision] if precision in BYTES_PER_WEIGHT else None
+    # The engine's own count where it has one (fp8 keeps embeddings and lm_head wide)
+    weight_bytes = getattr(engine, "weight_bytes", None) or (
+        size * BYTES_PER_WEIGHT[precision] if precision in BYTES_PER_WEIGHT else None)
     for row in rows:
         for arm in ARMS:
             rate = row[arm]["tokens_per_s"]

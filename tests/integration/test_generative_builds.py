@@ -141,6 +141,38 @@ def test_a_build_that_damages_the_weights_is_refused(tinyllama_models, tmp_path,
     assert allowed.report["gate"] | {"verdict": "fail", "accepted": True} == allowed.report["gate"]
 
 
+def test_fp8_ships_only_when_the_gate_passes_it(tinyllama_models, tmp_path, monkeypatch):
+    """An FP8 build that passes is FP8; one whose FP8 weights the gate
+    rejects (damaged here after lowering) is built again wider, and its
+    report says why. FP8 on the CPU widens its weights: the numerics are
+    real, the speed is not."""
+    from safetensors.torch import load_file, save_file
+
+    lower = generative.lower
+
+    def damaging_fp8(source, target, out, work):
+        lower(source, target, out, work)
+        if target.precision == "fp8":
+            tensors = load_file(str(out / "model.safetensors"))
+            head = tensors["lm_head.weight"]
+            tensors["lm_head.weight"] = head.flip(0)
+            save_file(tensors, str(out / "model.safetensors"))
+
+    monkeypatch.setattr(generative, "choose_target",
+                        lambda settings: generative.Target(settings.backend, "fp8", "cpu"))
+    source = tinyllama_models / "tinyllama-v1"
+    passed = _build(source, "datacenter", tmp_path / "repository", "fp8")
+    assert passed.decision.verdict == "pass"
+    assert passed.report["engine"]["precision"] == "fp8"
+    assert read_yaml(passed.installed.parent / "config.yaml")["engine"]["precision"] == "fp8"
+    monkeypatch.setattr(generative, "lower", damaging_fp8)
+    refused = _build(source, "datacenter", tmp_path / "repository", "fp8-refused")
+    assert refused.decision.verdict == "pass"
+    assert refused.report["engine"]["precision"] == "fp32"
+    assert any("fp8 was built and rejected by the gate" in note
+               for note in refused.report["notes"])
+
+
 def test_cli_builds_a_checkpoint_pinned_by_its_sha256(tinyllama_models, tmp_path, capsys):
     from tiered.cli import main
 

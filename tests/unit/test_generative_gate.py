@@ -73,6 +73,22 @@ def test_what_a_tier_builds_without_cuda(monkeypatch):
     assert generative.choose_target(regional).device == "cuda"
 
 
+def test_fp8_is_built_where_the_gpu_multiplies_fp8(monkeypatch):
+    from tiered.engines.build import generative
+
+    fp8 = spec.GenerativeBuildSettings(backend="torch-generative", precision="fp8",
+                                       cpu_precision="fp32")
+    monkeypatch.setattr(generative, "_cuda_runs", lambda backend: True)
+    monkeypatch.setattr(generative, "_fp8_runs", lambda: True)
+    assert generative.choose_target(fp8) == generative.Target("torch-generative", "fp8", "cuda")
+    monkeypatch.setattr(generative, "_fp8_runs", lambda: False)
+    older = generative.choose_target(fp8)
+    assert (older.precision, older.device) == ("fp16", "cuda")
+    assert "no FP8 tensor cores" in older.note
+    monkeypatch.setattr(generative, "_cuda_runs", lambda backend: False)
+    assert generative.choose_target(fp8).precision == "fp32"
+
+
 @pytest.mark.parametrize(("settings", "field"), [
     ({"backend": "onnxruntime"}, "backend"),
     ({"precision": "int8"}, "precision"),

@@ -56,7 +56,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                        help="use at most N calibration samples")
     build.add_argument("--precision", help="override the tier's precision (onnxruntime: int8, "
                        "fp16, fp32; torch: fp32, fp16, bf16, fp8; checkpoints: "
-                       "onnxruntime-genai int4, fp16, fp32; torch-generative fp32, fp16, bf16)")
+                       "onnxruntime-genai int4, fp16, fp32; torch-generative fp32, fp16, bf16, fp8)")
     build.add_argument("--backend", help="override the tier's backend (onnxruntime or torch; "
                        "checkpoints: onnxruntime-genai or torch-generative)")
     build.add_argument("--min-agreement", type=float, metavar="FRACTION",

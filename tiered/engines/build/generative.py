@@ -6,7 +6,9 @@ the gate accepts, as `pipeline.build` does for ONNX artifacts.
     onnxruntime-genai  its model builder makes INT4 / FP16 / FP32 ONNX for the
                        CPU, or for CUDA where onnxruntime-genai runs it
     torch-generative   the checkpoint itself, run by our torch engine in the
-                       built precision (config.yaml `engine.precision`)
+                       built precision (config.yaml `engine.precision`); fp8
+                       where the GPU has FP8 tensor cores, and only if it
+                       passes the gate: else fp16, the report says why
 
 The FP32 reference is our torch engine on the CPU (checked against
 transformers' LlamaForCausalLM in the tests). What the gate measures is in
@@ -17,6 +19,7 @@ rejected build into the repository.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import runpy
@@ -31,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tiered import names
 from tiered.engines import generative as engines
 from tiered.engines.build import gate, install, report, spec
 from tiered.engines.generative.base import GenerativeEngine, Sampling
@@ -60,6 +64,23 @@ def build_checkpoint(
 ) -> report.BuildOutcome:
     prompts = _preflight(request, settings)
     target = choose_target(settings)
+    outcome = _build(request, profile, settings, target, prompts, now, clock, verdict)
+    if outcome.decision.accepted or target.precision != names.Precision.FP8:
+        return outcome
+    # FP8 is a speed the gate must allow: refused, the version is FP16 (FP32
+    # on the CPU, where FP8 only emulates).
+    wide = str(names.Precision.FP16 if target.device == "cuda" else names.Precision.FP32)
+    fallback = Target(target.backend, wide, target.device,
+                      f"fp8 was built and rejected by the gate ({outcome.decision.reason}): "
+                      f"built {wide} instead")
+    return _build(request, profile, dataclasses.replace(settings, precision=fallback.precision),
+                  fallback, prompts, now, clock, verdict)
+
+
+def _build(request: spec.BuildRequest, profile: TierProfile,
+           settings: spec.GenerativeBuildSettings, target: Target, prompts: list[str],
+           now: datetime.datetime, clock: Callable[[], float],
+           verdict: report.VerdictOf | None) -> report.BuildOutcome:
     with tempfile.TemporaryDirectory(prefix="tiered-build-") as work_name:
         work = Path(work_name)
         version = work / "version"
@@ -117,12 +138,17 @@ def build_checkpoint(
 
 
 def choose_target(settings: spec.GenerativeBuildSettings) -> Target:
-    """The tier's precision where its device is here; else `cpu_precision`
-    for the CPU, said in a note; else a refusal naming the setting."""
-    needs_cuda = settings.precision == "fp16"
+    """The tier's precision where its device is here (fp8 where the GPU has
+    FP8 tensor cores, else fp16); else `cpu_precision` for the CPU, said in a
+    note; else a refusal naming the setting."""
+    needs_cuda = settings.precision in (names.Precision.FP16, names.Precision.FP8)
     if not needs_cuda:
         return Target(settings.backend, settings.precision, "cpu")
     if _cuda_runs(settings.backend):
+        if settings.precision == names.Precision.FP8 and not _fp8_runs():
+            return Target(settings.backend, names.Precision.FP16, "cuda",
+                          "fp8 asked for, but this GPU has no FP8 tensor cores "
+                          "(compute capability 8.9 or newer): built fp16")
         return Target(settings.backend, settings.precision, "cuda")
     if settings.cpu_precision is None:
         raise ConfigError(f"precision: {settings.precision} is built for CUDA, which "
@@ -141,6 +167,12 @@ def _cuda_runs(backend: str) -> bool:
     import onnxruntime_genai as og
 
     return bool(getattr(og, "is_cuda_available", lambda: False)())
+
+
+def _fp8_runs() -> bool:
+    from tiered.engines.generative.torch_engine import has_fp8_tensor_cores
+
+    return has_fp8_tensor_cores()
 
 
 def lower(source: Path, target: Target, out: Path, work: Path) -> None:

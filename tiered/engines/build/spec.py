@@ -104,7 +104,7 @@ def choose_settings(
 # checkpoint itself, run by our torch engine in this precision.
 GENERATIVE_PRECISIONS: dict[str, tuple[str, ...]] = {
     "onnxruntime-genai": ("int4", "fp16", "fp32"),
-    "torch-generative": ("fp32", "fp16", "bf16"),
+    "torch-generative": ("fp32", "fp16", "bf16", "fp8"),
 }
 
 

@@ -18,15 +18,19 @@ leave between steps (in-flight batching). Stale keys a slot's previous
 sequence left are never read: a query attends only to positions up to its
 own.
 
-Decode has static shapes on CUDA, so each bucket's decode is captured once
-as a CUDA graph and replayed: a bucket of `cuda_graph_batch_sizes` is the
-first slots of the cache, one row a slot, whose keys and values attention
-reads in place over the whole context (no gather); a new sequence takes the
-lowest free slot, so the running ones stay in the smallest bucket. Rows of
-idle slots write at their position 0, which a sequence's prefill, after the
-decode of its step, writes over. On the CPU the batch is the running
-sequences' slots, gathered, and attention reads only the positions written
-so far.
+Decode has static shapes on CUDA, so it is captured as CUDA graphs and
+replayed: one graph for each bucket of `cuda_graph_batch_sizes` slots and
+each window of positions (a power of two from 64, up to the cache's length).
+A bucket is the first slots of the cache, one row a slot, whose keys and
+values attention reads in place over the window (no gather); a new sequence
+takes the lowest free slot, so the running ones stay in the smallest bucket,
+and short sequences read a short window. Rows of idle slots write at their
+position 0, which a sequence's prefill, after the decode of its step, writes
+over. The layers of the graphs and of prefill are one function compiled by
+torch.compile (fused elementwise kernels; a one-row matmul becomes a tuned
+reduction), eager where it cannot compile; the engine compiles it as it
+loads, so that no request waits for the compiler. On the CPU the batch is the running sequences'
+slots, gathered, and attention reads only the positions written so far.
 
 Never imports the agent or the wire protocol: token ids and text in, tokens out.
 """
@@ -37,7 +41,8 @@ import heapq
 import itertools
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +61,12 @@ log = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {names.Precision.FP32: torch.float32, names.Precision.FP16: torch.float16,
           names.Precision.BF16: torch.bfloat16}
+# fp8: the linear layers' weights in FP8 E4M3 with a scale per output channel,
+# the rest (embeddings, norms, lm_head, KV cache, activations) in FP16 on CUDA
+# (FP32 on the CPU, where FP8 only checks the numerics: no FP8 matmul is faster).
+PRECISIONS = (*DTYPES, names.Precision.FP8)
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+RECOMPILE_LIMIT = 32  # the layer's compiles: about 8 seen (prefill, decode, one row)
 
 
 @dataclass(frozen=True)
@@ -63,20 +74,21 @@ class TorchGenerativeSettings:
     """How the torch engine runs a checkpoint (a model's config.yaml `engine:`)."""
 
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
-    precision: str = "fp16"  # fp32 | fp16 | bf16; on the CPU fp32 or bf16
+    precision: str = "fp16"  # fp32 | fp16 | bf16 | fp8; on the CPU fp32, bf16 or fp8
     max_sequences: int = 16  # KV cache slots: sequences that may run at once
     max_context: int = 0  # positions per slot; 0: the model's max_position_embeddings
     max_cache_mib: int = 4096  # refuse a KV cache larger than this
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # decode buckets (CUDA)
     cuda_graphs: bool = True  # capture each bucket's decode once (CUDA only)
+    compile: bool = True  # layers through torch.compile (CUDA, with cuda_graphs)
     threads: int = 0  # torch intra-op threads on the CPU; 0 leaves torch's default
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ConfigError(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
-        if self.precision not in DTYPES:
+        if self.precision not in PRECISIONS:
             raise ConfigError(f"precision: {self.precision!r} is not one of "
-                              f"{', '.join(DTYPES)}")
+                              f"{', '.join(PRECISIONS)}")
         for name in ("max_sequences", "max_cache_mib"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -154,8 +166,14 @@ class TorchGenerativeEngine(GenerativeEngine):
             raise ConfigError("precision: fp16 runs on CUDA only; on the CPU use fp32 or bf16")
         if self.device == "cpu" and settings.threads:
             torch.set_num_threads(settings.threads)
+        fp8 = settings.precision == names.Precision.FP8
+        if fp8 and self.device == "cuda" and not has_fp8_tensor_cores():
+            raise ConfigError("precision: fp8 needs FP8 tensor cores (compute capability 8.9 "
+                              "or newer); this GPU has "
+                              f"{'.'.join(map(str, torch.cuda.get_device_capability()))}")
         self.precision = settings.precision
-        self.dtype = DTYPES[settings.precision]
+        self.dtype = ((torch.float16 if self.device == "cuda" else torch.float32) if fp8
+                      else DTYPES[settings.precision])
         config = _read_json(checkpoint / "config.json")
         self.shape = shape = LlamaShape.read(config, f"{checkpoint}/config.json")
         self.max_context = settings.max_context or shape.max_positions
@@ -164,7 +182,9 @@ class TorchGenerativeEngine(GenerativeEngine):
                               f"max_position_embeddings {shape.max_positions}")
         self.max_sequences = settings.max_sequences
         self._tokenizer = CheckpointTokenizer(checkpoint)
-        self._weights = _load_weights(checkpoint, shape, self.dtype, self.device)
+        self._weights = _load_weights(checkpoint, shape, self.dtype, self.device, fp8)
+        self.weight_bytes = sum(  # what the GPU holds (a decode reads all but the embedding)
+            t.numel() * t.element_size() for t in _tensors(self._weights))
         slots = self.max_sequences + 1  # the last is scratch
         cache_bytes = (2 * shape.layers * slots * shape.kv_heads * self.max_context
                        * shape.head_dim * torch.finfo(self.dtype).bits // 8)
@@ -183,11 +203,33 @@ class TorchGenerativeEngine(GenerativeEngine):
         self._free = list(range(self.max_sequences))  # a heap: the lowest is taken
         self._sequences: dict[int, _Sequence] = {}
         self._ids = itertools.count(1)
-        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._use_graphs = self.device == "cuda" and settings.cuda_graphs
         # A bucket is a number of slots: none beyond the cache's.
         self._buckets = sorted({min(b, self.max_sequences)
                                 for b in settings.cuda_graph_batch_sizes})
+        # A graph attends over a window of positions, a power of two from 64
+        # (the cache's length at most): short sequences read a short window.
+        self._windows = sorted({min(self.max_context, 64 << i)
+                                for i in range(self.max_context.bit_length())})
+        self._layer = _layer_of(shape)
+        self._compiled_layers: dict[bool, Any] = {}  # one row or not: the layer compiled
+        self._compile = self._use_graphs and settings.compile
+        self._graph_pool: Any = None  # one memory pool the graphs share
+        if self._compile and self.max_context > 8:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile as the engine loads, not at the first requests: prefill
+        and decode of one sequence, then of several, each at two sizes."""
+        sampling = Sampling(max_tokens=3)
+        started = time.perf_counter()
+        for lengths in ((2,), (5,), (2, 3), (4, 5, 6)):
+            sequences = [self.start([0] * n, sampling) for n in lengths[:self.max_sequences]]
+            self.step(), self.step()
+            for sequence in sequences:
+                self.stop(sequence)
+        log.info("compiled the layers in %.1f s", time.perf_counter() - started)
 
     # -- the interface -------------------------------------------------------
 
@@ -212,19 +254,14 @@ class TorchGenerativeEngine(GenerativeEngine):
     def step(self) -> list[Token]:
         new = [(i, s) for i, s in self._sequences.items() if s.prompt is not None]
         old = [(i, s) for i, s in self._sequences.items() if s.prompt is None]
-        rows: list[tuple[int, _Sequence, torch.Tensor]] = []
+        picks: list[tuple[int, float]] = []
         with torch.inference_mode():
             for batch, forward in ((old, self._decode), (new, self._prefill)):
                 if batch:  # decode first: prefill writes over idle rows' writes
-                    logits = forward([s for _, s in batch])
-                    rows += [(i, s, logits[n]) for n, (i, s) in enumerate(batch)]
-            if not rows:
-                return []
-            logits = torch.stack([row for _, _, row in rows]).float()
-            picks = self._pick(logits, [s.sampling for _, s, _ in rows],
-                               [s.rng for _, s, _ in rows])
+                    states = [s for _, s in batch]
+                    picks += self._pick(*forward(states), states)
         tokens = []
-        for (sequence, state, _), (token, logprob) in zip(rows, picks, strict=True):
+        for (sequence, state), (token, logprob) in zip([*old, *new], picks, strict=True):
             state.generated += 1
             state.next_input = token
             last = (token in self.shape.eos or state.generated >= state.sampling.max_tokens
@@ -246,8 +283,10 @@ class TorchGenerativeEngine(GenerativeEngine):
     def describe(self) -> dict[str, str]:
         return {"engine": "torch", "device": self.device, "precision": self.precision,
                 "context": str(self.max_context), "sequences": str(self.max_sequences),
+                "weights_mib": f"{self.weight_bytes / (1 << 20):.1f}",
                 "kv_cache_mib": f"{self.cache_bytes / (1 << 20):.1f}",
-                "cuda_graphs": str(self._use_graphs).lower()}
+                "cuda_graphs": str(self._use_graphs).lower(),
+                "compiled": str(self._compile).lower()}
 
     def close(self) -> None:
         self._sequences.clear()
@@ -267,7 +306,7 @@ class TorchGenerativeEngine(GenerativeEngine):
 
     # -- the forward ---------------------------------------------------------
 
-    def _prefill(self, states: list[_Sequence]) -> torch.Tensor:
+    def _prefill(self, states: list[_Sequence]) -> tuple[torch.Tensor, None]:
         """The logits after each of `states`' prompts, in one forward. Shorter
         prompts are padded: the pads' cache writes lie past the prompt, where
         each decode writes before any query reads."""
@@ -278,15 +317,23 @@ class TorchGenerativeEngine(GenerativeEngine):
                               device=self.device)
         positions = self._positions[:longest].expand(len(states), longest)
         slots = torch.tensor([s.slot for s in states], device=self.device)
-        hidden = self._forward(tokens, positions, slots, longest)
+        compiled = self._compiled()
+        try:  # compiled: far fewer launches, the step's other sequences wait less
+            hidden = self._forward(tokens, positions, slots, longest, compiled)
+        except Exception as error:
+            if compiled is None:
+                raise
+            self._compile_failed(error)  # the writes are the same: run it again eager
+            hidden = self._forward(tokens, positions, slots, longest)
         for state, length in zip(states, lengths, strict=True):
             state.prompt, state.length = None, length
         ends = torch.tensor(lengths, device=self.device) - 1
-        return self._head(hidden[torch.arange(len(states), device=self.device), ends])
+        return self._head(hidden[torch.arange(len(states), device=self.device), ends]), None
 
-    def _decode(self, states: list[_Sequence]) -> torch.Tensor:
-        """One token's logits for each of `states`, in one forward; each
-        sequence's cache grows by its last token."""
+    def _decode(self, states: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token's logits for each of `states`, in one forward, and their
+        greedy picks where a graph made them; each sequence's cache grows by
+        its last token."""
         tokens = [s.next_input for s in states]
         positions = [s.length for s in states]
         slots = [s.slot for s in states]
@@ -299,21 +346,58 @@ class TorchGenerativeEngine(GenerativeEngine):
             return self._head(self._forward(
                 torch.tensor(tokens, device=self.device).unsqueeze(1),
                 torch.tensor(positions, device=self.device).unsqueeze(1),
-                torch.tensor(slots, device=self.device), max(positions) + 1)[:, -1])
-        graph = self._graphs.get(bucket)
+                torch.tensor(slots, device=self.device), max(positions) + 1)[:, -1]), None
+        window = next(w for w in self._windows if w > max(positions))
+        graph = self._graphs.get((bucket, window))
         if graph is None:
-            graph = self._graphs[bucket] = _DecodeGraph(self, bucket)
+            graph = self._graphs[bucket, window] = self._capture(bucket, window)
         return graph.run(tokens, positions, slots)
 
+    def _capture(self, bucket: int, window: int) -> _DecodeGraph:
+        """The decode of `bucket` slots over `window` positions as a CUDA
+        graph: its layers compiled where torch.compile works here, else eager."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        compiled = self._compiled(one_row=bucket == 1)
+        if compiled is not None:
+            try:
+                return _DecodeGraph(self, bucket, window, compiled)
+            except Exception as error:
+                self._compile_failed(error)
+        return _DecodeGraph(self, bucket, window, self._layer)
+
+    def _compiled(self, one_row: bool = False) -> Any:
+        """The layer compiled by torch.compile (made on first use), or None
+        where it is off or failed. Its shapes start static and become dynamic
+        where they change (a handful of compiles, not one per size); a one-row
+        decode has its own, tuned by coordinate descent: its matmuls become
+        reductions whose weight reads Triton tunes."""
+        if not self._compile:
+            return None
+        if one_row not in self._compiled_layers:
+            # both share the layer's code, whose compiles dynamo counts together
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       RECOMPILE_LIMIT)
+            self._compiled_layers[one_row] = torch.compile(
+                self._layer, fullgraph=True, options={"coordinate_descent_tuning": one_row})
+        return self._compiled_layers[one_row]
+
+    def _compile_failed(self, error: Exception) -> None:
+        """No compiler, no Triton: the eager layer from now on."""
+        log.warning("torch.compile failed (%s); the engine runs eager layers",
+                    str(error).splitlines()[0] if str(error) else type(error).__name__)
+        self._compile = False
+
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor | None, window: int) -> torch.Tensor:
+                 slots: torch.Tensor | None, window: int,
+                 layer_of: Any = None) -> torch.Tensor:
         """The last layer's output [B, T, hidden] for `tokens` [B, T] at
         `positions` [B, T] of cache `slots` [B] (None: the first B slots, read
-        in place), attending over the first `window` positions of each slot."""
+        in place), attending over the first `window` positions of each slot;
+        each layer run by `layer_of` (the eager layer unless given)."""
         w, shape = self._weights, self.shape
         batch, length = tokens.shape
-        heads, kv_heads, head_dim = shape.heads, shape.kv_heads, shape.head_dim
-        groups = heads // kv_heads
+        groups = shape.heads // shape.kv_heads
         x = w["embed"][tokens]
         angles = positions[..., None].float() * self._inv_freq  # [B, T, head_dim / 2]
         # rotate_half(x) * sin == x.roll(half) * signed_sin: one kernel fewer
@@ -324,67 +408,52 @@ class TorchGenerativeEngine(GenerativeEngine):
         visible = visible.expand(batch, groups, length, window).reshape(batch, 1, -1, window)
         rows = (torch.arange(batch, device=self.device) if slots is None else slots)
         rows = rows[:, None].expand(batch, length)
+        layer_of = layer_of or self._layer
         for index, layer in enumerate(w["layers"]):
-            h = _rms_norm(x, layer["input_norm"], shape.rms_eps)
-            qkv = _linear(h, layer, "qkv").view(batch, length, heads + 2 * kv_heads, head_dim)
-            qk, v = qkv[:, :, :heads + kv_heads], qkv[:, :, heads + kv_heads:]
-            qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), signed_sin)
-            q, k = qk[:, :, :heads], qk[:, :, heads:]  # [B, T, heads | kv_heads, head_dim]
-            cache_keys, cache_values = self._keys[index], self._values[index]
-            cache_keys[rows, :, positions] = k
-            cache_values[rows, :, positions] = v
-            if slots is None:
-                keys, values = cache_keys[:batch, :, :window], cache_values[:batch, :, :window]
-            else:
-                keys, values = cache_keys[slots, :, :window], cache_values[slots, :, :window]
-            # A kv head's query heads attend as one [groups * T] block of queries.
-            q = q.reshape(batch, length, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                q.reshape(batch, kv_heads, groups * length, head_dim), keys, values,
-                attn_mask=visible)  # [B, kv_heads, groups * T, head_dim]
-            attended = attended.reshape(batch, heads, length, head_dim).transpose(1, 2)
-            x = x + _linear(attended.reshape(batch, length, -1), layer, "o")
-            h = _rms_norm(x, layer["post_norm"], shape.rms_eps)
-            gate, up = _linear(h, layer, "gate_up").chunk(2, dim=-1)
-            x = x + _linear(torch.nn.functional.silu(gate) * up, layer, "down")
+            x = layer_of(x, layer, self._keys[index], self._values[index], cos, signed_sin,
+                         rows, positions, slots, visible)
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits from the last layer's output: final RMSNorm and lm_head."""
         return _rms_norm(x, self._weights["norm"], self.shape.rms_eps) @ self._weights["lm_head"].T
 
-    def _pick(self, logits: torch.Tensor, samplings: list[Sampling],
-              rngs: list[np.random.Generator]) -> list[tuple[int, float]]:
-        """Greedy rows on the device (argmax and its log-probability); sampled
-        rows through `base.pick` on the host."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        best = logprobs.argmax(dim=-1)
-        best_logprob = logprobs.gather(1, best[:, None])[:, 0]
-        best, best_logprob = best.tolist(), best_logprob.tolist()
-        picks = []
-        sampled = [n for n, s in enumerate(samplings) if not s.greedy]
-        host = logits[sampled].cpu().numpy() if sampled else None
-        for n, sampling in enumerate(samplings):
-            if sampling.greedy:
-                picks.append((int(best[n]), float(best_logprob[n])))
-            else:
-                picks.append(pick(host[sampled.index(n)], sampling, rngs[n]))
-        return picks
+    def _pick(self, logits: torch.Tensor, greedy: torch.Tensor | None,
+              states: list[_Sequence]) -> list[tuple[int, float]]:
+        """Each of `states`' next token and its log-probability: greedy rows
+        from `greedy` (what `_greedy` gives, where the forward computed it;
+        else here, on the device), sampled rows through `base.pick` on the host."""
+        best, best_logprob = (_greedy(logits) if greedy is None else greedy).tolist()
+        sampled = [n for n, s in enumerate(states) if not s.sampling.greedy]
+        host = logits[sampled].float().cpu().numpy() if sampled else None
+        return [(int(best[n]), best_logprob[n]) if state.sampling.greedy
+                else pick(host[sampled.index(n)], state.sampling, state.rng)
+                for n, state in enumerate(states)]
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[2, B] in FP64 (exact for token ids): each row's argmax and its
+    log-probability."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = logprobs.argmax(dim=-1)
+    return torch.stack((best.double(), logprobs.gather(1, best[:, None])[:, 0].double()))
 
 
 class _DecodeGraph:
-    """One bucket's decode captured as a CUDA graph over static input tensors:
-    row i is slot i; rows of idle slots read token 0 at position 0."""
+    """One bucket's decode over one window, captured as a CUDA graph over
+    static input tensors: row i is slot i; rows of idle slots read token 0 at
+    position 0."""
 
-    def __init__(self, engine: TorchGenerativeEngine, bucket: int) -> None:
+    def __init__(self, engine: TorchGenerativeEngine, bucket: int, window: int,
+                 layer_of: Any) -> None:
         device = engine.device
         self.bucket = bucket
         self.tokens = torch.zeros((bucket, 1), dtype=torch.int64, device=device)
         self.positions = torch.zeros((bucket, 1), dtype=torch.int64, device=device)
 
         def decode() -> torch.Tensor:
-            return engine._head(engine._forward(self.tokens, self.positions, None,
-                                                engine.max_context)[:, -1])
+            return engine._head(engine._forward(self.tokens, self.positions, None, window,
+                                                layer_of)[:, -1])
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -393,18 +462,58 @@ class _DecodeGraph:
                 decode()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=engine._graph_pool):
             self.logits = decode()
-        log.info("captured the decode of %d slots as a CUDA graph", bucket)
+            self.greedy = _greedy(self.logits)
+        log.info("captured the decode of %d slots over %d positions as a CUDA graph",
+                 bucket, window)
 
-    def run(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """The logits of `slots`' rows, in their order."""
+    def run(self, tokens: list[int], positions: list[int], slots: list[int]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of `slots`' rows, in their order, and their greedy picks."""
         by_slot = torch.zeros((2, self.bucket), dtype=torch.int64)
         by_slot[0, slots], by_slot[1, slots] = torch.tensor(tokens), torch.tensor(positions)
         self.tokens.copy_(by_slot[0, :, None], non_blocking=True)
         self.positions.copy_(by_slot[1, :, None], non_blocking=True)
         self.graph.replay()
-        return self.logits[torch.tensor(slots, device=self.logits.device)]
+        rows = torch.tensor(slots, device=self.logits.device)
+        return self.logits[rows], self.greedy[:, rows]
+
+
+def _layer_of(shape: LlamaShape) -> Callable[..., torch.Tensor]:
+    """One decoder layer as a function of tensors alone, the shape's sizes its
+    constants: torch.compile compiles it once and every layer runs it."""
+    heads, kv_heads, head_dim, eps = shape.heads, shape.kv_heads, shape.head_dim, shape.rms_eps
+    groups = heads // kv_heads
+
+    def layer(x: torch.Tensor, weights: Mapping[str, torch.Tensor],
+              cache_keys: torch.Tensor, cache_values: torch.Tensor, cos: torch.Tensor,
+              signed_sin: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor | None, visible: torch.Tensor) -> torch.Tensor:
+        batch, length, window = x.shape[0], x.shape[1], visible.shape[-1]
+        h = _rms_norm(x, weights["input_norm"], eps)
+        qkv = _linear(h, weights, "qkv").view(batch, length, heads + 2 * kv_heads, head_dim)
+        qk, v = qkv[:, :, :heads + kv_heads], qkv[:, :, heads + kv_heads:]
+        qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), signed_sin)
+        q, k = qk[:, :, :heads], qk[:, :, heads:]  # [B, T, heads | kv_heads, head_dim]
+        cache_keys[rows, :, positions] = k
+        cache_values[rows, :, positions] = v
+        if slots is None:
+            keys, values = cache_keys[:batch, :, :window], cache_values[:batch, :, :window]
+        else:
+            keys, values = cache_keys[slots, :, :window], cache_values[slots, :, :window]
+        # A kv head's query heads attend as one [groups * T] block of queries.
+        q = q.reshape(batch, length, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q.reshape(batch, kv_heads, groups * length, head_dim), keys, values,
+            attn_mask=visible)  # [B, kv_heads, groups * T, head_dim]
+        attended = attended.reshape(batch, heads, length, head_dim).transpose(1, 2)
+        x = x + _linear(attended.reshape(batch, length, -1), weights, "o")
+        h = _rms_norm(x, weights["post_norm"], eps)
+        gate, up = _linear(h, weights, "gate_up").chunk(2, dim=-1)
+        return x + _linear(torch.nn.functional.silu(gate) * up, weights, "down")
+
+    return layer
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -412,9 +521,42 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _linear(x: torch.Tensor, layer: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    out = x @ layer[name].T
+    weight = layer[name]
+    if weight.dtype == torch.float8_e4m3fn:
+        out = _fp8_linear(x, weight, layer[name + "_scale"])
+    else:
+        out = x @ weight.T
     bias = layer.get(name + "_bias")
     return out if bias is None else out + bias
+
+
+def _fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., in] times FP8 weights [out, in] with `scale` [1, out] per output
+    channel. Several rows multiply on the FP8 tensor cores, each row of x
+    scaled into E4M3's range; one row (a one-stream decode) widens the
+    weights inside the matmul instead (fused by torch.compile: it reads one
+    byte a weight), as on the CPU and for sizes the tensor cores refuse."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1 or x.device.type == "cpu" or weight.shape[0] % 16 \
+            or weight.shape[1] % 16:
+        return (x @ weight.to(x.dtype).T) * scale.to(x.dtype)
+    row_scale = rows.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
+    out = torch._scaled_mm((rows / row_scale).to(torch.float8_e4m3fn), weight.T,
+                           scale_a=row_scale, scale_b=scale, out_dtype=x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _to_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 weights [out, in] and their scale [1, out] in FP32: each output
+    channel's largest magnitude maps to E4M3's largest."""
+    wide = weight.float()
+    scale = (wide.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+    return (wide / scale).to(torch.float8_e4m3fn), scale.T.contiguous()
+
+
+def has_fp8_tensor_cores() -> bool:
+    """Whether torch's GPU multiplies FP8 (compute capability 8.9: Ada, Hopper on)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 _LAYER_TENSORS = {
@@ -424,6 +566,7 @@ _LAYER_TENSORS = {
     "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
 }
+_LINEAR_WEIGHTS = ("qkv", "o", "gate_up", "down")  # after `_fused`
 _OPTIONAL_BIASES = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
                     "v_bias": "self_attn.v_proj.bias", "o_bias": "self_attn.o_proj.bias",
                     "gate_bias": "mlp.gate_proj.bias", "up_bias": "mlp.up_proj.bias",
@@ -431,8 +574,9 @@ _OPTIONAL_BIASES = {"q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_pr
 
 
 def _load_weights(checkpoint: Path, shape: LlamaShape, dtype: torch.dtype,
-                  device: str) -> dict[str, Any]:
-    """The checkpoint's tensors by role, in `dtype` on `device`; a missing or
+                  device: str, fp8: bool = False) -> dict[str, Any]:
+    """The checkpoint's tensors by role, in `dtype` on `device` (with `fp8`,
+    the linear layers' weights in FP8 and their scales); a missing or
     misshapen tensor is an error naming it."""
     from safetensors.torch import load_file
 
@@ -461,7 +605,11 @@ def _load_weights(checkpoint: Path, shape: LlamaShape, dtype: torch.dtype,
                  for role, name in _LAYER_TENSORS.items()}
         layer.update({role: take(prefix + name) for role, name in _OPTIONAL_BIASES.items()
                       if prefix + name in tensors})
-        layers.append(_fused(layer))
+        layer = _fused(layer)
+        if fp8:
+            for name in _LINEAR_WEIGHTS:
+                layer[name], layer[name + "_scale"] = _to_fp8(layer[name])
+        layers.append(layer)
     embed = take("model.embed_tokens.weight", (shape.vocab, shape.hidden))
     lm_head = take("lm_head.weight", (shape.vocab, shape.hidden)) \
         if "lm_head.weight" in tensors else embed  # tied embeddings
@@ -481,6 +629,16 @@ def _fused(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
                 for w, b in zip(weights, biases, strict=True)])
     return layer
+
+
+def _tensors(weights: Mapping[str, Any]) -> list[torch.Tensor]:
+    """Each tensor of `weights` once (tied embeddings are one)."""
+    seen: dict[int, torch.Tensor] = {}
+    for value in weights.values():
+        for tensor in ([value] if isinstance(value, torch.Tensor)
+                       else [t for layer in value for t in layer.values()]):
+            seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
 
 
 def _device(asked: str) -> str:

@@ -130,9 +130,9 @@ def test_requests_merged_in_a_front_end_each_get_their_rows_and_bad_ones_their_o
         else:
             np.testing.assert_allclose(answer.as_numpy("OUTPUT0"), 3 * a, rtol=1e-6)
     wide, big, double = (str(o) for o in outcomes[len(good):])
-    assert "input 'INPUT0': shape [1, 15] does not match [-1, 16]" in wide
-    assert "batch size 9 is outside 1..8" in big
-    assert "datatype FP64, model expects FP32" in double
+    assert "input 'INPUT0' for model 'add_sub'. Expected [-1,16], got [1,15]" in wide
+    assert "batch-size must be <= 8 for 'add_sub'" in big
+    assert "data-type is 'FP64', but model 'add_sub' expects 'FP32'" in double
     stats = (after.inference_stats, before.inference_stats)
     assert stats[0].success.count - stats[1].success.count == len(good)
     assert stats[0].fail.count - stats[1].fail.count == 3

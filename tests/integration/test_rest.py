@@ -262,17 +262,22 @@ def test_repository_index_and_shared_memory_status(rest):
 
 # -- errors: gRPC's messages, HTTP's codes -------------------------------------------
 
-CASES = [
-    ("unknown model", "nope", ["INPUT0"], None, "404", "NOT_FOUND"),
-    ("unknown version", "add_sub", ["INPUT0", "INPUT1"], "3", "404", "NOT_FOUND"),
-    ("missing input", "add_sub", ["INPUT0"], None, "400", "INVALID_ARGUMENT"),
+CASES = [  # the last column: Triton's text, at the start of the message
+    ("unknown model", "nope", ["INPUT0"], None, "404", "NOT_FOUND",
+     "Request for unknown model: 'nope' is not found"),
+    ("unknown version", "add_sub", ["INPUT0", "INPUT1"], "3", "404", "NOT_FOUND",
+     "Request for unknown model: 'add_sub' version 3 is not found"),
+    ("missing input", "add_sub", ["INPUT0"], None, "400", "INVALID_ARGUMENT",
+     "expected 2 inputs but got 1 inputs for model 'add_sub'"),
     ("unknown input", "add_sub", ["INPUT0", "INPUT1", "INPUT9"], None, "400",
-     "INVALID_ARGUMENT"),
-    ("wrong datatype", "add_sub", ["INPUT0:f8", "INPUT1"], None, "400", "INVALID_ARGUMENT"),
+     "INVALID_ARGUMENT", "unexpected inference input 'INPUT9' for model 'add_sub'"),
+    ("wrong datatype", "add_sub", ["INPUT0:f8", "INPUT1"], None, "400", "INVALID_ARGUMENT",
+     "inference input 'INPUT0' data-type is 'FP64', but model 'add_sub' expects 'FP32'"),
     ("wrong shape", "add_sub", ["INPUT0:narrow", "INPUT1:narrow"], None, "400",
-     "INVALID_ARGUMENT"),
+     "INVALID_ARGUMENT",
+     "unexpected shape for input 'INPUT0' for model 'add_sub'. Expected [-1,16], got [2,8]"),
     ("batch above max_batch_size", "add_sub", ["INPUT0:big", "INPUT1:big"], None, "400",
-     "INVALID_ARGUMENT"),
+     "INVALID_ARGUMENT", "inference request batch-size must be <= 8 for 'add_sub'"),
 ]
 
 
@@ -291,14 +296,15 @@ def case_arrays(names: list[str]) -> list[tuple[str, np.ndarray]]:
     return arrays
 
 
-@pytest.mark.parametrize("case, model, names, version, http_code, grpc_code", CASES,
+@pytest.mark.parametrize("case, model, names, version, http_code, grpc_code, triton", CASES,
                          ids=[c[0] for c in CASES])
-def test_errors_carry_grpcs_message_with_the_matching_http_code(
-        rest, grpc_client, case, model, names, version, http_code, grpc_code):
+def test_errors_carry_tritons_text_with_the_matching_http_code(
+        rest, grpc_client, case, model, names, version, http_code, grpc_code, triton):
     arrays = case_arrays(names)
     over_grpc = failure(lambda: grpc_client.infer(
         model, [grpc_input(n, a) for n, a in arrays], model_version=version or ""))
     assert over_grpc.status() == f"StatusCode.{grpc_code}", case
+    assert over_grpc.message().startswith(triton), over_grpc.message()
     for binary in (True, False):
         over_http = failure(lambda: rest.infer(
             model, [http_input(n, a, binary) for n, a in arrays], model_version=version or ""))

@@ -21,7 +21,7 @@ import numpy as np
 
 from tiered.engines.generative.base import Sampling
 from tiered.errors import InvalidArgument
-from tiered.protocol import messages
+from tiered.protocol import error_text, messages
 
 TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
 TOKEN_IDS = messages.TOKEN_IDS  # the router reads it too
@@ -51,11 +51,10 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any
     """A generation request from decoded v2 inputs and request parameters."""
     for name in inputs:
         if name != TEXT_INPUT and name not in SAMPLING_FIELDS and name != STOP:
-            raise InvalidArgument(
-                f"inputs: unknown input {name!r}; model {model!r} takes {TEXT_INPUT} "
-                f"(and optional {', '.join((*SAMPLING_FIELDS, STOP))})")
+            raise InvalidArgument(error_text.unexpected_input(
+                name, model, (TEXT_INPUT, *(f"{n} (optional)" for n in (*SAMPLING_FIELDS, STOP)))))
     if TEXT_INPUT not in inputs:
-        raise InvalidArgument(f"inputs: missing input {TEXT_INPUT!r} of model {model!r}")
+        raise InvalidArgument(error_text.missing_inputs(model, 1, len(inputs), [TEXT_INPUT]))
     prompt = _text(inputs[TEXT_INPUT], TEXT_INPUT)
     if len(prompt.encode()) > MAX_PROMPT_BYTES:
         raise InvalidArgument(f"{TEXT_INPUT}: the prompt exceeds {MAX_PROMPT_BYTES} bytes")

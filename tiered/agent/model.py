@@ -30,7 +30,7 @@ from tiered.agent.config import ModelConfig
 from tiered.agent.devices import DeviceEngine, EngineLost, in_thread
 from tiered.engines.base import Engine
 from tiered.errors import InvalidArgument, TieredError, Unavailable, caused_by_client
-from tiered.protocol import codec
+from tiered.protocol import codec, error_text
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
 
@@ -67,32 +67,27 @@ def check_inputs(config: ModelConfig, inputs: Mapping[str, np.ndarray]) -> int:
     expected = {t.name: t for t in config.inputs}
     for name in inputs:
         if name not in expected:
-            raise InvalidArgument(
-                f"inputs: unknown input {name!r}; model {config.name!r} takes "
-                f"{', '.join(expected)}"
-            )
+            raise InvalidArgument(error_text.unexpected_input(name, config.name, expected))
+    missing = [name for name in expected if name not in inputs]
+    if missing:
+        raise InvalidArgument(error_text.missing_inputs(config.name, len(expected),
+                                                        len(inputs), missing))
     batch_sizes = set()
     for name, tensor in expected.items():
-        if name not in inputs:
-            raise InvalidArgument(f"inputs: missing input {name!r} of model {config.name!r}")
         array = inputs[name]
         datatype = codec.datatype_of(array.dtype)
         if datatype != tensor.datatype:
-            raise InvalidArgument(
-                f"input {name!r}: datatype {datatype}, model expects {tensor.datatype}"
-            )
+            raise InvalidArgument(error_text.wrong_datatype(name, datatype, config.name,
+                                                            tensor.datatype))
         shape, want = array.shape, config.batch_shape(tensor)
         if len(shape) != len(want) or any(w != -1 and s != w for s, w in zip(shape, want)):
-            raise InvalidArgument(
-                f"input {name!r}: shape {list(shape)} does not match {list(want)} "
-                "(-1 = any size)"
-            )
+            raise InvalidArgument(error_text.wrong_shape(name, config.name, want, shape))
         if config.max_batch_size > 0:
-            if not 1 <= shape[0] <= config.max_batch_size:
-                raise InvalidArgument(
-                    f"input {name!r}: batch size {shape[0]} is outside 1..{config.max_batch_size}"
-                    " (max_batch_size)"
-                )
+            if shape[0] > config.max_batch_size:
+                raise InvalidArgument(error_text.batch_too_large(
+                    config.name, config.max_batch_size, name, shape[0]))
+            if shape[0] < 1:
+                raise InvalidArgument(f"input {name!r}: batch size 0; at least 1")
             batch_sizes.add(shape[0])
     if len(batch_sizes) > 1:
         raise InvalidArgument(f"inputs: batch sizes differ between inputs: {sorted(batch_sizes)}")

@@ -39,6 +39,7 @@ from tiered.engines.generative.base import GenerativeEngine
 from tiered.engines.generative.text import open_tokenizer
 from tiered.errors import ConfigError, InvalidArgument, NotFound, TieredError, Unavailable
 from tiered.profiles import MiB, TierProfile
+from tiered.protocol import error_text
 from tiered.settings import read_yaml
 from tiered.telemetry.recorder import VersionRecorder
 
@@ -127,21 +128,19 @@ class ModelRepository:
         entry = self._models.get(name)
         if entry is None or not entry.versions:
             if entry is not None and entry.state is not ModelState.UNAVAILABLE:
-                raise Unavailable(f"model {name!r} is {entry.state.value.lower()}")
-            raise NotFound(f"model_name: unknown model {name!r}")
+                raise Unavailable(error_text.no_available_versions(
+                    name, f"it is {entry.state.value.lower()}"))
+            raise NotFound(error_text.unknown_model(name))
         if not version:
             return entry.versions[max(entry.versions)]
         if not (version.isascii() and version.isdigit()) or int(version) not in entry.versions:
-            raise NotFound(
-                f"model_version: model {name!r} has no version {version!r} "
-                f"(serving {', '.join(map(str, sorted(entry.versions)))})"
-            )
+            raise NotFound(error_text.unknown_version(name, version, entry.versions))
         return entry.versions[int(version)]
 
     def served(self, name: str) -> ModelEntry:
         entry = self._models.get(name)
         if entry is None or not entry.versions:
-            raise NotFound(f"model_name: unknown model {name!r}")
+            raise NotFound(error_text.unknown_model(name))
         return entry
 
     def is_ready(self, name: str, version: str = "") -> bool:

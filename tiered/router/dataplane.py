@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from tiered import errors
+from tiered.protocol import error_text, routing, security
 from tiered.protocol import grpc_service_pb2 as pb
-from tiered.protocol import routing, security
 from tiered.router import (
     counters,
     forward,
@@ -75,7 +75,7 @@ class Router:
     def route_of(self, model: str) -> routing.ModelRoute:
         route = self.table.models.get(model)
         if route is None:
-            raise errors.NotFound(f"model_name: {model!r} is not in the routing table")
+            raise errors.NotFound(error_text.unknown_model(model, ": not in the routing table"))
         return route
 
     async def infer(self, request: pb.ModelInferRequest, raw: bytes,

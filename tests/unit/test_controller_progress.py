@@ -8,6 +8,7 @@ import pytest
 
 from tiered.controller.plan import make_snapshot
 from tiered.rollout.progress import (
+    REASON_CHARS,
     ProgressLines,
     progress_line,
     quiet_tail,
@@ -98,6 +99,18 @@ def test_a_hold_is_shown_again_only_when_its_reason_changes():
     assert shown("hold", "too short: 5 of 10 s") is not None  # another reason
     assert shown("advance", "stage 1 passed") is not None  # a decision always shows
     assert shown("hold", "too short: 6 of 10 s") is not None  # after it, shown again
+
+
+def test_a_short_line_leaves_out_the_stage_it_names_and_cuts_a_long_reason():
+    run = AnalysisRun(5, "Inconclusive", ())
+    reason = "stage 2/2 'wide': too little data: " + "latency_p95 on edge: no samples; " * 20
+    snap = make_snapshot(SPEC, live(run), "hold", reason, NUMBERS)
+    whole, short = progress_line(0.0, snap), progress_line(0.0, snap, short=True)
+    assert whole.endswith(f"hold: {reason}")
+    decision = short[short.index("| hold: ") + len("| hold: "):]
+    assert decision.startswith("too little data: latency_p95 on edge")
+    assert len(decision) == REASON_CHARS and decision.endswith("…")
+    assert short.startswith(whole[:whole.index("| hold: ")])  # the head and figures as they were
 
 
 @pytest.mark.parametrize("quiet_s, stage, tail", [

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from tiered import names
+from tiered.cli.live import LiveLines
 from tiered.controller.host.state import StateLayout
 from tiered.controller.pinning import read_documents
 from tiered.controller.reconciler import decode_status
@@ -55,7 +56,7 @@ from tiered.local.supervisor import (
     prepare_sample_models,
 )
 from tiered.rollout import snapshot
-from tiered.rollout.progress import ProgressLines
+from tiered.rollout.progress import hold_key, progress_line
 from tiered.rollout.status import RolloutStatus
 
 # The examples of the source tree: the demo runs from a checkout.
@@ -150,31 +151,37 @@ class Undecided(Exception):
 
 
 def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None], bool],
-            last_id: int, timeout_s: float, say: Callable[[str], None], model: str = MODEL,
-            supervise: bool = True) -> int:
-    """Print new rollout snapshots until `done(status)`; returns the last
-    history id shown. Raises Undecided on a pause (nothing goes on by itself
-    then) or at the timeout."""
+            last_id: int, timeout_s: float, out: LiveLines, prefix: str = "  ",
+            model: str = MODEL, supervise: bool = True) -> int:
+    """Show new rollout snapshots until `done(status)`: a line for each
+    decision, the stage's hold as a live line (in place on a terminal; piped,
+    when its reason changes). Returns the last history id shown. Raises
+    Undecided on a pause (nothing goes on by itself then) or at the timeout."""
     deadline = time.monotonic() + timeout_s
-    shown = ProgressLines()
-    while True:
-        if supervise:  # one thread looks after the processes
-            up.restart_dead()
-            up.echo_controller()
-        for entry_id, t, kept in store.history(model, after_id=last_id):
-            line = shown.line(t, snapshot.from_record(kept))
-            if line is not None:
-                say(line)
-            last_id = entry_id
-        status = _status(store, model)
-        if done(status):
-            return last_id
-        message = decode_status(model, store.get(model).status).message
-        if status is not None and status.phase == names.Phase.PAUSED:
-            raise Undecided(f"{model}: paused: {message}")
-        if time.monotonic() > deadline:
-            raise Undecided(f"{model}: no outcome within {timeout_s:.0f} s: {message}")
-        time.sleep(0.5)
+    try:
+        while True:
+            if supervise:  # one thread looks after the processes
+                up.restart_dead()
+                up.echo_controller()
+            for entry_id, t, kept in store.history(model, after_id=last_id):
+                snap = snapshot.from_record(kept)
+                line = prefix + progress_line(t, snap, short=True)
+                if snap.action == names.Action.HOLD:
+                    out.live(model, line, hold_key(snap))
+                else:
+                    out.say(line)
+                last_id = entry_id
+            status = _status(store, model)
+            if done(status):
+                return last_id
+            message = decode_status(model, store.get(model).status).message
+            if status is not None and status.phase == names.Phase.PAUSED:
+                raise Undecided(f"{model}: paused: {message}")
+            if time.monotonic() > deadline:
+                raise Undecided(f"{model}: no outcome within {timeout_s:.0f} s: {message}")
+            time.sleep(0.5)
+    finally:
+        out.end(model)
 
 
 def _timed(store: StateStore, model: str) -> list[tuple[float, snapshot.Snapshot]]:
@@ -197,6 +204,7 @@ def rollout_timeout_s(spec_file: Path, builds_s: float = 180.0) -> float:
 
 
 GENERATIVE = "tinyllama"
+PREFIX = f"  [{GENERATIVE}] "  # the generative act's lines
 GENERATIVE_LOAD = ("--rate", "20", "--max-tokens", "16", "--stream-share", "0.3",
                    "--tier", "edge,regional,datacenter", "--timeout", "20")
 
@@ -223,12 +231,13 @@ class GenerativeAct:
     router: str
     models: Path
     out: Path
+    terminal: LiveLines
     checks: list[tuple[str, bool]] = field(default_factory=list)
     _thread: threading.Thread | None = None
     _load: Any = None  # the `tiered load` process, while it runs
 
     def say(self, line: str) -> None:
-        print(f"  [{GENERATIVE}] {line}", flush=True)
+        self.terminal.say(f"{PREFIX}{line}")
 
     def check(self, what: str, ok: bool) -> None:
         self.checks.append((what, bool(ok)))
@@ -267,8 +276,8 @@ class GenerativeAct:
                     GENERATIVE).status).conditions if c.type == "Ready"), False)
 
         with StateStore(StateLayout(self.state.resolve()).store) as store:
-            last = _follow(store, self.up, served, 0, SERVED_TIMEOUT_S, self.say,
-                           GENERATIVE, supervise=False)
+            last = _follow(store, self.up, served, 0, SERVED_TIMEOUT_S, self.terminal,
+                           PREFIX, GENERATIVE, supervise=False)
             self.say("v1 serves on three tiers; `tiered load` sends it text prompts "
                      "through the router (greedy, 30% streamed)")
             log = self.out / f"{GENERATIVE}-load.log"
@@ -286,7 +295,8 @@ class GenerativeAct:
                 last = _follow(store, self.up, lambda s: s is not None and s.canary_version
                                is None and s.stable_version == 2 or s.phase
                                == names.Phase.ROLLED_BACK,
-                               last, rollout_timeout_s(v2), self.say, GENERATIVE, False)
+                               last, rollout_timeout_s(v2), self.terminal, PREFIX,
+                               GENERATIVE, False)
                 self.check("tinyllama v2 promoted through every stage",
                            _status(store, GENERATIVE).stable_version == 2)
                 self.say("tiered apply -f examples/tinyllama-v3.yaml: slower per token")
@@ -295,7 +305,8 @@ class GenerativeAct:
                 last = _follow(store, self.up, lambda s: s is not None and s.canary_version
                                == 3 and s.phase in (names.Phase.PROMOTED,
                                                     names.Phase.ROLLED_BACK),
-                               last, rollout_timeout_s(v3), self.say, GENERATIVE, False)
+                               last, rollout_timeout_s(v3), self.terminal, PREFIX,
+                               GENERATIVE, False)
                 final = _status(store, GENERATIVE)
                 self.check("tinyllama v3 rolled back on token latency",
                            final.phase == names.Phase.ROLLED_BACK and final.stable_version == 2
@@ -317,21 +328,21 @@ class GenerativeAct:
         self.say(f"report: {html}")
 
 
-def _digits_rollouts(store: StateStore, up: LocalUp, last: int, say: Callable[[str], None],
+def _digits_rollouts(store: StateStore, up: LocalUp, last: int, terminal: LiveLines,
                      check: Callable[[str, bool], None]) -> None:
     """Steps 5 and 6 once v2 is applied: v2 promoted, then v3 rolled back."""
     v2, v3 = EXAMPLES / "digits-v2.yaml", EXAMPLES / "digits-v3.yaml"
     last = _follow(store, up, lambda s: s is not None and s.phase == names.Phase.PROMOTED
-                   and s.stable_version == 2, last, rollout_timeout_s(v2), say)
+                   and s.stable_version == 2, last, rollout_timeout_s(v2), terminal)
     check("version 2 promoted through every stage", _status(store).stable_version == 2)
 
-    print("6. tiered apply -f examples/digits-v3.yaml: a heavier network")
+    terminal.say("6. tiered apply -f examples/digits-v3.yaml: a heavier network")
     apply_file(store, v3)
     # Either end is an outcome: promoted, v3 is stable (the canary cleared).
     _follow(store, up, lambda s: s is not None and (
         s.phase == names.Phase.ROLLED_BACK and s.canary_version == 3
         or s.phase == names.Phase.PROMOTED and s.stable_version == 3),
-        last, rollout_timeout_s(v3), say)
+        last, rollout_timeout_s(v3), terminal)
     final = _status(store)
     said = "" if final.phase == names.Phase.ROLLED_BACK else \
         f" (it was {final.phase}: {decode_status(MODEL, store.get(MODEL).status).message})"
@@ -351,14 +362,16 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
     started = time.monotonic()
     checks: list[tuple[str, bool]] = []
 
+    terminal = LiveLines()  # both acts write through it, live lines in place on a terminal
+
     def say(line: str) -> None:
-        print(f"  {line}", flush=True)
+        terminal.say(f"  {line}")
 
     def check(what: str, ok: bool) -> None:
         checks.append((what, bool(ok)))
-        print(f"  [{'ok' if ok else 'FAILED'}] {what}", flush=True)
+        say(f"[{'ok' if ok else 'FAILED'}] {what}")
 
-    print(f"1. Sample models in {models} (trained once, then reused)")
+    terminal.say(f"1. Sample models in {models} (trained once, then reused)")
     prepare_sample_models(models.resolve(), say)
     if generative:
         prepare_tinyllama(models.resolve(), say)
@@ -374,56 +387,56 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
                          controller=ControllerSettings(interval_s=1.0, max_builds=2))
     up = LocalUp(system, EXAMPLES, progress=say)
     act: GenerativeAct | None = None
-    print("2. Starting the local system: one agent per tier, the router, the controller")
+    terminal.say("2. Starting the local system: one agent per tier, the router, the controller")
     try:
         running = up.start()
         with StateStore(StateLayout(state.resolve()).store) as store:
-            print("3. tiered apply -f examples/digits.yaml: version 1 on three tiers")
+            terminal.say("3. tiered apply -f examples/digits.yaml: version 1 on three tiers")
             apply_file(store, EXAMPLES / "digits.yaml")
             last = _follow(store, up, lambda s: s is not None and s.stable_version == 1,
-                           0, SERVED_TIMEOUT_S, say)
+                           0, SERVED_TIMEOUT_S, terminal)
             images = np.load(models / "digits-eval.npz")["input"]
             _wait_until_served(running.router, images[:1], say)
             traffic = Traffic(running.router, images)
             traffic.start()
-            print(f"4. Traffic: {RATE_PER_S:g} requests/s through the router at "
+            terminal.say(f"4. Traffic: {RATE_PER_S:g} requests/s through the router at "
                   f"{running.router}, clients on "
                   + ", ".join(f"{t} {s:.0%}" for t, s in TIER_MIX.items()))
             time.sleep(5.0)
 
-            print("5. tiered apply -f examples/digits-v2.yaml: v1 retrained, rolled out in "
+            terminal.say("5. tiered apply -f examples/digits-v2.yaml: v1 retrained, rolled out in "
                   "stages")
             apply_file(store, EXAMPLES / "digits-v2.yaml")
             if generative:
-                print("   and tiered apply -f examples/tinyllama.yaml: a tiny Llama, built in "
+                terminal.say("   and tiered apply -f examples/tinyllama.yaml: a tiny Llama, built in "
                       "the background; its act runs beside this one")
                 apply_file(store, EXAMPLES / "tinyllama.yaml")
-                act = GenerativeAct(state, up, running.router, models.resolve(), out)
+                act = GenerativeAct(state, up, running.router, models.resolve(), out, terminal)
                 act.start()
             try:
-                _digits_rollouts(store, up, last, say, check)
+                _digits_rollouts(store, up, last, terminal, check)
             except Undecided as undecided:
                 check(f"the digits rollouts decided ({undecided})", False)
             time.sleep(3.0)  # answers in flight while the table changes
             traffic.finish()
             if act is not None:
-                print("   waiting for the generative act")
+                terminal.say("   waiting for the generative act")
                 checks += act.join(SERVED_TIMEOUT_S + sum(rollout_timeout_s(
                     EXAMPLES / f"{GENERATIVE}-{v}.yaml") for v in ("v2", "v3")))
 
             history = _timed(store, MODEL)
         ok = traffic.outcomes["ok"]
         failed = {k: v for k, v in traffic.outcomes.items() if k != "ok"}
-        print(f"7. Traffic: {ok} answered, {sum(failed.values())} failed")
+        terminal.say(f"7. Traffic: {ok} answered, {sum(failed.values())} failed")
         for what, count in failed.items():
-            print(f"     {count} x {what}")
+            terminal.say(f"     {count} x {what}")
         check("every client request answered", ok > 0 and not failed)
         html, js = write_report(history, out,
                                 "tiered demo: digits v1 -> v2 (promoted) -> v3 (rolled back)",
                                 {"requests answered": ok, "requests failed": sum(failed.values()),
                                  "traffic": f"{RATE_PER_S:g}/s, {CONCURRENCY} clients",
                                  "demo seconds": round(time.monotonic() - started, 1)})
-        print(f"8. Report: {html} and {js}")
+        terminal.say(f"8. Report: {html} and {js}")
     except Undecided as undecided:  # v1 never served: nothing to roll out
         check(f"version 1 served ({undecided})", False)
     finally:
@@ -431,6 +444,6 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
             act.close()
         up.stop()
     passed = sum(ok for _, ok in checks)
-    print(f"Demo {'passed' if passed == len(checks) else 'FAILED'}: {passed}/{len(checks)} "
+    terminal.say(f"Demo {'passed' if passed == len(checks) else 'FAILED'}: {passed}/{len(checks)} "
           f"checks in {time.monotonic() - started:.0f} s")
     return 0 if passed == len(checks) else 1

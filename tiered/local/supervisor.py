@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ from tiered.local.processes import AgentError, AgentProcess, RouterProcess, Serv
 from tiered.settings import load_dataclass, read_yaml
 
 log = logging.getLogger(__name__)
+_HOLD_LINE = re.compile(r"^\S+: hold: ")  # "MODEL: hold: REASON", as the controller logs it
 
 SUPERVISE_INTERVAL_S = 0.5
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # then every 10 s
@@ -239,7 +241,9 @@ class LocalUp:
             self.restart_dead()
 
     def echo_controller(self) -> None:
-        """Print what the controller logged since last time."""
+        """Print what the controller logged since last time, its holds aside:
+        they change often and run long, and `tiered rollout status --watch`
+        (the demo's live line) shows them."""
         log_path = self.layout.logs / "controller.log"
         try:
             with log_path.open("rb") as out:
@@ -250,7 +254,8 @@ class LocalUp:
         complete = text.rfind(b"\n") + 1
         self._controller_log_offset += complete
         for line in text[:complete].decode(errors="replace").splitlines():
-            self.progress(line)
+            if not _HOLD_LINE.match(line):
+                self.progress(line)
 
     def restart_dead(self) -> None:
         controller = self.controller

@@ -53,7 +53,21 @@ def weights_label(weights: Mapping[str, float]) -> str:
     return ", ".join(f"{tier} {w:g}%" for tier, w in shown)
 
 
-def progress_line(t: float, snap: Snapshot) -> str:
+REASON_CHARS = 160  # a short line's reason, at most; the whole is in the status
+
+
+def short_reason(snap: Snapshot) -> str:
+    """The decision's reason without the stage its line's head names, cut at
+    REASON_CHARS: what a live view shows (`tiered rollout status` and the
+    report keep it whole)."""
+    reason = snap.reason
+    named = f"stage {snap.stage_index + 1}/{snap.stages} '{snap.stage_name}': "
+    reason = reason.removeprefix(named)
+    return reason if len(reason) <= REASON_CHARS else reason[:REASON_CHARS - 1] + "…"
+
+
+def progress_line(t: float, snap: Snapshot, short: bool = False) -> str:
+    """The snapshot in one line; `short` cuts its reason (`short_reason`)."""
     versions = f"v{snap.stable_version}"
     if snap.canary_version is not None:
         versions += f"->v{snap.canary_version}"
@@ -62,7 +76,7 @@ def progress_line(t: float, snap: Snapshot) -> str:
     if snap.canary_version is not None:
         head += (f" stage {snap.stage_index + 1}/{snap.stages} "
                  f"{snap.stage_name!s} [{weights_label(snap.weights)}]")
-    decision = f"{snap.action}: {snap.reason}"
+    decision = f"{snap.action}: {short_reason(snap) if short else snap.reason}"
     figures = snap.figures
     if figures.canary.requests is None:
         return f"{head} | {decision}"

@@ -24,6 +24,11 @@ class LiveLines:
         self._drawn = 0  # live lines on the screen now
         self._lock = threading.Lock()
 
+    @property
+    def in_place(self) -> bool:
+        """Whether live lines are redrawn where they are (a terminal)."""
+        return self._in_place
+
     def say(self, line: str) -> None:
         """A line that stays."""
         with self._lock:

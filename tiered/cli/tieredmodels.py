@@ -282,11 +282,15 @@ def _rollout_status(args: argparse.Namespace) -> int:
     exit code says how it ended (see --help)."""
     import time
 
+    from tiered.cli.live import LiveLines
     from tiered.cli.model_lines import still
     from tiered.controller import verbs
 
     follow = args.watch or args.timeout is not None
     deadline = time.monotonic() + args.timeout if args.timeout is not None else None
+    # Followed on a terminal, a hold is one live line, redrawn in place
+    # (its reason cut short: the first look's analysis has it whole).
+    terminal = LiveLines(in_place=follow and sys.stdout.isatty())
     with _models(args, "rollout status") as models:
         poll = _steps(models, args.name)
 
@@ -294,8 +298,11 @@ def _rollout_status(args: argparse.Namespace) -> int:
             said = new = time.monotonic()  # when a line was printed; a new one
             while True:
                 look = poll()
-                for line in look.lines:
-                    print(line, flush=True)
+                for line, hold in look.lines:
+                    if not (hold and terminal.in_place):
+                        terminal.say(line)
+                if look.holding is not None and terminal.in_place:
+                    terminal.live(args.name, look.holding)
                 now = time.monotonic()
                 if look.lines:
                     said = new = now
@@ -311,7 +318,10 @@ def _rollout_status(args: argparse.Namespace) -> int:
                           file=sys.stderr)
                     return EXIT_TIMED_OUT
                 if now - said >= args.still_every:
-                    print(still(look, time.time(), now - new), flush=True)
+                    if terminal.in_place:
+                        terminal.live(args.name, still(look, time.time(), now - new))
+                    else:
+                        terminal.say(still(look, time.time(), now - new))
                     said = now
                 wait(WATCH_INTERVAL_S)
 
@@ -327,17 +337,18 @@ class Look:
     spec: TieredModel
     status: TieredModelStatus
     generation: int
-    lines: tuple[str, ...]
+    lines: tuple[tuple[str, bool], ...]  # (line, whether it is a hold)
+    holding: str | None = None  # the last step, a hold: its short line
 
 
 def _steps(models, name: str) -> Callable[[], Look]:
     """A poll of the models: the first look prints the summary, the analysis
     and the last steps, later ones new steps (a hold only when its reason
-    changed)."""
+    changed); `holding` is the last hold's short line, for a live view."""
     from tiered.cli.model_lines import analysis_lines, summary_line, summary_row
     from tiered.controller import verbs
     from tiered.controller.reconciler import decode_status
-    from tiered.rollout.progress import ProgressLines
+    from tiered.rollout.progress import ProgressLines, progress_line
     from tiered.rollout.snapshot import from_record
 
     last = None
@@ -347,20 +358,25 @@ def _steps(models, name: str) -> Callable[[], Look]:
         nonlocal last
         record = models.get(name)
         status = decode_status(name, record.status)
-        lines = []
+        lines: list[tuple[str, bool]] = []
+        holding = None
         if last is None:
-            lines.append(summary_line(summary_row(record)))
-            lines += analysis_lines(status.rollout)
+            lines.append((summary_line(summary_row(record)), False))
+            lines += [(line, False) for line in analysis_lines(status.rollout)]
             history = models.history(name)[-10:]
             last = 0
         else:
             history = models.history(name, after_id=last)
         for entry_id, t, kept in history:
-            line = shown.line(t, from_record(kept))
+            snap = from_record(kept)
+            hold = snap.action == names.Action.HOLD
+            holding = progress_line(t, snap, short=True) if hold else None
+            line = shown.line(t, snap)
             if line is not None:
-                lines.append(line)
+                lines.append((line, hold))
             last = entry_id
-        return Look(name, verbs.spec_of(record), status, record.generation, tuple(lines))
+        return Look(name, verbs.spec_of(record), status, record.generation, tuple(lines),
+                    holding)
 
     return poll
 

@@ -29,8 +29,9 @@ position 0, which a sequence's prefill, after the decode of its step, writes
 over. The layers of the graphs and of prefill are one function compiled by
 torch.compile (fused elementwise kernels; a one-row matmul becomes a tuned
 reduction), eager where it cannot compile; the engine compiles it as it
-loads, so that no request waits for the compiler. On the CPU the batch is the running sequences'
-slots, gathered, and attention reads only the positions written so far.
+loads, so that no request waits for the compiler. On the CPU the batch is
+the running sequences' slots, gathered, and attention reads only the
+positions written so far.
 
 Never imports the agent or the wire protocol: token ids and text in, tokens out.
 """

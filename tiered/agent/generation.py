@@ -1,9 +1,10 @@
 """What a generation request asks for, and how its tokens become text. Pure.
 
-`parse_request` reads a v2 request to a generative model (`text_input`, and
-`max_tokens`, `temperature`, `top_p`, `seed`, `stop` as request parameters or
-as optional one-element input tensors) into a `GenerationRequest`, naming the
-field that is wrong. `Detokenizer` turns token ids into text pieces that are
+`parse_request` reads a v2 request to a generative model (`text_input`, or
+chat `messages` as a request parameter, rendered by the model's chat
+template; and `max_tokens`, `temperature`, `top_p`, `seed`, `stop` as request
+parameters or as optional one-element input tensors) into a
+`GenerationRequest`, naming the field that is wrong. `Detokenizer` turns token ids into text pieces that are
 safe to send one by one (a character split across tokens waits for its last
 byte); `StopText` holds back text that may be the start of a stop string and
 cuts the text where one appears. Nothing here touches an engine, a thread or
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from tiered.engines.generative.base import Sampling
+from tiered.engines.generative.chat import ChatTemplate, read_messages
 from tiered.errors import InvalidArgument
 from tiered.protocol import error_text, messages
 
@@ -28,6 +30,7 @@ TOKEN_IDS = messages.TOKEN_IDS  # the router reads it too
 # Request parameters (or optional input tensors) a generative model reads.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
 STOP = "stop"
+MESSAGES = "messages"  # a request parameter: chat messages as JSON text, for text_input
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_PROMPT_BYTES = 1 << 20  # a prompt's text; its tokens are bounded by the context
@@ -47,15 +50,22 @@ class GenerationRequest:
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
-                  model: str) -> GenerationRequest:
-    """A generation request from decoded v2 inputs and request parameters."""
+                  model: str, chat: ChatTemplate | None = None) -> GenerationRequest:
+    """A generation request from decoded v2 inputs and request parameters;
+    chat `messages` become the prompt through `chat` (the plain template
+    where None)."""
     for name in inputs:
         if name != TEXT_INPUT and name not in SAMPLING_FIELDS and name != STOP:
             raise InvalidArgument(error_text.unexpected_input(
                 name, model, (TEXT_INPUT, *(f"{n} (optional)" for n in (*SAMPLING_FIELDS, STOP)))))
-    if TEXT_INPUT not in inputs:
+    if MESSAGES in parameters:
+        if TEXT_INPUT in inputs:
+            raise InvalidArgument(f"{MESSAGES}: given with {TEXT_INPUT}; give one")
+        prompt = (chat or ChatTemplate()).render(read_messages(parameters[MESSAGES]))
+    elif TEXT_INPUT not in inputs:
         raise InvalidArgument(error_text.missing_inputs(model, 1, len(inputs), [TEXT_INPUT]))
-    prompt = _text(inputs[TEXT_INPUT], TEXT_INPUT)
+    else:
+        prompt = _text(inputs[TEXT_INPUT], TEXT_INPUT)
     if len(prompt.encode()) > MAX_PROMPT_BYTES:
         raise InvalidArgument(f"{TEXT_INPUT}: the prompt exceeds {MAX_PROMPT_BYTES} bytes")
     values = {name: _value(name, inputs, parameters) for name in (*SAMPLING_FIELDS, STOP)}

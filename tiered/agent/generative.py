@@ -34,6 +34,7 @@ from tiered.agent.generation import (
 from tiered.agent.model import Admissions, record_failure
 from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
 from tiered.engines.generative.base import GenerativeEngine
+from tiered.engines.generative.chat import ChatTemplate
 from tiered.errors import ConfigError, TieredError
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
@@ -69,8 +70,10 @@ class GenerativeVersion:
 
     def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine | EngineCores,
                  built_from: Hashable = None, recorder: VersionRecorder | None = None,
-                 build: Mapping[str, str] | None = None, device: str = "") -> None:
+                 build: Mapping[str, str] | None = None, device: str = "",
+                 chat: ChatTemplate | None = None) -> None:
         assert config.generation is not None
+        self.chat = chat or ChatTemplate()  # chat messages to a prompt
         self.config = config
         self.version = version
         self.engine = engine
@@ -112,7 +115,7 @@ class GenerativeVersion:
     def parse(self, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
               ) -> GenerationRequest:
         try:
-            return parse_request(inputs, parameters, self.config.name)
+            return parse_request(inputs, parameters, self.config.name, self.chat)
         except TieredError as error:
             self.count_rejected(error)
             raise

@@ -36,6 +36,7 @@ from tiered.engines import build as build_report
 from tiered.engines.base import warm_up
 from tiered.engines.generative import is_checkpoint, open_generative
 from tiered.engines.generative.base import GenerativeEngine
+from tiered.engines.generative.chat import ChatTemplate
 from tiered.engines.generative.text import open_tokenizer
 from tiered.errors import ConfigError, InvalidArgument, NotFound, TieredError, Unavailable
 from tiered.profiles import MiB, TierProfile
@@ -337,6 +338,7 @@ class ModelRepository:
         where = f"{config.name}/config.yaml (version {version})"
         completed = with_tensors(config, where)
         assert config.generation is not None
+        chat = await asyncio.to_thread(ChatTemplate.of, path)  # a bad template fails first
         if runs_in_a_process(config.generation.engine_core, config.backend, config.engine,
                              nvml_gpu_count):
             spec = CoreSpec(f"{config.name} v{version}", config.backend, path,
@@ -352,7 +354,8 @@ class ModelRepository:
         return GenerativeVersion(
             completed, version, engine, built_from=source,
             recorder=VersionRecorder(time.monotonic) if self._telemetry else None,
-            build=_build_facts(path.parent), device=self.devices.label(engine.device))
+            build=_build_facts(path.parent), device=self.devices.label(engine.device),
+            chat=chat)
 
     def _drain_later(self, version: Served) -> None:
         task = asyncio.get_running_loop().create_task(

@@ -215,6 +215,9 @@ class Piece:
     last: bool
     at: float  # monotonic time its step ended
     logprob: float = 0.0  # natural log of the token's probability under the model
+    prompt_tokens: int = 0  # the request's prompt, in tokens
+    finish: str = ""  # on the last: "length" (max_tokens reached) or "stop" (the end,
+    # a stop string)
 
 
 @dataclass(eq=False)
@@ -231,6 +234,7 @@ class Job:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Piece | TieredError
     admitted: float | None = None
     tokens: int = 0
+    prompt_tokens: int = 0
     detokenizer: Detokenizer | None = None
     stop_text: StopText | None = None
 
@@ -359,6 +363,7 @@ class Scheduler:
                 events.append((job, domain_error(error, "tokenizing the prompt")))
                 continue
             job.key = next(self._keys)
+            job.prompt_tokens = len(prompt)
             self._jobs[job.key] = job
             entries.append(Entry(job.key, prompt, job.request.sampling, job.arrived,
                                  job.deadline, job.admit_by))
@@ -420,7 +425,9 @@ class Scheduler:
             last = True
         elif last:
             text += job.stop_text.flush()
-        return Piece(text, token, last, at, logprob)
+        finish = "" if not last else "length" if job.tokens >= job.request.sampling.max_tokens \
+            and not job.stop_text.stopped else "stop"
+        return Piece(text, token, last, at, logprob, job.prompt_tokens, finish)
 
     def _dequeued(self, count: int) -> None:
         with self._lock:

@@ -179,13 +179,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise
         return call, model.parse(call.inputs, call.parameters)
 
-    def _text_response(self, call: messages.InferCall, model: GenerativeVersion, text: str,
-                       ids: list[int]) -> pb.ModelInferResponse:
-        outputs = {TEXT_OUTPUT: np.array([text.encode()], dtype=object),
-                   TOKEN_IDS: np.array(ids, dtype=np.int64)}
+    def _text_response(self, call: messages.InferCall, model: GenerativeVersion,
+                       pieces: list[Piece]) -> pb.ModelInferResponse:
+        outputs = {TEXT_OUTPUT: np.array(["".join(p.text for p in pieces).encode()],
+                                         dtype=object),
+                   TOKEN_IDS: np.array([p.token_id for p in pieces], dtype=np.int64)}
         wanted = call.outputs or tuple(outputs)
-        return messages.encode_infer_response(
+        response = messages.encode_infer_response(
             call, model.config.name, model.version, {name: outputs[name] for name in wanted})
+        if pieces:
+            response.parameters[messages.PROMPT_TOKENS].int64_param = pieces[-1].prompt_tokens
+            if pieces[-1].finish:
+                response.parameters[messages.FINISH_REASON].string_param = pieces[-1].finish
+        return response
 
     async def _token_responses(self, model: GenerativeVersion, call: messages.InferCall,
                                generation: GenerationRequest, deadline: float):
@@ -193,8 +199,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         most = model.config.generation.max_tokens_per_response
         async with contextlib.aclosing(model.generate(generation, deadline, most)) as chunks:
             async for pieces in chunks:
-                response = self._text_response(call, model, "".join(p.text for p in pieces),
-                                               [p.token_id for p in pieces])
+                response = self._text_response(call, model, pieces)
                 yield messages.stream_response(response, pieces[-1].last and not empty_final)
         if empty_final:
             yield messages.stream_response(pb.ModelInferResponse(
@@ -209,8 +214,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async with contextlib.aclosing(model.generate(generation, deadline, WHOLE)) as stream:
             async for chunk in stream:
                 pieces += chunk
-        response = self._text_response(call, model, "".join(p.text for p in pieces),
-                                       [p.token_id for p in pieces])
+        response = self._text_response(call, model, pieces)
         # The router's cascade judges a generation by it (messages.MEAN_LOGPROB).
         response.parameters[messages.MEAN_LOGPROB].double_param = \
             sum(p.logprob for p in pieces) / len(pieces)

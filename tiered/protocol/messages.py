@@ -29,6 +29,11 @@ FINAL_RESPONSE = "triton_final_response"
 # tokens under the model (a response parameter; the router's cascade reads it).
 TOKEN_IDS = "token_ids"
 MEAN_LOGPROB = "mean_logprob"
+# A generative model's response parameters: its request's prompt in tokens, and
+# on the last response why it ended ("length": max_tokens; "stop": the model's
+# end or a stop string), as OpenAI's API reports them.
+PROMPT_TOKENS = "prompt_tokens"
+FINISH_REASON = "finish_reason"
 
 # Output parameters with a meaning here; any other is refused.
 _SUPPORTED_OUTPUT_PARAMETERS = {"binary_data", codec.SHARED_MEMORY_REGION,

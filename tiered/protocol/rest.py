@@ -1,7 +1,8 @@
-"""KServe v2 REST beside gRPC: the aiohttp server.
+"""KServe v2 REST and OpenAI's API beside gRPC: the aiohttp server.
 
 An HTTP request becomes the v2 protobuf request a gRPC client would have
-sent (`rest_json`, `rest_generate`), the same servicer method answers it,
+sent (`rest_json`, `rest_generate`, `rest_openai`), the same servicer method
+answers it,
 and its answer becomes JSON (and binary data). Servicers see the call through
 `_Context`, which reads HTTP headers where gRPC metadata would be, so
 credentials (bearer tokens, client certificates under mTLS), tracing and
@@ -29,7 +30,7 @@ from aiohttp import web
 
 from tiered.errors import ConfigError, InvalidArgument
 from tiered.protocol import grpc_service_pb2 as pb
-from tiered.protocol import status
+from tiered.protocol import rest_openai, status
 from tiered.protocol.rest_generate import event, generate_json, generate_request, is_last
 from tiered.protocol.rest_json import (
     HEADER_LENGTH,
@@ -209,6 +210,9 @@ class RestFrontDoor:
                 web.post(f"{base}/region/{{region}}/unregister", self.shared_memory_unregister),
             ]
         app.add_routes([
+            web.get("/v1/models", self.openai_models),
+            web.post("/v1/completions", self.openai_completions),
+            web.post("/v1/chat/completions", self.openai_chat),
             web.get("/v2/health/live", self.live),
             web.get("/v2/health/ready", self.ready),
             web.get("/v2", self.server_metadata),
@@ -224,8 +228,21 @@ class RestFrontDoor:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
-        """Bounds, and every failure as Triton's error body; never an exception out.
-        Health checks are answered whatever else is in flight."""
+        """Bounds, and every failure as Triton's error body (OpenAI's, on its
+        paths); never an exception out. Health checks are answered whatever
+        else is in flight."""
+        response = await self._bounded(request, handler)
+        if request.path.startswith(rest_openai.PREFIX) and response.status >= 400 \
+                and isinstance(response, web.Response) and response.text:
+            try:
+                message = str(json.loads(response.text).get("error", ""))
+            except (ValueError, AttributeError):
+                return response
+            return web.json_response(rest_openai.error_json(response.status, message),
+                                     status=response.status)
+        return response
+
+    async def _bounded(self, request: web.Request, handler) -> web.StreamResponse:
         if request.path in HEALTH_PATHS:
             return await handler(request)
         if self._in_flight >= self.max_in_flight:
@@ -342,10 +359,19 @@ class RestFrontDoor:
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """A generate body's responses as server-sent events, one a response
-        (a token, for a generative model). An error before the first is an
-        HTTP error; one after it, an event of its own that ends the stream."""
+        (a token, for a generative model)."""
         name, version = self._model(request)
         message = generate_request(name, version, await self._json_body(request, "inference"))
+        return await self._events(request, message,
+                                  lambda response: event(generate_json(response)))
+
+    async def _events(self, request: web.Request, message: pb.ModelInferRequest,
+                      each: Callable[[pb.ModelInferResponse], bytes],
+                      last: Callable[[], bytes] = lambda: b"") -> web.StreamResponse:
+        """A streamed request's responses as server-sent events, `each` the
+        events of one and `last` those that close a stream that ended well.
+        An error before the first response is an HTTP error; one after it,
+        an event of its own that ends the stream."""
 
         async def requests():
             yield message
@@ -363,8 +389,9 @@ class RestFrontDoor:
                     stream = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                          "Cache-Control": "no-cache"})
                     await stream.prepare(request)
-                await stream.write(event(generate_json(answer.infer_response)))
+                await stream.write(each(answer.infer_response))
                 if is_last(answer.infer_response):
+                    await stream.write(last())
                     break
         finally:
             await answers.aclose()
@@ -372,6 +399,47 @@ class RestFrontDoor:
             return _error(500, "the stream ended without a response")
         await stream.write_eof()
         return stream
+
+    # -- OpenAI's API (rest_openai)
+
+    async def openai_models(self, request: web.Request) -> web.Response:
+        """The ready models that generate (decoupled ones)."""
+        index = await self._call(self.servicer.RepositoryIndex,
+                                 pb.RepositoryIndexRequest(ready=True), request)
+        names = []
+        for name in sorted({model.name for model in index.models}):
+            answer = await self._call(self.servicer.ModelConfig,
+                                      pb.ModelConfigRequest(name=name), request)
+            if answer.config.model_transaction_policy.decoupled:
+                names.append(name)
+        return _json(rest_openai.models_json(names))
+
+    async def openai_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, rest_openai.completion_call)
+
+    async def openai_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, rest_openai.chat_call)
+
+    async def _openai(self, request: web.Request,
+                      parse: Callable[[bytes], rest_openai.Call]) -> web.StreamResponse:
+        call = parse(await self._json_body(request, "inference"))
+        if not call.stream:
+            answer = await self._call(self.infer_method, call.request, request)
+            return _json(rest_openai.answer_json(call, answer))
+        usage = rest_openai.Usage()
+        first = True
+
+        def each(response: pb.ModelInferResponse) -> bytes:
+            nonlocal first
+            chunk = rest_openai.chunk_json(call, response, usage, first)
+            first = False
+            return event(chunk)
+
+        def last() -> bytes:
+            closing = event(rest_openai.usage_chunk(call, usage)) if call.include_usage else b""
+            return closing + rest_openai.DONE
+
+        return await self._events(request, call.request, each, last)
 
     # -- repository
 

@@ -162,7 +162,7 @@ def _follow(store: StateStore, up: LocalUp, done: Callable[[RolloutStatus | None
         while True:
             if supervise:  # one thread looks after the processes
                 up.restart_dead()
-                up.echo_controller()
+                up.echo_controller(decisions=False)  # each is a line of its own here
             for entry_id, t, kept in store.history(model, after_id=last_id):
                 snap = snapshot.from_record(kept)
                 line = prefix + progress_line(t, snap, short=True)

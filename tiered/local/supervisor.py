@@ -42,7 +42,8 @@ from tiered.local.processes import AgentError, AgentProcess, RouterProcess, Serv
 from tiered.settings import load_dataclass, read_yaml
 
 log = logging.getLogger(__name__)
-_HOLD_LINE = re.compile(r"^\S+: hold: ")  # "MODEL: hold: REASON", as the controller logs it
+# "MODEL: ACTION: REASON", as the controller logs a rollout's step
+_STEP_LINE = re.compile(rf"^\S+: ({'|'.join(names.Action)}): ")
 
 SUPERVISE_INTERVAL_S = 0.5
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # then every 10 s
@@ -240,10 +241,11 @@ class LocalUp:
             self.echo_controller()
             self.restart_dead()
 
-    def echo_controller(self) -> None:
+    def echo_controller(self, decisions: bool = True) -> None:
         """Print what the controller logged since last time, its holds aside:
         they change often and run long, and `tiered rollout status --watch`
-        (the demo's live line) shows them."""
+        (the demo's live line) shows them; its decisions too unless
+        `decisions` (a caller that prints each with its numbers)."""
         log_path = self.layout.logs / "controller.log"
         try:
             with log_path.open("rb") as out:
@@ -254,7 +256,8 @@ class LocalUp:
         complete = text.rfind(b"\n") + 1
         self._controller_log_offset += complete
         for line in text[:complete].decode(errors="replace").splitlines():
-            if not _HOLD_LINE.match(line):
+            step = _STEP_LINE.match(line)
+            if step is None or decisions and step[1] != names.Action.HOLD:
                 self.progress(line)
 
     def restart_dead(self) -> None:

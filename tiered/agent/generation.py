@@ -4,11 +4,12 @@
 chat `messages` as a request parameter, rendered by the model's chat
 template; and `max_tokens`, `temperature`, `top_p`, `seed`, `stop` as request
 parameters or as optional one-element input tensors) into a
-`GenerationRequest`, naming the field that is wrong. `Detokenizer` turns token ids into text pieces that are
-safe to send one by one (a character split across tokens waits for its last
-byte); `StopText` holds back text that may be the start of a stop string and
-cuts the text where one appears. Nothing here touches an engine, a thread or
-the wire: the scheduler (`scheduler.py`) drives these on its worker thread.
+`GenerationRequest`, naming the field that is wrong. `Detokenizer` turns
+token ids into text pieces that are safe to send one by one (a character
+split across tokens waits for its last byte); `StopText` holds back text
+that may be the start of a stop string and cuts the text where one appears.
+Nothing here touches an engine, a thread or the wire: the scheduler
+(`scheduler.py`) drives these on its worker thread.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ TOKEN_IDS = messages.TOKEN_IDS  # the router reads it too
 # Request parameters (or optional input tensors) a generative model reads.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
 STOP = "stop"
-MESSAGES = "messages"  # a request parameter: chat messages as JSON text, for text_input
+MESSAGES = "messages"  # a request parameter: chat messages (JSON text), not text_input
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_PROMPT_BYTES = 1 << 20  # a prompt's text; its tokens are bounded by the context

@@ -216,8 +216,7 @@ class Piece:
     at: float  # monotonic time its step ended
     logprob: float = 0.0  # natural log of the token's probability under the model
     prompt_tokens: int = 0  # the request's prompt, in tokens
-    finish: str = ""  # on the last: "length" (max_tokens reached) or "stop" (the end,
-    # a stop string)
+    finish: str = ""  # on the last: "length" (max_tokens) or "stop" (its end, a stop string)
 
 
 @dataclass(eq=False)

@@ -45,9 +45,11 @@ from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
 Code = grpc.StatusCode
 ALLOWED = frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.RESOURCE_EXHAUSTED,
                      Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.OUT_OF_RANGE})
-# An INVALID_ARGUMENT message starts with the field it is about.
-FIELD = re.compile(r"^(model_name|model_version|inputs?|outputs|raw_input_contents|parameters"
-                   r"|tiered-tier|tiered-slo-ms|tiered-key)\b[^:\n]*: \S")
+# An INVALID_ARGUMENT message starts with the field it is about, or with
+# Triton's text for its error and the field in parentheses after it.
+FIELDS = (r"(model_name|model_version|inputs?|outputs|raw_input_contents|parameters"
+          r"|tiered-tier|tiered-slo-ms|tiered-key)\b")
+FIELD = re.compile(rf"^(?:{FIELDS}[^:\n]*: \S|.*\({FIELDS})")
 CALL_TIMEOUT_S = 10.0
 # Per target: 25 valid + 5 for each of 18 breaking changes + 4 for each of 10
 # chaotic ones = 155 requests, and 15 streams and 30 tritonclient calls.

@@ -38,12 +38,12 @@ def missing_inputs(model: str, expected: int, got: int, missing: Iterable[str]) 
 
 def wrong_datatype(name: str, got: str, model: str, expected: str) -> str:
     return (f"inference input '{name}' data-type is '{got}', but model '{model}' "
-            f"expects '{expected}'")
+            f"expects '{expected}' (input '{name}')")
 
 
 def wrong_shape(name: str, model: str, expected: Sequence[int], got: Sequence[int]) -> str:
     return (f"unexpected shape for input '{name}' for model '{model}'. Expected "
-            f"{_dims(expected)}, got {_dims(got)} (-1 = any size)")
+            f"{_dims(expected)}, got {_dims(got)} (input '{name}'; -1 = any size)")
 
 
 def batch_too_large(model: str, max_batch_size: int, name: str, got: int) -> str:

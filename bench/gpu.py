@@ -36,7 +36,8 @@ It writes bench/results/gpu.json and prints tables. `--device cpu` runs the
 same harness on a CPU (tiny sizes with `--image-size 32`) to check it; its
 numbers mean nothing. `--smoke --out PATH` (with `--device cpu` where there is
 no GPU) is that check in seconds: tiny sizes and windows, each diagnostic at
-one load level; what needs CUDA (graphs, pinned copies, NVML) is skipped on a
+one load level, the setups on agents alike measured one after another on one
+agent (`share_agents`: fewer agent starts); what needs CUDA (graphs, pinned copies, NVML) is skipped on a
 CPU and listed under `skipped_without_cuda` in the JSON.
 """
 
@@ -69,7 +70,10 @@ MODEL = "resnet18"
 INPUT, OUTPUT = "input", "logits"
 TARGET_SERVED_VS_HOST = 0.5
 TARGET_SHM_VS_HOST = 0.9  # served from system shared memory
-TARGET_PERF_SYSTEM_VS_HOST = 0.8  # perf_analyzer --shared-memory system
+TARGET_PERF_SYSTEM_VS_HOST = 0.8  # perf_analyzer --shared-memory system (also with -b)
+TARGET_PERF_WIRE_VS_HOST = 0.5  # perf_analyzer, tensors on the wire
+TARGET_C1_P50_MS = {"system": 1.0, "none": 1.5}  # perf_analyzer at concurrency 1
+TARGET_J_PER_IMG_VS_HOST = 1.3  # served J/img over the in-process reference's
 PERF_ANALYZER = "perf_analyzer"
 THREAD_ROWS = 6  # the engine process's busiest threads reported per row
 ONE_PROCESS = "1 agent, one process"
@@ -93,8 +97,9 @@ def waiting_setup(settings: RunSettings) -> str:
     return f"{front_ends_setup(settings)}, batches wait when idle"
 
 
-def perf_analyzer_setup(setup: str, memory: str) -> str:
-    return f"perf_analyzer, shared memory {memory}: {setup}"
+def perf_analyzer_setup(setup: str, memory: str, images: int = 1) -> str:
+    batch = f", -b {images}" if images > 1 else ""
+    return f"perf_analyzer, shared memory {memory}{batch}: {setup}"
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,9 @@ class RunSettings:
     request_images: int = 8  # images a request in the rows that send several
     diagnostics_at_every_level: bool = True  # False: each at the top concurrency only
     idle_s: float = 1.0  # the GPU's idle draw is read over this, before any work
+    # The agent's own setups on agents alike (its front ends) measured on one
+    # agent, one after another; False: each on a fresh agent.
+    share_agents: bool = False
 
 
 QUICK = dict(warmup_s=2.0, duration_s=5.0, inprocess_s=0.8)
@@ -127,7 +135,7 @@ SMOKE = dict(image_size=32, max_batch_size=4, buckets=(1, 2, 4), concurrency=(2,
              request_images=2,
              client_processes=2, warmup_s=0.2, duration_s=0.5, inprocess_batches=(1,),
              inprocess_s=0.2, scale_out_agents=2, front_ends=2,
-             diagnostics_at_every_level=False, idle_s=0.2)
+             diagnostics_at_every_level=False, idle_s=0.2, share_agents=True)
 # What a run on a CPU leaves out, said in its JSON.
 WITHOUT_CUDA = [
     "in-process device graph: CUDA graphs need CUDA",
@@ -505,10 +513,11 @@ def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
 
 
 def perf_analyzer_point(setup: str, agent: ServerProcess, memory: str, concurrency: int,
-                        settings: RunSettings, energy: EnergyMeter) -> dict[str, Any]:
+                        settings: RunSettings, energy: EnergyMeter, images: int = 1,
+                        ) -> dict[str, Any]:
     """Triton's own load generator against one agent: tensors on the wire
-    (`none`), or in system or CUDA shared memory; the agent's statistics
-    around its run give the batch it formed."""
+    (`none`), or in system or CUDA shared memory, `images` a request; the
+    agent's statistics around its run give the batch it formed."""
     with grpcclient.InferenceServerClient(agent.address) as client:
         def totals() -> dict[str, int]:
             return common.stats_totals(client.get_inference_statistics(MODEL, as_json=True),
@@ -520,6 +529,7 @@ def perf_analyzer_point(setup: str, agent: ServerProcess, memory: str, concurren
             run = subprocess.run(
                 [PERF_ANALYZER, "-m", MODEL, "-u", agent.address, "-i", "grpc",
                  "--shared-memory", memory, "--concurrency-range", str(concurrency),
+                 "-b", str(images), "--stability-percentage", "25",
                  "--measurement-interval", str(int(settings.duration_s * 1000)),
                  "-f", str(report)], capture_output=True, text=True, timeout=600)
             end, after = Reading.take(energy, [agent.pid]), totals()
@@ -573,41 +583,56 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
         served: list[dict[str, Any]] = []
         top = max(settings.concurrency)
 
+        # A setup measured: (name, load levels, diagnostic, shared memory, images a request).
+        Point = tuple[str, Sequence[int], bool, bool, int]
+
         def measure(setup: str, servers: Sequence[ServerProcess], levels: Sequence[int],
                     diagnostic: bool = True, shared_memory: bool = False,
                     images: int = 1) -> None:
-            if diagnostic and not settings.diagnostics_at_every_level:
-                levels = (top,)
-            common.progress(f"starting: {setup}")
+            measure_on(servers, [(setup, levels, diagnostic, shared_memory, images)])
+
+        def measure_on(servers: Sequence[ServerProcess], points: Sequence[Point]) -> None:
+            """Start `servers`, measure each setup on them in turn, stop them."""
+            common.progress(f"starting: {'; '.join(point[0] for point in points)}")
             with common.serving(servers) as started:
-                try:
-                    for concurrency in levels:
-                        row = served_point(setup, started, concurrency, settings, energy,
-                                           shared_memory, images)
-                        common.progress(
-                            f"  {setup} c={concurrency}: {row['throughput']:.0f} img/s, p50 "
-                            f"{cell(row['p50_ms'])} ms, batch {cell(row['formed_batch'])}, "
-                            f"server cpu {cell(row['server_cpu_cores'])}, "
-                            f"errors {row['errors']}")
-                        served.append(row)
-                finally:
-                    result.setdefault("server_log_tails", {})[setup] = [
-                        s.log_tail(8) for s in started]
+                for setup, levels, diagnostic, shared_memory, images in points:
+                    if diagnostic and not settings.diagnostics_at_every_level:
+                        levels = (top,)
+                    try:
+                        for concurrency in levels:
+                            row = served_point(setup, started, concurrency, settings, energy,
+                                               shared_memory, images)
+                            common.progress(
+                                f"  {setup} c={concurrency}: {row['throughput']:.0f} img/s, "
+                                f"p50 {cell(row['p50_ms'])} ms, batch "
+                                f"{cell(row['formed_batch'])}, server cpu "
+                                f"{cell(row['server_cpu_cores'])}, errors {row['errors']}")
+                            served.append(row)
+                    finally:
+                        result.setdefault("server_log_tails", {})[setup] = [
+                            s.log_tail(8) for s in started]
 
         def agent(switch_interval_s: float | None = None, front_ends: int = 0,
                   repository: Path = repo) -> ServerProcess:
             return common.agent("datacenter", repository, switch_interval_s=switch_interval_s,
                                 extra_args=["--front-ends", str(front_ends)])
 
-        fronted = front_ends_setup(settings)
-        measure(ONE_PROCESS, [agent()], settings.concurrency, diagnostic=False)
-        measure(fronted, [agent(front_ends=settings.front_ends)], settings.concurrency,
-                diagnostic=False)
-        measure(shared_memory_setup(settings), [agent(front_ends=settings.front_ends)],
-                settings.concurrency, diagnostic=False, shared_memory=True)
-        for setup, front_ends in ((ONE_PROCESS, 0), (fronted, settings.front_ends)):
-            measure(batched_setup(setup, settings.request_images), [agent(front_ends=front_ends)],
-                    (top,), diagnostic=False, shared_memory=True, images=settings.request_images)
+        fronted, images = front_ends_setup(settings), settings.request_images
+        # The agent's own setups, each with the front ends of the agent it runs on.
+        own: list[tuple[int, Point]] = [
+            (0, (ONE_PROCESS, settings.concurrency, False, False, 1)),
+            (settings.front_ends, (fronted, settings.concurrency, False, False, 1)),
+            (settings.front_ends,
+             (shared_memory_setup(settings), settings.concurrency, False, True, 1)),
+            (0, (batched_setup(ONE_PROCESS, images), (top,), False, True, images)),
+            (settings.front_ends, (batched_setup(fronted, images), (top,), False, True, images)),
+        ]
+        if settings.share_agents:
+            for front_ends in dict.fromkeys(f for f, _ in own):
+                measure_on([agent(front_ends=front_ends)], [p for f, p in own if f == front_ends])
+        else:
+            for front_ends, point in own:
+                measure_on([agent(front_ends=front_ends)], [point])
         if not settings.wait_when_idle:  # the batcher's rule beside Triton's
             waiting = Path(tmp) / "repository-waiting"
             write_repository(waiting, replace(settings, wait_when_idle=True))
@@ -617,13 +642,23 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
         if shutil.which(PERF_ANALYZER):
             memories = ("none", "system", "cuda") if settings.device == "cuda" else (
                 "none", "system")
-            for setup, front_ends in ((ONE_PROCESS, 0), (fronted, settings.front_ends)):
+            # (setup, its front ends, [(memory, concurrency, images a request)]): the
+            # agent's design at every level, and with several images a request; one
+            # process beside it at the top level.
+            plan = ((ONE_PROCESS, 0, [(memory, top, 1) for memory in memories]),
+                    (fronted, settings.front_ends,
+                     [(memory, level, 1) for memory in memories
+                      for level in sorted({1, top})]
+                     + [("system", top, settings.request_images)]))
+            for setup, front_ends, points in plan:
                 with common.serving([agent(front_ends=front_ends)]) as (one,):
-                    for memory in memories:
-                        name = perf_analyzer_setup(setup, memory)
-                        common.progress(f"{name}, c={top}")
-                        row = perf_analyzer_point(name, one, memory, top, settings, energy)
-                        common.progress(f"  {row.get('throughput', row.get('error'))}")
+                    for memory, level, images in points:
+                        name = perf_analyzer_setup(setup, memory, images)
+                        common.progress(f"{name}, c={level}")
+                        row = perf_analyzer_point(name, one, memory, level, settings, energy,
+                                                  images)
+                        common.progress(f"  {row.get('throughput', row.get('error'))} img/s, "
+                                        f"p50 {cell(row.get('p50_ms'))} ms")
                         served.append(row)
         else:
             result["perf_analyzer"] = f"not run: {PERF_ANALYZER} is not on PATH"
@@ -662,6 +697,9 @@ def compare(served: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any
         x1 = by.get(("host engine.run x1 (pinned, graph)", batch), {}).get("img_per_s")
         x2 = by.get(("host engine.run x2 threads", batch), {}).get("img_per_s")
         best = max((v for v in (x1, x2) if v is not None), default=None)
+        reference_j = min((r["j_per_img"] for r in (by.get((mode, batch)) for mode in (
+            "host engine.run x1 (pinned, graph)", "host engine.run x2 threads"))
+            if r and r.get("j_per_img")), default=None)
         out.append({
             "setup": row["setup"],
             "concurrency": row["concurrency"],
@@ -671,6 +709,9 @@ def compare(served: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any
             "host_engine_x1_img_per_s": x1,
             "host_engine_x2_img_per_s": x2,
             "served_vs_best_host": common.ratio(row["throughput"], best),
+            "p50_ms": row["p50_ms"],
+            "j_per_img": row["j_per_img"],
+            "j_per_img_vs_host": common.ratio(row["j_per_img"], reference_j),
         })
     return out
 
@@ -682,14 +723,20 @@ def targets(comparison: Sequence[Mapping[str, Any]],
     top = max(settings.concurrency)
     fronted = front_ends_setup(settings)
 
+    def row(setup: str, concurrency: int = top) -> Mapping[str, Any]:
+        return next((r for r in comparison
+                     if r["setup"] == setup and r["concurrency"] == concurrency), {})
+
     def ratio(setup: str) -> float | None:
-        row = next((r for r in comparison
-                    if r["setup"] == setup and r["concurrency"] == top), {})
-        return row.get("served_vs_best_host")
+        return row(setup).get("served_vs_best_host")
 
     reference = "best in-process host-memory img/s at the formed batch"
     system = ratio(perf_analyzer_setup(fronted, "system"))
     own_system = ratio(shared_memory_setup(settings))
+    images = settings.request_images
+    cuda, system_rate = (row(perf_analyzer_setup(fronted, memory)).get("served_img_per_s")
+                         for memory in ("cuda", "system"))
+    energy = row(perf_analyzer_setup(fronted, "system")).get("j_per_img_vs_host")
     return [
         common.judge("served vs host", f"{fronted}: served img/s @c{top}, tensors on the "
                      f"wire / {reference}", ratio(fronted), ">=", TARGET_SERVED_VS_HOST),
@@ -699,6 +746,26 @@ def targets(comparison: Sequence[Mapping[str, Any]],
         common.judge("perf_analyzer system shm vs host",
                      f"perf_analyzer --shared-memory system @c{top} against {fronted} / "
                      f"{reference}", system, ">=", TARGET_PERF_SYSTEM_VS_HOST),
+        common.judge("perf_analyzer wire vs host",
+                     f"perf_analyzer, tensors on the wire, @c{top} against {fronted} / "
+                     f"{reference}", ratio(perf_analyzer_setup(fronted, "none")), ">=",
+                     TARGET_PERF_WIRE_VS_HOST),
+        common.judge(f"perf_analyzer -b {images} system shm vs host",
+                     f"perf_analyzer -b {images} --shared-memory system @c{top} against "
+                     f"{fronted} / {reference}",
+                     ratio(perf_analyzer_setup(fronted, "system", images)), ">=",
+                     TARGET_PERF_SYSTEM_VS_HOST),
+        common.judge("perf_analyzer cuda shm vs system shm",
+                     f"perf_analyzer img/s @c{top} against {fronted}: --shared-memory cuda / "
+                     "--shared-memory system", common.ratio(cuda, system_rate), ">=", 1.0),
+        *(common.judge(f"perf_analyzer c=1 p50 ms, shared memory {memory}",
+                       f"perf_analyzer --shared-memory {memory} @c1 against {fronted}: P50 "
+                       "latency, ms", row(perf_analyzer_setup(fronted, memory), 1).get("p50_ms"),
+                       "<=", limit) for memory, limit in TARGET_C1_P50_MS.items()),
+        common.judge("served J/img vs host",
+                     f"perf_analyzer --shared-memory system @c{top} against {fronted}: J/img "
+                     "(nvml, whole GPU) / the in-process reference's at the formed batch",
+                     energy, "<=", TARGET_J_PER_IMG_VS_HOST),
     ]
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
+import tritonclient.utils.shared_memory as shm
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -137,6 +139,74 @@ def test_requests_merged_in_a_front_end_each_get_their_rows_and_bad_ones_their_o
     assert stats[0].success.count - stats[1].success.count == len(good)
     assert stats[0].fail.count - stats[1].fail.count == 3
     assert after.inference_count - before.inference_count == sum(len(a) for a in good)
+
+
+def test_requests_in_shared_memory_merge_and_the_front_end_writes_their_outputs(
+        agent_with_front_ends):
+    """Requests whose inputs and outputs all lie in system shared memory
+    merge in a front end like plain ones; each output lands in its own
+    region, answered as the engine answers it (the region named, no bytes),
+    and one whose output range is too small fails alone."""
+    count, handles = 24, []
+    rows = [rng.standard_normal((1 + i % 3, 16)).astype(np.float32) for i in range(count)]
+
+    def request(index: int, a: np.ndarray, output_bytes: int):
+        name = f"tiered-fe-{os.getpid()}-{index}"
+        handle = shm.create_shared_memory_region(name, f"/{name}", 4 * a.nbytes)
+        handles.append(handle)
+        shm.set_shared_memory_region(handle, [a, 2 * a])
+        inputs, outputs = [], []
+        for slot, tensor in enumerate(("INPUT0", "INPUT1")):
+            inputs.append(aioclient.InferInput(tensor, list(a.shape), "FP32"))
+            inputs[-1].set_shared_memory(name, a.nbytes, offset=slot * a.nbytes)
+        for slot, tensor in enumerate(("OUTPUT0", "OUTPUT1"), start=2):
+            outputs.append(aioclient.InferRequestedOutput(tensor))
+            outputs[-1].set_shared_memory(name, output_bytes, offset=slot * a.nbytes)
+        return name, handle, inputs, outputs
+
+    def fed() -> dict[str, float]:
+        """Requests the front ends passed on, by frame, from the agent's /metrics."""
+        text = urllib.request.urlopen(agent_with_front_ends.metrics_url, timeout=10).read()
+        return {kind: float(value) for kind, value in re.findall(
+            r'^tiered_front_end_requests_total{frame="(\w+)".*} (\S+)$', text.decode(), re.M)}
+
+    async def send():
+        async with aioclient.InferenceServerClient(agent_with_front_ends.address) as client:
+            made = [request(i, a, a.nbytes - (4 if i == 5 else 0))
+                    for i, a in enumerate(rows)]
+            for (name, _, _, _), a in zip(made, rows):
+                await client.register_system_shared_memory(name, f"/{name}", 4 * a.nbytes)
+            before = fed()
+            outcomes = await asyncio.gather(
+                *(client.infer("add_sub", inputs, outputs=outputs)
+                  for _, _, inputs, outputs in made), return_exceptions=True)
+            after = fed()
+            await client.unregister_system_shared_memory()
+            return made, outcomes, before, after
+
+    try:
+        made, outcomes, before, after = asyncio.run(send())
+        for i, (a, (name, handle, _, _), answer) in enumerate(zip(rows, made, outcomes)):
+            if i == 5:
+                assert isinstance(answer, InferenceServerException), answer
+                assert f"the output has {a.nbytes} bytes, more than the {a.nbytes - 4}" \
+                    in str(answer), answer
+                continue
+            assert not isinstance(answer, Exception), answer
+            first = answer.get_output("OUTPUT0")
+            assert first.parameters["shared_memory_region"].string_param == name
+            assert answer.get_response().raw_output_contents[0] == b""  # no bytes on the wire
+            total, difference = (shm.get_contents_as_numpy(handle, np.float32, a.shape,
+                                                           offset=slot * a.nbytes)
+                                 for slot in (2, 3))
+            np.testing.assert_allclose(total, 3 * a, rtol=1e-6)
+            np.testing.assert_allclose(difference, -a, rtol=1e-6)
+    finally:
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)
+    # Every one took the front end's path: none was handed to the engine whole.
+    assert {kind: after[kind] - before[kind] for kind in after} == \
+        {"batch": count, "single": 0}, (before, after)
 
 
 @pytest.fixture

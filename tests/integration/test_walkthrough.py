@@ -169,6 +169,14 @@ def test_v2_is_promoted_through_every_stage_across_a_controller_restart(root, up
         reached = wait_for(store, up, lambda s: s.canary_version == 2 and s.stage_index >= 1
                            or s.phase != names.Phase.PROGRESSING and s.stable_version == 2, 240)
         if reached.phase == names.Phase.PROGRESSING:
+            # The kill waits for the advance's step in the history as well: the
+            # controller writes the status and records the step in two commits,
+            # and a kill between them loses the step (the watch never prints it).
+            deadline = time.monotonic() + 30
+            while not any(snap.get("canary_version") == 2 and snap.get("stage_index", 0) >= 1
+                          for _, _, snap in store.history("digits")):
+                assert time.monotonic() < deadline, store.history("digits")[-3:]
+                time.sleep(0.05)
             pid = controller_pids(up)[-1]
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 30

@@ -18,11 +18,17 @@ requests where it can.
   one GROUP frame says where; the engine runs it as one request of that
   many rows and answers the outputs' bytes, which the front end splits and
   turns into each request's response. So at one request at a time nothing
-  waits, and under load the engine sees a frame per several requests.
-- **Any other request** (shared-memory inputs, parameters, BYTES, a model
+  waits, and under load the engine sees a frame per several requests. Such
+  a request may also have its inputs, its outputs or both in the client's
+  system shared memory (as `perf_analyzer --shared-memory system` sends
+  them): the front end reads those inputs and writes those outputs itself.
+- **Any other request** (CUDA shared memory, parameters, BYTES, a model
   that does not batch) travels alone in a ONE frame: the request without its
   raw input bytes, which lie in the arena (or inline when the arena is
   full), and the engine answers the serialized response.
+
+The engine counts the requests and frames of each kind; the agent's
+/metrics shows them (`tiered_front_end_requests_total{frame="batch"|"single"}`).
 
 A block of the arena is reused only once the engine has answered the frame
 that used it.
@@ -60,12 +66,13 @@ import os
 import socket
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from tiered.agent.shared_memory import RegionViews, not_registered
 from tiered.errors import EngineError, TieredError, Unavailable
 from tiered.protocol import codec
 from tiered.protocol import grpc_service_pb2 as pb
@@ -135,11 +142,12 @@ class ModelFacts:
             inputs={t.name: (datatype(t), tuple(t.dims)) for t in config.input},
             outputs=frozenset(t.name for t in config.output))
 
-    def group_key(self, request: pb.ModelInferRequest,
-                  buffers: Sequence[bytes]) -> tuple[tuple, int] | None:
+    def group_key(self, request: pb.ModelInferRequest, buffers: Sequence[bytes],
+                  placed: Collection[str] = ()) -> tuple[tuple, int] | None:
         """(key, rows) when the request (`buffers`: its raw inputs) may share
         a frame with others of its key: raw inputs the config accepts, no
-        parameters; else None (it travels alone, and the engine checks it and
+        parameters but those of the outputs `placed` in shared memory by the
+        front end; else None (it travels alone, and the engine checks it and
         answers any error)."""
         if (not self.max_batch_size or self.decoupled
                 or any(key != CALLER for key in request.parameters)
@@ -162,10 +170,28 @@ class ModelFacts:
                 return None
             signature.append((tensor.name, tensor.datatype, shape[1:]))
         if not rows or rows > self.max_batch_size or any(
-                o.parameters or o.name not in self.outputs for o in request.outputs):
+                (o.parameters and o.name not in placed) or o.name not in self.outputs
+                for o in request.outputs):
             return None
         outputs = tuple(o.name for o in request.outputs)
         return (request.model_name, request.model_version, tuple(signature), outputs), rows
+
+
+@dataclass(frozen=True)
+class OutputInRegion:
+    """An output that the front end writes into the client's system shared
+    memory itself: the range its parameters name in the caller's region,
+    looked up again when written (the region may have gone meanwhile)."""
+
+    views: RegionViews
+    caller: str
+    parameters: Mapping[str, object]  # echoed in the response, as the engine does
+
+    def write(self, raw: bytes, field: str) -> None:
+        placed = self.views.place(self.caller, self.parameters)
+        if placed is None:
+            raise not_registered(field, self.parameters.get(codec.SHARED_MEMORY_REGION))
+        placed.write(raw, field)
 
 
 @dataclass(eq=False)
@@ -230,6 +256,7 @@ class _Group:
     key: tuple
     requests: list[pb.ModelInferRequest] = field(default_factory=list)
     buffers: list[list[bytes]] = field(default_factory=list)  # each request's raw inputs
+    placed: list[Mapping[str, OutputInRegion]] = field(default_factory=list)  # its outputs'
     rows: list[int] = field(default_factory=list)
     futures: list[asyncio.Future] = field(default_factory=list)
     seconds_left: float = 0.0
@@ -287,18 +314,22 @@ class FeedClient(asyncio.Protocol):
         return self._transport is not None and not self._transport.is_closing()
 
     async def infer(self, request: pb.ModelInferRequest, seconds_left: float,
-                    facts: ModelFacts | None = None,
-                    buffers: list[bytes] | None = None) -> bytes:
+                    facts: ModelFacts | None = None, buffers: list[bytes] | None = None,
+                    placed: Mapping[str, OutputInRegion] | None = None) -> bytes:
         """Answer a ModelInferRequest through the engine: with others of its
         kind when `facts` (its model's) say it may share a frame, else alone.
         Its raw inputs (`buffers` when they were read elsewhere, such as from
-        shared memory) are moved into the arena (the message loses them)."""
+        shared memory) are moved into the arena (the message loses them).
+        Outputs `placed` are written into their regions here when it shares
+        a frame; alone, the request keeps their parameters and the engine
+        writes them."""
         if not self._open:
             raise Unavailable("the agent's engine process is gone")
         if buffers is None:
             buffers = list(request.raw_input_contents)
         del request.raw_input_contents[:]
-        grouped = facts.group_key(request, buffers) if facts is not None else None
+        placed = placed or {}
+        grouped = facts.group_key(request, buffers, placed) if facts is not None else None
         if grouped is None:
             return await self._answer(self._send_one(request, buffers, seconds_left))
         key, rows = grouped
@@ -313,6 +344,7 @@ class FeedClient(asyncio.Protocol):
         future = asyncio.get_running_loop().create_future()
         group.requests.append(request)
         group.buffers.append(buffers)
+        group.placed.append(placed)
         group.rows.append(rows)
         group.futures.append(future)
         group.seconds_left = max(group.seconds_left, seconds_left)
@@ -440,14 +472,24 @@ def _cut(group: _Group, header, payload: bytes) -> list[tuple[int, bytes]]:
         cuts.append((name, datatype, shape[1:], size // total, position))
         position += size
     results, row = [], 0
-    for request, rows in zip(group.requests, group.rows):
+    for request, rows, placed in zip(group.requests, group.rows, group.placed):
         response = pb.ModelInferResponse(model_name=model, model_version=version, id=request.id)
-        for name, datatype, shape, row_bytes, start in cuts:
-            response.outputs.add(name=name, datatype=datatype, shape=[rows, *shape])
-            begin = start + row * row_bytes
-            response.raw_output_contents.append(payload[begin:begin + rows * row_bytes])
+        try:
+            for name, datatype, shape, row_bytes, start in cuts:
+                tensor = response.outputs.add(name=name, datatype=datatype, shape=[rows, *shape])
+                begin = start + row * row_bytes
+                data = payload[begin:begin + rows * row_bytes]
+                where = placed.get(name)
+                if where is not None:  # as the engine answers it: the region, no bytes
+                    where.write(data, f"output {name!r}")
+                    for key, value in where.parameters.items():
+                        codec.set_parameter(tensor.parameters[key], value)
+                    data = b""
+                response.raw_output_contents.append(data)
+            results.append((OK, response.SerializeToString()))
+        except (TieredError, OSError) as error:  # this request's region only
+            results.append((status_code(error).value[0], describe(error).encode()))
         row += rows
-        results.append((OK, response.SerializeToString()))
     return results
 
 
@@ -484,6 +526,10 @@ class FeedServer:
         self.max_frame_bytes = max_frame_bytes
         self.connected = asyncio.Condition()
         self.connections: set[_FeedConnection] = set()
+        # Requests and frames taken in, by kind: "batch" (GROUP frames: the
+        # front ends' path) or "single" (ONE frames: the engine's).
+        self.requests = {"batch": 0, "single": 0}
+        self.frames = {"batch": 0, "single": 0}
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
         self._listener.listen(64)
@@ -581,6 +627,9 @@ class _FeedConnection(asyncio.Protocol):
             header = marshal.loads(memoryview(buffer)[start:start + header_length])
             rest = bytes(memoryview(buffer)[start + header_length:end])
             used = end
+            kept = "single" if kind == ONE else "batch"
+            self.server.frames[kept] += 1
+            self.server.requests[kept] += 1 if kind == ONE else len(header[-1])
             serve = self._one(header, rest, seconds_left) if kind == ONE \
                 else self._group(header, seconds_left)
             task = asyncio.get_running_loop().create_task(self._reply(call_id, serve))

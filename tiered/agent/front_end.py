@@ -41,7 +41,7 @@ from pathlib import Path
 
 import grpc
 
-from tiered.agent.feed import Arena, FedError, FeedClient, ModelFacts
+from tiered.agent.feed import Arena, FedError, FeedClient, ModelFacts, OutputInRegion
 from tiered.agent.shared_memory import RegionViews, open_view
 from tiered.errors import ConfigError, TieredError
 from tiered.protocol import codec, descriptors, drain
@@ -269,32 +269,53 @@ class _Handlers(grpc.GenericRpcHandler):
         self._models[key] = (facts, now)
         return facts
 
-    async def _region_inputs(self, request: pb.ModelInferRequest, caller: str,
-                             facts: ModelFacts) -> list[bytes] | None:
-        """Where every input of a request that may share a frame lies in a
-        system shared-memory region: their bytes, read here (the regions'
-        parameters taken off the request). None where that is not so, or not
-        known here: then the request travels alone and the engine reads it."""
-        if not facts.max_batch_size or not request.inputs or request.raw_input_contents or any(
-                len(output.parameters) for output in request.outputs):
-            return None
+    async def _in_regions(self, request: pb.ModelInferRequest, caller: str, facts: ModelFacts,
+                          ) -> tuple[list[bytes] | None, dict[str, OutputInRegion]]:
+        """For a request that may share a frame: its inputs' bytes where
+        every input lies in a system shared-memory region, read here (the
+        regions' parameters taken off the request), and its outputs asked
+        for in such regions, which the frame's answer writes here. (None, {})
+        where that is not so, or not known here: then the request travels
+        alone and the engine reads and writes its regions."""
+        alone: tuple[None, dict] = (None, {})
+        if not facts.max_batch_size or not request.inputs:
+            return alone
+        in_region = [codec.SHARED_MEMORY_REGION in t.parameters for t in request.inputs]
+        placed: dict[str, OutputInRegion] = {}
+        for output in request.outputs:
+            if len(output.parameters):
+                parameters = await self._viewed(output.parameters, caller)
+                if parameters is None or output.name in placed:
+                    return alone
+                placed[output.name] = OutputInRegion(self._regions, caller, parameters)
+        if not any(in_region):
+            return None, placed
+        if not all(in_region) or request.raw_input_contents:
+            return alone
         buffers = []
         for tensor in request.inputs:
-            parameters = codec.parameters_of(tensor.parameters)
-            name = parameters.get(codec.SHARED_MEMORY_REGION)
+            parameters = await self._viewed(tensor.parameters, caller)
             dtype = codec.DATATYPES.get(tensor.datatype)
-            if not isinstance(name, str) or not set(parameters) <= _REGION_PARAMETERS \
-                    or dtype is None or dtype.hasobject:
-                return None
-            if self._regions.get(caller, name) is None and not await self._look_up(caller, name):
-                return None
-            data = self._regions.read(caller, parameters)
-            if data is None or len(data) != math.prod(tensor.shape) * dtype.itemsize:
-                return None  # the engine answers what is wrong with it
+            found = parameters and self._regions.place(caller, parameters)
+            data = found.read() if found else None
+            if dtype is None or dtype.hasobject or data is None \
+                    or len(data) != math.prod(tensor.shape) * dtype.itemsize:
+                return alone  # the engine answers what is wrong with it
             buffers.append(data)
         for tensor in request.inputs:
             tensor.parameters.clear()
-        return buffers
+        return buffers, placed
+
+    async def _viewed(self, parameters, caller: str) -> dict[str, object] | None:
+        """A tensor's parameters when they name a range of a system region
+        viewed here (looked up from the engine process when new), else None."""
+        found = codec.parameters_of(parameters)
+        name = found.get(codec.SHARED_MEMORY_REGION)
+        if not isinstance(name, str) or not set(found) <= _REGION_PARAMETERS:
+            return None
+        if self._regions.get(caller, name) is None and not await self._look_up(caller, name):
+            return None
+        return found if self._regions.place(caller, found) is not None else None
 
     async def _look_up(self, caller: str, name: str) -> bool:
         """Ask the engine process where the caller's region lies, and open it here."""
@@ -348,8 +369,8 @@ class _Handlers(grpc.GenericRpcHandler):
             caller = self._authorizer.caller(context)
             claim(request, caller)
             facts = await self._facts(request)
-            buffers = await self._region_inputs(request, caller, facts)
-            return await self._feed.infer(request, seconds_left(context), facts, buffers)
+            buffers, placed = await self._in_regions(request, caller, facts)
+            return await self._feed.infer(request, seconds_left(context), facts, buffers, placed)
         except FedError as error:
             await context.abort(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), str(error))
         except Exception as error:  # the front end never dies of a request
@@ -363,9 +384,10 @@ class _Handlers(grpc.GenericRpcHandler):
                 return self._relay(request, context)
             caller = self._authorizer.caller(context)
             claim(request, caller)
-            buffers = await self._region_inputs(request, caller, facts)
+            buffers, placed = await self._in_regions(request, caller, facts)
             try:
-                answer = await self._feed.infer(request, seconds_left(context), facts, buffers)
+                answer = await self._feed.infer(request, seconds_left(context), facts, buffers,
+                                                placed)
             except FedError as error:
                 raise TieredError(str(error)) from error
             return pb.ModelInferResponse.FromString(answer)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tiered.agent.feed import FeedServer
 from tiered.agent.generative import GenerativeVersion
 from tiered.agent.telemetry import TelemetryHub
 from tiered.telemetry import exposition
@@ -60,7 +61,7 @@ TRITON_NAMES = (
 )
 
 
-async def families(hub: TelemetryHub) -> list[Family]:
+async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Family]:
     tier = hub.repository.profile.tier
     success = Family("nv_inference_request_success", "counter",
                      "Number of successful inference requests, all batch sizes")
@@ -136,17 +137,31 @@ async def families(hub: TelemetryHub) -> list[Family]:
         watts = hub.ledger.idle[device].watts
         if watts is not None:
             idle.add(labels, watts)
+    fed = []
+    if feed is not None:  # the agent's front ends feed its engine process
+        requests = Family("tiered_front_end_requests_total", "counter",
+                          "Inference requests the front ends passed to the engine process, "
+                          "by frame: batch (checked, placed and answered in the front end, "
+                          "the engine sees only the batch's bytes) or single (the engine "
+                          "handles the request)")
+        frames = Family("tiered_front_end_frames_total", "counter",
+                        "Frames the front ends sent the engine process, by kind")
+        for kind in ("batch", "single"):
+            requests.add({"frame": kind, "tier": tier}, feed.requests[kind])
+            frames.add({"frame": kind, "tier": tier}, feed.frames[kind])
+        fed = [requests, frames]
     return [success, failure, count, executions, *(f for f, _ in durations), pending,
             *(f for f, _ in histograms), in_flight, per_inference,
             *(f for f, _ in token_histograms), output_tokens, running, per_token, engine_up,
-            restarts, total, idle]
+            restarts, total, idle, *fed]
 
 
-def serve_metrics(hub: TelemetryHub, host: str, port: int) -> int:
+def serve_metrics(hub: TelemetryHub, host: str, port: int, feed: FeedServer | None = None,
+                  ) -> int:
     """Start `/metrics` on its own thread; return the port it listens on."""
     loop = asyncio.get_running_loop()
 
     def collect() -> list[Family]:
-        return asyncio.run_coroutine_threadsafe(families(hub), loop).result(timeout=10)
+        return asyncio.run_coroutine_threadsafe(families(hub, feed), loop).result(timeout=10)
 
     return exposition.serve(collect, host, port).server_port

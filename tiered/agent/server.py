@@ -213,7 +213,8 @@ async def _serve(settings: AgentSettings, private: Path) -> None:
     metrics = ""
     if settings.metrics_port is not None:
         try:
-            bound = serve_metrics(hub, settings.host, settings.metrics_port)
+            bound = serve_metrics(hub, settings.host, settings.metrics_port,
+                                  feed if front_ends is not None else None)
         except OSError as error:
             if front_ends is not None:
                 await front_ends.stop()

@@ -218,7 +218,7 @@ class CallerRegions:
                 raise InvalidArgument(f"{field}: {key} must be an integer >= 0, got {value!r}")
         region = self.registry.find(self.caller, name)
         if region is None:
-            raise InvalidArgument(f"{field}: no shared-memory region {name!r} is registered")
+            raise not_registered(field, name)
         if offset + size > region.byte_size:
             raise InvalidArgument(
                 f"{field}: bytes {offset}..{offset + size} are outside region {name!r} "
@@ -244,17 +244,44 @@ class CallerRegions:
         if found is None:
             return False
         region, offset, size = found
-        if len(raw) > size:
-            raise InvalidArgument(f"{field}: the output has {len(raw)} bytes, more than the "
-                                  f"{size} of its shared-memory range")
         if isinstance(region, SystemRegion):
-            region.write(offset, raw, field)
-        else:
-            import torch
+            Placed(region, offset, size).write(raw, field)
+            return True
+        _check_fits(raw, size, field)
+        import torch
 
-            source = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-            region.memory[offset:offset + len(raw)].copy_(source)
+        source = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        region.memory[offset:offset + len(raw)].copy_(source)
         return True
+
+
+def not_registered(field: str, name: object) -> InvalidArgument:
+    return InvalidArgument(f"{field}: no shared-memory region {name!r} is registered")
+
+
+def _check_fits(raw: bytes, size: int, field: str) -> None:
+    if len(raw) > size:
+        raise InvalidArgument(f"{field}: the output has {len(raw)} bytes, more than the "
+                              f"{size} of its shared-memory range")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A range of a system region that a tensor's parameters name."""
+
+    region: SystemRegion
+    offset: int
+    byte_size: int
+
+    def read(self) -> bytes | None:
+        """The range's bytes; None if the region's file shrank since."""
+        data = os.pread(self.region.fd, self.byte_size, self.region.offset + self.offset)
+        return data if len(data) == self.byte_size else None
+
+    def write(self, raw: bytes, field: str) -> None:
+        """An output's bytes at the range's start (an error if they overflow it)."""
+        _check_fits(raw, self.byte_size, field)
+        self.region.write(self.offset, raw, field)
 
 
 def _take(regions: dict, caller: str, name: str) -> list:
@@ -365,17 +392,16 @@ class RegionViews:
         for region in _take(self._views, caller, name):
             os.close(region.fd)
 
-    def read(self, caller: str, parameters: Mapping[str, Any]) -> bytes | None:
-        """An input's bytes from the view of the region its parameters name;
-        None where this view cannot say (unknown here, out of range, a file
-        that shrank): then the engine reads it, and answers any error."""
+    def place(self, caller: str, parameters: Mapping[str, Any]) -> Placed | None:
+        """The range of a viewed region that a tensor's parameters name; None
+        where this view cannot say (unknown here, out of range): then the
+        engine reads or writes it, and answers any error."""
         region = self._views.get((caller, parameters.get(REGION)))
         size, offset = parameters.get(BYTE_SIZE), parameters.get(OFFSET, 0)
         if region is None or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
                                  for v in (size, offset)) or offset + size > region.byte_size:
             return None
-        data = os.pread(region.fd, size, region.offset + offset)
-        return data if len(data) == size else None
+        return Placed(region, offset, size)
 
     def close(self) -> None:
         self.generation += 1

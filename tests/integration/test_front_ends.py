@@ -29,6 +29,7 @@ from tests.conftest import sigterm_with_calls_in_flight
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentError, AgentProcess
 from tiered.models import zoo
+from tiered.protocol import grpc_service_pb2 as pb
 
 rng = np.random.default_rng(7)
 
@@ -58,6 +59,13 @@ def add_sub(rows: np.ndarray):
         item.set_data_from_numpy(rows)
         inputs.append(item)
     return inputs
+
+
+def frames_fed(agent: AgentProcess) -> dict[str, float]:
+    """Requests the front ends passed on, by frame, from the agent's /metrics."""
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    return {kind: float(value) for kind, value in re.findall(
+        r'^tiered_front_end_requests_total{frame="(\w+)".*} (\S+)$', text, re.M)}
 
 
 def test_connections_spread_over_front_ends_and_batch_together(agent_with_front_ends):
@@ -164,23 +172,17 @@ def test_requests_in_shared_memory_merge_and_the_front_end_writes_their_outputs(
             outputs[-1].set_shared_memory(name, output_bytes, offset=slot * a.nbytes)
         return name, handle, inputs, outputs
 
-    def fed() -> dict[str, float]:
-        """Requests the front ends passed on, by frame, from the agent's /metrics."""
-        text = urllib.request.urlopen(agent_with_front_ends.metrics_url, timeout=10).read()
-        return {kind: float(value) for kind, value in re.findall(
-            r'^tiered_front_end_requests_total{frame="(\w+)".*} (\S+)$', text.decode(), re.M)}
-
     async def send():
         async with aioclient.InferenceServerClient(agent_with_front_ends.address) as client:
             made = [request(i, a, a.nbytes - (4 if i == 5 else 0))
                     for i, a in enumerate(rows)]
             for (name, _, _, _), a in zip(made, rows):
                 await client.register_system_shared_memory(name, f"/{name}", 4 * a.nbytes)
-            before = fed()
+            before = frames_fed(agent_with_front_ends)
             outcomes = await asyncio.gather(
                 *(client.infer("add_sub", inputs, outputs=outputs)
                   for _, _, inputs, outputs in made), return_exceptions=True)
-            after = fed()
+            after = frames_fed(agent_with_front_ends)
             await client.unregister_system_shared_memory()
             return made, outcomes, before, after
 
@@ -207,6 +209,34 @@ def test_requests_in_shared_memory_merge_and_the_front_end_writes_their_outputs(
     # Every one took the front end's path: none was handed to the engine whole.
     assert {kind: after[kind] - before[kind] for kind in after} == \
         {"batch": count, "single": 0}, (before, after)
+
+
+def test_a_request_flagged_as_perf_analyzer_flags_it_takes_the_batch_path(agent_with_front_ends):
+    """perf_analyzer asks every request for an empty final response, a flag
+    that only decoupled models read: such requests still merge in the front
+    end, and each gets its own answer."""
+    rows = rng.standard_normal((4, 16)).astype(np.float32)
+
+    def request(row: np.ndarray) -> pb.ModelInferRequest:
+        message = pb.ModelInferRequest(model_name="add_sub")
+        message.parameters["triton_enable_empty_final_response"].bool_param = True
+        for name in ("INPUT0", "INPUT1"):
+            message.inputs.add(name=name, datatype="FP32", shape=[1, 16])
+            message.raw_input_contents.append(row[None].tobytes())
+        return message
+
+    before = frames_fed(agent_with_front_ends)
+    with grpc.insecure_channel(agent_with_front_ends.address) as channel:
+        infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                                    response_deserializer=pb.ModelInferResponse.FromString)
+        answers = [infer(request(row), timeout=30) for row in rows]
+    after = frames_fed(agent_with_front_ends)
+    for row, answer in zip(rows, answers):
+        total = np.frombuffer(answer.raw_output_contents[0], np.float32)
+        np.testing.assert_allclose(total, 2 * row, rtol=1e-6)
+    assert {kind: after[kind] - before[kind] for kind in after} == \
+        {"batch": len(rows), "single": 0}, (before, after)
 
 
 @pytest.fixture

@@ -74,7 +74,7 @@ import numpy as np
 
 from tiered.agent.shared_memory import RegionViews, not_registered
 from tiered.errors import EngineError, TieredError, Unavailable
-from tiered.protocol import codec
+from tiered.protocol import codec, messages
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
 from tiered.protocol.security import CALLER
@@ -110,6 +110,10 @@ class Answers(Protocol):
 
 
 # -- the front end's side ----------------------------------------------------------
+
+# Request parameters that leave a batched model's answer as it is: the
+# caller (the front end handles its regions) and the decoupled models' flag.
+_NO_EFFECT_ON_A_BATCH = frozenset((CALLER, messages.EMPTY_FINAL_RESPONSE))
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -150,7 +154,7 @@ class ModelFacts:
         front end; else None (it travels alone, and the engine checks it and
         answers any error)."""
         if (not self.max_batch_size or self.decoupled
-                or any(key != CALLER for key in request.parameters)
+                or any(key not in _NO_EFFECT_ON_A_BATCH for key in request.parameters)
                 or len(buffers) != len(request.inputs)):
             return None
         rows, signature = None, []

@@ -36,8 +36,7 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_PROMPT_BYTES = 1 << 20  # a prompt's text; its tokens are bounded by the context
 DEFAULT_MAX_TOKENS = 64
-# Triton's request parameter asking for an empty response that only says "final".
-EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+EMPTY_FINAL_RESPONSE = messages.EMPTY_FINAL_RESPONSE
 # Held text that does not become valid UTF-8 within this many tokens is sent as is.
 MAX_HELD_TOKENS = 4
 

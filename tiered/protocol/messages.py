@@ -34,6 +34,9 @@ MEAN_LOGPROB = "mean_logprob"
 # end or a stop string), as OpenAI's API reports them.
 PROMPT_TOKENS = "prompt_tokens"
 FINISH_REASON = "finish_reason"
+# Triton's request parameter asking a decoupled model for an empty response
+# that only says "final"; clients such as perf_analyzer send it on every request.
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 
 # Output parameters with a meaning here; any other is refused.
 _SUPPORTED_OUTPUT_PARAMETERS = {"binary_data", codec.SHARED_MEMORY_REGION,

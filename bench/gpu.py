@@ -37,8 +37,9 @@ same harness on a CPU (tiny sizes with `--image-size 32`) to check it; its
 numbers mean nothing. `--smoke --out PATH` (with `--device cpu` where there is
 no GPU) is that check in seconds: tiny sizes and windows, each diagnostic at
 one load level, the setups on agents alike measured one after another on one
-agent (`share_agents`: fewer agent starts); what needs CUDA (graphs, pinned copies, NVML) is skipped on a
-CPU and listed under `skipped_without_cuda` in the JSON.
+agent (`share_agents`: fewer agent starts); what needs CUDA (graphs, pinned
+copies, NVML) is skipped on a CPU and listed under `skipped_without_cuda` in
+the JSON.
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ class Answers(Protocol):
 # caller (the front end handles its regions) and the decoupled models' flag.
 _NO_EFFECT_ON_A_BATCH = frozenset((CALLER, messages.EMPTY_FINAL_RESPONSE))
 
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What a front end knows of a model from its ModelConfig."""

@@ -9,11 +9,22 @@ import os
 
 import grpc
 import numpy as np
+import tritonclient.utils.shared_memory as shm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiered.agent.feed import Arena, FedError, FeedClient, FeedServer, ModelFacts
+from tiered.agent.feed import (
+    Arena,
+    FedError,
+    FeedClient,
+    FeedServer,
+    ModelFacts,
+    OutputInRegion,
+    _cut,
+    _Group,
+)
 from tiered.agent.front_end import front_end_count
+from tiered.agent.shared_memory import RegionViews, open_view
 from tiered.errors import Unavailable
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
@@ -138,6 +149,49 @@ def test_a_request_the_engine_must_judge_travels_alone():
     assert group_key(ModelFacts.of(config(batching=False)), request()) is None
     assert group_key(ModelFacts.of(config(max_batch_size=0)), request()) is None
     assert group_key(ModelFacts(), request()) is None  # a model the front end cannot describe
+
+
+def test_what_a_front_end_answers_for_itself_does_not_keep_a_request_alone():
+    """perf_analyzer flags every request for an empty final response (only a
+    decoupled model reads it), and outputs the front end writes into shared
+    memory itself keep their region parameters: such requests still merge."""
+    facts = ModelFacts.of(config())
+    flagged = request()
+    flagged.parameters["triton_enable_empty_final_response"].bool_param = True
+    assert group_key(facts, flagged) == group_key(facts, request())
+    in_region = request()
+    in_region.outputs[0].parameters["shared_memory_region"].string_param = "r"
+    assert group_key(facts, in_region) is None  # the engine writes it
+    assert facts.group_key(in_region, list(in_region.raw_input_contents), {"y"}) == \
+        group_key(facts, request())
+
+
+def test_each_request_of_a_frame_gets_its_outputs_in_its_own_region_or_its_own_error():
+    """The front end writes each request's rows into the range it named; a
+    region unregistered while the frame ran fails that request alone."""
+    views, size = RegionViews(), 2 * 3 * 4
+    key = f"/tiered-test-feed-{os.getpid()}"
+    handle = shm.create_shared_memory_region("out", key, size)
+    try:
+        views.keep("", open_view("out", key, 0, size), views.generation)
+        kept = {"shared_memory_region": "out", "shared_memory_byte_size": size}
+        gone = {**kept, "shared_memory_region": "gone"}
+        group = _Group(("m", "", (), ("y",)), requests=[request(), request()], rows=[1, 1],
+                       placed=[{"y": OutputInRegion(views, "", kept)},
+                               {"y": OutputInRegion(views, "", gone)}])
+        y = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)
+        (first, answer), (second, error) = _cut(
+            group, ("m", "7", [("y", "FP32", [2, 2, 3])]), y.tobytes())
+        assert (first, second) == (0, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        response = pb.ModelInferResponse.FromString(answer)
+        assert response.raw_output_contents == [b""]  # in the region, not on the wire
+        assert response.outputs[0].parameters["shared_memory_region"].string_param == "out"
+        np.testing.assert_array_equal(
+            shm.get_contents_as_numpy(handle, np.float32, [1, 2, 3]), y[:1])
+        assert b"no shared-memory region 'gone' is registered" in error
+    finally:
+        views.close()
+        shm.destroy_shared_memory_region(handle)
 
 
 class Doubling:

@@ -45,6 +45,7 @@ the JSON.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -76,6 +77,7 @@ TARGET_PERF_WIRE_VS_HOST = 0.5  # perf_analyzer, tensors on the wire
 TARGET_C1_P50_MS = {"system": 1.0, "none": 1.5}  # perf_analyzer at concurrency 1
 TARGET_J_PER_IMG_VS_HOST = 1.3  # served J/img over the in-process reference's
 PERF_ANALYZER = "perf_analyzer"
+SHARE_COUNT = "TRITON_CLIENT_GRPC_CHANNEL_MAX_SHARE_COUNT"  # slots a channel of perf_analyzer's
 THREAD_ROWS = 6  # the engine process's busiest threads reported per row
 ONE_PROCESS = "1 agent, one process"
 
@@ -98,9 +100,11 @@ def waiting_setup(settings: RunSettings) -> str:
     return f"{front_ends_setup(settings)}, batches wait when idle"
 
 
-def perf_analyzer_setup(setup: str, memory: str, images: int = 1) -> str:
+def perf_analyzer_setup(setup: str, memory: str, images: int = 1,
+                        channel_per_slot: bool = False) -> str:
     batch = f", -b {images}" if images > 1 else ""
-    return f"perf_analyzer, shared memory {memory}{batch}: {setup}"
+    channels = ", a channel per slot" if channel_per_slot else ""
+    return f"perf_analyzer, shared memory {memory}{batch}{channels}: {setup}"
 
 
 @dataclass(frozen=True)
@@ -515,10 +519,13 @@ def served_point(setup: str, servers: Sequence[ServerProcess], concurrency: int,
 
 def perf_analyzer_point(setup: str, agent: ServerProcess, memory: str, concurrency: int,
                         settings: RunSettings, energy: EnergyMeter, images: int = 1,
-                        ) -> dict[str, Any]:
+                        channel_per_slot: bool = False) -> dict[str, Any]:
     """Triton's own load generator against one agent: tensors on the wire
     (`none`), or in system or CUDA shared memory, `images` a request; the
-    agent's statistics around its run give the batch it formed."""
+    agent's statistics around its run give the batch it formed. By default
+    it shares a gRPC channel (a connection) among up to 6 concurrency slots,
+    and the kernel spreads connections, not requests, over the front ends;
+    `channel_per_slot` gives each slot its own."""
     with grpcclient.InferenceServerClient(agent.address) as client:
         def totals() -> dict[str, int]:
             return common.stats_totals(client.get_inference_statistics(MODEL, as_json=True),
@@ -532,7 +539,8 @@ def perf_analyzer_point(setup: str, agent: ServerProcess, memory: str, concurren
                  "--shared-memory", memory, "--concurrency-range", str(concurrency),
                  "-b", str(images), "--stability-percentage", "25",
                  "--measurement-interval", str(int(settings.duration_s * 1000)),
-                 "-f", str(report)], capture_output=True, text=True, timeout=600)
+                 "-f", str(report)], capture_output=True, text=True, timeout=600,
+                env={**os.environ, **({SHARE_COUNT: "1"} if channel_per_slot else {})})
             end, after = Reading.take(energy, [agent.pid]), totals()
             if run.returncode != 0:
                 return {"setup": setup, "concurrency": concurrency, "error": (run.stdout + run.stderr)[-600:]}
@@ -643,21 +651,23 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
         if shutil.which(PERF_ANALYZER):
             memories = ("none", "system", "cuda") if settings.device == "cuda" else (
                 "none", "system")
-            # (setup, its front ends, [(memory, concurrency, images a request)]): the
-            # agent's design at every level, and with several images a request; one
-            # process beside it at the top level.
-            plan = ((ONE_PROCESS, 0, [(memory, top, 1) for memory in memories]),
+            # (setup, its front ends, [(memory, concurrency, images a request, a
+            # channel per slot)]): the agent's design at every level, with several
+            # images a request, and with a connection per slot; one process beside
+            # it at the top level.
+            plan = ((ONE_PROCESS, 0, [(memory, top, 1, False) for memory in memories]),
                     (fronted, settings.front_ends,
-                     [(memory, level, 1) for memory in memories
+                     [(memory, level, 1, False) for memory in memories
                       for level in sorted({1, top})]
-                     + [("system", top, settings.request_images)]))
+                     + [("system", top, settings.request_images, False),
+                        ("system", top, 1, True)]))
             for setup, front_ends, points in plan:
                 with common.serving([agent(front_ends=front_ends)]) as (one,):
-                    for memory, level, images in points:
-                        name = perf_analyzer_setup(setup, memory, images)
+                    for memory, level, images, channel_per_slot in points:
+                        name = perf_analyzer_setup(setup, memory, images, channel_per_slot)
                         common.progress(f"{name}, c={level}")
                         row = perf_analyzer_point(name, one, memory, level, settings, energy,
-                                                  images)
+                                                  images, channel_per_slot)
                         common.progress(f"  {row.get('throughput', row.get('error'))} img/s, "
                                         f"p50 {cell(row.get('p50_ms'))} ms")
                         served.append(row)

@@ -367,7 +367,8 @@ def test_perf_analyzer_runs_with_system_shared_memory(agent, tmp_path):
     run = subprocess.run(
         ["perf_analyzer", "-m", "add_sub", "-u", agent.address, "-i", "grpc",
          "--shared-memory", "system", "--concurrency-range", "2",
-         "--measurement-interval", "1000", "-f", str(report)],
+         "--measurement-interval", "1000", "--stability-percentage", "100",  # a busy host
+         "-f", str(report)],
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     header, row = report.read_text().splitlines()[:2]

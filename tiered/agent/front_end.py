@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 
 from tiered.agent.feed import Arena, FedError, FeedClient, ModelFacts, OutputInRegion
-from tiered.agent.shared_memory import RegionViews, open_view
+from tiered.agent.shared_memory import Placed, RegionViews, open_view
 from tiered.errors import ConfigError, TieredError
 from tiered.protocol import codec, descriptors, drain
 from tiered.protocol import grpc_service_pb2 as pb
@@ -284,20 +284,19 @@ class _Handlers(grpc.GenericRpcHandler):
         placed: dict[str, OutputInRegion] = {}
         for output in request.outputs:
             if len(output.parameters):
-                parameters = await self._viewed(output.parameters, caller)
-                if parameters is None or output.name in placed:
+                viewed = await self._viewed(output.parameters, caller)
+                if viewed is None or output.name in placed:
                     return alone
-                placed[output.name] = OutputInRegion(self._regions, caller, parameters)
+                placed[output.name] = OutputInRegion(self._regions, caller, viewed[0])
         if not any(in_region):
             return None, placed
         if not all(in_region) or request.raw_input_contents:
             return alone
         buffers = []
         for tensor in request.inputs:
-            parameters = await self._viewed(tensor.parameters, caller)
+            viewed = await self._viewed(tensor.parameters, caller)
             dtype = codec.DATATYPES.get(tensor.datatype)
-            found = parameters and self._regions.place(caller, parameters)
-            data = found.read() if found else None
+            data = viewed[1].read() if viewed is not None else None
             if dtype is None or dtype.hasobject or data is None \
                     or len(data) != math.prod(tensor.shape) * dtype.itemsize:
                 return alone  # the engine answers what is wrong with it
@@ -306,16 +305,19 @@ class _Handlers(grpc.GenericRpcHandler):
             tensor.parameters.clear()
         return buffers, placed
 
-    async def _viewed(self, parameters, caller: str) -> dict[str, object] | None:
-        """A tensor's parameters when they name a range of a system region
-        viewed here (looked up from the engine process when new), else None."""
+    async def _viewed(self, parameters, caller: str,
+                      ) -> tuple[dict[str, object], Placed] | None:
+        """A tensor's parameters and the range they name, where that lies in
+        a system region viewed here (looked up from the engine process when
+        new); else None."""
         found = codec.parameters_of(parameters)
         name = found.get(codec.SHARED_MEMORY_REGION)
         if not isinstance(name, str) or not set(found) <= _REGION_PARAMETERS:
             return None
         if self._regions.get(caller, name) is None and not await self._look_up(caller, name):
             return None
-        return found if self._regions.place(caller, found) is not None else None
+        placed = self._regions.place(caller, found)
+        return None if placed is None else (found, placed)
 
     async def _look_up(self, caller: str, name: str) -> bool:
         """Ask the engine process where the caller's region lies, and open it here."""

@@ -192,6 +192,26 @@ def test_gpu_bench_runs_its_served_setups_and_diagnostics_on_a_cpu(tmp_path):
     assert_header(stdout, "setup", "c", "procs", "img/s")
 
 
+def test_regional_bench_builds_serves_and_compares_with_onnxruntime_in_process(tmp_path):
+    result, stdout = run_smoke("regional", tmp_path, "--device", "cpu")
+    assert result["build"]["precision"] == "fp16" and result["build"]["gate"]["accepted"]
+    assert result["inprocess_providers"]["engine"][0] == "CPUExecutionProvider"
+    setups = {r["setup"] for r in result["served"]}
+    assert {s for s in setups if not s.startswith("perf_analyzer")} == {
+        "1 agent, 2 front ends", "1 agent, 2 front ends, inputs in system shared memory"}
+    for row in result["served"]:
+        if not row["setup"].startswith("perf_analyzer"):
+            assert_window(row)
+            assert row["formed_batch"] >= 1
+    assert {r["mode"] for r in result["inprocess"]} == {
+        "plain InferenceSession.run", "tiered engine.run x1", "tiered engine.run x2 threads"}
+    assert all(positive(r["img_per_s"]) for r in result["inprocess"])
+    assert {c["setup"] for c in result["comparison"]} == setups
+    assert all(positive(c["served_vs_best_host"]) for c in result["comparison"])
+    assert_targets(result["targets"], {"served vs host", "perf_analyzer system shm vs host"})
+    assert_header(stdout, "setup", "c", "img/s", "p50")
+
+
 def test_gpu_bench_over_devices_spreads_one_agent_over_cpu_stand_ins(tmp_path):
     result, stdout = run_smoke("gpu", tmp_path, "--device", "cpu", "--devices", "2")
     rows = {r["setup"]: r for r in result["rows"]}

@@ -20,14 +20,12 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 
 from tiered.agent.repository import model_file, write_config  # noqa: E402
 from tiered.engines import open_engine  # noqa: E402
-from tiered.engines.base import TensorSpec  # noqa: E402
+from tiered.engines.base import TensorSpec, bucket_eligibility, choose_bucket  # noqa: E402
 from tiered.engines.onnx_to_torch import convert  # noqa: E402
 from tiered.engines.torch_engine import (  # noqa: E402
     TorchEngine,
     TorchSettings,
-    choose_bucket,
     fp8_refusal,
-    graph_eligibility,
     resolve_device,
 )
 from tiered.errors import ConfigError, InvalidArgument  # noqa: E402
@@ -119,7 +117,7 @@ def test_fp8_needs_compute_capability_8_9(device, capability, refused_because):
 )
 def test_cuda_graph_buckets_need_a_batch_dimension_and_static_rest(shapes, reason):
     specs = [TensorSpec(f"x{i}", np.dtype(np.float32), s) for i, s in enumerate(shapes)]
-    found = graph_eligibility(specs)
+    found = bucket_eligibility(specs)
     assert (found is None) if reason is None else (reason in found)
 
 

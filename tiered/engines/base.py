@@ -23,6 +23,29 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
+def choose_bucket(rows: int, buckets: Sequence[int]) -> int | None:
+    """The smallest batch bucket that holds `rows`; None when none does."""
+    fitting = [size for size in buckets if size >= rows]
+    return min(fitting) if fitting else None
+
+
+def bucket_eligibility(inputs: Sequence[TensorSpec]) -> str | None:
+    """Why batches of these inputs cannot be padded to fixed buckets, or None
+    when they can.
+
+    A bucket fixes the whole shape: every input must lead with the variable
+    batch dimension and have static sizes everywhere else.
+    """
+    for spec in inputs:
+        if not spec.shape or spec.shape[0] != -1:
+            return f"input {spec.name!r} has no variable batch dimension ({list(spec.shape)})"
+        if any(d < 0 for d in spec.shape[1:]):
+            return (
+                f"input {spec.name!r} has variable dimensions past the batch ({list(spec.shape)})"
+            )
+    return None
+
+
 class Engine(ABC):
     """One loaded model version, ready to run batches."""
 

@@ -35,7 +35,13 @@ import onnx
 import torch
 
 from tiered import names
-from tiered.engines.base import Engine, TensorSpec, concatenate_into
+from tiered.engines.base import (
+    Engine,
+    TensorSpec,
+    bucket_eligibility,
+    choose_bucket,
+    concatenate_into,
+)
 from tiered.engines.onnx_to_torch import OnnxModule, convert
 from tiered.errors import ConfigError, EngineError, InvalidArgument
 
@@ -109,12 +115,6 @@ class TorchSettings:
 # -- pure policies ---------------------------------------------------------------
 
 
-def choose_bucket(rows: int, buckets: Sequence[int]) -> int | None:
-    """The smallest bucket that holds `rows`; None when none does (run eagerly)."""
-    fitting = [size for size in buckets if size >= rows]
-    return min(fitting) if fitting else None
-
-
 def resolve_device(requested: str, cuda_available: bool) -> str:
     """`auto` -> cuda when a GPU is usable, else cpu; `cuda` without one is an error."""
     if requested == "auto":
@@ -136,22 +136,6 @@ def fp8_refusal(device: str, capability: tuple[int, int] | None) -> str | None:
         )
     if not hasattr(torch, "float8_e4m3fn"):
         return f"precision: fp8 needs torch with float8_e4m3fn; torch {torch.__version__} lacks it"
-    return None
-
-
-def graph_eligibility(inputs: Sequence[TensorSpec]) -> str | None:
-    """Why CUDA graph buckets cannot serve these inputs, or None when they can.
-
-    A bucket fixes the whole shape: every input must lead with the variable
-    batch dimension and have static sizes everywhere else.
-    """
-    for spec in inputs:
-        if not spec.shape or spec.shape[0] != -1:
-            return f"input {spec.name!r} has no variable batch dimension ({list(spec.shape)})"
-        if any(d < 0 for d in spec.shape[1:]):
-            return (
-                f"input {spec.name!r} has variable dimensions past the batch ({list(spec.shape)})"
-            )
     return None
 
 
@@ -280,7 +264,7 @@ class TorchEngine(Engine):
             module = module.to(self._torch_device)
             torch.cuda.synchronize(self._torch_device)
             self._buckets = tuple(sorted(set(settings.cuda_graph_batch_sizes)))
-            reason = graph_eligibility(self.inputs) if self._buckets else None
+            reason = bucket_eligibility(self.inputs) if self._buckets else None
             if reason:
                 log.warning("%s: no CUDA graphs: %s; running eagerly", model_path, reason)
                 self._graph_note, self._buckets = f"off ({reason})", ()

@@ -44,6 +44,13 @@ def test_a_padded_batch_answers_as_the_batch_itself(model):
         expected, got = plain.run({"input": x})["logits"], padded.run({"input": x})["logits"]
         assert got.shape == (rows, 1000)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # Requests staged as the batcher stages them: straight into a bucket's buffers.
+    parts = [images(3), images(2)]
+    staged = padded.stage([{"input": part} for part in parts])
+    assert staged["input"].shape == (8, 3, 32, 32)
+    np.testing.assert_allclose(padded.run(staged)["logits"],
+                               plain.run({"input": np.concatenate(parts)})["logits"],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_buckets_must_be_positive():

@@ -16,7 +16,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from tiered.engines.base import Engine, TensorSpec, bucket_eligibility, choose_bucket
+from tiered.engines.base import (
+    Engine,
+    TensorSpec,
+    bucket_eligibility,
+    choose_bucket,
+    concatenate_into,
+)
 from tiered.errors import ConfigError, EngineError, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -120,6 +126,14 @@ def _spec(node) -> TensorSpec:
     return TensorSpec(node.name, dtype, shape)
 
 
+class _Padded(dict):
+    """A batch in a bucket's input buffers: its first `rows` are the batch."""
+
+    def __init__(self, buffers: Mapping[str, np.ndarray], rows: int, bucket: int) -> None:
+        super().__init__(buffers)
+        self.rows, self.bucket = rows, bucket
+
+
 class OnnxRuntimeEngine(Engine):
     """An `onnxruntime.InferenceSession` (one per batch bucket on a GPU);
     `run` is safe from several threads."""
@@ -185,35 +199,51 @@ class OnnxRuntimeEngine(Engine):
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None
     ) -> dict[str, np.ndarray]:
         names = list(outputs) if outputs else self._output_names
-        rows = next(iter(inputs.values())).shape[0] if self._buckets and inputs else 0
-        bucket = choose_bucket(rows, self._buckets) if rows else None
+        if isinstance(inputs, _Padded):  # staged straight into a bucket's buffers
+            feeds, rows, bucket = inputs, inputs.rows, inputs.bucket
+        else:
+            rows = next(iter(inputs.values())).shape[0] if self._buckets and inputs else 0
+            bucket = choose_bucket(rows, self._buckets) if rows else None
+            feeds = self._pad(inputs, bucket, rows) if bucket not in (None, rows) \
+                else dict(inputs)
         session = self._buckets[bucket] if bucket is not None else self._session
-        padded = bucket is not None and bucket != rows
-        feeds = self._pad(inputs, bucket) if padded else dict(inputs)
         try:
-            results = session.run(names, feeds)
+            results = session.run(names, dict(feeds))
         except Exception as error:
             raise EngineError(f"onnxruntime: {error}") from error
         finally:
-            if padded:
-                self._spare[bucket].append(feeds)
-        if padded:
+            if isinstance(feeds, _Padded):
+                self._spare[bucket].append(dict(feeds))
+        if bucket not in (None, rows):
             results = [result[:rows] for result in results]
         return dict(zip(names, results))
 
-    def _pad(self, inputs: Mapping[str, np.ndarray], bucket: int) -> dict[str, np.ndarray]:
-        """`inputs` copied into the first rows of a bucket's buffers, kept for
-        reuse (a fresh batch-sized array costs page faults on every run). The
-        rows past them hold earlier batches' data: rows are independent, as
-        dynamic batching assumes, and their outputs are dropped."""
+    def stage(self, requests: Sequence[Mapping[str, np.ndarray]]) -> Mapping[str, np.ndarray]:
+        """On a GPU with buckets, the requests concatenated straight into the
+        first rows of a bucket's buffers: one host copy, not a merge and then
+        a pad."""
+        rows = sum(len(next(iter(r.values()))) for r in requests) if self._buckets else 0
+        bucket = choose_bucket(rows, self._buckets) if rows else None
+        if bucket in (None, rows) or len(requests) == 1:
+            return super().stage(requests)
+        feeds = self._pad({}, bucket, rows)
+        for name, padded in feeds.items():
+            concatenate_into([np.asarray(r[name]) for r in requests], padded[:rows])
+        return feeds
+
+    def _pad(self, inputs: Mapping[str, np.ndarray], bucket: int, rows: int) -> _Padded:
+        """`inputs` copied into the first `rows` of a bucket's buffers, kept
+        for reuse (a fresh batch-sized array costs page faults on every run).
+        The rows past them hold earlier batches' data: rows are independent,
+        as dynamic batching assumes, and their outputs are dropped."""
         spare = self._spare.setdefault(bucket, [])
         try:
-            feeds = spare.pop()  # atomic: another thread's run never gets the same buffers
+            buffers = spare.pop()  # atomic: another thread's run never gets the same ones
         except IndexError:
-            feeds = {s.name: np.zeros((bucket, *s.shape[1:]), s.dtype) for s in self.inputs}
+            buffers = {s.name: np.zeros((bucket, *s.shape[1:]), s.dtype) for s in self.inputs}
         for name, array in inputs.items():
-            feeds[name][:len(array)] = array
-        return feeds
+            buffers[name][:rows] = array
+        return _Padded(buffers, rows, bucket)
 
     def _bucket_sessions(self, buckets: list[int]) -> dict[int, ort.InferenceSession]:
         """A session per bucket, each run once on zeros; {} (and why, logged)

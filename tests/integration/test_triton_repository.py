@@ -131,3 +131,38 @@ def test_an_agent_serves_a_decoupled_triton_model_directory(tmp_path, generative
         assert config.backend == "onnxruntime-genai"
         answer = generate(client, max_tokens=5)
         assert len(answer.as_numpy("token_ids")) == 5
+
+
+SEQUENCE_PBTXT = """
+name: "counter"
+backend: "onnxruntime"
+max_batch_size: 2
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+sequence_batching {
+  max_sequence_idle_microseconds: 5000000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] }
+  ]
+  state [ { input_name: "IN_STATE" output_name: "OUT_STATE" data_type: TYPE_FP32 dims: [ 4 ] } ]
+}
+"""
+
+
+def test_a_triton_sequence_batcher_reads_as_its_config_yaml_mapping():
+    data = triton_config.parse(SEQUENCE_PBTXT, "counter/config.pbtxt")
+    assert data["sequence_batching"] == {
+        "controls": [{"name": "START", "kind": "start", "datatype": "FP32", "false_true": [0, 1]},
+                     {"name": "READY", "kind": "ready", "datatype": "BOOL",
+                      "false_true": [False, True]},
+                     {"name": "CORRID", "kind": "corrid", "datatype": "BYTES"}],
+        "states": [{"input": "IN_STATE", "output": "OUT_STATE", "datatype": "FP32",
+                    "dims": [4]}],
+        "strategy": "direct", "max_sequence_idle_us": 5_000_000}
+    with pytest.raises(ConfigError, match="give one of int32_false_true"):
+        triton_config.parse(SEQUENCE_PBTXT.replace("fp32_false_true: [ 0, 1 ] ", ""), "c")
+    with pytest.raises(ConfigError, match="only zero_data"):
+        triton_config.parse(SEQUENCE_PBTXT.replace(
+            "dims: [ 4 ] }", 'dims: [ 4 ] initial_state { data_file: "x" } }'), "c")

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tiered.agent.sequences import SequenceBatching
 from tiered.engines.base import TensorSpec
 from tiered.engines.generative import GENERATIVE_BACKENDS
 from tiered.errors import ConfigError, InvalidArgument
@@ -138,9 +139,14 @@ class ModelConfig:
     max_queue_size: int = 256  # the bound when requests are not batched
     engine: Mapping[str, Any] = field(default_factory=dict)
     generation: Generation | None = None  # set for a generative backend (decoupled)
+    sequence_batching: SequenceBatching | None = None  # stateful: sequences.py
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
+        if self.sequence_batching is not None and (self.dynamic_batching is not None
+                                                   or self.generation is not None):
+            raise ConfigError("sequence_batching: a model has one scheduler; leave out "
+                              "dynamic_batching (sequences of different IDs batch together)")
         if (self.generation is not None) != (self.backend in GENERATIVE_BACKENDS):
             raise ConfigError(f"generation: only for the generative backends "
                               f"({', '.join(GENERATIVE_BACKENDS)})")
@@ -200,7 +206,17 @@ def parse_model_config(
 
 def complete_with_engine(config: ModelConfig, inputs: Iterable[TensorSpec],
                          outputs: Iterable[TensorSpec], where: str) -> ModelConfig:
-    """Fill inputs/outputs the config left out from the model; check the rest agree."""
+    """Fill inputs/outputs the config left out from the model; check the rest
+    agree. A sequence batcher's control and state tensors are the agent's,
+    never a client's: they are left out."""
+    sequences = config.sequence_batching
+    fed = sequences.fed_inputs if sequences else frozenset()
+    kept = sequences.state_outputs if sequences else frozenset()
+    inputs, outputs = tuple(inputs), tuple(outputs)
+    if sequences:
+        _check_sequence_tensors(sequences, inputs, outputs, f"{where}.sequence_batching")
+    inputs = tuple(spec for spec in inputs if spec.name not in fed)
+    outputs = tuple(spec for spec in outputs if spec.name not in kept)
     filled = {}
     for kind, specs in (("inputs", tuple(inputs)), ("outputs", tuple(outputs))):
         declared = getattr(config, kind)
@@ -234,6 +250,24 @@ def complete_with_engine(config: ModelConfig, inputs: Iterable[TensorSpec],
             if missing:
                 raise ConfigError(f"{where}.inputs: the model also needs {', '.join(sorted(missing))}")
     return replace(config, **filled)
+
+
+def _check_sequence_tensors(sequences: SequenceBatching, inputs: tuple[TensorSpec, ...],
+                            outputs: tuple[TensorSpec, ...], where: str) -> None:
+    """Each control and state names a model tensor of its type."""
+    types = {("input", s.name): codec.datatype_of(s.dtype) for s in inputs}
+    types |= {("output", s.name): codec.datatype_of(s.dtype) for s in outputs}
+    wanted = [(("input", c.name), c.datatype) for c in sequences.controls]
+    for state in sequences.states:
+        wanted += [(("input", state.input), state.datatype),
+                   (("output", state.output), state.datatype)]
+    for (kind, name), datatype in wanted:
+        actual = types.get((kind, name))
+        if actual is None:
+            raise ConfigError(f"{where}: the model has no {kind} {name!r}")
+        if actual != datatype:
+            raise ConfigError(f"{where}: {kind} {name!r} is {actual} in the model, "
+                              f"{datatype} in the config")
 
 
 def _from_spec(config: ModelConfig, spec: TensorSpec, where: str) -> TensorConfig:

@@ -28,6 +28,7 @@ from tiered.agent.batching import (
 )
 from tiered.agent.config import ModelConfig
 from tiered.agent.devices import DeviceEngine, EngineLost, in_thread
+from tiered.agent.sequences import SequenceFlags, Sequences
 from tiered.engines.base import Engine
 from tiered.errors import InvalidArgument, TieredError, Unavailable, caused_by_client
 from tiered.protocol import codec, error_text
@@ -50,6 +51,10 @@ def name_native_thread(name: str) -> None:
 
 def batch_policy(config: ModelConfig) -> BatchPolicy:
     batching = config.dynamic_batching
+    if config.sequence_batching is not None and config.max_batch_size > 0:
+        # Requests of different sequences batch together, each row with its controls.
+        return BatchPolicy(config.max_batch_size, 0.0, (), config.max_queue_size,
+                           config.instance_count)
     if batching is None:
         return BatchPolicy(0, 0.0, (), config.max_queue_size, config.instance_count)
     return BatchPolicy(
@@ -198,6 +203,8 @@ class ModelVersion:
         self.lanes = [self._lane(device, engine) for device, engine in engines.items()]
         self.engine = self.lanes[0].engine  # what ModelMetadata describes
         self.admissions = Admissions(config.name, version)
+        self.sequences = None if config.sequence_batching is None else Sequences(
+            config.name, config.sequence_batching, batched=config.max_batch_size > 0)
         self._supervisors = [asyncio.get_running_loop().create_task(self._supervise(lane))
                              for lane in self.lanes if lane.own_process]
 
@@ -261,20 +268,24 @@ class ModelVersion:
         deadline: float = math.inf,
         tracer: trace.Tracer | None = None,
         requests: Sequence[int] = (),
+        sequence: SequenceFlags | None = None,
     ) -> dict[str, np.ndarray]:
         """Answer one request; `deadline` is on the monotonic clock. With a tracer,
         the queue and engine phases become child spans of the current span.
         `requests`: the rows of each request when `inputs` are several merged
-        (a front end's group), each counted as a request of its own."""
+        (a front end's group), each counted as a request of its own.
+        `sequence`: its place in a sequence, for a model with a sequence batcher."""
         started = time.perf_counter_ns()
         with self.admissions.request():
             try:
                 outputs = check_outputs(self.config, requested)
                 batch_size = check_inputs(self.config, inputs)
-                inputs = self.engine.accept(inputs)
-                signature = tuple((n, a.dtype.str, a.shape[1:])
-                                  for n, a in sorted(inputs.items()))
-                result = await self._submit(inputs, batch_size, signature, deadline)
+                if self.sequences is None:
+                    result = await self._run(inputs, batch_size, deadline)
+                else:
+                    async with self.sequences.turn(sequence, batch_size) as (fed, keep):
+                        result = await self._run({**inputs, **fed}, batch_size, deadline)
+                        keep(result.outputs)
             except TieredError as error:
                 for _ in requests or (None,):
                     self._failed(time.perf_counter_ns() - started, error)
@@ -289,6 +300,12 @@ class ModelVersion:
         if tracer is not None:
             _trace_phases(tracer, result)
         return {name: result.outputs[name] for name in outputs}
+
+    async def _run(self, inputs: Mapping[str, np.ndarray], batch_size: int,
+                   deadline: float) -> BatchResult:
+        inputs = self.engine.accept(inputs)
+        signature = tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(inputs.items()))
+        return await self._submit(inputs, batch_size, signature, deadline)
 
     async def _submit(self, inputs, batch_size: int, signature: Hashable,
                       deadline: float) -> BatchResult:

@@ -26,6 +26,7 @@ from tiered.agent.generative import GenerativeVersion
 from tiered.agent.model import ModelVersion
 from tiered.agent.repository import ModelRepository
 from tiered.agent.scheduler import Piece
+from tiered.agent.sequences import SequenceFlags
 from tiered.agent.shared_memory import CallerRegions, SharedMemory
 from tiered.errors import InvalidArgument, TieredError
 from tiered.protocol import grpc_service_pb2 as pb
@@ -254,7 +255,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             model.count_rejected(error)
             raise
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
-        outputs = await model.infer(call.inputs, call.outputs, deadline, self.tracer)
+        try:
+            sequence = SequenceFlags.of(call.parameters)
+        except TieredError as error:
+            model.count_rejected(error)
+            raise
+        outputs = await model.infer(call.inputs, call.outputs, deadline, self.tracer,
+                                    sequence=sequence)
         return messages.encode_infer_response(call, model.config.name, model.version, outputs,
                                               regions)
 

@@ -6,7 +6,9 @@ format, Triton's field names), then mapped: platform or backend (ONNX
 Runtime, TensorRT, and the generative onnxruntime-genai and torch-generative,
 which must say `model_transaction_policy { decoupled: true }`), max_batch_size,
 input and output (TYPE_FP32 -> FP32), dynamic_batching (preferred sizes, delay,
-the default queue policy's size), version_policy and instance_group counts. Fields of Triton's config that
+the default queue policy's size), sequence_batching (control inputs, implicit
+state with zero initial data, the idle limit, the strategy), version_policy and
+instance_group counts. Fields of Triton's config that
 this agent does not read are named in a warning, never silently dropped;
 a platform it cannot serve is an error.
 """
@@ -80,6 +82,9 @@ def _mapping(config: mc.ModelConfig, where: str) -> dict[str, Any]:
         if batching.default_queue_policy.max_queue_size:
             data["dynamic_batching"]["max_queue_size"] = \
                 batching.default_queue_policy.max_queue_size
+    if config.HasField("sequence_batching"):
+        data["sequence_batching"] = _sequence_batching(config.sequence_batching,
+                                                       f"{where}.sequence_batching")
     policy = config.version_policy.WhichOneof("policy_choice")
     if policy == "latest":
         data["version_policy"] = {"latest": config.version_policy.latest.num_versions or 1}
@@ -94,8 +99,51 @@ def _mapping(config: mc.ModelConfig, where: str) -> dict[str, Any]:
 
 
 def _tensor(tensor, where: str) -> dict[str, Any]:
-    kind = mc.DataType.Name(tensor.data_type)
+    return {"name": tensor.name, "datatype": _datatype(tensor.data_type, f"{where}.data_type"),
+            "dims": list(tensor.dims)}
+
+
+def _datatype(value: int, where: str) -> str:
+    kind = mc.DataType.Name(value)
     if kind == "TYPE_INVALID":
-        raise ConfigError(f"{where}.data_type: missing")
-    datatype = "BYTES" if kind == "TYPE_STRING" else kind.removeprefix("TYPE_")
-    return {"name": tensor.name, "datatype": datatype, "dims": list(tensor.dims)}
+        raise ConfigError(f"{where}: missing")
+    return "BYTES" if kind == "TYPE_STRING" else kind.removeprefix("TYPE_")
+
+
+def _sequence_batching(batching: mc.ModelSequenceBatching, where: str) -> dict[str, Any]:
+    """Triton's sequence batcher settings as config.yaml's (sequences.py)."""
+    kinds = {"CONTROL_SEQUENCE_START": "start", "CONTROL_SEQUENCE_END": "end",
+             "CONTROL_SEQUENCE_READY": "ready", "CONTROL_SEQUENCE_CORRID": "corrid"}
+    controls = []
+    for i, entry in enumerate(batching.control_input):
+        for j, control in enumerate(entry.control):
+            at = f"{where}.control_input[{i}].control[{j}]"
+            kind = kinds[mc.ModelSequenceBatching.Control.Kind.Name(control.kind)]
+            given = [(name, list(values)) for name, values in (
+                ("INT32", control.int32_false_true), ("FP32", control.fp32_false_true),
+                ("BOOL", control.bool_false_true)) if values]
+            if kind == "corrid":
+                controls.append({"name": entry.name, "kind": kind,
+                                 "datatype": _datatype(control.data_type, f"{at}.data_type")})
+            elif len(given) != 1:
+                raise ConfigError(f"{at}: give one of int32_false_true, fp32_false_true or "
+                                  "bool_false_true")
+            else:
+                datatype, values = given[0]
+                controls.append({"name": entry.name, "kind": kind, "datatype": datatype,
+                                 "false_true": values})
+    states = []
+    for i, state in enumerate(batching.state):
+        if any(initial.WhichOneof("state_data") == "data_file"
+               for initial in state.initial_state):
+            raise ConfigError(f"{where}.state[{i}].initial_state: only zero_data is served")
+        states.append({"input": state.input_name, "output": state.output_name,
+                       "datatype": _datatype(state.data_type, f"{where}.state[{i}].data_type"),
+                       "dims": list(state.dims)})
+    data: dict[str, Any] = {"controls": controls, "states": states,
+                            "strategy": batching.WhichOneof("strategy_choice") or "direct"}
+    if batching.max_sequence_idle_microseconds:
+        data["max_sequence_idle_us"] = batching.max_sequence_idle_microseconds
+    if batching.HasField("oldest") and batching.oldest.max_candidate_sequences:
+        data["max_sequences"] = batching.oldest.max_candidate_sequences
+    return data

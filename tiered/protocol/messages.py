@@ -186,9 +186,36 @@ def model_config(
         message.dynamic_batching.preferred_batch_size.extend(batching.preferred_batch_sizes)
         message.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
         message.dynamic_batching.default_queue_policy.max_queue_size = batching.max_queue_size
+    if config.sequence_batching is not None:
+        _sequence_batching(message.sequence_batching, config.sequence_batching)
     for key, value in facts.items():
         message.parameters[key].string_value = str(value)
     return message
+
+
+def _sequence_batching(message, batching) -> None:
+    Control = mc.ModelSequenceBatching.Control
+    kinds = {"start": Control.CONTROL_SEQUENCE_START, "end": Control.CONTROL_SEQUENCE_END,
+             "ready": Control.CONTROL_SEQUENCE_READY, "corrid": Control.CONTROL_SEQUENCE_CORRID}
+    message.max_sequence_idle_microseconds = batching.max_sequence_idle_us
+    for control in batching.controls:
+        entry = message.control_input.add(name=control.name).control.add(
+            kind=kinds[control.kind])
+        if control.kind == "corrid":
+            entry.data_type = _data_type(control.datatype)
+        else:
+            cast = {"INT32": int, "FP32": float, "BOOL": bool}[control.datatype]
+            getattr(entry, f"{control.datatype.lower()}_false_true").extend(
+                cast(value) for value in control.false_true)
+    for state in batching.states:
+        added = message.state.add(input_name=state.input, output_name=state.output,
+                                  data_type=_data_type(state.datatype), dims=state.dims)
+        added.initial_state.add(data_type=_data_type(state.datatype), dims=state.dims,
+                                zero_data=True)
+    if batching.strategy == "oldest":
+        message.oldest.max_candidate_sequences = batching.max_sequences
+    else:
+        message.direct.SetInParent()
 
 
 def _duration(message, duration) -> None:

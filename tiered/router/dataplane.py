@@ -28,6 +28,7 @@ from tiered.router import (
     statistics,
     streams,
 )
+from tiered.router.sequences import SequencePins, sequence_step
 
 
 class Router:
@@ -57,6 +58,7 @@ class Router:
                                            self.health)
         self.shadows = forward.Shadows(self.pool, self.agreement, self.rng)
         self.decoupled = streams.DecoupledModels(self._ask_decoupled, clock)
+        self.pins = SequencePins()  # the agent of each live sequence
         # Candidates per (model, version of each tier): built once per table.
         self._candidates: dict[tuple[str, tuple[int, ...]], list[policies.Candidate]] = {}
 
@@ -92,7 +94,15 @@ class Router:
             hints.refuse_shared_memory(request)
             deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
                                       started)
-            answer, choice = await self._route(request, raw, route, metadata, deadline)
+            step = sequence_step(request)
+            pinned = step and self.pins.pinned(step)
+            if pinned:  # where the sequence's state is: no other agent would do
+                answer = await self.forwarder.forward(request, raw, (pinned,), route, deadline)
+                choice = None
+            else:
+                answer, choice = await self._route(request, raw, route, metadata, deadline)
+            if step:
+                self.pins.answered(step, answer.candidate)
         except Exception:
             now = self.clock()
             self.statistics.failed(model, now - started, now)
@@ -102,7 +112,8 @@ class Router:
         tier = answer.candidate.tier
         self.statistics.succeeded(model, version, now - started, now)
         self.metrics.answered(model, tier, version, now - started)
-        if policies.should_shadow(route.tiers[tier], choice, self.rng):
+        # A sequence's requests are never shadowed: the canary holds no state of it.
+        if not step and policies.should_shadow(route.tiers[tier], choice, self.rng):
             self.shadows.send(request, raw, answer, route, table.timeout_s)
         return answer
 

@@ -9,6 +9,7 @@ an output, so every control value the agent fills in is seen in an answer.
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import numpy as np
 import onnx
@@ -132,7 +133,13 @@ def test_requests_outside_a_sequence_are_refused_with_tritons_words(client):
         send(client, 1, "not-a-number", start=True)
 
 
-def test_the_live_sequences_are_bounded_and_idle_ones_are_dropped(client):
+def metric(agent, line_start: str) -> float:
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    return float(next(line for line in text.splitlines()
+                      if line.startswith(line_start)).rsplit(" ", 1)[1])
+
+
+def test_the_live_sequences_are_bounded_and_idle_ones_are_dropped(agent, client):
     for sequence_id in (1, 2, 3):
         send(client, sequence_id, sequence_id, start=True)
     with pytest.raises(InferenceServerException, match="3 sequences are live") as refused:
@@ -142,6 +149,9 @@ def test_the_live_sequences_are_bounded_and_idle_ones_are_dropped(client):
     with pytest.raises(InferenceServerException, match="START flag"):
         send(client, 1, 1)  # idle past the limit: dropped
     assert send(client, 4, 4, start=True) == (4, 4)  # room again
+    labels = 'model="accumulate",version="1",tier="edge"'
+    assert metric(agent, f"tiered_live_sequences{{{labels}}}") == 1
+    assert metric(agent, f'tiered_sequences_total{{{labels},outcome="expired"}}') >= 3
     send(client, 0, 4, end=True)
 
 

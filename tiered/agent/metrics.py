@@ -95,6 +95,11 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
                        "while it is down (restarting, or its device gone)")
     restarts = Family("tiered_engine_restarts_total", "counter",
                       "Times a version's engine process on a device was restarted")
+    live_sequences = Family("tiered_live_sequences", "gauge",
+                            "Sequences a sequence-batched model holds state for")
+    sequence_ends = Family("tiered_sequences_total", "counter",
+                           "Sequences of a sequence-batched model, by how they went: started, "
+                           "ended (by a request's END), expired (idle past the limit)")
     snap = hub.snapshot(cursor=hub.clock() - RECENT_S)
     for served in hub.repository.all_versions():
         labels = {"model": served.config.name, "version": str(served.version), "tier": tier}
@@ -113,6 +118,11 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
             if lane.own_process:
                 engine_up.add({**labels, "device": lane.device}, 0 if lane.down else 1)
                 restarts.add({**labels, "device": lane.device}, lane.restarts)
+        sequences = getattr(served, "sequences", None)
+        if sequences is not None:
+            live_sequences.add(labels, len(sequences))
+            for outcome in ("started", "ended", "expired"):
+                sequence_ends.add({**labels, "outcome": outcome}, getattr(sequences, outcome))
         energy = snap.energy.get((served.config.name, served.version))
         if energy is not None and energy.joules_per_inference is not None:
             per_inference.add({**labels, "source": energy.source}, energy.joules_per_inference)
@@ -153,7 +163,7 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
     return [success, failure, count, executions, *(f for f, _ in durations), pending,
             *(f for f, _ in histograms), in_flight, per_inference,
             *(f for f, _ in token_histograms), output_tokens, running, per_token, engine_up,
-            restarts, total, idle, *fed]
+            restarts, live_sequences, sequence_ends, total, idle, *fed]
 
 
 def serve_metrics(hub: TelemetryHub, host: str, port: int, feed: FeedServer | None = None,

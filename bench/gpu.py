@@ -826,10 +826,15 @@ def report(result: Mapping[str, Any]) -> str:
         "Where the engine process's CPU goes\n" + threads,
         "One batch's host path, each step alone (ms per batch)\n" + breakdown,
         "Targets\n" + common.targets_table(result["targets"]),
-        *(f"{r['setup']} @c{r['concurrency']} failed: {r['error']}"
-          for r in result["served"] if "error" in r),
-        *([result["perf_analyzer"]] if "perf_analyzer" in result else []),
+        *failures(result),
     ])
+
+
+def failures(result: Mapping[str, Any]) -> list[str]:
+    """The served rows that failed, and why perf_analyzer did not run."""
+    return [*(f"{r['setup']} @c{r['concurrency']} failed: {r['error']}"
+              for r in result["served"] if "error" in r),
+            *([result["perf_analyzer"]] if "perf_analyzer" in result else [])]
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[RunSettings, argparse.Namespace]:

@@ -333,9 +333,7 @@ def report(result: Mapping[str, Any]) -> str:
         + served,
         "Served vs the in-process reference at the formed batch\n" + comparison,
         "Targets\n" + common.targets_table(result["targets"]),
-        *(f"{r['setup']} @c{r['concurrency']} failed: {r['error']}"
-          for r in result["served"] if "error" in r),
-        *([result["perf_analyzer"]] if "perf_analyzer" in result else []),
+        *gpu.failures(result),
     ])
 
 

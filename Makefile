@@ -42,8 +42,9 @@ test: $(STAMP) $(HELM)
 	$(PY) -m pytest -n $(TEST_WORKERS)
 
 # The benchmarks that run on a CPU machine, each writing bench/results/NAME.json.
-# bench/gpu.py and bench/energy.py need a GPU by default: run them on one
-# (`--smoke --device cpu` checks them anywhere; `make test` does, in tests/bench).
+# bench/gpu.py, bench/regional.py (with onnxruntime-gpu) and bench/energy.py
+# need a GPU by default: run them on one (`--smoke --device cpu` checks them
+# anywhere; `make test` does, in tests/bench).
 bench: $(STAMP)
 	$(PY) bench/agent.py
 	$(PY) bench/telemetry.py

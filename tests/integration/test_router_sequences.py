@@ -12,7 +12,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.integration.test_sequences import send, write_model
+from tests.integration.test_sequences import IDLE_US, send, write_model
 from tiered.local.processes import AgentProcess, RouterProcess
 
 SEQUENCES = 16  # side by side: both agents take some (all on one: odds 2 in 65,536)
@@ -24,8 +24,10 @@ def router(tmp_path_factory):
     root = tmp_path_factory.mktemp("router-sequences")
     write_model(root)
     config = root / "accumulate" / "config.pbtxt"
-    config.write_text(config.read_text().replace("max_candidate_sequences: 3",
-                                                 f"max_candidate_sequences: {SEQUENCES}"))
+    text = config.read_text().replace("max_candidate_sequences: 3",
+                                      f"max_candidate_sequences: {SEQUENCES}")
+    config.write_text(text.replace(f"max_sequence_idle_microseconds: {IDLE_US}",
+                                   "max_sequence_idle_microseconds: 60000000"))
     agents = [AgentProcess("edge", root).start() for _ in range(2)]
     table = root.parent / "routing.json"
     table.write_text(json.dumps({"version": 1, "models": {"accumulate": {"tiers": {

@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 from tiered.agent.repository import model_file
 from tiered.local.processes import AgentProcess
 
-IDLE_US = 1_500_000
+IDLE_US = 3_000_000  # long beside a busy machine's gaps between steps, short to wait out
 CONFIG = f"""
 name: "accumulate"
 backend: "onnxruntime"

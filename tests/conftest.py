@@ -16,6 +16,7 @@ import shutil
 import time
 import urllib.request
 from collections.abc import Callable
+from itertools import zip_longest
 from pathlib import Path
 
 import pytest
@@ -219,15 +220,15 @@ def tinyllama_models(tmp_path_factory) -> Path:
 # `pytest_xdist_make_scheduler` below: each file is one scope, whole on one
 # worker, so its module fixtures (a local system, an agent) start once and
 # its tests keep their order. The files that run whole local systems through
-# rollouts judged on real latencies are two scopes of two files each, each
-# scope's files one after another on one worker: one system at a time per
-# worker, two at most on the two cores. They start first, being the longest;
-# the generative one leads, so that another worker trains the digits models
-# the others need meanwhile. The bench smoke tests are independent, each
-# starting its own processes: they are shared out one by one. The other long
-# files follow.
-LOCAL_SYSTEMS = (("test_local_generative.py", "test_local_system.py"),
-                 ("test_walkthrough.py", "test_chaos.py"))
+# rollouts judged on real latencies are two scopes, each scope's files one
+# after another on one worker: one system at a time per worker, two at most
+# on the two cores. The walkthrough, the longest file, is a scope alone; the
+# other three together take about as long. They start first; the generative
+# one leads, so that another worker trains the digits models the others need
+# meanwhile. The bench smoke tests are independent, each starting its own
+# processes: they are shared out one by one. The other long files follow.
+LOCAL_SYSTEMS = (("test_local_generative.py", "test_local_system.py", "test_chaos.py"),
+                 ("test_walkthrough.py",))
 SPREAD_FILES = ("test_bench_smoke.py",)
 LONG_FILES = ("test_both_backends.py", "test_background_builds.py", "test_kube_controller.py")
 
@@ -254,7 +255,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    first = (*(name for pair in zip(*LOCAL_SYSTEMS) for name in pair), *SPREAD_FILES,
+    first = (*(name for row in zip_longest(*LOCAL_SYSTEMS) for name in row if name),
+             *SPREAD_FILES,
              *LONG_FILES)  # the longest start first
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first
                else len(first))  # a stable sort: each file's order is kept

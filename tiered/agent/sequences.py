@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -145,7 +146,7 @@ class Sequences:
     def __init__(self, model: str, config: SequenceBatching, batched: bool,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model, self.config, self.batched, self._clock = model, config, batched, clock
-        self._live: dict[int | str, _Live] = {}
+        self._live: OrderedDict[int | str, _Live] = OrderedDict()  # least recently used first
         self.started = self.ended = self.expired = 0
 
     def __len__(self) -> int:
@@ -174,18 +175,23 @@ class Sequences:
                 yield fed, keep
             finally:
                 live.last = self._clock()
-                if flags.end and self._live.get(flags.id) is live:
-                    del self._live[flags.id]
-                    self.ended += 1
+                if self._live.get(flags.id) is live:
+                    if flags.end:
+                        del self._live[flags.id]
+                        self.ended += 1
+                    else:
+                        self._live.move_to_end(flags.id)
 
     def _join(self, flags: SequenceFlags) -> _Live:
         self._expire()
         live = self._live.get(flags.id)
         if flags.start:
             if live is None and len(self._live) >= self.config.max_sequences:
-                raise ResourceExhausted(f"model {self.model!r}: {len(self._live)} sequences are "
-                                  "live, the most it keeps (sequence_batching.max_sequences)")
-            live = self._live[flags.id] = _Live(last=self._clock())  # a START restarts it
+                raise ResourceExhausted(
+                    f"model {self.model!r}: {len(self._live)} sequences are live, the most it "
+                    "keeps (sequence_batching.max_sequences)")
+            self._live.pop(flags.id, None)  # a START restarts it
+            live = self._live[flags.id] = _Live(last=self._clock())
             self.started += 1
         elif live is None:
             raise InvalidArgument(f"inference request for sequence {flags.id} to model "
@@ -194,10 +200,13 @@ class Sequences:
         return live
 
     def _expire(self) -> None:
-        """Drop the sequences idle for longer than the limit (none is running)."""
+        """Drop the sequences idle for longer than the limit, from the least
+        recently used on (a running one stops the sweep until it is done)."""
         oldest = self._clock() - self.config.max_sequence_idle_us / 1e6
-        for key in [k for k, live in self._live.items()
-                    if live.last < oldest and not live.lock.locked()]:
+        while self._live:
+            key, live = next(iter(self._live.items()))
+            if live.last >= oldest or live.lock.locked():
+                return
             del self._live[key]
             self.expired += 1
 

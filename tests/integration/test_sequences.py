@@ -4,6 +4,8 @@ config.pbtxt, and tritonclient's own sequence calls (gRPC, its stream, REST).
 The model keeps a running sum in implicit state: ACC_OUT = INPUT on START,
 else ACC_IN + INPUT; OUTPUT = ACC_OUT + 1000 * END, and CORRID comes back as
 an output, so every control value the agent fills in is seen in an answer.
+The same model runs on the ONNX Runtime engine (edge) and on the torch engine
+(a datacenter agent, config.yaml's spelling of the settings).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import onnx
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import yaml
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
+from tiered.agent import triton_config
 from tiered.agent.repository import model_file
 from tiered.local.processes import AgentProcess
 
@@ -51,10 +55,10 @@ def write_model(root) -> None:
         return helper.make_tensor_value_info(name, elem, ["batch", 1])
 
     thousand = helper.make_tensor("thousand", TensorProto.INT32, [], [1000])
-    nodes = [
-        helper.make_node("Cast", ["START"], ["started"], to=TensorProto.BOOL),
-        helper.make_node("Add", ["ACC_IN", "INPUT"], ["summed"]),
-        helper.make_node("Where", ["started", "INPUT", "summed"], ["ACC_OUT"]),
+    nodes = [  # ops both engines run (the torch engine converts a few)
+        helper.make_node("Mul", ["ACC_IN", "START"], ["forgotten"]),
+        helper.make_node("Sub", ["ACC_IN", "forgotten"], ["kept"]),  # 0 on START
+        helper.make_node("Add", ["kept", "INPUT"], ["ACC_OUT"]),
         helper.make_node("Mul", ["END", "thousand"], ["ending"]),
         helper.make_node("Add", ["ACC_OUT", "ending"], ["OUTPUT"]),
         helper.make_node("Identity", ["CORRID"], ["ID"]),
@@ -174,3 +178,20 @@ def test_tritonclients_stream_and_rest_carry_sequences(agent):
             values.append(int(rest.infer("accumulate", [tensor], sequence_id=9,
                                          sequence_start=step == 0).as_numpy("OUTPUT")[0, 0]))
         assert values == [2, 5]
+
+
+def test_the_torch_engine_runs_the_same_sequences(tmp_path):
+    write_model(tmp_path)
+    pbtxt = tmp_path / "accumulate" / "config.pbtxt"
+    data = {**triton_config.parse(pbtxt.read_text(), "config.pbtxt"), "backend": "torch",
+            "engine": {"device": "cpu", "precision": "fp32"}}
+    pbtxt.unlink()
+    (tmp_path / "accumulate" / "config.yaml").write_text(yaml.safe_dump(data))
+    with AgentProcess("datacenter", tmp_path, extra_args=["--front-ends", "0"]) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        assert client.get_model_config("accumulate").config.backend == "torch"
+        assert send(client, 5, 21, start=True) == (5, 21)
+        assert send(client, 100, 22, start=True) == (100, 22)
+        assert send(client, 3, 21) == (8, 21)
+        assert send(client, 2, 21, end=True) == (1010, 21)
+        assert send(client, -1, 22, end=True) == (1099, 22)

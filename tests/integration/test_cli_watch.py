@@ -286,6 +286,31 @@ def test_a_held_stage_is_reported_and_any_pause_ends_the_watch(backend, how):
         process.kill()
 
 
+def test_a_watch_ended_by_a_status_prints_the_step_recorded_just_after_it(state, as_controller):
+    """The controller and the verbs write a status, then record its step, in two
+    commits; a watch that reads between them still prints the step."""
+    backend = LocalBackend(state)
+    spec = load_tiered_model(PAUSING)
+    started = engine.start(spec, 1, 2, time.time() - 5.0)
+    backend.write(dataclasses.replace(started, message=HELD), "start")
+    process = cli(backend, "rollout", "status", "digits", "--watch", "--still-every", "1")
+    try:
+        read_until(process, "nothing new for")
+        decision = engine.decide(spec, started, None, started.stage_started_at + 3600)
+        record = backend.store.get("digits")
+        backend.store.write_status("digits", record.revision, status=to_plain(TieredModelStatus(
+            rollout=decision.status, message=decision.reason, artifacts=ARTIFACTS,
+            observed_generation=record.generation)))
+        time.sleep(1.2)  # the watch looks every second: it sees the status alone
+        backend.store.record("digits", to_record(make_snapshot(
+            SPEC, decision.status, decision.action, decision.reason)))
+        assert process.wait(DEADLINE_S) == 5
+        out = process.stdout.read()
+        assert f"pause: {decision.reason[:40]}" in out, out
+    finally:
+        process.kill()
+
+
 def test_rollout_status_of_a_paused_rollout_says_so_with_its_exit_code(backend):
     paused = engine.pause(SPEC, engine.start(SPEC, 1, 2, time.time()), time.time()).status
     backend.write(paused, "pause")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from tiered.rollout.status import TieredModelStatus
 
 WATCH_INTERVAL_S = 1.0
+ENDING_STEP_POLLS = 8  # looks, WATCH_INTERVAL_S / 4 apart, for the step that ended a watch
 STILL_EVERY_S = 30.0  # rollout status --watch: a line at least this often while a stage holds
 MAX_CELL = 80  # `tiered get`'s columns, MESSAGE above all
 # Beside 1 (an error, as for every verb) and 2 (a usage error):
@@ -307,6 +308,16 @@ def _rollout_status(args: argparse.Namespace) -> int:
                 if look.lines:
                     said = new = now
                 end = verbs.watch_end(look.spec, look.status, look.generation)
+                if end is not None and follow and not look.lines:
+                    # A step is recorded just after the status it wrote (two
+                    # commits): the step that ended the rollout is worth a moment.
+                    for _ in range(ENDING_STEP_POLLS):
+                        wait(WATCH_INTERVAL_S / 4)
+                        later = poll().lines
+                        for line, _ in later:
+                            terminal.say(line)
+                        if later:
+                            break
                 if end is not None or not follow:
                     if end == names.Phase.PAUSED:
                         print(f"{args.name}: paused: `tiered rollout resume {args.name}` goes "

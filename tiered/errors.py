@@ -56,13 +56,17 @@ class PermissionDenied(TieredError):
     """The caller's credentials do not allow this call."""
 
 
+class Unimplemented(TieredError):
+    """A call this model cannot answer (a decoupled model's ModelInfer)."""
+
+
 # What a client's request caused, not the server: a malformed or unknown
 # request, a full queue or limit, missing or refused credentials. A version's
 # telemetry counts these apart from its failures, so that the rollout judge
 # (which reads only failures) cannot be driven to a rollback by what clients
 # send, as Flagger's and Argo Rollouts' success rates count only server errors.
 CLIENT_ERRORS = (InvalidArgument, NotFound, AlreadyExists, ResourceExhausted,
-                 Unauthenticated, PermissionDenied)
+                 Unauthenticated, PermissionDenied, Unimplemented)
 
 
 def caused_by_client(error: BaseException) -> bool:

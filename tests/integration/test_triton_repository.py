@@ -74,8 +74,6 @@ def test_a_triton_config_reads_as_the_mapping_config_yaml_would_hold():
     ("input [ { name: \"x\" dims: [ 1 ] } ]", "data_type: missing"),
     ("max_batch_size: [", "not a Triton model configuration"),
     ('backend: "onnxruntime-genai"', "a generative backend streams many responses"),
-    ('backend: "onnxruntime" model_transaction_policy { decoupled: true }',
-     "served only by the generative backends"),
     ('backend: "onnxruntime_genai" model_transaction_policy { decoupled: true } '
      'default_model_filename: "model.onnx"', "a generative version is a directory"),
 ])

@@ -8,9 +8,12 @@ out): backend, max_batch_size, inputs, outputs, dynamic_batching,
 version_policy, instance_count, engine, generation. `backend` defaults to the
 tier profile's engine; `engine` (that backend's settings) and
 `dynamic_batching` are laid over the profile's defaults. A generative backend
-(`onnxruntime-genai`) makes the model decoupled: its tensors are fixed
-(`generation.py`), `engine.max_sequences` bounds its running batch and
-`generation` its wait for a sequence slot.
+(`onnxruntime-genai`, `torch-generative`) makes the model decoupled: its
+tensors are fixed (`generation.py`), `engine.max_sequences` bounds its running
+batch and `generation` its wait for a sequence slot. Any other model may say
+`decoupled: true`: it answers a streamed request with one response per row of
+its outputs' first axis (zero rows, zero responses), so each output's `dims`
+are a response's.
 """
 
 from __future__ import annotations
@@ -140,9 +143,18 @@ class ModelConfig:
     engine: Mapping[str, Any] = field(default_factory=dict)
     generation: Generation | None = None  # set for a generative backend (decoupled)
     sequence_batching: SequenceBatching | None = None  # stateful: sequences.py
+    decoupled: bool = False  # answers a request with a stream of responses (Triton's)
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
+        if self.generation is not None and not self.decoupled:
+            raise ConfigError("decoupled: a generative model streams its tokens; "
+                              "leave it out or set it true")
+        if self.decoupled and self.generation is None and (
+                self.max_batch_size or self.sequence_batching is not None):
+            raise ConfigError("decoupled: its responses are the rows of its outputs' first "
+                              "axis, so it neither batches requests nor keeps sequences; "
+                              "set max_batch_size: 0 and leave out sequence_batching")
         if self.sequence_batching is not None and (self.dynamic_batching is not None
                                                    or self.generation is not None):
             raise ConfigError("sequence_batching: a model has one scheduler; leave out "
@@ -173,13 +185,21 @@ class ModelConfig:
                 raise ConfigError(f"{kind}: tensor names must be unique, got {names}")
 
     @property
-    def decoupled(self) -> bool:
-        """Answers a request with a stream of responses (Triton's decoupled)."""
-        return self.generation is not None
+    def splits_responses(self) -> bool:
+        """A decoupled model whose responses are its outputs' rows (not generative)."""
+        return self.decoupled and self.generation is None
 
     def batch_shape(self, tensor: TensorConfig) -> tuple[int, ...]:
-        """The full shape a request carries: -1 leads when the model batches."""
+        """The full shape a request (or a response) carries: -1 leads when the
+        model batches."""
         return (-1, *tensor.dims) if self.max_batch_size > 0 else tensor.dims
+
+    def engine_shape(self, tensor: TensorConfig, output: bool) -> tuple[int, ...]:
+        """The full shape the engine's tensor has: a decoupled model's outputs
+        lead with their responses."""
+        if output and self.splits_responses:
+            return (-1, *tensor.dims)
+        return self.batch_shape(tensor)
 
 
 def parse_model_config(
@@ -201,6 +221,7 @@ def parse_model_config(
     data.setdefault("max_queue_size", profile.limits.max_queue_size)
     if backend in GENERATIVE_BACKENDS:
         data.setdefault("generation", {})
+        data.setdefault("decoupled", True)
     return load_dataclass(ModelConfig, data, where)
 
 
@@ -221,7 +242,8 @@ def complete_with_engine(config: ModelConfig, inputs: Iterable[TensorSpec],
     for kind, specs in (("inputs", tuple(inputs)), ("outputs", tuple(outputs))):
         declared = getattr(config, kind)
         if not declared:
-            filled[kind] = tuple(_from_spec(config, spec, f"{where}.{kind}") for spec in specs)
+            filled[kind] = tuple(_from_spec(config, spec, f"{where}.{kind}", kind == "outputs")
+                                 for spec in specs)
             continue
         by_name = {spec.name: spec for spec in specs}
         for index, tensor in enumerate(declared):
@@ -237,7 +259,7 @@ def complete_with_engine(config: ModelConfig, inputs: Iterable[TensorSpec],
                 raise ConfigError(
                     f"{field_name}.datatype: config says {tensor.datatype}, the model has {actual}"
                 )
-            declared_shape = config.batch_shape(tensor)
+            declared_shape = config.engine_shape(tensor, kind == "outputs")
             if len(declared_shape) != len(spec.shape) or any(
                 d != -1 and m != -1 and d != m for d, m in zip(declared_shape, spec.shape)
             ):
@@ -270,9 +292,14 @@ def _check_sequence_tensors(sequences: SequenceBatching, inputs: tuple[TensorSpe
                               f"{datatype} in the config")
 
 
-def _from_spec(config: ModelConfig, spec: TensorSpec, where: str) -> TensorConfig:
+def _from_spec(config: ModelConfig, spec: TensorSpec, where: str, output: bool) -> TensorConfig:
     shape = spec.shape
-    if config.max_batch_size > 0:
+    if output and config.splits_responses:
+        if not shape:
+            raise ConfigError(f"{where}: {spec.name!r} is a scalar; a decoupled model's "
+                              "outputs lead with an axis of responses")
+        shape = shape[1:]
+    elif config.max_batch_size > 0:
         if not shape or shape[0] != -1:
             raise ConfigError(
                 f"{where}: {spec.name!r} has shape {list(shape)} with no variable batch "

@@ -36,7 +36,6 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256
 MAX_PROMPT_BYTES = 1 << 20  # a prompt's text; its tokens are bounded by the context
 DEFAULT_MAX_TOKENS = 64
-EMPTY_FINAL_RESPONSE = messages.EMPTY_FINAL_RESPONSE
 # Held text that does not become valid UTF-8 within this many tokens is sent as is.
 MAX_HELD_TOKENS = 4
 
@@ -79,10 +78,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any
         top_p=_number(values["top_p"], "top_p", 1.0),
         seed=seed,
     )
-    empty_final = parameters.get(EMPTY_FINAL_RESPONSE, False)
-    if not isinstance(empty_final, bool):
-        raise InvalidArgument(f"parameters.{EMPTY_FINAL_RESPONSE}: expected a bool")
-    return GenerationRequest(prompt, sampling, _stops(values[STOP]), empty_final)
+    return GenerationRequest(prompt, sampling, _stops(values[STOP]),
+                             messages.wants_empty_final(parameters))
 
 
 def _value(name: str, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]) -> Any:

@@ -30,7 +30,13 @@ from tiered.agent.config import ModelConfig
 from tiered.agent.devices import DeviceEngine, EngineLost, in_thread
 from tiered.agent.sequences import SequenceFlags, Sequences
 from tiered.engines.base import Engine
-from tiered.errors import InvalidArgument, TieredError, Unavailable, caused_by_client
+from tiered.errors import (
+    EngineError,
+    InvalidArgument,
+    TieredError,
+    Unavailable,
+    caused_by_client,
+)
 from tiered.protocol import codec, error_text
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
@@ -107,6 +113,17 @@ def check_outputs(config: ModelConfig, requested: Sequence[str]) -> tuple[str, .
                 f"outputs: unknown output {name!r}; model {config.name!r} has {', '.join(names)}"
             )
     return tuple(requested) or tuple(names)
+
+
+def response_rows(outputs: Mapping[str, np.ndarray], model: str
+                  ) -> list[dict[str, np.ndarray]]:
+    """A decoupled model's responses: row i of every output is response i."""
+    counts = {name: len(array) for name, array in outputs.items()}
+    if len(set(counts.values())) > 1:
+        raise EngineError(f"model {model!r} is decoupled: its outputs must lead with one "
+                          f"count of responses, got {counts}")
+    rows = next(iter(counts.values()), 0)
+    return [{name: array[row] for name, array in outputs.items()} for row in range(rows)]
 
 
 class Admissions:

@@ -270,7 +270,7 @@ class ModelRepository:
                 if old is not None and old.built_from == source:
                     built[version] = old  # unchanged on disk: keep serving it
                     continue
-                if config.decoupled:
+                if config.generation is not None:
                     built[version] = await self._build_generative(config, version, path, source)
                     continue
                 engines = await (self._start_engine_processes(config, version, path)

@@ -6,7 +6,9 @@ and each answer or error travels back as its own stream message, so one bad
 request never ends the stream. A generative (decoupled) model answers a
 streamed request with one response per token, each flagged
 `triton_final_response` (true on the last), and ModelInfer with the whole
-text; a client that goes away stops its sequence.
+text; a client that goes away stops its sequence. Any other decoupled model
+answers a streamed request with a response per row of its outputs (none for
+none) and refuses ModelInfer, as Triton does.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ from opentelemetry import trace
 import tiered
 from tiered.agent.generation import TEXT_OUTPUT, TOKEN_IDS, GenerationRequest
 from tiered.agent.generative import GenerativeVersion
-from tiered.agent.model import ModelVersion
+from tiered.agent.model import ModelVersion, response_rows
 from tiered.agent.repository import ModelRepository
 from tiered.agent.scheduler import Piece
 from tiered.agent.sequences import SequenceFlags
 from tiered.agent.shared_memory import CallerRegions, SharedMemory
-from tiered.errors import InvalidArgument, TieredError
+from tiered.errors import InvalidArgument, TieredError, Unimplemented
+from tiered.protocol import error_text, messages
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import grpc_service_pb2_grpc as pb_grpc
-from tiered.protocol import messages
 from tiered.protocol.handlers import seconds_left
 from tiered.protocol.security import CALLER, Authorizer, claim
 from tiered.protocol.status import describe, translate_errors
@@ -131,6 +133,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         responses as they come (an async iterator)."""
         model = self.repository.get(request.model_name, request.model_version)
         if not isinstance(model, GenerativeVersion):
+            if model.config.decoupled:
+                return self._row_responses(model, request, seconds_left)
             return await self.answer(request, seconds_left, metadata)
         call, generation = self._generation(model, request)
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
@@ -203,9 +207,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 response = self._text_response(call, model, pieces)
                 yield messages.stream_response(response, pieces[-1].last and not empty_final)
         if empty_final:
-            yield messages.stream_response(pb.ModelInferResponse(
-                model_name=model.config.name, model_version=str(model.version), id=call.id),
-                True)
+            yield messages.empty_final_response(model.config.name, model.version, call.id)
+
+    async def _row_responses(self, model: ModelVersion, request: pb.ModelInferRequest,
+                             seconds_left: float):
+        """A decoupled model's responses to a request: one per row of its
+        outputs, the last flagged final (or an empty final one, if asked)."""
+        try:
+            call = messages.decode_infer_request(request, self._regions(request))
+            if call.output_regions:
+                raise InvalidArgument("outputs: a decoupled model answers in its responses, "
+                                      "not in shared memory")
+            empty_final = messages.wants_empty_final(call.parameters)
+        except TieredError as error:
+            model.count_rejected(error)
+            raise
+        deadline = time.monotonic() + min(call.timeout_s, seconds_left)
+        outputs = await model.infer(call.inputs, call.outputs, deadline, self.tracer)
+        rows = response_rows(outputs, model.config.name)
+        for index, row in enumerate(rows):
+            response = messages.encode_infer_response(call, model.config.name, model.version,
+                                                      row)
+            yield messages.stream_response(response, index == len(rows) - 1 and not empty_final)
+        if empty_final:
+            yield messages.empty_final_response(model.config.name, model.version, call.id)
 
     async def _generate_whole(self, model: GenerativeVersion, request: pb.ModelInferRequest,
                               seconds_left: float, raw: list | None) -> pb.ModelInferResponse:
@@ -248,6 +273,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         model = self.repository.get(request.model_name, request.model_version)
         if isinstance(model, GenerativeVersion):
             return await self._generate_whole(model, request, seconds_left, raw)
+        if model.config.decoupled:
+            error = Unimplemented(error_text.decoupled_unary(model.config.name))
+            model.count_rejected(error)
+            raise error
         regions = self._regions(request)
         try:
             call = messages.decode_infer_request(request, regions, raw)

@@ -4,7 +4,8 @@ it stands for. Pure parsing.
 The text is parsed into the `inference.ModelConfig` message (protobuf's text
 format, Triton's field names), then mapped: platform or backend (ONNX
 Runtime, TensorRT, and the generative onnxruntime-genai and torch-generative,
-which must say `model_transaction_policy { decoupled: true }`), max_batch_size,
+which must say `model_transaction_policy { decoupled: true }`, as any other
+model may), max_batch_size,
 input and output (TYPE_FP32 -> FP32), dynamic_batching (preferred sizes, delay,
 the default queue policy's size), sequence_batching (control inputs, implicit
 state with zero initial data, the idle limit, the strategy), version_policy and
@@ -59,12 +60,11 @@ def _mapping(config: mc.ModelConfig, where: str) -> dict[str, Any]:
                               f"(served: {', '.join(sorted(BACKENDS))})")
         data["backend"] = BACKENDS[named]
     generative = data.get("backend") in GENERATIVE_BACKENDS
-    if config.model_transaction_policy.decoupled != generative:
-        raise ConfigError(
-            f"{where}.model_transaction_policy.decoupled: "
-            + ("a generative backend streams many responses a request: set it true"
-               if generative else f"served only by the generative backends "
-               f"({', '.join(GENERATIVE_BACKENDS)}); backend {named or 'unset'!r}"))
+    if generative and not config.model_transaction_policy.decoupled:
+        raise ConfigError(f"{where}.model_transaction_policy.decoupled: a generative backend "
+                          "streams many responses a request: set it true")
+    if config.model_transaction_policy.decoupled:
+        data["decoupled"] = True
     if generative and config.default_model_filename:
         raise ConfigError(f"{where}.default_model_filename: a generative version is a "
                           "directory (a built model or a checkpoint); leave it out")

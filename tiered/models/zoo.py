@@ -10,6 +10,7 @@ same arguments always give the same file, and returns its path.
 - `identity`: one Identity per Open Inference Protocol datatype, for round-trip
   tests of every wire type.
 - `add_sub`: Triton's classic "simple" model (OUTPUT0 = a+b, OUTPUT1 = a-b).
+- `repeat`: Triton's decoupled "repeat_int32": a response per element of IN.
 
 The models are for measuring and testing serving, never for their answers: the
 weights are random. This module must never import anything of tiered's above
@@ -25,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["V2_TO_ONNX", "add_sub", "identity", "mlp", "resnet18"]
+__all__ = ["V2_TO_ONNX", "add_sub", "identity", "mlp", "repeat", "resnet18"]
 
 OPSET = 17
 # IR 8 is the version that goes with opset 17; writing it explicitly (rather
@@ -166,6 +167,30 @@ def add_sub(path: str | Path) -> Path:
         "add_sub",
         inputs=[_value_info(n, TensorProto.FLOAT, shape) for n in ("INPUT0", "INPUT1")],
         outputs=[_value_info(n, TensorProto.FLOAT, shape) for n in ("OUTPUT0", "OUTPUT1")],
+    )
+
+
+def repeat(path: str | Path) -> Path:
+    """Write Triton's decoupled "repeat_int32" as a graph: IN INT32 [n] ->
+    OUT INT32 [n, 1] (row i: IN[i]) and IDX UINT32 [n, 1] (row i: i), the
+    rows a decoupled model's n responses. DELAY UINT32 [n] and WAIT UINT32 [1]
+    are taken, as Triton's clients send them, and not read: a graph cannot sleep."""
+    g = _GraphBuilder(np.random.default_rng(0))
+    axis = g.initializer("axis", np.array([1], dtype=np.int64))
+    count = g.node("Squeeze", [g.node("Shape", ["IN"])])
+    zero = g.initializer("zero", np.array(0, dtype=np.int64))
+    one = g.initializer("one", np.array(1, dtype=np.int64))
+    index = g.node("Cast", [g.node("Range", [zero, count, one])], to=TensorProto.UINT32)
+    g.node("Unsqueeze", ["IN", axis], outputs=["OUT"])
+    g.node("Unsqueeze", [index, axis], outputs=["IDX"])
+    n: list[str | int | None] = ["n"]
+    return _save(
+        g, path, "repeat_int32",
+        inputs=[_value_info("IN", TensorProto.INT32, n),
+                _value_info("DELAY", TensorProto.UINT32, n),
+                _value_info("WAIT", TensorProto.UINT32, [1])],
+        outputs=[_value_info("OUT", TensorProto.INT32, ["n", 1]),
+                 _value_info("IDX", TensorProto.UINT32, ["n", 1])],
     )
 
 

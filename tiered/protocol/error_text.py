@@ -49,3 +49,8 @@ def wrong_shape(name: str, model: str, expected: Sequence[int], got: Sequence[in
 def batch_too_large(model: str, max_batch_size: int, name: str, got: int) -> str:
     return (f"inference request batch-size must be <= {max_batch_size} for '{model}' "
             f"(input '{name}': batch size {got}; max_batch_size)")
+
+
+def decoupled_unary(model: str) -> str:
+    return (f"ModelInfer RPC doesn't support models with decoupled transaction policy "
+            f"(model '{model}'); send its requests on ModelStreamInfer")

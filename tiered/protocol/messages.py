@@ -123,6 +123,22 @@ def stream_response(response: pb.ModelInferResponse, final: bool) -> pb.ModelInf
     return response
 
 
+def wants_empty_final(parameters: Mapping[str, Any]) -> bool:
+    """Whether a request to a decoupled model asks for Triton's empty final response."""
+    wanted = parameters.get(EMPTY_FINAL_RESPONSE, False)
+    if not isinstance(wanted, bool):
+        raise InvalidArgument(f"parameters.{EMPTY_FINAL_RESPONSE}: expected a bool")
+    return wanted
+
+
+def empty_final_response(model_name: str, version: int, request_id: str
+                         ) -> pb.ModelInferResponse:
+    """The response that only says a decoupled model's request is answered."""
+    return stream_response(pb.ModelInferResponse(model_name=model_name,
+                                                 model_version=str(version), id=request_id),
+                           True)
+
+
 def token_count(response: pb.ModelInferResponse) -> int:
     """Output tokens in a generative model's response: its `token_ids` (INT64)
     elements."""

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from tiered.engines.generative import GENERATIVE_BACKENDS
 from tiered.errors import ConfigError, InvalidArgument
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import rest_openai, status
@@ -403,14 +404,14 @@ class RestFrontDoor:
     # -- OpenAI's API (rest_openai)
 
     async def openai_models(self, request: web.Request) -> web.Response:
-        """The ready models that generate (decoupled ones)."""
+        """The ready models that generate (a generative backend's)."""
         index = await self._call(self.servicer.RepositoryIndex,
                                  pb.RepositoryIndexRequest(ready=True), request)
         names = []
         for name in sorted({model.name for model in index.models}):
             answer = await self._call(self.servicer.ModelConfig,
                                       pb.ModelConfigRequest(name=name), request)
-            if answer.config.model_transaction_policy.decoupled:
+            if answer.config.backend in GENERATIVE_BACKENDS:
                 names.append(name)
         return _json(rest_openai.models_json(names))
 

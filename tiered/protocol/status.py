@@ -31,6 +31,7 @@ _CODES: dict[type[errors.TieredError], grpc.StatusCode] = {
     errors.Conflict: grpc.StatusCode.ABORTED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    errors.Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 

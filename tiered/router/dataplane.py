@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from tiered import errors
-from tiered.protocol import error_text, routing, security
+from tiered.protocol import error_text, messages, routing, security
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.router import (
     counters,
@@ -124,8 +124,9 @@ class Router:
         sent on a stream to one agent (failover before its first response
         only, `streams`), every response relayed in order. Counted once, when
         its last response has gone; the first one's time is its TTFT. Never
-        cascaded (its first agent answers); shadowed as a whole generation is,
-        with the token ids it relayed, once it has ended."""
+        cascaded (its first agent answers); a generation is shadowed as a whole
+        generation is, with the token ids it relayed, once it has ended (other
+        decoupled models' streams are not: nothing compares them)."""
         started = self.clock()
         model = request.model_name
         table = self.table
@@ -164,7 +165,7 @@ class Router:
         version = first.model_version if first is not None else ""
         self.statistics.succeeded(model, version, now - started, now)
         self.metrics.answered(model, tier, version, now - started)
-        if shadowed:
+        if shadowed and relayed and messages.PROMPT_TOKENS in relayed[0].parameters:
             self.shadows.send_generation(
                 request, raw, lambda: tuple(t for r in relayed for t in forward.token_ids(r)),
                 opened.candidate, route, table.timeout_s)

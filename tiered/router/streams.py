@@ -1,4 +1,4 @@
-"""A decoupled (generative) model's streamed requests through the router.
+"""A decoupled model's streamed requests through the router.
 
 `DecoupledModels` says which models answer a streamed request with a stream
 of responses: what an agent's ModelConfig says
@@ -8,7 +8,8 @@ known). Only a model never asked about waits for the answer; one that no
 agent can describe is treated as not decoupled and not remembered.
 
 `open_stream` sends one request on a stream of its own to the first
-candidate whose stream gives a first response, with `forward`'s failover
+candidate whose stream gives a first response (or ends well with none: a
+decoupled model may answer with no response), with `forward`'s failover
 rules (down agents passed over, retryable codes fail over within the
 deadline); `relay` then gives that agent's responses in order until the
 final one (`triton_final_response`). Once a response has gone out, the
@@ -95,7 +96,7 @@ class Opened:
     """A request's stream to the agent that gave its first response."""
 
     call: grpc.aio.StreamStreamCall
-    first: pb.ModelStreamInferResponse
+    first: pb.ModelStreamInferResponse | None  # None: a decoupled model sent none
     candidate: policies.Candidate
 
 
@@ -115,8 +116,10 @@ async def open_stream(forwarder: forward.Forwarder, request: pb.ModelInferReques
             call.cancel()
             raise
         if first is grpc.aio.EOF:
-            raise errors.Unavailable(f"agent {candidate.agent} ended the stream without "
-                                     f"answering the request")
+            if await call.code() != grpc.StatusCode.OK:
+                raise errors.Unavailable(f"agent {candidate.agent} ended the stream without "
+                                         f"answering the request")
+            return Opened(call, None, candidate)  # answered with no response
         return Opened(call, first, candidate)
 
     return await forwarder.first_to_answer(request.model_name, candidates, route, deadline,
@@ -132,7 +135,7 @@ async def relay(opened: Opened, forwarder: forward.Forwarder
     agent = candidate.agent
     message, relayed, decoupled = opened.first, 0, False
     try:
-        while True:
+        while message is not None:
             if message.error_message:
                 raise errors.TieredError(f"{message.error_message} (agent {agent})")
             response = message.infer_response

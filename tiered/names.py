@@ -59,6 +59,13 @@ class Policy(StrEnum):
     CASCADE = "cascade"
 
 
+class ScaleMetric(StrEnum):
+    """The per-agent quantity a tier's autoscaling holds at its target."""
+
+    CONCURRENCY = "concurrency"  # requests inside an agent at once, over the window
+    UTILIZATION = "utilization"  # the share of the window its engines were busy
+
+
 class OnFailure(StrEnum):
     """What a rollout stage does once its analysis has failed
     consecutiveFailureLimit times in a row."""

@@ -5,7 +5,8 @@ its cursor and the router's shadow-agreement counters, adds them to the
 current stage's samples (`StageAccumulator`) and hands the plan a
 `StageReading`; the rollout engine's decision is made there
 (`tiered.controller.plan`). `routed` asks the routers whether their tables
-route a model, which the plan's Ready condition is made of.
+route a model, which the plan's Ready condition is made of; `loads` reads
+each tier's load for its autoscaling (`tiered.controller.scaling`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from tiered.controller import plan
+from tiered.controller import plan, scaling
 from tiered.controller.measure import StageAccumulator, VersionReading
 from tiered.controller.plan import StageReading
 from tiered.protocol import telemetry_messages
@@ -57,6 +58,22 @@ def readings_of(tier: str, reply: tpb.StatsResponse) -> list[VersionReading]:
     return readings
 
 
+def tier_load(replies: Sequence[tpb.StatsResponse]) -> scaling.TierLoad:
+    """A tier's agents' Stats replies (each of one model, every version) as
+    its load: requests, and the metrics summed over agents."""
+    requests, concurrency, utilization, spans = 0, 0.0, 0.0, []
+    for reply in replies:
+        span = reply.window_s
+        spans.append(span)
+        for version in reply.versions:
+            requests += version.success + version.failure
+            if span > 0:
+                concurrency += version.latency.sum_s / span
+                utilization += version.busy_s / span
+    window = sum(spans) / len(spans) if spans else 0.0
+    return scaling.TierLoad(len(replies), window, requests, concurrency, utilization)
+
+
 class RolloutJudge:
     """Per model: the live stage's samples and each agent's telemetry cursor."""
 
@@ -66,6 +83,7 @@ class RolloutJudge:
         # (agent address, model) -> (the agent's instance, its clock's cursor)
         self._cursors: dict[tuple[str, str], tuple[str, float]] = {}
         self._stages: dict[str, StageAccumulator] = {}
+        self._load_cursors: dict[tuple[str, str], tuple[str, float]] = {}  # as _cursors
 
     def read(self, spec: TieredModel, status: RolloutStatus,
              agents: Mapping[str, Sequence[str]], routers: Sequence[str],
@@ -102,10 +120,14 @@ class RolloutJudge:
                             tuple(unreadable),
                             {**stage.state(), "cursors": cursors}, devices_down=tuple(down))
 
-    def forget(self, model: str) -> None:
-        """No live rollout: the next one's samples start when it does."""
+    def forget(self, model: str, loads: bool = False) -> None:
+        """No live rollout: the next one's samples start when it does;
+        `loads`: the model is gone, its load cursors go too."""
         self._cursors = {k: v for k, v in self._cursors.items() if k[1] != model}
         self._stages.pop(model, None)
+        if loads:
+            self._load_cursors = {k: v for k, v in self._load_cursors.items()
+                                  if k[1] != model}
 
     def _readings(self, model: str, agents: Mapping[str, Sequence[str]]
                   ) -> tuple[list[VersionReading], list[str], list[str]]:
@@ -136,6 +158,32 @@ class RolloutJudge:
                     continue
                 readings.extend(readings_of(tier, reply))
         return readings, unreadable, down
+
+    def loads(self, model: str, agents: Mapping[str, Sequence[str]]
+              ) -> dict[str, scaling.TierLoad]:
+        """Each tier's load since the last look (`scaling.TierLoad`), from its
+        agents' Stats with cursors of their own (a first look reads the
+        agent's whole window); an agent that cannot be read is left out."""
+        loads = {}
+        for tier, addresses in agents.items():
+            replies = []
+            for agent in addresses:
+                key = (agent, model)
+                instance, cursor = self._load_cursors.get(key, ("", 0.0))
+                stub = tpb_grpc.TelemetryStub(self._channel(agent))
+                try:
+                    reply = stub.Stats(tpb.StatsRequest(model_name=model, cursor=cursor),
+                                       timeout=RPC_TIMEOUT_S)
+                    if instance and reply.instance != instance:  # restarted: another clock
+                        reply = stub.Stats(tpb.StatsRequest(model_name=model),
+                                           timeout=RPC_TIMEOUT_S)
+                except grpc.RpcError as error:
+                    log.warning("load of %s unreadable: %s", agent, error.code().name)
+                    continue
+                self._load_cursors[key] = (reply.instance, reply.end)
+                replies.append(reply)
+            loads[tier] = tier_load(replies)
+        return loads
 
     def routed(self, model: str, routers: Sequence[str]) -> plan.Routed:
         """Whether the routing table each router uses routes `model` (None

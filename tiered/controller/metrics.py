@@ -1,5 +1,6 @@
 """The controller's Prometheus metrics: where each rollout stands and what its
-latest analysis found, per metric and tier, the shape canary users alert on.
+latest analysis found, per metric and tier, the shape canary users alert on;
+and each autoscaled tier's agents and metric.
 
 The Reconciler hands every status it writes (and the decisions it made) to
 `RolloutMetrics`; a scrape reads them from another thread, hence the lock.
@@ -53,6 +54,11 @@ class RolloutMetrics:
         decisions = Family("tiered_rollout_decisions_total", "counter",
                            "Decisions this controller made since it started, by reason "
                            "(StageAdvanced, Promoted, RolledBack, Paused, ...)")
+        replicas = Family("tiered_autoscaling_replicas", "gauge",
+                          "Agents each autoscaled tier runs, as the controller decided")
+        scale_value = Family("tiered_autoscaling_metric", "gauge",
+                             "The autoscaling metric per agent at the latest look "
+                             "(metric label: concurrency or utilization)")
         with self._lock:
             statuses = dict(self._statuses)
             counted = dict(self._decisions)
@@ -78,6 +84,11 @@ class RolloutMetrics:
                                  1 if result.outcome == outcome else 0)
                 if "p_value" in result.numbers:
                     p_value.add(labels, result.numbers["p_value"])
+            for tier, scale in sorted(status.scaling.items()):
+                replicas.add({"model": model, "tier": tier}, scale.replicas)
+                if scale.value is not None:
+                    scale_value.add({"model": model, "tier": tier}, scale.value)
         for (model, reason), count in sorted(counted.items()):
             decisions.add({"model": model, "reason": reason}, count)
-        return [phase, stage, versions, weight, analysis, p_value, decisions]
+        return [phase, stage, versions, weight, analysis, p_value, decisions, replicas,
+                scale_value]

@@ -17,7 +17,9 @@ spec's artifact and the stored status it decides
   passed;
 - the status to write: the rollout, the artifact versions, the summary
   fields, the `Ready`/`Progressing`/`Degraded` conditions and a bounded
-  history of the rollout's steps with their numbers.
+  history of the rollout's steps with their numbers;
+- how many agents each tier runs (`replicas`): an autoscaled tier's from
+  its load (`tiered.controller.scaling`), with the reason in the status.
 
 Pure: no clock (`now` is passed in), no I/O. The backends' observations
 arrive as `Observation`; the telemetry behind the measurements is read by
@@ -33,7 +35,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from tiered import names
-from tiered.controller import desired
+from tiered.controller import desired, scaling
 from tiered.errors import ConfigError
 from tiered.rollout import engine
 from tiered.rollout.analysis import Measurements
@@ -46,12 +48,14 @@ from tiered.rollout.status import (
     Retirement,
     RolloutStatus,
     TieredModelStatus,
+    TierScale,
 )
 
 READY, PENDING, REFUSED = "Ready", "Pending", "Refused"
 HISTORY_LIMIT = 50  # steps kept in the status; the oldest go first
 RETIRE_GRACE_S = 120.0  # Kubernetes refreshes a mounted ConfigMap within about a minute
 WAIT_S = 5.0  # how soon a version still coming up is looked at again
+SCALE_INTERVAL_S = 5.0  # how soon an autoscaled model's load is looked at again
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Observation:
     present: frozenset[int] = frozenset()  # versions with agents in place now
     reading: StageReading | None = None  # the live stage's, when it was judged
     routed: Routed | None = None  # None: not asked (see `asks_routers`)
+    loads: Mapping[str, scaling.TierLoad] | None = None  # autoscaled tiers' (None: not read)
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ class Plan:
     events: tuple[Event, ...] = ()
     snapshot: Snapshot | None = None  # this pass's rollout snapshot, if judged or moved
     requeue_after_s: float | None = None
+    replicas: Mapping[str, int] = dataclasses.field(default_factory=dict)  # agents per tier
 
 
 def versions(spec: TieredModel, status: TieredModelStatus) -> Versions:
@@ -230,6 +236,7 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
     waits = [r.after - now for r in retiring if r.after > now]
     requeue = min([v for v in (requeue, *waits) if v is not None], default=None)
     refused = refusals(spec, wanted, observed.states)
+    scales = scale_tiers(spec, status.scaling, observed.loads, now)
     unreadable = observed.reading.unreadable if observed.reading is not None else ()
     down = observed.reading.devices_down if observed.reading is not None else ()
     written = TieredModelStatus(
@@ -238,11 +245,45 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
         conditions=conditions(status.conditions, rollout, blocked, refused, unreadable,
                               observed.generation, now, observed.routed, down),
         history=(*status.history, *steps)[-HISTORY_LIMIT:], retiring=retiring,
-        stage_samples=_stage_samples(status, rollout, observed.reading))
+        stage_samples=_stage_samples(status, rollout, observed.reading), scaling=scales)
     keep = tuple(sorted({*still, *(r.version for r in retiring if r.version not in due)}))
     if rollout is not None and asks_routers(written):  # look again soon until routed
         requeue = min(v for v in (requeue, WAIT_S) if v is not None)
-    return Plan(written, keep, due, tuple(events), snapshot, requeue)
+    if scales:
+        requeue = min(v for v in (requeue, SCALE_INTERVAL_S) if v is not None)
+    return Plan(written, keep, due, (*events, *_scale_events(status.scaling, scales)),
+                snapshot, requeue, replicas_of(spec, scales))
+
+
+def scale_tiers(spec: TieredModel, previous: Mapping[str, TierScale],
+                loads: Mapping[str, scaling.TierLoad] | None, now: float
+                ) -> dict[str, TierScale]:
+    """Each autoscaled tier's scale after this look (`tiered.controller.scaling`)."""
+    return {tier: scaling.decide(tier_spec.autoscaling, previous.get(tier),
+                                 loads.get(tier) if loads is not None else None,
+                                 tier_spec.replicas, now)
+            for tier in _tiers(spec)
+            if (tier_spec := spec.tiers[tier]).autoscaling is not None}
+
+
+def replicas_of(spec: TieredModel, scales: Mapping[str, TierScale]) -> dict[str, int]:
+    """Agents per tier: the autoscaled tiers' decision, the others' `replicas`."""
+    return {tier: scales[tier].replicas
+            if tier in scales and spec.tiers[tier].autoscaling is not None
+            else spec.tiers[tier].replicas for tier in _tiers(spec)}
+
+
+def _scale_events(before: Mapping[str, TierScale], after: Mapping[str, TierScale]
+                  ) -> list[Event]:
+    events = []
+    for tier, scale in after.items():
+        old = before.get(tier)
+        if old is not None and old.replicas != scale.replicas:
+            up = scale.replicas > old.replicas
+            events.append(Event("ScaledUp" if up else "ScaledDown",
+                                f"{tier}: {old.replicas} -> {scale.replicas} agents: "
+                                f"{scale.reason}"))
+    return events
 
 
 def _tiers(spec: TieredModel) -> list[str]:

@@ -3,7 +3,7 @@
 `reconcile(name)` is level-based: it reads the model and its stored status
 through the backend, lets the backend observe (and bring about) the agents
 of the versions the spec wants, reads the live stage's telemetry when the
-rollout is judged, asks the pure plan (`tiered.controller.plan`) what should
+rollout is judged (and each autoscaled tier's load), asks the pure plan (`tiered.controller.plan`) what should
 be, and has the backend apply it: versions kept or retired, the status
 written at the revision read (a `Conflict` means someone wrote first: the
 caller reconciles again), the routing table rewritten from every model.
@@ -93,6 +93,10 @@ def routed(models: Iterable[Stored]) -> list[tuple[TieredModel, RolloutStatus]]:
     return routes
 
 
+def autoscaled(spec: TieredModel) -> bool:
+    return any(tier.autoscaling is not None for tier in spec.tiers.values())
+
+
 class Backend(Protocol):
     """What a backend does for the Reconciler: observe and apply, never decide."""
 
@@ -106,10 +110,11 @@ class Backend(Protocol):
         """Write the model as the controller keeps it (see `Stored.settled`);
         what it is then."""
 
-    def prepare(self, spec: TieredModel, wanted: plan.Versions
+    def prepare(self, spec: TieredModel, wanted: plan.Versions, replicas: Mapping[str, int]
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
-        """Bring about the agents of the wanted versions; their state per
-        (tier, version), and the versions with agents in place."""
+        """Bring about the agents of the wanted versions (`replicas` per tier,
+        as last decided); their state per (tier, version), and the versions
+        with agents in place."""
 
     def agents(self, spec: TieredModel, rollout: RolloutStatus) -> Mapping[str, Sequence[str]]:
         """Per tier, the agents whose telemetry judges the rollout."""
@@ -118,7 +123,8 @@ class Backend(Protocol):
         """Every router whose shadow agreement counts."""
 
     def apply(self, spec: TieredModel, made: plan.Plan) -> None:
-        """Keep the plan's versions on the agents; remove those it retires."""
+        """Keep the plan's versions on the agents, as many as its replicas;
+        remove those it retires."""
 
     def write_status(self, stored: Stored, status: TieredModelStatus) -> None:
         """Write at the revision read; Conflict when someone wrote in between."""
@@ -150,7 +156,7 @@ class Reconciler:
         if stored is not None and not stored.deleting and not stored.settled:
             stored = self.backend.settle(stored)
         if stored is None or stored.deleting:
-            self.judge.forget(name)
+            self.judge.forget(name, loads=True)
             self.metrics.forget(name)
             if stored is not None:
                 self.backend.finalize(stored)
@@ -163,7 +169,8 @@ class Reconciler:
         except ConfigError as error:  # nothing to do until the spec changes
             self._write(stored, dataclasses.replace(status, message=str(error)))
             return None
-        states, present = self.backend.prepare(spec, wanted)
+        states, present = self.backend.prepare(spec, wanted,
+                                               plan.replicas_of(spec, status.scaling))
         now = self.clock()
         reading = None
         if plan.judging(spec, status, wanted, states):
@@ -174,8 +181,10 @@ class Reconciler:
             self.judge.forget(name)
         routed = (self.judge.routed(name, self.backend.routers())
                   if plan.asks_routers(status) else None)
+        loads = (self.judge.loads(name, self.backend.agents(spec, status.rollout))
+                 if status.rollout is not None and autoscaled(spec) else None)
         made = plan.plan(spec, status, plan.Observation(stored.generation, states, present,
-                                                        reading, routed),
+                                                        reading, routed, loads),
                          now, self.retire_grace_s)
         self.backend.apply(spec, made)
         self._write(stored, made.status)

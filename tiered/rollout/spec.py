@@ -99,6 +99,52 @@ class Resources(Checked):
 
 
 @dataclass(frozen=True)
+class Autoscaling(Checked):
+    """Agents of a tier that follow its load (`tiered.controller.scaling`)."""
+
+    min_replicas: int = spec_field(1, doc="fewest agents while the tier serves "
+                                   "(scaleToZero lets it go to none when idle)",
+                                   minimum=1, maximum=1000)
+    max_replicas: int = spec_field(4, doc="most agents", minimum=1, maximum=1000)
+    metric: str = spec_field(
+        names.ScaleMetric.CONCURRENCY, enum=tuple(names.ScaleMetric),
+        doc="what is held at the target, per agent, over each read of its telemetry: "
+        "concurrency (requests inside the agent at once, the sum of their latencies over "
+        "the window, as Knative's KPA scales), or utilization (the share of the window its "
+        "engines were busy)")
+    target: float = spec_field(2.0, doc="the metric's value per agent to hold (utilization: "
+                               "a share, at most 1)", minimum=0.0, exclusive_minimum=True)
+    tolerance: float = spec_field(0.1, doc="no change while the metric is within this "
+                                  "share of its target", minimum=0.0, maximum=1.0)
+    scale_to_zero: bool = spec_field(False, doc="go to no agent after idleSeconds without a "
+                                     "request; the router sends the tier's requests to the "
+                                     "next tier meanwhile, and its unmet demand wakes it")
+    idle_s: float = spec_field(300.0, doc="seconds without a request before a scaleToZero "
+                               "tier goes to zero", minimum=0.0)
+    scale_up_window_s: float = spec_field(
+        0.0, doc="stabilisation: a scale-up follows the lowest recommendation of this "
+        "window", minimum=0.0, maximum=3600.0)
+    scale_down_window_s: float = spec_field(
+        60.0, doc="stabilisation: a scale-down follows the highest recommendation of this "
+        "window, so a dip does not remove agents a burst needs again", minimum=0.0,
+        maximum=3600.0)
+    max_scale_up: int = spec_field(4, doc="most agents added at one decision",
+                                   minimum=1, maximum=1000)
+    max_scale_down: int = spec_field(1, doc="most agents removed at one decision (going to "
+                                     "zero when idle is one decision)", minimum=1,
+                                     maximum=1000)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_replicas > self.max_replicas:
+            raise ConfigError(f"maxReplicas: must be at least minReplicas "
+                              f"({self.min_replicas}), got {self.max_replicas}")
+        if self.metric == names.ScaleMetric.UTILIZATION and self.target > 1:
+            raise ConfigError(f"target: utilization is a share of the window, at most 1, "
+                              f"got {self.target:g}")
+
+
+@dataclass(frozen=True)
 class TierSpec(Checked):
     """How one tier runs the model."""
 
@@ -107,8 +153,11 @@ class TierSpec(Checked):
     precision: str | None = spec_field(
         None, doc="numeric precision of the tier build; null: the tier profile's",
         enum=tuple(names.Precision))
-    replicas: int = spec_field(1, doc="agents of this tier serving the model",
-                               minimum=0, maximum=1000)
+    replicas: int = spec_field(1, doc="agents of this tier serving the model (with "
+                               "autoscaling: where it starts)", minimum=0, maximum=1000)
+    autoscaling: Autoscaling | None = spec_field(
+        None, doc="agents that follow the load between minReplicas and maxReplicas; null: "
+        "a fixed `replicas`")
     batching: Batching = spec_field(default_factory=Batching, doc="dynamic batching")
     per_node: bool = spec_field(False, doc="Kubernetes: one agent on every matching node "
                                 "(a DaemonSet) instead of `replicas`")
@@ -117,6 +166,12 @@ class TierSpec(Checked):
     tolerations: tuple[Toleration, ...] = spec_field((), doc="Kubernetes: taints to accept")
     resources: Resources = spec_field(default_factory=Resources,
                                       doc="Kubernetes: the agent container's resources")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.autoscaling is not None and self.per_node:
+            raise ConfigError("autoscaling: a tier with perNode runs an agent on every "
+                              "matching node; leave one of them out")
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,29 @@ class Retirement:
 
 
 @dataclass(frozen=True)
+class Recommendation:
+    """What one look at a tier's load recommended (kept for the stabilisation
+    windows; a look that recommends what the one before did is not kept)."""
+
+    t: Timestamp = spec_field(doc="when")
+    replicas: int = spec_field(doc="agents recommended", minimum=0)
+
+
+@dataclass(frozen=True)
+class TierScale:
+    """One autoscaled tier: its agents, and why that many."""
+
+    replicas: int = spec_field(doc="agents the tier runs", minimum=0)
+    reason: str = spec_field("", doc="the latest decision in words, with its numbers")
+    value: float | None = spec_field(None, doc="the metric per agent at the latest look")
+    changed_at: Timestamp = spec_field(0.0, doc="when replicas last changed")
+    last_request_at: Timestamp | None = spec_field(
+        None, doc="when a request was last seen (or the tier last woke)")
+    recommendations: tuple[Recommendation, ...] = spec_field(
+        (), doc="recent recommendations, oldest first, for the stabilisation windows")
+
+
+@dataclass(frozen=True)
 class TieredModelStatus:
     """The resource's status, the same on both backends: the rollout's progress
     plus what the controller keeps so that a restarted one resumes."""
@@ -157,6 +180,9 @@ class TieredModelStatus:
         None, doc="the live stage's samples so far (counts, latency buckets, energy "
         "windows, shadow counts, telemetry cursors): a restarted controller goes on "
         "from them")
+    scaling: Mapping[str, TierScale] = spec_field(
+        default_factory=dict, keys=names.TIERS, doc="each autoscaled tier's agents and "
+        "why (spec.tiers.*.autoscaling)")
 
 
 def load_status(data: Any, where: str, version: str = API_VERSION) -> TieredModelStatus:

@@ -140,11 +140,11 @@ class KubeBackend:
 
     # -- agents -----------------------------------------------------------------
 
-    def prepare(self, spec: TieredModel, wanted: plan.Versions
+    def prepare(self, spec: TieredModel, wanted: plan.Versions, replicas: Mapping[str, int]
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
         owner = render.Owner(spec.name, self._uids[spec.name])
         for obj in render.desired_objects(spec, wanted.artifacts, wanted.wanted, owner,
-                                          self.settings):
+                                          self.settings, replicas):
             self._apply(obj)
         states = {(tier, version): self._state(spec, tier, version)
                   for tier in spec.tiers for version in wanted.wanted}
@@ -170,7 +170,13 @@ class KubeBackend:
         return pods or (self.settings.router,)
 
     def apply(self, spec: TieredModel, made: plan.Plan) -> None:
-        """Delete the objects of the versions the plan retires."""
+        """Size the workloads the plan keeps (its replicas per tier); delete
+        the objects of the versions it retires."""
+        owner = render.Owner(spec.name, self._uids[spec.name])
+        for obj in render.desired_objects(spec, made.status.artifacts, made.keep, owner,
+                                          self.settings, made.replicas):
+            if obj["kind"] == "Deployment":  # unchanged ones are left alone (spec hash)
+                self._apply(obj)
         for version, objects in self._owned(spec).items():
             if version not in made.retire:
                 continue

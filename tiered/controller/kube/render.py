@@ -258,8 +258,9 @@ SECURITY_CONTEXT = {
 
 
 def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owner: Owner,
-                   settings: ClusterSettings) -> dict[str, Any]:
-    """The Deployment (or DaemonSet) serving `artifact`'s version on `tier`."""
+                   settings: ClusterSettings, replicas: int | None = None) -> dict[str, Any]:
+    """The Deployment (or DaemonSet) serving `artifact`'s version on `tier`,
+    with `replicas` pods (None: the spec's)."""
     tier_spec = spec.tiers[tier]
     pods = settings.agent_pods
     extra = pods.tier(tier)
@@ -349,7 +350,7 @@ def agent_workload(spec: TieredModel, tier: str, artifact: ArtifactVersion, owne
     template = {"metadata": {"labels": labels}, "spec": pod}
     workload_spec: dict[str, Any] = {"selector": {"matchLabels": selector}, "template": template}
     if not tier_spec.per_node:
-        workload_spec["replicas"] = tier_spec.replicas
+        workload_spec["replicas"] = tier_spec.replicas if replicas is None else replicas
     return _with_hash({
         "apiVersion": "apps/v1", "kind": "DaemonSet" if tier_spec.per_node else "Deployment",
         "metadata": {"name": workload_name(spec.name, tier, artifact.version),
@@ -379,16 +380,18 @@ def agent_service(spec: TieredModel, tier: str, version: int, owner: Owner,
 
 
 def desired_objects(spec: TieredModel, artifacts: Sequence[ArtifactVersion],
-                    versions: Sequence[int],
-                    owner: Owner, settings: ClusterSettings) -> list[dict[str, Any]]:
-    """Workloads and Services for `versions` on each of the model's tiers."""
+                    versions: Sequence[int], owner: Owner, settings: ClusterSettings,
+                    replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """Workloads and Services for `versions` on each of the model's tiers;
+    `replicas`: pods per tier, as the plan decided (None: the spec's)."""
     by_version = {a.version: a for a in artifacts}
     objects = []
     for tier in (t for t in names.TIERS if t in spec.tiers):
         if settings.agent_pods.placement.refusal(spec.tiers[tier]):
             continue  # refused: plan reads why from the backend's state
         for version in sorted(versions):
-            objects.append(agent_workload(spec, tier, by_version[version], owner, settings))
+            objects.append(agent_workload(spec, tier, by_version[version], owner, settings,
+                                          (replicas or {}).get(tier)))
             objects.append(agent_service(spec, tier, version, owner, settings))
     return objects
 

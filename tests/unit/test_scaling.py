@@ -1,0 +1,168 @@
+"""Autoscaling's pure decision (`tiered.controller.scaling`) and its place in
+the plan: the HPA's arithmetic, stabilisation windows, bounded steps, scale
+to zero and waking, the status round trip, Events and Kubernetes replicas."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiered.controller import plan, scaling
+from tiered.controller.kube import render
+from tiered.controller.scaling import TierLoad
+from tiered.errors import ConfigError
+from tiered.rollout.spec import Autoscaling, load_tiered_model
+from tiered.rollout.status import (
+    ArtifactVersion,
+    RolloutStatus,
+    TieredModelStatus,
+    TierScale,
+    load_status,
+)
+from tiered.rollout.wire import to_plain
+
+AUTO = Autoscaling(min_replicas=1, max_replicas=8, target=2.0, scale_down_window_s=60.0)
+
+
+def load(concurrency: float, agents: int = 1, requests: int = 100, unmet: int = 0,
+         utilization: float = 0.0) -> TierLoad:
+    return TierLoad(agents, 5.0, requests, concurrency, utilization, unmet)
+
+
+def follow(auto: Autoscaling, loads, start: int = 1, every_s: float = 5.0,
+           t0: float = 1000.0) -> list[TierScale]:
+    """Each look's scale; a number is the tier's total concurrency, spread
+    over the agents of the look before."""
+    scale, seen = None, []
+    for index, total in enumerate(loads):
+        agents = scale.replicas if scale is not None else start
+        reading = total if isinstance(total, TierLoad) else load(total, agents)
+        scale = scaling.decide(auto, scale, reading, start, t0 + every_s * index)
+        seen.append(scale)
+    return seen
+
+
+def test_a_load_step_adds_the_agents_that_hold_the_target_at_once():
+    first, second = follow(AUTO, [2.0, 9.0])  # at the target, then 4.5x it
+    assert first.replicas == 1 and "within 10%" in first.reason
+    assert second.replicas == 5  # ceil(9 / 2): the fewest that hold 2 an agent
+    assert "concurrency 9 an agent over 1 (target 2): 5 agents wanted" in second.reason
+
+
+def test_one_decision_adds_at_most_max_scale_up_and_never_passes_max_replicas():
+    auto = Autoscaling(max_replicas=6, target=1.0, max_scale_up=2)
+    seen = follow(auto, [20.0, 20.0, 20.0, 20.0], start=1)
+    assert [s.replicas for s in seen] == [3, 5, 6, 6]
+    assert "(maxReplicas 6)" in seen[-1].reason
+
+
+def test_a_drop_scales_down_after_the_window_one_agent_a_decision():
+    looks = [8.0, 2.0, *[2.0] * 20]  # 4 agents wanted, then a dip that stays
+    seen = follow(AUTO, looks)
+    replicas = [s.replicas for s in seen]
+    assert replicas[0] == 4
+    # The burst's 4 stays the window's highest until 60 s after it (12 looks of 5 s).
+    assert replicas[1:13] == [4] * 12
+    assert "the scale-down window's highest" in seen[5].reason
+    assert replicas[13:17] == [3, 2, 1, 1]  # then one agent a decision, down to min
+
+
+def test_a_steady_load_that_wobbles_around_the_target_changes_nothing():
+    wobble = [6.0, 6.45, 5.55, 6.3, 5.7] * 6  # within 10% of the target on 3 agents
+    assert {s.replicas for s in follow(AUTO, wobble, start=3)} == {3}
+
+
+def test_a_load_that_jumps_up_and_down_changes_at_most_once_a_window():
+    seen = follow(AUTO, [6.0, 1.0] * 12, start=1)  # 5 s apart: a 60 s window holds both
+    changes = sum(a.replicas != b.replicas for a, b in zip(seen, seen[1:]))
+    assert changes <= 1, [s.replicas for s in seen]
+
+
+def test_the_scale_up_window_follows_its_lowest_recommendation():
+    auto = Autoscaling(max_replicas=8, target=2.0, scale_up_window_s=10.0)
+    seen = follow(auto, [2.0, 8.0, 8.0, 8.0])
+    assert [s.replicas for s in seen] == [1, 1, 1, 4]  # 4 wanted for the whole 10 s
+
+
+def test_utilization_is_a_share_and_scales_the_same_way():
+    auto = Autoscaling(metric="utilization", target=0.5, max_replicas=4)
+    scale = scaling.decide(auto, None, load(0.0, agents=2, utilization=1.8), 2, 0.0)
+    assert scale.replicas == 4 and "utilization 0.9 an agent over 2" in scale.reason
+    with pytest.raises(ConfigError, match="at most 1"):
+        Autoscaling(metric="utilization", target=1.5)
+
+
+def test_an_idle_tier_goes_to_zero_and_unmet_demand_wakes_it():
+    auto = Autoscaling(scale_to_zero=True, idle_s=30.0, min_replicas=2, max_replicas=4)
+    quiet = load(0.0, agents=2, requests=0)
+    seen = follow(auto, [quiet] * 8, start=2)
+    assert [s.replicas for s in seen] == [2] * 6 + [0, 0]  # 30 s after the last request
+    assert "no request for 30 s" in seen[6].reason
+    asleep = seen[-1]
+    still = scaling.decide(auto, asleep, load(0.0, agents=0, requests=0), 2, 2000.0)
+    assert still.replicas == 0 and "no unmet demand" in still.reason
+    woken = scaling.decide(auto, asleep, load(0.0, agents=0, requests=0, unmet=3), 2, 2001.0)
+    assert woken.replicas == 2 and "woken: 3 requests" in woken.reason
+    # Woken, it is not idle at once: its idle clock starts at the wake.
+    after = scaling.decide(auto, woken, load(0.0, agents=2, requests=0), 2, 2010.0)
+    assert after.replicas == 2
+
+
+def test_requests_keep_a_scale_to_zero_tier_awake():
+    auto = Autoscaling(scale_to_zero=True, idle_s=10.0)
+    seen = follow(auto, [load(0.1, requests=1)] * 10, every_s=5.0)
+    assert {s.replicas for s in seen} == {1}
+
+
+def test_no_telemetry_holds_and_says_so():
+    scale = scaling.decide(AUTO, TierScale(3, "x", changed_at=5.0), None, 1, 100.0)
+    assert scale.replicas == 3 and scale.changed_at == 5.0
+    assert "no telemetry" in scale.reason
+
+
+def test_replicas_outside_new_bounds_move_inside_them_at_once():
+    auto = Autoscaling(min_replicas=2, max_replicas=3)
+    assert scaling.decide(auto, TierScale(7, ""), load(1.0), 1, 0.0).replicas == 3
+    assert scaling.decide(auto, TierScale(1, ""), load(1.0), 1, 0.0).replicas == 2
+    assert scaling.starting_replicas(auto, 10) == 3
+    with pytest.raises(ConfigError, match="maxReplicas: must be at least minReplicas"):
+        Autoscaling(min_replicas=5, max_replicas=2)
+
+
+def test_the_recommendations_kept_are_bounded():
+    seen = follow(AUTO, [float(1 + i % 7) for i in range(500)], every_s=0.01)
+    assert len(seen[-1].recommendations) <= scaling.MAX_RECOMMENDATIONS
+
+
+SHA = "1" * 64
+SPEC = load_tiered_model({
+    "name": "digits", "artifact": {"uri": "/m/digits.onnx", "sha256": SHA},
+    "tiers": {"edge": {"replicas": 2, "autoscaling": {"max_replicas": 6, "target": 2.0}},
+              "regional": {"replicas": 3}},
+    "rollout": {"stages": [{"name": "edge", "weights": {"edge": 10}}]}})
+SERVING = TieredModelStatus(rollout=RolloutStatus(stable_version=1, phase="Promoted"),
+                            artifacts=(ArtifactVersion(1, "/m/digits.onnx", SHA),))
+READY = {(tier, 1): plan.VersionState(plan.READY) for tier in ("edge", "regional")}
+
+
+def test_the_plan_scales_autoscaled_tiers_and_says_so_in_events_and_status():
+    first = plan.plan(SPEC, SERVING, plan.Observation(1, READY, frozenset({1}),
+                                                      loads={"edge": load(4.0, agents=2)}), 10.0)
+    assert first.replicas == {"edge": 2, "regional": 3} and first.events == ()
+    assert first.requeue_after_s == plan.SCALE_INTERVAL_S
+    second = plan.plan(SPEC, first.status, plan.Observation(
+        1, READY, frozenset({1}), loads={"edge": load(10.0, agents=2)}), 15.0)
+    assert second.replicas == {"edge": 5, "regional": 3}
+    (event,) = second.events
+    assert event.reason == "ScaledUp" and event.message.startswith("edge: 2 -> 5 agents: ")
+    kept = load_status(to_plain(second.status), "status")  # survives a restart
+    assert kept.scaling["edge"] == second.status.scaling["edge"]
+    assert plan.replicas_of(SPEC, kept.scaling) == {"edge": 5, "regional": 3}
+
+
+def test_kubernetes_deployments_carry_the_decided_replicas():
+    settings = render.ClusterSettings(namespace="ns")
+    objects = render.desired_objects(SPEC, SERVING.artifacts, [1], render.Owner("digits", "u"),
+                                     settings, {"edge": 5, "regional": 3})
+    sized = {o["metadata"]["name"]: o["spec"]["replicas"] for o in objects
+             if o["kind"] == "Deployment"}
+    assert sorted(sized.values()) == [3, 5]

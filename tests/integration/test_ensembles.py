@@ -10,6 +10,7 @@ import re
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 import onnx
 import pytest
@@ -19,6 +20,8 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from tiered.local.processes import AgentProcess, RouterProcess
+from tiered.protocol import telemetry_pb2 as tpb
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc
 
 CLASSES, SIDE = 10, 8
 ADMIN_TOKEN = "ensembles-admin"
@@ -87,6 +90,22 @@ ensemble_scheduling {{
 """
 
 
+# An ensemble whose one step is the ensemble above; its name sorts before the
+# models it waits on, which load first all the same.
+NESTED_PBTXT = f"""
+name: "all_in_one"
+platform: "ensemble"
+max_batch_size: 4
+input [ {{ name: "PICTURE" data_type: TYPE_UINT8 dims: [ {SIDE}, {SIDE} ] }} ]
+output [ {{ name: "CLASS" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+ensemble_scheduling {{
+  step [ {{ model_name: "classify" model_version: -1
+            input_map {{ key: "IMAGE" value: "PICTURE" }}
+            output_map {{ key: "LABEL" value: "CLASS" }} }} ]
+}}
+"""
+
+
 def _save(graph, path: Path) -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -130,10 +149,12 @@ def write_models(root: Path) -> Path:
         [_vi("PROBS", TensorProto.FLOAT, CLASSES), _vi("LABEL", TensorProto.INT64, 1)]),
         root / "postprocess" / "1" / "model.onnx")
     for name, text in (("preprocess", PRE_PBTXT), ("classifier", CLASSIFIER_PBTXT),
-                       ("postprocess", POST_PBTXT), ("classify", CLASSIFY_PBTXT)):
+                       ("postprocess", POST_PBTXT), ("classify", CLASSIFY_PBTXT),
+                       ("all_in_one", NESTED_PBTXT)):
         (root / name).mkdir(exist_ok=True)
         (root / name / "config.pbtxt").write_text(text)
     (root / "classify" / "1").mkdir()
+    (root / "all_in_one" / "1").mkdir()
     return root
 
 
@@ -187,6 +208,13 @@ def test_an_ensemble_answers_as_its_models_called_one_after_another(agent, clien
     with httpclient.InferenceServerClient(agent.http_address) as rest:
         over_rest = call(rest, "classify", "IMAGE", batch, module=httpclient)
         np.testing.assert_array_equal(over_rest.as_numpy("PROBS"), probs)
+        assert len(rest.get_model_config("classify")["ensemble_scheduling"]["step"]) == 3
+
+
+def test_an_ensemble_may_be_a_step_of_another(client):
+    batch = images(2, seed=3)
+    nested = call(client, "all_in_one", "PICTURE", batch).as_numpy("CLASS")
+    np.testing.assert_array_equal(nested, one_after_another(client, batch)[1])
 
 
 def test_an_ensemble_answers_on_a_stream(client):
@@ -252,6 +280,11 @@ def test_statistics_count_the_ensemble_and_each_step_model(agent, client):
         assert (after[name].inference_stats.success.count
                 - before[name].inference_stats.success.count) == 4, name
     assert [step_calls(agent, str(i)) - steps_before[i] for i in range(3)] == [4, 4, 4]
+    with grpc.insecure_channel(agent.address) as channel:
+        telemetry = tpb_grpc.TelemetryStub(channel).Stats(
+            tpb.StatsRequest(model_name="classify"), timeout=10)
+    [version] = telemetry.versions
+    assert not version.has_energy  # it owns no device: its steps' models hold the energy
 
 
 def test_a_wrong_input_is_refused_naming_it(client):

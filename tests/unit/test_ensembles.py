@@ -4,15 +4,20 @@ against their models' configs, and the order models load in. Pure."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tiered.agent import triton_config
 from tiered.agent.config import ModelConfig, parse_model_config
-from tiered.agent.ensemble import check_steps, load_order
-from tiered.errors import ConfigError
+from tiered.agent.ensemble import EnsembleVersion, check_steps, load_order
+from tiered.agent.model import Answer
+from tiered.errors import ConfigError, DeadlineExceeded, NotFound, Unavailable
 from tiered.profiles import TierProfile, load_profile
+from tiered.telemetry.inference_stats import BatchTiming
 
 PIPELINE_PBTXT = """
 name: "pipeline"
@@ -215,3 +220,122 @@ def test_ensembles_that_use_each_other_are_refused_with_the_cycle():
     assert refused == {"a": "ensembles use each other in a cycle: a -> b -> a",
                        "b": "ensembles use each other in a cycle: a -> b -> a"}
     assert order == ["c", "d"]  # d loads, and fails there: its step model is not served
+
+
+# --- EnsembleVersion with step models standing in for served versions ------------
+
+
+class StepModel:
+    """A served version's interface: answers `out = in + 1` after `delay_s`,
+    and remembers what it was handed."""
+
+    def __init__(self, config: ModelConfig, delay_s: float = 0.0, error=None) -> None:
+        self.config, self.ready = config, True
+        self.delay_s, self.error = delay_s, error
+        self.calls: list[tuple[dict, float]] = []
+        self.running = 0
+        self.most_running = 0
+        self.cancelled = False
+
+    async def infer_timed(self, inputs, requested=(), deadline=math.inf, tracer=None,
+                          requests=(), sequence=None) -> Answer:
+        self.calls.append((dict(inputs), deadline))
+        try:
+            await asyncio.sleep(self.delay_s)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        if self.error is not None:
+            raise self.error
+        [array] = inputs.values()
+        return Answer({name: array + 1 for name in requested}, 1000,
+                      BatchTiming(10, 100, 1))
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_steps_run_side_by_side_and_hand_on_their_arrays(edge):
+    config = ensemble(edge, [step("left", {"x": "IN"}, {"y": "l"}),
+                             step("right", {"x": "IN"}, {"y": "OUT2"}),
+                             step("join", {"x": "l"}, {"y": "OUT"})],
+                      outputs=[tensor("OUT"), tensor("OUT2")])
+    simple = {name: model(edge, name, [tensor("x")], [tensor("y")])
+              for name in ("left", "right", "join")}
+    served = {name: StepModel(c, delay_s=0.05) for name, c in simple.items()}
+    started = []
+
+    async def main():
+        version = EnsembleVersion(config, 1, lambda name, v: served[name])
+        image = np.zeros((2, 4), np.float32)
+        task = asyncio.ensure_future(version.infer({"IN": image}, deadline=123.0))
+        await asyncio.sleep(0.02)
+        started.extend(name for name, s in served.items() if s.calls)
+        return image, await task, version
+
+    image, answer, version = run(main())
+    assert sorted(started) == ["left", "right"]  # both read IN: both started at once
+    assert served["left"].calls[0][0]["x"] is image  # the request's array, not a copy
+    [(join_inputs, deadline)] = served["join"].calls
+    assert deadline == 123.0
+    np.testing.assert_array_equal(answer["OUT"], image + 2)
+    np.testing.assert_array_equal(answer["OUT2"], image + 1)
+    stats = version.stats
+    assert (stats.success.count, stats.inference_count, stats.execution_count) == (1, 2, 1)
+    assert stats.compute_infer.ns == 300  # its three steps' compute
+    assert [s.seconds.count for s in version.step_stats] == [1, 1, 1]
+
+
+def test_only_the_steps_the_requested_outputs_need_run(edge):
+    config = ensemble(edge, [step("left", {"x": "IN"}, {"y": "OUT"}),
+                             step("right", {"x": "IN"}, {"y": "OUT2"})],
+                      outputs=[tensor("OUT"), tensor("OUT2")])
+    simple = model(edge, "m", [tensor("x")], [tensor("y")])
+    served = {"left": StepModel(simple), "right": StepModel(simple)}
+    version = None
+
+    async def main():
+        nonlocal version
+        version = EnsembleVersion(config, 1, lambda name, v: served[name])
+        return await version.infer({"IN": np.zeros((1, 4), np.float32)}, ["OUT2"])
+
+    assert list(run(main())) == ["OUT2"]
+    assert not served["left"].calls and served["right"].calls
+
+
+def test_a_failed_step_fails_the_ensemble_by_name_and_stops_the_others(edge):
+    config = ensemble(edge, [step("left", {"x": "IN"}, {"y": "OUT"}),
+                             step("right", {"x": "IN"}, {"y": "OUT2"})],
+                      outputs=[tensor("OUT"), tensor("OUT2")])
+    simple = model(edge, "m", [tensor("x")], [tensor("y")])
+    served = {"left": StepModel(simple, error=DeadlineExceeded("too late")),
+              "right": StepModel(simple, delay_s=10)}
+    version = None
+
+    async def main():
+        nonlocal version
+        version = EnsembleVersion(config, 1, lambda name, v: served[name])
+        await version.infer({"IN": np.zeros((1, 4), np.float32)})
+
+    with pytest.raises(DeadlineExceeded, match=r"ensemble 'ens' steps\[0\] \(model 'left'\): "
+                                               "too late"):
+        run(main())
+    assert served["right"].cancelled
+    assert version.stats.fail.count == 1 and version.step_stats[0].failures == 1
+
+
+def test_a_step_model_gone_fails_the_ensemble_as_unavailable(edge):
+    config = ensemble(edge, [step("left", {"x": "IN"}, {"y": "OUT"})])
+
+    def lookup(name, version):
+        raise NotFound(f"Request for unknown model: '{name}' is not found")
+
+    async def main():
+        version = EnsembleVersion(config, 1, lookup)
+        assert not version.ready
+        await version.infer({"IN": np.zeros((1, 4), np.float32)})
+
+    with pytest.raises(Unavailable, match=r"steps\[0\] \(model 'left'\): its model is not "
+                                          "served"):
+        run(main())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+import uuid
 from pathlib import Path
 
 import grpc
@@ -16,6 +17,7 @@ import onnx
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
@@ -215,6 +217,27 @@ def test_an_ensemble_may_be_a_step_of_another(client):
     batch = images(2, seed=3)
     nested = call(client, "all_in_one", "PICTURE", batch).as_numpy("CLASS")
     np.testing.assert_array_equal(nested, one_after_another(client, batch)[1])
+
+
+def test_an_ensemble_reads_and_writes_shared_memory(client):
+    batch = images(2, seed=6)
+    labels = one_after_another(client, batch)[1]
+    name = f"tiered-ensemble-{uuid.uuid4().hex[:8]}"
+    region = shm.create_shared_memory_region(name, f"/{name}", batch.nbytes + labels.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [batch])
+        client.register_system_shared_memory(name, f"/{name}", batch.nbytes + labels.nbytes)
+        image = grpcclient.InferInput("IMAGE", list(batch.shape), "UINT8")
+        image.set_shared_memory(name, batch.nbytes)
+        label = grpcclient.InferRequestedOutput("LABEL")
+        label.set_shared_memory(name, labels.nbytes, offset=batch.nbytes)
+        client.infer("classify", [image], outputs=[label])
+        written = shm.get_contents_as_numpy(region, np.int64, list(labels.shape),
+                                            offset=batch.nbytes)
+        np.testing.assert_array_equal(written, labels)
+    finally:
+        client.unregister_system_shared_memory(name)
+        shm.destroy_shared_memory_region(region)
 
 
 def test_an_ensemble_answers_on_a_stream(client):

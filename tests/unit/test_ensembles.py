@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from tiered.agent import triton_config
 from tiered.agent.config import ModelConfig, parse_model_config
@@ -89,6 +90,29 @@ def test_triton_ensemble_scheduling_reads_as_config_yaml_steps(edge):
     assert [s.model for s in config.ensemble.steps] == ["preprocess", "classifier",
                                                         "postprocess"]
     assert config.ensemble.steps[1].version == 2
+
+
+def test_config_yaml_spells_an_ensemble_directly(edge):
+    data = yaml.safe_load("""
+backend: ensemble
+max_batch_size: 4
+inputs:  [{name: IMAGE, datatype: UINT8, dims: [8, 8]}]
+outputs: [{name: LABEL, datatype: INT64, dims: [1]}]
+ensemble:
+  steps:
+    - {model: preprocess, inputs: {RAW: IMAGE}, outputs: {PIXELS: pixels}}
+    - {model: classifier, version: -1, inputs: {x: pixels}, outputs: {logits: logits}}
+    - {model: postprocess, inputs: {LOGITS: logits}, outputs: {LABEL: LABEL}}
+""")
+    from_yaml = parse_model_config("pipeline", data, edge, "pipeline/config.yaml")
+    from_pbtxt = parse_model_config("pipeline", triton_config.parse(
+        PIPELINE_PBTXT.replace("model_version: 2", "model_version: -1"),
+        "pipeline/config.pbtxt"), edge, "pipeline/config.pbtxt")
+    assert from_yaml.ensemble == from_pbtxt.ensemble
+    with pytest.raises(ConfigError, match=r"ensemble.steps\[0\]: unknown key 'input'"):
+        parse_model_config("pipeline", {**data, "ensemble": {"steps": [
+            {"model": "preprocess", "input": {}, "outputs": {"PIXELS": "pixels"}}]}},
+            edge, "pipeline/config.yaml")
 
 
 def test_an_ensemble_needs_its_steps_and_only_an_ensemble_has_them(edge):

@@ -119,6 +119,19 @@ def _vi(name: str, elem, *dims):
     return helper.make_tensor_value_info(name, elem, ["batch", *dims])
 
 
+def write_classifier(path: Path, classes: int, rng: np.random.Generator) -> None:
+    weights = helper.make_tensor("W", TensorProto.FLOAT, [SIDE * SIDE, classes],
+                                 rng.normal(size=(SIDE * SIDE, classes)).astype(np.float32)
+                                 .ravel().tolist())
+    bias = helper.make_tensor("b", TensorProto.FLOAT, [classes],
+                              rng.normal(size=classes).astype(np.float32).tolist())
+    _save(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["product"]),
+         helper.make_node("Add", ["product", "b"], ["logits"])],
+        "classifier", [_vi("x", TensorProto.FLOAT, SIDE * SIDE)],
+        [_vi("logits", TensorProto.FLOAT, classes)], initializer=[weights, bias]), path)
+
+
 def write_models(root: Path) -> Path:
     """The three models and the ensemble, each with its config.pbtxt."""
     rng = np.random.default_rng(5)
@@ -133,17 +146,7 @@ def write_models(root: Path) -> Path:
         "preprocess", [_vi("RAW", TensorProto.UINT8, SIDE, SIDE)],
         [_vi("PIXELS", TensorProto.FLOAT, SIDE * SIDE)], initializer=scalars),
         root / "preprocess" / "1" / "model.onnx")
-    weights = helper.make_tensor("W", TensorProto.FLOAT, [SIDE * SIDE, CLASSES],
-                                 rng.normal(size=(SIDE * SIDE, CLASSES)).astype(np.float32)
-                                 .ravel().tolist())
-    bias = helper.make_tensor("b", TensorProto.FLOAT, [CLASSES],
-                              rng.normal(size=CLASSES).astype(np.float32).tolist())
-    _save(helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["product"]),
-         helper.make_node("Add", ["product", "b"], ["logits"])],
-        "classifier", [_vi("x", TensorProto.FLOAT, SIDE * SIDE)],
-        [_vi("logits", TensorProto.FLOAT, CLASSES)], initializer=[weights, bias]),
-        root / "classifier" / "1" / "model.onnx")
+    write_classifier(root / "classifier" / "1" / "model.onnx", CLASSES, rng)
     _save(helper.make_graph(
         [helper.make_node("Softmax", ["LOGITS"], ["PROBS"], axis=-1),
          helper.make_node("ArgMax", ["LOGITS"], ["LABEL"], axis=-1, keepdims=1)],
@@ -319,7 +322,8 @@ def test_a_wrong_input_is_refused_naming_it(client):
         call(client, "classify", "IMAGE", images(5))
 
 
-def test_an_unloaded_step_model_fails_the_ensemble_by_name(repository, tmp_path):
+def test_an_unloaded_step_model_fails_the_ensemble_by_name(tmp_path):
+    repository = write_models(tmp_path / "models")
     token = tmp_path / "admin.token"
     token.write_text(f"{ADMIN_TOKEN}\n")
     with AgentProcess("edge", repository, admin_token_file=token) as agent, \
@@ -334,6 +338,17 @@ def test_an_unloaded_step_model_fails_the_ensemble_by_name(repository, tmp_path)
         client.load_model("classifier", headers=ADMIN)
         assert client.is_model_ready("classify")
         assert call(client, "classify", "IMAGE", images(1)).as_numpy("LABEL").shape == (1, 1)
+        # A new classifier version with 5 classes: the ensemble is checked again.
+        write_classifier(repository / "classifier" / "2" / "model.onnx", 5,
+                         np.random.default_rng(1))
+        (repository / "classifier" / "config.pbtxt").write_text(
+            CLASSIFIER_PBTXT.replace(f"dims: [ {CLASSES} ]", "dims: [ 5 ]"))
+        client.load_model("classifier", headers=ADMIN)
+        [row] = [m for m in client.get_model_repository_index().models if m.name == "classify"]
+        assert "steps[2].inputs.LOGITS: tensor 'logits' has shape [-1, 5] (steps[1] output " \
+            "'logits'), model 'postprocess' input 'LOGITS' takes [-1, 10]" in row.reason
+        with pytest.raises(InferenceServerException, match=r"steps\[2\] \(model 'postprocess'\)"):
+            call(client, "classify", "IMAGE", images(1))
         assert agent.alive()
 
 

@@ -257,7 +257,7 @@ class EnsembleVersion:
                     if all(t in tensors for t in self.steps[index].inputs.values()):
                         waiting.discard(index)
                         first_step_ns = first_step_ns or time.perf_counter_ns()
-                        running[asyncio.ensure_future(
+                        running[asyncio.create_task(
                             self._step(index, tensors, deadline, tracer, sequence))] = index
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:

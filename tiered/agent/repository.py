@@ -241,6 +241,21 @@ class ModelRepository:
             log.info("model %s serving versions %s", name, sorted(built))
         for version in retired:
             self._drain_later(version)
+        await self._recheck_ensembles_using(name)
+
+    async def _recheck_ensembles_using(self, name: str) -> None:
+        """Load again the ensembles whose steps use `name`, as Triton reloads
+        a model's dependents: their steps are checked against it as it is now.
+        One that no longer fits keeps its reason in the index."""
+        for entry in list(self._models.values()):
+            configs = [v.config for v in entry.versions.values()]
+            if any(c.ensemble and any(s.model == name for s in c.ensemble.steps)
+                   for c in configs):
+                try:
+                    await self.load(entry.name)
+                except TieredError as error:
+                    log.error("ensemble %s no longer fits model %s: %s", entry.name, name,
+                              error)
 
     async def unload(self, name: str) -> None:
         """Stop serving a model once its in-flight requests finish."""

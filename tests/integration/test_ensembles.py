@@ -402,3 +402,29 @@ def test_an_ensemble_through_a_router(agent, client, tmp_path):
             grpcclient.InferenceServerClient(router.address) as routed:
         answer = call(routed, "classify", "IMAGE", batch)
     np.testing.assert_array_equal(answer.as_numpy("LABEL"), one_after_another(client, batch)[1])
+
+
+def test_a_sequence_runs_through_an_ensemble_of_a_stateful_model(tmp_path):
+    from tests.integration.test_sequences import write_model
+
+    write_model(tmp_path)  # `accumulate`: a running sum kept as implicit state
+    (tmp_path / "running_sum" / "1").mkdir(parents=True)
+    (tmp_path / "running_sum" / "config.yaml").write_text(
+        "backend: ensemble\nmax_batch_size: 4\n"
+        "inputs: [{name: VALUE, datatype: INT32, dims: [1]}]\n"
+        "outputs: [{name: SUM, datatype: INT32, dims: [1]}]\n"
+        "ensemble:\n  steps:\n"
+        "    - {model: accumulate, inputs: {INPUT: VALUE}, outputs: {OUTPUT: SUM}}\n")
+    with AgentProcess("edge", tmp_path) as agent, \
+            grpcclient.InferenceServerClient(agent.address) as client:
+        def send(value: int, **flags) -> int:
+            tensor = grpcclient.InferInput("VALUE", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+            return int(client.infer("running_sum", [tensor], sequence_id=42,
+                                    **flags).as_numpy("SUM")[0, 0])
+
+        assert send(5, sequence_start=True) == 5
+        assert send(3) == 8
+        assert send(2, sequence_end=True) == 1010  # the END adds 1000
+        with pytest.raises(InferenceServerException, match="must specify the START flag"):
+            send(1)

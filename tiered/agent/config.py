@@ -5,11 +5,11 @@
 
 Keys (all optional; `inputs`/`outputs` are filled from the model when left
 out): backend, max_batch_size, inputs, outputs, dynamic_batching,
-version_policy, instance_count, engine, generation, ensemble. `backend` defaults to the
-tier profile's engine; `engine` (that backend's settings) and
-`dynamic_batching` are laid over the profile's defaults. A generative backend
-(`onnxruntime-genai`, `torch-generative`) makes the model decoupled: its
-tensors are fixed (`generation.py`), `engine.max_sequences` bounds its running
+version_policy, instance_count, engine, generation, decoupled, ensemble.
+`backend` defaults to the tier profile's engine; `engine` (that backend's
+settings) and `dynamic_batching` are laid over the profile's defaults. A
+generative backend (`onnxruntime-genai`, `torch-generative`) makes the model
+decoupled: its tensors are fixed (`generation.py`), `engine.max_sequences` bounds its running
 batch and `generation` its wait for a sequence slot. Any other model may say
 `decoupled: true`: it answers a streamed request with one response per row of
 its outputs' first axis (zero rows, zero responses), so each output's `dims`

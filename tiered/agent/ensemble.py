@@ -147,6 +147,8 @@ class EnsembleVersion:
     """Created and used on the agent's event loop; reads the same attributes
     as `model.ModelVersion` for the servicer, telemetry and metrics."""
 
+    on_gpu = False  # it runs nothing itself
+
     def __init__(self, config: ModelConfig, version: int, lookup: Lookup,
                  built_from: object = None, recorder: VersionRecorder | None = None) -> None:
         assert config.ensemble is not None
@@ -167,8 +169,6 @@ class EnsembleVersion:
 
     def describe(self) -> dict[str, str]:
         return {"steps": ", ".join(step.model for step in self.steps)}
-
-    on_gpu = False
 
     @property
     def ready(self) -> bool:
@@ -228,7 +228,7 @@ class EnsembleVersion:
             if self.recorder is not None:
                 self.recorder.request_succeeded(elapsed_ns / 1e9, queue_ns / 1e9,
                                                 timing.infer_ns / 1e9, rows)
-        self.stats.batch_executed(sum(requests) or batch_size, timing)
+        self.stats.batch_executed(batch_size, timing)
         return Answer({name: tensors[name] for name in outputs}, queue_ns, timing)
 
     def _needed(self, outputs: Sequence[str]) -> set[int]:

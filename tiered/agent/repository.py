@@ -7,8 +7,9 @@
 Loading builds engines off the event loop, then swaps the served versions in
 one step, so a new version takes traffic while the old one keeps serving until
 the swap; replaced and unloaded versions drain their in-flight requests before
-their engines close. A failed load leaves what was serving untouched. Ensembles load after the
-models their steps use, and are checked against them.
+their engines close. A failed load leaves what was serving untouched.
+Ensembles load after the models their steps use and are checked against
+them, again whenever one of those models loads.
 """
 
 from __future__ import annotations

@@ -5,15 +5,18 @@
 
 Keys (all optional; `inputs`/`outputs` are filled from the model when left
 out): backend, max_batch_size, inputs, outputs, dynamic_batching,
-version_policy, instance_count, engine, generation. `backend` defaults to the
-tier profile's engine; `engine` (that backend's settings) and
-`dynamic_batching` are laid over the profile's defaults. A generative backend
-(`onnxruntime-genai`, `torch-generative`) makes the model decoupled: its
-tensors are fixed (`generation.py`), `engine.max_sequences` bounds its running
+version_policy, instance_count, engine, generation, decoupled, ensemble.
+`backend` defaults to the tier profile's engine; `engine` (that backend's
+settings) and `dynamic_batching` are laid over the profile's defaults. A
+generative backend (`onnxruntime-genai`, `torch-generative`) makes the model
+decoupled: its tensors are fixed (`generation.py`), `engine.max_sequences` bounds its running
 batch and `generation` its wait for a sequence slot. Any other model may say
 `decoupled: true`: it answers a streamed request with one response per row of
 its outputs' first axis (zero rows, zero responses), so each output's `dims`
-are a response's.
+are a response's. `backend: ensemble` with `ensemble: {steps: [...]}` makes
+the model an ensemble of models the agent serves (`ensemble.py`): it declares
+its inputs and outputs, and each step maps its model's inputs and outputs to
+the ensemble's tensors by name.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from tiered.protocol import codec
 from tiered.settings import load_dataclass
 
 ENGINE_CORE_LAYOUTS = ("auto", "process", "thread")  # generation.engine_core
+ENSEMBLE = "ensemble"  # the backend of a model made of other models' steps
+LATEST = -1  # a step's version: the step model's newest served version
 
 # Names become directory names: no separators, no "..", nothing hidden.
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -106,6 +111,38 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class EnsembleStep:
+    """One model the ensemble runs: `inputs` maps each of the model's inputs
+    to the ensemble tensor it reads, `outputs` each output it keeps to the
+    ensemble tensor it becomes (Triton's input_map and output_map)."""
+
+    model: str
+    inputs: Mapping[str, str]
+    outputs: Mapping[str, str]
+    version: int = LATEST
+
+    def __post_init__(self) -> None:
+        check_model_name(self.model)
+        if self.version != LATEST and self.version < 1:
+            raise ConfigError(f"version: {LATEST} (the newest) or a version >= 1, "
+                              f"got {self.version}")
+        if not self.outputs:
+            raise ConfigError("outputs: a step keeps at least one of its model's outputs")
+        tensors = list(self.outputs.values())
+        if len(tensors) != len(set(tensors)):
+            raise ConfigError(f"outputs: two outputs become one ensemble tensor ({tensors})")
+
+
+@dataclass(frozen=True)
+class Ensemble:
+    steps: tuple[EnsembleStep, ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ConfigError("steps: an ensemble runs at least one step")
+
+
+@dataclass(frozen=True)
 class VersionPolicy:
     """Which versions on disk are served: the newest `latest`, `all`, or `specific`."""
 
@@ -144,9 +181,17 @@ class ModelConfig:
     generation: Generation | None = None  # set for a generative backend (decoupled)
     sequence_batching: SequenceBatching | None = None  # stateful: sequences.py
     decoupled: bool = False  # answers a request with a stream of responses (Triton's)
+    ensemble: Ensemble | None = None  # set for backend `ensemble`
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
+        if self.ensemble is None and self.backend == ENSEMBLE:
+            raise ConfigError(f"ensemble: required for backend {ENSEMBLE!r} (its steps)")
+        if self.ensemble is not None and self.backend != ENSEMBLE:
+            raise ConfigError(f"ensemble: only for backend {ENSEMBLE!r}, not "
+                              f"{self.backend!r}")
+        if self.ensemble is not None:
+            check_ensemble_graph(self)
         if self.generation is not None and not self.decoupled:
             raise ConfigError("decoupled: a generative model streams its tokens; "
                               "leave it out or set it true")
@@ -200,6 +245,88 @@ class ModelConfig:
         if output and self.splits_responses:
             return (-1, *tensor.dims)
         return self.batch_shape(tensor)
+
+
+def check_ensemble_graph(config: ModelConfig) -> None:
+    """An ensemble's tensors flow: each is produced once (an ensemble input or
+    one step's output), every step input and ensemble output is produced,
+    every ensemble input is read, and no step waits on itself. Pure; the
+    steps' models are checked when the ensemble loads (`ensemble.py`)."""
+    assert config.ensemble is not None
+    if config.dynamic_batching or config.sequence_batching or config.generation:
+        raise ConfigError("ensemble: an ensemble has no scheduler of its own (its steps' "
+                          "models batch); leave out dynamic_batching and sequence_batching")
+    if config.decoupled:
+        raise ConfigError("decoupled: an ensemble answers each request once (its steps' "
+                          "models may not stream); leave it out")
+    if not config.inputs or not config.outputs:
+        raise ConfigError("inputs, outputs: an ensemble declares both (it has no model "
+                          "file to read them from)")
+    producer = {t.name: "an ensemble input" for t in config.inputs}
+    for index, step in enumerate(config.ensemble.steps):
+        if step.model == config.name:
+            raise ConfigError(f"ensemble.steps[{index}].model: an ensemble cannot be its "
+                              "own step")
+        for output, tensor in step.outputs.items():
+            if tensor in producer:
+                raise ConfigError(f"ensemble.steps[{index}].outputs.{output}: tensor "
+                                  f"{tensor!r} is already produced by {producer[tensor]}")
+            producer[tensor] = f"steps[{index}] (model {step.model!r})"
+    read = set()
+    for index, step in enumerate(config.ensemble.steps):
+        for name, tensor in step.inputs.items():
+            if tensor not in producer:
+                raise ConfigError(f"ensemble.steps[{index}].inputs.{name}: tensor "
+                                  f"{tensor!r} is no ensemble input and no step's output")
+            read.add(tensor)
+    for tensor in config.outputs:
+        if producer.get(tensor.name, "an ensemble input") == "an ensemble input":
+            raise ConfigError(f"outputs: ensemble output {tensor.name!r} is produced by no "
+                              "step (map a step's output to it)")
+    unread = [t.name for t in config.inputs if t.name not in read]
+    if unread:
+        raise ConfigError(f"inputs: ensemble input {unread[0]!r} is read by no step")
+    cycle = step_cycle(config.ensemble)
+    if cycle:
+        raise ConfigError("ensemble.steps: steps wait on each other in a cycle: "
+                          + " -> ".join(f"steps[{i}] ({config.ensemble.steps[i].model})"
+                                        for i in cycle))
+
+
+def step_dependencies(ensemble: Ensemble) -> list[set[int]]:
+    """For each step, the steps whose outputs it reads."""
+    made_by = {tensor: index for index, step in enumerate(ensemble.steps)
+               for tensor in step.outputs.values()}
+    return [{made_by[t] for t in step.inputs.values() if t in made_by}
+            for step in ensemble.steps]
+
+
+def step_cycle(ensemble: Ensemble) -> list[int]:
+    """Steps that wait on each other in a cycle (the first back to itself); [] if none."""
+    after = step_dependencies(ensemble)
+    state: dict[int, str] = {}
+    path: list[int] = []
+
+    def visit(step: int) -> list[int]:
+        state[step] = "visiting"
+        path.append(step)
+        for before in sorted(after[step]):
+            if state.get(before) == "visiting":
+                return [*path[path.index(before):], before]
+            if before not in state:
+                found = visit(before)
+                if found:
+                    return found
+        path.pop()
+        state[step] = "done"
+        return []
+
+    for step in range(len(after)):
+        if step not in state:
+            found = visit(step)
+            if found:
+                return found
+    return []
 
 
 def parse_model_config(

@@ -100,6 +100,10 @@ class GenerativeVersion:
         return self.engine.describe()
 
     @property
+    def on_gpu(self) -> bool:
+        return self.engine.device != "cpu"
+
+    @property
     def queue_depth(self) -> int:
         return self.scheduler.waiting
 

@@ -7,8 +7,9 @@ which sum across replicas; and tiered's own: energy per device and its idle
 draw, each with its source, and active joules per inference over the recent
 window; for generative versions, time to first token and time per output
 token as histograms, output tokens, running sequences and joules per output
-token. Everything is read on the agent's event loop (the only writer) and
-served from the exposition's HTTP thread.
+token; for ensembles, each step's time and failures (labels `step`, its index,
+and `step_model`). Everything is read on the agent's event loop (the only
+writer) and served from the exposition's HTTP thread.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
     sequence_ends = Family("tiered_sequences_total", "counter",
                            "Sequences of a sequence-batched model, by how they went: started, "
                            "ended (by a request's END), expired (idle past the limit)")
+    step_seconds = Family("tiered_ensemble_step_duration_seconds", "histogram",
+                          "An ensemble's calls of one step, from the step's start to its "
+                          "answer (the step model's queue and compute in it)")
+    step_failures = Family("tiered_ensemble_step_failures_total", "counter",
+                           "An ensemble's calls of one step that failed")
     snap = hub.snapshot(cursor=hub.clock() - RECENT_S)
     for served in hub.repository.all_versions():
         labels = {"model": served.config.name, "version": str(served.version), "tier": tier}
@@ -123,6 +129,10 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
             live_sequences.add(labels, len(sequences))
             for outcome in ("started", "ended", "expired"):
                 sequence_ends.add({**labels, "outcome": outcome}, getattr(sequences, outcome))
+        for index, step in enumerate(getattr(served, "step_stats", ())):
+            step_labels = {**labels, "step": str(index), "step_model": step.model}
+            step_seconds.add_histogram(step_labels, step.seconds)
+            step_failures.add(step_labels, step.failures)
         energy = snap.energy.get((served.config.name, served.version))
         if energy is not None and energy.joules_per_inference is not None:
             per_inference.add({**labels, "source": energy.source}, energy.joules_per_inference)
@@ -163,7 +173,8 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
     return [success, failure, count, executions, *(f for f, _ in durations), pending,
             *(f for f, _ in histograms), in_flight, per_inference,
             *(f for f, _ in token_histograms), output_tokens, running, per_token, engine_up,
-            restarts, live_sequences, sequence_ends, total, idle, *fed]
+            restarts, live_sequences, sequence_ends, step_seconds, step_failures, total, idle,
+            *fed]
 
 
 def serve_metrics(hub: TelemetryHub, host: str, port: int, feed: FeedServer | None = None,

@@ -184,6 +184,15 @@ class Lane:
         return None if self.down else self.batcher.load
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A request's outputs, its time queued and the compute of the batch it ran in."""
+
+    outputs: dict[str, np.ndarray]
+    queue_ns: int
+    timing: BatchTiming
+
+
 def record_failure(stats: InferenceStats, recorder: VersionRecorder | None, elapsed_ns: int,
                    error: TieredError) -> None:
     """A version's failed request. Triton's statistics count every failure;
@@ -278,6 +287,10 @@ class ModelVersion:
         """A request for this version that could not even be decoded."""
         self._failed(0, error)
 
+    @property
+    def on_gpu(self) -> bool:
+        return self.engine.device != "cpu"
+
     async def infer(
         self,
         inputs: Mapping[str, np.ndarray],
@@ -292,6 +305,20 @@ class ModelVersion:
         `requests`: the rows of each request when `inputs` are several merged
         (a front end's group), each counted as a request of its own.
         `sequence`: its place in a sequence, for a model with a sequence batcher."""
+        answer = await self.infer_timed(inputs, requested, deadline, tracer, requests, sequence)
+        return answer.outputs
+
+    async def infer_timed(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        requested: Sequence[str] = (),
+        deadline: float = math.inf,
+        tracer: trace.Tracer | None = None,
+        requests: Sequence[int] = (),
+        sequence: SequenceFlags | None = None,
+    ) -> Answer:
+        """`infer`, with where the request spent its time (an ensemble sums
+        its steps' times into its own statistics, as Triton does)."""
         started = time.perf_counter_ns()
         with self.admissions.request():
             try:
@@ -316,7 +343,7 @@ class ModelVersion:
                     elapsed_ns / 1e9, result.queue_s, result.timing.infer_ns / 1e9, rows)
         if tracer is not None:
             _trace_phases(tracer, result)
-        return {name: result.outputs[name] for name in outputs}
+        return Answer({name: result.outputs[name] for name in outputs}, queue_ns, result.timing)
 
     async def _run(self, inputs: Mapping[str, np.ndarray], batch_size: int,
                    deadline: float) -> BatchResult:

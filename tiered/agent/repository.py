@@ -2,11 +2,14 @@
 
     DIR/<model>/config.yaml   (or Triton's config.pbtxt)
     DIR/<model>/<version>/model.onnx
+    DIR/<ensemble>/<version>/ (empty: an ensemble's steps are other models)
 
 Loading builds engines off the event loop, then swaps the served versions in
 one step, so a new version takes traffic while the old one keeps serving until
 the swap; replaced and unloaded versions drain their in-flight requests before
 their engines close. A failed load leaves what was serving untouched.
+Ensembles load after the models their steps use and are checked against
+them, again whenever one of those models loads.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tiered.agent.config import (
 )
 from tiered.agent.devices import DeviceEngine, DevicePool, EngineSpec, in_thread, nvml_gpu_count
 from tiered.agent.engine_core import CoreSpec, EngineCore, EngineCores, runs_in_a_process
+from tiered.agent.ensemble import EnsembleVersion, check_steps, load_order, step_version
 from tiered.agent.generative import GenerativeVersion, with_tensors
 from tiered.agent.model import ModelVersion
 from tiered.engines import Engine, open_engine
@@ -77,7 +81,7 @@ class IndexEntry:
 
 
 EngineFactory = Callable[[str, Path, dict, str], Engine]  # backend, file, settings, where
-Served = ModelVersion | GenerativeVersion
+Served = ModelVersion | GenerativeVersion | EnsembleVersion
 
 
 def versions_on_disk(model_dir: Path) -> dict[int, Path]:
@@ -91,6 +95,13 @@ def versions_on_disk(model_dir: Path) -> dict[int, Path]:
             elif is_checkpoint(child):
                 found[int(child.name)] = child / "config.json"
     return found
+
+
+def ensemble_versions(model_dir: Path) -> list[int]:
+    """An ensemble's versions: its integer-named directories, empty as Triton's
+    layout has them; version 1 where it has none."""
+    return sorted(int(c.name) for c in model_dir.iterdir()
+                  if c.is_dir() and c.name.isdigit() and int(c.name) > 0) or [1]
 
 
 def inside_repository(root: Path, path: Path, what: str) -> None:
@@ -180,16 +191,35 @@ class ModelRepository:
     # -- load / unload -----------------------------------------------------------
 
     async def load_all(self) -> list[str]:
-        """Load every model directory; return the names that failed (and why in logs)."""
-        failed = []
+        """Load every model directory, ensembles after the models their steps
+        use; return the names that failed (and why in logs)."""
+        uses = {}
         for entry in sorted(self.root.iterdir()):
             if entry.is_dir() and config_file(entry) is not None:
-                try:
-                    await self.load(entry.name)
-                except TieredError as error:
-                    log.error("model %s not loaded: %s", entry.name, error)
-                    failed.append(entry.name)
-        return failed
+                uses[entry.name] = self._step_models(entry.name)
+        order, refused = load_order(uses)
+        failed = []
+        for name, why in sorted(refused.items()):
+            log.error("model %s not loaded: %s", name, why)
+            entry = self._models.setdefault(name, ModelEntry(name))
+            entry.state, entry.reason = ModelState.UNAVAILABLE, why
+            failed.append(name)
+        for name in order:
+            try:
+                await self.load(name)
+            except TieredError as error:
+                log.error("model %s not loaded: %s", name, error)
+                failed.append(name)
+        return sorted(failed)
+
+    def _step_models(self, name: str) -> set[str]:
+        """The models an ensemble's steps use; none for another model, or for
+        one whose config does not read (its load says why)."""
+        try:
+            config = self._config(name)
+        except TieredError:
+            return set()
+        return {step.model for step in config.ensemble.steps} if config.ensemble else set()
 
     async def load(self, name: str) -> None:
         """(Re)load a model from disk: new versions start, changed ones rebuild,
@@ -212,6 +242,21 @@ class ModelRepository:
             log.info("model %s serving versions %s", name, sorted(built))
         for version in retired:
             self._drain_later(version)
+        await self._recheck_ensembles_using(name)
+
+    async def _recheck_ensembles_using(self, name: str) -> None:
+        """Load again the ensembles whose steps use `name`, as Triton reloads
+        a model's dependents: their steps are checked against it as it is now.
+        One that no longer fits keeps its reason in the index."""
+        for entry in list(self._models.values()):
+            configs = [v.config for v in entry.versions.values()]
+            if any(c.ensemble and any(s.model == name for s in c.ensemble.steps)
+                   for c in configs):
+                try:
+                    await self.load(entry.name)
+                except TieredError as error:
+                    log.error("ensemble %s no longer fits model %s: %s", entry.name, name,
+                              error)
 
     async def unload(self, name: str) -> None:
         """Stop serving a model once its in-flight requests finish."""
@@ -238,16 +283,22 @@ class ModelRepository:
 
     # -- internals ----------------------------------------------------------------
 
-    def _read(self, name: str) -> tuple[ModelConfig, dict[int, Path]]:
-        model_dir = self.root / name
-        config_path = config_file(model_dir)
+    def _config(self, name: str) -> ModelConfig:
+        config_path = config_file(self.root / name)
         if config_path is None:
             raise NotFound(f"model_name: no model {name!r} in repository {self.root}")
         inside_repository(self.root, config_path, name)
         where = f"{name}/{config_path.name}"
         data = (triton_config.parse(config_path.read_text(), where)
                 if config_path.name == TRITON_CONFIG else read_yaml(config_path))
-        config = parse_model_config(name, data, self.profile, where)
+        return parse_model_config(name, data, self.profile, where)
+
+    def _read(self, name: str) -> tuple[ModelConfig, dict[int, Path]]:
+        model_dir = self.root / name
+        config = self._config(name)
+        if config.ensemble is not None:
+            chosen = config.version_policy.select(ensemble_versions(model_dir))
+            return config, {version: model_dir / str(version) for version in chosen}
         on_disk = versions_on_disk(model_dir)
         wanted = {v: on_disk[v] for v in config.version_policy.select(on_disk)}
         for version, path in wanted.items():
@@ -262,6 +313,8 @@ class ModelRepository:
     async def _build(
         self, config: ModelConfig, wanted: dict[int, Path], current: dict[int, Served]
     ) -> dict[int, Served]:
+        if config.ensemble is not None:
+            return self._build_ensemble(config, wanted, current)
         built: dict[int, Served] = {}
         try:
             for version, path in sorted(wanted.items()):
@@ -292,6 +345,31 @@ class ModelRepository:
                 if current.get(version) is not served:
                     self._drain_later(served)
             raise
+        return built
+
+    def _build_ensemble(self, config: ModelConfig, wanted: dict[int, Path],
+                        current: dict[int, Served]) -> dict[int, Served]:
+        """Check the steps against the models serving them now; a version whose
+        config and steps' models are unchanged keeps serving (and counting)."""
+        assert config.ensemble is not None
+        found = config_file(self.root / config.name)
+        where = f"{config.name}/{found.name if found else CONFIG}"
+        models = []
+        for index, step in enumerate(config.ensemble.steps):
+            try:
+                models.append(self.get(step.model, step_version(step.version)).config)
+            except TieredError as error:
+                raise ConfigError(f"{where}.ensemble.steps[{index}].model: {step.model!r} is "
+                                  f"not served here; load it first ({error})") from error
+        check_steps(config, models, where)
+        source = (config, tuple(models))
+        built: dict[int, Served] = {}
+        for version in wanted:
+            old = current.get(version)
+            built[version] = old if old is not None and old.built_from == source else \
+                EnsembleVersion(config, version, self.get, built_from=source,
+                                recorder=VersionRecorder(time.monotonic) if self._telemetry
+                                else None)
         return built
 
     async def _open_engine(self, config: ModelConfig, path: Path) -> dict[str, Engine]:

@@ -277,7 +277,8 @@ async def _watch_devices(repository: ModelRepository,
     serving = True
     while True:
         await asyncio.sleep(DEVICE_CHECK_S)
-        stranded = sorted({v.config.name for v in repository.all_versions() if not v.ready})
+        stranded = sorted({v.config.name for v in repository.all_versions()
+                           if v.devices and not v.ready})
         if serving != (not stranded):
             serving = not stranded
             if stranded:

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 import tiered
+from tiered.agent.config import ENSEMBLE
 from tiered.agent.generation import TEXT_OUTPUT, TOKEN_IDS, GenerationRequest
 from tiered.agent.generative import GenerativeVersion
 from tiered.agent.model import ModelVersion, response_rows
@@ -43,7 +44,7 @@ from tiered.telemetry.tracing import context_from_metadata
 # Triton's platform names, which some clients and dashboards key on.
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch",
              "tensorrt": "tensorrt_plan", "onnxruntime-genai": "onnxruntime_genai",
-             "torch-generative": "pytorch_libtorch"}
+             "torch-generative": "pytorch_libtorch", ENSEMBLE: "ensemble"}
 WHOLE = 1 << 30  # ModelInfer's text: take every token ready at once
 
 
@@ -88,7 +89,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                  **model.build}
         config = messages.model_config(
             model.config, PLATFORMS[model.config.backend], model.config.backend,
-            model.engine.device != "cpu", facts,
+            model.on_gpu, facts,
         )
         return pb.ModelConfigResponse(config=config)
 
@@ -307,7 +308,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(self, request, context):
         if request.name:
             entry = self.repository.served(request.name)
-            versions: list[ModelVersion] = list(entry.versions.values())
+            versions = list(entry.versions.values())
             if request.version:
                 versions = [self.repository.get(request.name, request.version)]
         else:

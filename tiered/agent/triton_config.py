@@ -8,9 +8,12 @@ which must say `model_transaction_policy { decoupled: true }`, as any other
 model may), max_batch_size,
 input and output (TYPE_FP32 -> FP32), dynamic_batching (preferred sizes, delay,
 the default queue policy's size), sequence_batching (control inputs, implicit
-state with zero initial data, the idle limit, the strategy), version_policy and
-instance_group counts. Fields of Triton's config that
-this agent does not read are named in a warning, never silently dropped;
+state with zero initial data, the idle limit, the strategy), ensemble_scheduling
+(`platform: "ensemble"`: each step's model_name, model_version, input_map and
+output_map), version_policy and instance_group counts. Fields of Triton's
+config that this agent does not read are named in a warning, never silently
+dropped (among them optimization, model_warmup, response_cache,
+parameters and an ensemble's max_inflight_requests);
 a platform it cannot serve is an error.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 
 from google.protobuf import text_format
 
+from tiered.agent.config import ENSEMBLE, LATEST
 from tiered.engines.generative import GENERATIVE_BACKENDS
 from tiered.errors import ConfigError
 from tiered.protocol import model_config_pb2 as mc
@@ -31,7 +35,7 @@ log = logging.getLogger(__name__)
 BACKENDS = {"onnxruntime_onnx": "onnxruntime", "onnxruntime": "onnxruntime",
             "tensorrt_plan": "tensorrt", "tensorrt": "tensorrt",
             "onnxruntime_genai": "onnxruntime-genai", "onnxruntime-genai": "onnxruntime-genai",
-            "torch-generative": "torch-generative"}
+            "torch-generative": "torch-generative", "ensemble": ENSEMBLE}
 MODEL_FILE = "model.onnx"  # each version's file, as the repository reads it
 
 
@@ -82,6 +86,8 @@ def _mapping(config: mc.ModelConfig, where: str) -> dict[str, Any]:
         if batching.default_queue_policy.max_queue_size:
             data["dynamic_batching"]["max_queue_size"] = \
                 batching.default_queue_policy.max_queue_size
+    if config.HasField("ensemble_scheduling"):
+        data["ensemble"] = _ensemble(config.ensemble_scheduling, f"{where}.ensemble_scheduling")
     if config.HasField("sequence_batching"):
         data["sequence_batching"] = _sequence_batching(config.sequence_batching,
                                                        f"{where}.sequence_batching")
@@ -147,3 +153,19 @@ def _sequence_batching(batching: mc.ModelSequenceBatching, where: str) -> dict[s
     if batching.HasField("oldest") and batching.oldest.max_candidate_sequences:
         data["max_sequences"] = batching.oldest.max_candidate_sequences
     return data
+
+
+def _ensemble(ensembling: mc.ModelEnsembling, where: str) -> dict[str, Any]:
+    """Triton's ensemble steps as config.yaml's (`ensemble.steps`)."""
+    if ensembling.max_inflight_requests:
+        log.warning("%s.max_inflight_requests: not read (an ensemble's steps are bounded by "
+                    "their models' queues)", where)
+    steps = []
+    for i, step in enumerate(ensembling.step):
+        if step.model_namespace:
+            raise ConfigError(f"{where}.step[{i}].model_namespace: reserved; leave it out")
+        steps.append({"model": step.model_name,
+                      # unset (0) reads as Triton's -1: the newest version
+                      "version": step.model_version if step.model_version else LATEST,
+                      "inputs": dict(step.input_map), "outputs": dict(step.output_map)})
+    return {"steps": steps}

@@ -174,9 +174,12 @@ def _data_type(datatype: str) -> int:
 def model_config(
     config, platform: str, backend: str, gpu: bool, facts: Mapping[str, str]
 ) -> mc.ModelConfig:
-    """Our ModelConfig dataclass in Triton's ModelConfig message shape."""
+    """Our ModelConfig dataclass in Triton's ModelConfig message shape. An
+    ensemble says so by its platform alone and has no instances, as in Triton."""
+    ensemble = config.ensemble
     message = mc.ModelConfig(
-        name=config.name, platform=platform, backend=backend, max_batch_size=config.max_batch_size
+        name=config.name, platform=platform, backend="" if ensemble else backend,
+        max_batch_size=config.max_batch_size,
     )
     for tensor in config.inputs:
         message.input.add(name=tensor.name, data_type=_data_type(tensor.datatype), dims=tensor.dims,
@@ -190,11 +193,17 @@ def model_config(
         message.version_policy.specific.versions.extend(policy.specific)
     else:
         message.version_policy.latest.num_versions = policy.latest or 1
-    message.instance_group.add(
-        name=config.name,
-        kind=mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU,
-        count=config.instance_count,
-    )
+    if ensemble is not None:
+        for step in ensemble.steps:
+            message.ensemble_scheduling.step.add(
+                model_name=step.model, model_version=step.version, input_map=step.inputs,
+                output_map=step.outputs)
+    else:
+        message.instance_group.add(
+            name=config.name,
+            kind=mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU,
+            count=config.instance_count,
+        )
     if config.decoupled:
         message.model_transaction_policy.decoupled = True
     batching = config.dynamic_batching

@@ -63,7 +63,7 @@ def tier_load(replies: Sequence[tpb.StatsResponse]) -> scaling.TierLoad:
     its load: requests, and the metrics summed over agents."""
     requests, concurrency, utilization, spans = 0, 0.0, 0.0, []
     for reply in replies:
-        span = reply.window_s
+        span = reply.end - reply.start  # window_s is the agent's retention, not the span
         spans.append(span)
         for version in reply.versions:
             requests += version.success + version.failure

@@ -4,8 +4,9 @@ Starts one agent per tier (each on its tier's profile, serving the tier's
 model repository under the state directory), the router and the controller
 as child processes, writes their addresses for the controller and the CLI,
 applies the TieredModels the system file lists, and then watches: a child
-that dies is started again (agents and the router on the port they had), and
-the controller's progress lines are echoed. Ctrl-C stops everything, the
+that dies is started again (agents and the router on the port they had),
+the controller's progress lines are echoed, and each tier runs as many
+agents as the controller's autoscaling decided (`follow_scale`). Ctrl-C stops everything, the
 controller first and the agents last. It never reconciles: the controller
 child does.
 
@@ -20,6 +21,7 @@ child does.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -39,6 +41,7 @@ from tiered.controller.verbs import apply_file
 from tiered.errors import ConfigError
 from tiered.files import write_atomically
 from tiered.local.processes import AgentError, AgentProcess, RouterProcess, ServerProcess
+from tiered.router.server import TABLE_POLL_S
 from tiered.settings import load_dataclass, read_yaml
 
 log = logging.getLogger(__name__)
@@ -134,7 +137,9 @@ class LocalUp:
         self.base = Path(base)
         self.layout = StateLayout(Path(system.state_dir).resolve())
         self.progress = progress
-        self.agents: dict[str, AgentProcess] = {}
+        self.agents: dict[str, list[AgentProcess]] = {}  # each tier's, first started first
+        self.leaving: list[tuple[AgentProcess, float]] = []  # out of the table; stop when
+        self._scale_stamp: int | None = None  # scale.json's, as last read
         self.router: ServerProcess | None = None
         self.controller: subprocess.Popen | None = None
         self._controller_log_offset = 0
@@ -153,18 +158,15 @@ class LocalUp:
                                   self.progress)
         if not layout.routing_table.is_file():
             write_atomically(layout.routing_table, "version: 0\nmodels: {}\n")
-        admin_token = layout.ensure_admin_token()
+        layout.ensure_admin_token()
         for tier in self.system.tiers:
             layout.repository(tier).mkdir(parents=True, exist_ok=True)
-            self.agents[tier] = AgentProcess(tier, layout.repository(tier), log_dir=layout.logs,
-                                             extra_args=["--allow-failed-models"],
-                                             admin_token_file=admin_token,
-                                             env=thread_share(len(self.system.tiers)))
+            self.agents[tier] = [self._agent(tier)]
         self.router = RouterProcess(layout.routing_table, port=self.system.router.port,
                                     metrics_port=self.system.router.metrics_port,
                                     http_port=self.system.router.http_port,
                                     log_dir=layout.logs)
-        for name, process in [*self.agents.items(), ("router", self.router)]:
+        for name, process in [*self._named_agents(), ("router", self.router)]:
             process.start()
             rest = f", REST http://{process.http_address}" if process.http_port else ""
             self.progress(f"{name}: pid {process.pid}, {process.address}{rest} "
@@ -178,10 +180,23 @@ class LocalUp:
         self._start_controller()
         return running
 
+    def _agent(self, tier: str) -> AgentProcess:
+        """A new agent of `tier` on a free port, serving the tier's repository."""
+        return AgentProcess(tier, self.layout.repository(tier), log_dir=self.layout.logs,
+                            extra_args=["--allow-failed-models"],
+                            admin_token_file=self.layout.admin_token,
+                            env=thread_share(len(self.system.tiers)))
+
+    def _named_agents(self) -> list[tuple[str, AgentProcess]]:
+        """Every agent in the table, named as progress lines name it: its tier
+        for the first, `tier-2`, `tier-3`, ... for those scaled up."""
+        return [(tier if index == 0 else f"{tier}-{index + 1}", agent)
+                for tier, agents in self.agents.items() for index, agent in enumerate(agents)]
+
     def running(self) -> RunningSystem:
         assert self.router is not None
-        return RunningSystem({tier: (agent.address,) for tier, agent in self.agents.items()},
-                             self.router.address)
+        return RunningSystem({tier: tuple(agent.address for agent in agents)
+                              for tier, agents in self.agents.items()}, self.router.address)
 
     def _start_controller(self) -> None:
         log_path = self.layout.logs / "controller.log"
@@ -226,7 +241,8 @@ class LocalUp:
                 self.controller.wait(30)
             except subprocess.TimeoutExpired:
                 self.controller.kill()
-        for process in [self.router, *self.agents.values()]:
+        for process in [self.router, *(a for _, a in self._named_agents()),
+                        *(a for a, _ in self.leaving)]:
             if process is not None:
                 process.stop()
         self.echo_controller()
@@ -240,6 +256,65 @@ class LocalUp:
         while not stop.wait(SUPERVISE_INTERVAL_S):
             self.echo_controller()
             self.restart_dead()
+            self.follow_scale()
+
+    def follow_scale(self, now: float | None = None) -> None:
+        """Run as many agents of each tier as the controller's scale.json
+        says (a tier it leaves out: one). A new agent joins the table once it
+        serves; one that goes leaves the table first and stops (draining
+        what it has) once every router has read a table without it."""
+        now = time.monotonic() if now is None else now
+        for process, after in [entry for entry in self.leaving if entry[1] <= now]:
+            process.stop()
+            self.leaving.remove((process, after))
+        wanted = self._read_scale()
+        if wanted is None:
+            return
+        changed = False
+        for tier, agents in self.agents.items():
+            count = wanted.get(tier, 1)
+            while len(agents) < count:
+                agent = self._agent(tier)
+                try:
+                    agent.start()
+                except AgentError as error:
+                    self.progress(f"{tier}: scaling up failed: {error}")
+                    break
+                agents.append(agent)
+                changed = True
+                self.progress(f"{tier}: agent {len(agents)} of {count} started, pid "
+                              f"{agent.pid}, {agent.address}")
+            while len(agents) > count:
+                agent = agents.pop()
+                self.leaving.append((agent, now + self.leave_grace_s))
+                changed = True
+                self.progress(f"{tier}: agent {agent.address} leaves the routing table; "
+                              f"it stops in {self.leave_grace_s:g} s ({len(agents)} of "
+                              f"{tier} left)")
+        if changed:
+            self.running().write(self.layout.system)
+
+    @property
+    def leave_grace_s(self) -> float:
+        """Long enough for the controller to write a table without an agent
+        and the router to read it (`TABLE_POLL_S`), with a pass to spare."""
+        return 2 * self.system.controller.interval_s + 2 * TABLE_POLL_S
+
+    def _read_scale(self) -> dict[str, int] | None:
+        """scale.json's counts when it changed since the last read, else None."""
+        try:
+            stamp = self.layout.scale.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if stamp == self._scale_stamp:
+            return None
+        try:
+            wanted = json.loads(self.layout.scale.read_text())
+        except (OSError, ValueError) as error:
+            self.progress(f"controller's scale unreadable: {error}")
+            return None
+        self._scale_stamp = stamp
+        return {tier: int(count) for tier, count in wanted.items() if tier in self.agents}
 
     def echo_controller(self, decisions: bool = True) -> None:
         """Print what the controller logged since last time, its holds aside:
@@ -265,7 +340,7 @@ class LocalUp:
         if (controller is not None and controller.poll() is not None
                 and self._due("controller", controller.returncode)):
             self._start_controller()
-        for name, process in [*self.agents.items(), ("router", self.router)]:
+        for name, process in [*self._named_agents(), ("router", self.router)]:
             if process is None or process.alive():
                 continue
             if not self._due(name, process.stop()):

@@ -18,7 +18,8 @@ module only observes and applies:
   repository's config.yaml names them, so a restarted controller knows what
   is loaded); a retired version is dropped from it;
 - status and history live in the SQLite store, the routing table in a file
-  the router re-reads;
+  the router re-reads, and each autoscaled tier's agents in `scale.json`,
+  which `tiered up` follows (starting and stopping agents);
 - while it runs, it holds a shared lock on `controller.lock`, which the
   kernel lets go however it ends, so the verbs can tell that none runs.
 
@@ -28,6 +29,7 @@ where it was; only the stage's samples start afresh (the stage clock does not).
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +42,7 @@ from tiered import names
 from tiered.controller import desired, plan
 from tiered.controller.host.builds import LOADING, BuildKey, BuildRequest, Builds
 from tiered.controller.host.state import RunningSystem, StateLayout
-from tiered.controller.reconciler import Stored, routed
+from tiered.controller.reconciler import Stored, readable_status, routed
 from tiered.controller.store import StateStore
 from tiered.errors import ConfigError, NotFound
 from tiered.files import write_atomically
@@ -213,6 +215,20 @@ class HostBackend:
         table = desired.next_table(previous, models, desired.same_agents(self.system.agents))
         if table is not None:
             write_atomically(path, routing.dump_table(table))
+
+    def write_scale(self) -> None:
+        """Agents per autoscaled tier, from every model's stored status (the
+        most any model's autoscaling wants: a tier's agents serve every
+        model), for `tiered up` to follow; unchanged, not written."""
+        wanted: dict[str, int] = {}
+        for record in self.store.list():
+            stored = Stored(record.name, record.spec, record.status, record.generation)
+            for tier, scale in readable_status(stored).scaling.items():
+                wanted[tier] = max(wanted.get(tier, 0), scale.replicas)
+        text = json.dumps(wanted, sort_keys=True)
+        path = self.layout.scale
+        if not path.is_file() or path.read_text() != text:
+            write_atomically(path, text)
 
     def _admin(self) -> tuple[tuple[str, str], ...]:
         token = self.layout.admin_token.read_text().strip()

@@ -80,3 +80,4 @@ class HostController:
                 self.progress(f"{record.name}: an agent did not answer: "
                               f"{error.code().name} {error.details()}")
         self.backend.write_routing()  # also when no model is left
+        self.backend.write_scale()

@@ -33,6 +33,11 @@ class StateLayout:
         return self.root / "system.json"
 
     @property
+    def scale(self) -> Path:
+        """Agents per autoscaled tier, as the controller decided (`tiered up` follows it)."""
+        return self.root / "scale.json"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

@@ -2,12 +2,14 @@
 the router scales the edge tier's agents up (each a process of its own, in
 the routing table once it serves); without load it scales down after its
 window and, idle, goes to zero while the regional tier carries what edge
-did. Every client request is answered throughout."""
+did; a request hinted to edge then wakes it, and one kept to edge waits for
+it to wake and is answered there. Every client request is answered."""
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -107,10 +109,23 @@ def test_load_scales_edge_up_then_down_to_zero_and_no_request_fails(system, digi
     assert any("leaves the routing table" in line for line in lines)
     assert json.loads(StateLayout(state).scale.read_text()) == {"edge": 0}
     wait_for(local, lambda: not local.leaving, 30, "the edge agents to stop")
-    # Edge asleep: the regional tier answers, edge hinted or not.
+    # Edge asleep: regional answers, and a request hinted to edge counts as
+    # demand the router could not place there, which wakes it.
     time.sleep(2.0)  # a table without edge is written and read
-    for headers in ({}, {"tiered-tier": "edge"}):
-        assert served_by(running.router, images[:1], headers) == "regional"
+    assert served_by(running.router, images[:1], {}) == "regional"
+    assert served_by(running.router, images[:1], {"tiered-tier": "edge"}) == "regional"
+    wait_for(local, lambda: len(edge_agents(state)) == 1, 60, "edge to wake", store)
+    # Idle again, it sleeps; a request kept to edge waits for it to wake and
+    # is answered there.
+    wait_for(local, lambda: not edge_agents(state) and not local.leaving, 60,
+             "edge to sleep again", store)
+    time.sleep(2.0)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(served_by, running.router, images[:1])
+        wait_for(local, held.done, 60, "the held request", store)
+    assert held.result() == "edge"
+    assert "woken: " in status_of(store).scaling["edge"].reason or \
+        status_of(store).scaling["edge"].replicas == 1
 
 
 def served_by(router: str, image: np.ndarray, headers: dict | None = None) -> str | None:

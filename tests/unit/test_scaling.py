@@ -1,15 +1,22 @@
 """Autoscaling's pure decision (`tiered.controller.scaling`) and its place in
 the plan: the HPA's arithmetic, stabilisation windows, bounded steps, scale
-to zero and waking, the status round trip, Events and Kubernetes replicas."""
+to zero and waking, the status round trip, Events and Kubernetes replicas;
+tiers asleep in the routing table, and the router holding a request for one
+until it wakes."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
-from tiered.controller import plan, scaling
+from tiered.controller import desired, plan, scaling
 from tiered.controller.kube import render
 from tiered.controller.scaling import TierLoad
-from tiered.errors import ConfigError
+from tiered.errors import ConfigError, DeadlineExceeded, ResourceExhausted
+from tiered.protocol import routing
+from tiered.router import demand
 from tiered.rollout.spec import Autoscaling, load_tiered_model
 from tiered.rollout.status import (
     ArtifactVersion,
@@ -166,3 +173,54 @@ def test_kubernetes_deployments_carry_the_decided_replicas():
     sized = {o["metadata"]["name"]: o["spec"]["replicas"] for o in objects
              if o["kind"] == "Deployment"}
     assert sorted(sized.values()) == [3, 5]
+
+
+def test_a_tier_that_may_sleep_and_has_no_agent_is_asleep_in_the_table():
+    sleepy = load_tiered_model({
+        "name": "digits", "artifact": {"uri": "/m/digits.onnx", "sha256": SHA},
+        "tiers": {"edge": {"autoscaling": {"scale_to_zero": True}}, "regional": {}},
+        "rollout": {"stages": [{"name": "edge", "weights": {"edge": 10}}]}})
+    agents = {"regional": ("10.0.0.2:8001",)}
+    table = desired.routing_table(1, [(sleepy, SERVING.rollout)], desired.same_agents(agents))
+    route = table.models["digits"]
+    assert set(route.tiers) == {"regional"} and route.asleep == ("edge",)
+    # Asleep everywhere, the model keeps its route: its requests wait for a tier.
+    table = desired.routing_table(2, [(sleepy, SERVING.rollout)], desired.same_agents({}))
+    assert table.models["digits"].asleep == ("edge",) and not table.models["digits"].tiers
+    # A tier without agents that may not sleep is simply not routed, as before.
+    assert "regional" not in table.models["digits"].asleep
+    with pytest.raises(ConfigError, match="asleep: tier 'regional' has agents"):
+        routing.ModelRoute({"regional": routing.TierRoute(("a:1",), 1)}, asleep=("regional",))
+    assert routing.parse_table(routing.table_document(table)) == table
+
+
+def held_table(model_route: routing.ModelRoute | None) -> routing.RoutingTable:
+    return routing.RoutingTable(1, {"digits": model_route} if model_route else {})
+
+
+def test_a_request_held_for_a_sleeping_tier_goes_on_once_it_wakes():
+    asleep = routing.ModelRoute({}, asleep=("edge",))
+    awake = routing.ModelRoute({"edge": routing.TierRoute(("a:1",), 1)})
+    tables = [held_table(asleep)]
+    held = demand.Demand(time.monotonic)
+
+    async def scenario():
+        waiter = asyncio.create_task(held.until_awake("digits", "edge", lambda: tables[-1],
+                                                      time.monotonic() + 5))
+        await asyncio.sleep(0.2)
+        assert held.report() == [("digits", "edge", 0, 1)] and not waiter.done()
+        tables.append(held_table(awake))
+        return await asyncio.wait_for(waiter, 2)
+
+    assert asyncio.run(scenario()) == awake
+    assert held.report() == []  # no longer held
+
+
+def test_a_held_request_ends_at_its_deadline_and_the_holding_is_bounded(monkeypatch):
+    held = demand.Demand(time.monotonic)
+    asleep = held_table(routing.ModelRoute({}, asleep=("edge",)))
+    with pytest.raises(DeadlineExceeded, match="did not wake within the request's deadline"):
+        asyncio.run(held.until_awake("digits", None, lambda: asleep, time.monotonic() + 0.1))
+    monkeypatch.setattr(demand, "MAX_WAITING", 0)
+    with pytest.raises(ResourceExhausted, match="wait for tiers to wake"):
+        asyncio.run(held.until_awake("digits", None, lambda: asleep, time.monotonic() + 1))

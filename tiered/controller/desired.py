@@ -258,16 +258,24 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
     requests to the staged tiers whatever the policy prefers (`STAGE_FLOOR`).
     Where the canary runs on other agents than
     stable (Kubernetes: a Deployment per version), the tier lists them as
-    `canary_agents`."""
+    `canary_agents`. A tier that may scale to zero and has no agent is
+    listed `asleep`: the router counts the demand for it and holds the
+    requests only it may answer until it wakes."""
     table: dict[str, routing.ModelRoute] = {}
     for spec, status in models:
         weights = engine.canary_weights(spec, status)
         shadow = (spec.rollout.shadow_fraction
                   if live(status) and spec.rollout.analysis.agreement is not None else 0.0)
         tiers: dict[str, routing.TierRoute] = {}
+        asleep = []
         for tier in names.TIERS:
             stable_agents = tuple(agents_of(spec, tier, status.stable_version))
-            if tier not in spec.tiers or not stable_agents:
+            if tier not in spec.tiers:
+                continue
+            if not stable_agents:
+                auto = spec.tiers[tier].autoscaling
+                if auto is not None and auto.scale_to_zero:
+                    asleep.append(tier)  # scaled to zero: its demand wakes it
                 continue
             if not live(status):
                 tiers[tier] = routing.TierRoute(stable_agents, status.stable_version)
@@ -277,7 +285,7 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
                 stable_agents, status.stable_version, canary=status.canary_version,
                 canary_weight=round(weights[tier] / 100.0, 6), shadow_fraction=shadow,
                 canary_agents=canary_agents if canary_agents != stable_agents else ())
-        if not tiers:
+        if not tiers and not asleep:
             continue
         cascade = spec.routing.cascade
         cascade_tiers = tuple(t for t in cascade.tiers if t in tiers)
@@ -286,7 +294,7 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
             tiers, policy=spec.routing.policy if cascade_tiers else "slo-energy",
             slo_ms=spec.routing.slo_ms, stage_floor=STAGE_FLOOR,
             cascade=routing.CascadeSettings(cascade_tiers, cascade.threshold, cascade.output)
-            if cascade_tiers else routing.CascadeSettings())
+            if cascade_tiers else routing.CascadeSettings(), asleep=tuple(asleep))
     return routing.RoutingTable(version, table)
 
 

@@ -84,6 +84,10 @@ class RolloutJudge:
         self._cursors: dict[tuple[str, str], tuple[str, float]] = {}
         self._stages: dict[str, StageAccumulator] = {}
         self._load_cursors: dict[tuple[str, str], tuple[str, float]] = {}  # as _cursors
+        # (router, model) -> the router's instance when last read; (router,
+        # model, tier) -> the unmet requests it had counted then
+        self._unmet_seen: dict[tuple[str, str], str] = {}
+        self._unmet_counts: dict[tuple[str, str, str], int] = {}
 
     def read(self, spec: TieredModel, status: RolloutStatus,
              agents: Mapping[str, Sequence[str]], routers: Sequence[str],
@@ -128,6 +132,9 @@ class RolloutJudge:
         if loads:
             self._load_cursors = {k: v for k, v in self._load_cursors.items()
                                   if k[1] != model}
+            self._unmet_seen = {k: v for k, v in self._unmet_seen.items() if k[1] != model}
+            self._unmet_counts = {k: v for k, v in self._unmet_counts.items()
+                                  if k[1] != model}
 
     def _readings(self, model: str, agents: Mapping[str, Sequence[str]]
                   ) -> tuple[list[VersionReading], list[str], list[str]]:
@@ -159,11 +166,13 @@ class RolloutJudge:
                 readings.extend(readings_of(tier, reply))
         return readings, unreadable, down
 
-    def loads(self, model: str, agents: Mapping[str, Sequence[str]]
-              ) -> dict[str, scaling.TierLoad]:
+    def loads(self, model: str, agents: Mapping[str, Sequence[str]],
+              routers: Sequence[str] = ()) -> dict[str, scaling.TierLoad]:
         """Each tier's load since the last look (`scaling.TierLoad`), from its
         agents' Stats with cursors of their own (a first look reads the
-        agent's whole window); an agent that cannot be read is left out."""
+        agent's whole window; an agent that cannot be read is left out), and
+        the demand the routers could not place on it (`unmet`)."""
+        unmet = self._unmet(model, routers)
         loads = {}
         for tier, addresses in agents.items():
             replies = []
@@ -182,8 +191,33 @@ class RolloutJudge:
                     continue
                 self._load_cursors[key] = (reply.instance, reply.end)
                 replies.append(reply)
-            loads[tier] = tier_load(replies)
+            loads[tier] = dataclasses.replace(tier_load(replies), unmet=unmet.get(tier, 0))
         return loads
+
+    def _unmet(self, model: str, routers: Sequence[str]) -> dict[str, int]:
+        """Per tier, the requests the routers could not place there since the
+        last look (their counters are cumulative, per router instance; a
+        router first seen gives its count as the baseline), plus those held
+        now: a held request asks for its tier at every look until it wakes.
+        A router first read (or restarted: another instance) gives its counts
+        as the baseline; a tier counted since starts from zero."""
+        unmet: dict[str, int] = {}
+        for router in routers:
+            try:
+                reply = tpb_grpc.TelemetryStub(self._channel(router)).Routes(
+                    tpb.RoutesRequest(model_name=model), timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as error:
+                log.warning("unmet demand of %s unreadable: %s", router, error.code().name)
+                continue
+            first = self._unmet_seen.get((router, model)) != reply.instance
+            self._unmet_seen[(router, model)] = reply.instance
+            for demand in reply.unmet:
+                key = (router, model, demand.tier)
+                before = demand.requests if first else self._unmet_counts.get(key, 0)
+                self._unmet_counts[key] = demand.requests
+                unmet[demand.tier] = (unmet.get(demand.tier, 0) + demand.requests - before
+                                      + demand.waiting)
+        return unmet
 
     def routed(self, model: str, routers: Sequence[str]) -> plan.Routed:
         """Whether the routing table each router uses routes `model` (None

@@ -181,7 +181,8 @@ class Reconciler:
             self.judge.forget(name)
         routed = (self.judge.routed(name, self.backend.routers())
                   if plan.asks_routers(status) else None)
-        loads = (self.judge.loads(name, self.backend.agents(spec, status.rollout))
+        loads = (self.judge.loads(name, self.backend.agents(spec, status.rollout),
+                                  self.backend.routers())
                  if status.rollout is not None and autoscaled(spec) else None)
         made = plan.plan(spec, status, plan.Observation(stored.generation, states, present,
                                                         reading, routed, loads),

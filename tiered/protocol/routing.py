@@ -19,6 +19,8 @@ one file it is given; never talks to agents and imports nothing of ours above
         stage_floor: 0.333          # while a stage is live: share of un-hinted requests
                                     # sent to its tiers (those with canary_weight > 0)
         cascade: {tiers: [edge, regional, datacenter], threshold: 0.9, output: ""}
+        asleep: [datacenter]        # tiers of the model with no agent now (scaled to
+                                    # zero): their demand is counted and woken for
         tiers:
           edge:
             agents: ["10.0.0.5:8001"]
@@ -135,14 +137,19 @@ class ModelRoute:
     max_in_flight: int = 64
     cascade: CascadeSettings = field(default_factory=CascadeSettings)
     stage_floor: float = DEFAULT_STAGE_FLOOR  # see DEFAULT_STAGE_FLOOR
+    asleep: tuple[str, ...] = ()  # tiers with no agent now: requests wake them
 
     def __post_init__(self) -> None:
-        if not self.tiers:
-            raise ConfigError("tiers: needs at least one tier")
-        for tier in self.tiers:
+        _freeze(self, "asleep")
+        if not self.tiers and not self.asleep:
+            raise ConfigError("tiers: needs at least one tier (or one asleep)")
+        for tier in (*self.tiers, *self.asleep):
             if tier not in names.TIERS:
                 raise ConfigError(f"tiers: unknown tier {tier!r}; expected one of "
                                   f"{', '.join(names.TIERS)}")
+        both = set(self.tiers) & set(self.asleep)
+        if both:
+            raise ConfigError(f"asleep: tier {min(both)!r} has agents in tiers")
         if self.policy not in tuple(names.Policy):
             raise ConfigError(f"policy: unknown policy {self.policy!r}; expected one of "
                               f"{', '.join(names.Policy)}")

@@ -183,10 +183,26 @@ class TierRoute(_message.Message):
     canary: int
     def __init__(self, model_name: _Optional[str] = ..., tier: _Optional[str] = ..., stable: _Optional[int] = ..., canary: _Optional[int] = ...) -> None: ...
 
+class UnmetDemand(_message.Message):
+    __slots__ = ("model_name", "tier", "requests", "waiting")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    tier: str
+    requests: int
+    waiting: int
+    def __init__(self, model_name: _Optional[str] = ..., tier: _Optional[str] = ..., requests: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+
 class RoutesResponse(_message.Message):
-    __slots__ = ("table_version", "routes")
+    __slots__ = ("table_version", "routes", "instance", "unmet")
     TABLE_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    UNMET_FIELD_NUMBER: _ClassVar[int]
     table_version: int
     routes: _containers.RepeatedCompositeFieldContainer[TierRoute]
-    def __init__(self, table_version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[TierRoute, _Mapping]]] = ...) -> None: ...
+    instance: str
+    unmet: _containers.RepeatedCompositeFieldContainer[UnmetDemand]
+    def __init__(self, table_version: _Optional[int] = ..., routes: _Optional[_Iterable[_Union[TierRoute, _Mapping]]] = ..., instance: _Optional[str] = ..., unmet: _Optional[_Iterable[_Union[UnmetDemand, _Mapping]]] = ...) -> None: ...

@@ -20,6 +20,7 @@ from tiered.protocol import error_text, messages, routing, security
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.router import (
     counters,
+    demand,
     forward,
     health,
     hints,
@@ -48,6 +49,7 @@ class Router:
         self.observer = observations.Observer(clock)
         self.pool = forward.ChannelPool(transport, agent_token, max_message_bytes)
         self.agreement = counters.ShadowAgreement()
+        self.demand = demand.Demand(clock)  # for tiers scaled to zero
         self.metrics = counters.RouterMetrics(self.agreement)
         self.metrics.table_version.set(table.version)
         self.statistics = statistics.RouterStatistics()
@@ -100,6 +102,7 @@ class Router:
                 answer = await self.forwarder.forward(request, raw, (pinned,), route, deadline)
                 choice = None
             else:
+                route = await self._awake(request, route, metadata, deadline)
                 answer, choice = await self._route(request, raw, route, metadata, deadline)
             if step:
                 self.pins.answered(step, answer.candidate)
@@ -137,6 +140,7 @@ class Router:
             hints.refuse_shared_memory(request)
             deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
                                       started)
+            route = await self._awake(request, route, metadata, deadline)
             wanted, choices, _, ranking = self._rank(request, route, metadata)
             try:
                 opened = await streams.open_stream(self.forwarder, request, raw,
@@ -205,6 +209,27 @@ class Router:
         for passed in ranking.passed_over:
             self.metrics.failed_over(model, passed.tier, counters.DOWN)
         return wanted, choices, policy, ranking
+
+    async def _awake(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
+                     metadata: Sequence[tuple[str, str]] | None, deadline: float
+                     ) -> routing.ModelRoute:
+        """The route to rank on, after counting the demand for tiers scaled
+        to zero (`demand`): a request kept to such a tier, or for a model
+        asleep everywhere, waits for it to wake."""
+        if not route.asleep:
+            return route
+        model = request.model_name
+        wanted = hints.read_hints(model, request.parameters, metadata)
+        if wanted.tier in route.asleep:
+            self.demand.wanted(model, wanted.tier)
+            if wanted.strict:
+                return await self.demand.until_awake(model, wanted.tier, lambda: self.table,
+                                                     deadline)
+        if not route.tiers:
+            if wanted.tier not in route.asleep:
+                self.demand.wanted(model, route.asleep[0])  # the cheapest wakes
+            return await self.demand.until_awake(model, None, lambda: self.table, deadline)
+        return route
 
     async def _route(self, request: pb.ModelInferRequest, raw: bytes, route: routing.ModelRoute,
                      metadata: Sequence[tuple[str, str]] | None, deadline: float

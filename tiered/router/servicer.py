@@ -175,4 +175,9 @@ class TelemetryServicer(tpb_grpc.TelemetryServicer):
                           canary=route.canary or 0)
             for model, routes in table.models.items()
             if not request.model_name or model == request.model_name
-            for tier, route in routes.tiers.items()])
+            for tier, route in routes.tiers.items()],
+            instance=self.router.agreement.instance, unmet=[
+                tpb.UnmetDemand(model_name=model, tier=tier, requests=requests,
+                                waiting=waiting)
+                for model, tier, requests, waiting in self.router.demand.report()
+                if not request.model_name or model == request.model_name])

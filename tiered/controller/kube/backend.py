@@ -201,7 +201,7 @@ class KubeBackend:
             previous = routing.parse_table(yaml.safe_load(current)) if current else None
         except (ConfigError, yaml.YAMLError):
             previous = None  # a table we cannot read is replaced
-        table = desired.next_table(previous, models, render.agents_of(self.settings))
+        table = desired.next_table(previous, models, self._routable_agents)
         if table is None:
             return  # unchanged: no write, no new version
         wanted = render.routing_configmap(table, self.settings)
@@ -298,6 +298,16 @@ class KubeBackend:
             self.namespace, label_selector=render.pod_selector(spec.name, tier, version),
             _preload_content=False)
         return json.loads(response.data).get("items") or []
+
+    def _routable_agents(self, spec: TieredModel, tier: str, version: int) -> tuple[str, ...]:
+        """The (tier, version)'s Service, except for a tier that may scale to
+        zero while no pod of it is ready: none, so the table says it sleeps
+        and the router holds what only it may answer until a pod serves."""
+        service = render.agents_of(self.settings)(spec, tier, version)
+        auto = spec.tiers[tier].autoscaling
+        if auto is not None and auto.scale_to_zero and not self._agent_pods(spec, tier, version):
+            return ()
+        return tuple(service)
 
     def _agent_pods(self, spec: TieredModel, tier: str, version: int) -> tuple[str, ...]:
         service = render.workload_name(spec.name, tier, version)

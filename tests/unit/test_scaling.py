@@ -16,7 +16,6 @@ from tiered.controller.kube import render
 from tiered.controller.scaling import TierLoad
 from tiered.errors import ConfigError, DeadlineExceeded, ResourceExhausted
 from tiered.protocol import routing
-from tiered.router import demand
 from tiered.rollout.spec import Autoscaling, load_tiered_model
 from tiered.rollout.status import (
     ArtifactVersion,
@@ -26,6 +25,7 @@ from tiered.rollout.status import (
     load_status,
 )
 from tiered.rollout.wire import to_plain
+from tiered.router import demand
 
 AUTO = Autoscaling(min_replicas=1, max_replicas=8, target=2.0, scale_down_window_s=60.0)
 

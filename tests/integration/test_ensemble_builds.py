@@ -115,6 +115,7 @@ def test_the_served_ensemble_answers_as_the_fp32_chain_within_the_gates_figures(
     with AgentProcess(tier, repository) as agent, \
             grpcclient.InferenceServerClient(agent.address) as client:
         answer = call(client, "classify", "IMAGE", batch)
+        parameters = client.get_model_config("classify").config.parameters
         assert agent.alive(), agent.log_tail()
 
     probs, labels = answer.as_numpy("PROBS"), answer.as_numpy("LABEL")
@@ -124,6 +125,10 @@ def test_the_served_ensemble_answers_as_the_fp32_chain_within_the_gates_figures(
     if outputs["LABEL"]["top1_agreement"] == 1.0:
         np.testing.assert_array_equal(labels, expected_labels)
     np.testing.assert_array_equal(labels[:, 0], probs.argmax(axis=1))
+    shown = {key: parameters[key].string_value for key in parameters}
+    assert shown["build_gate"] == "pass" and shown["build_precision"] == report["precision"]
+    assert float(shown["build_top1_agreement"]) == pytest.approx(
+        report["accuracy"]["top1_agreement"], abs=1e-5)
 
 
 def test_a_build_the_gate_refuses_installs_nothing(source, data, tmp_path, capsys) -> None:

@@ -362,7 +362,7 @@ class ModelRepository:
             built[version] = old if old is not None and old.built_from == source else \
                 EnsembleVersion(config, version, self.get, built_from=source,
                                 recorder=VersionRecorder(time.monotonic) if self._telemetry
-                                else None)
+                                else None, build=_build_facts(wanted[version]))
         return built
 
     async def _open_engine(self, config: ModelConfig, path: Path) -> dict[str, Engine]:

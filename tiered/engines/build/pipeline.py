@@ -48,7 +48,8 @@ def build(
 
     A checkpoint directory is built by `generative.build_checkpoint`, with
     `settings` itself where it is a GenerativeBuildSettings, else with its
-    `generative` mapping."""
+    `generative` mapping; an ensemble (`request.ensemble`) by
+    `ensemble.build_ensemble`."""
     if is_checkpoint(request.source):
         chosen = settings if isinstance(settings, spec.GenerativeBuildSettings) else \
             load_dataclass(spec.GenerativeBuildSettings, settings.generative,
@@ -99,7 +100,7 @@ def build(
             )
             sizes = [b for b in settings.latency_batch_sizes if step is None or b == step] or [1]
             latency = measure_latency(reference, built, evaluation, sizes,
-                                       settings.latency_runs, settings.latency_budget_s, clock)
+                                      settings.latency_runs, settings.latency_budget_s, clock)
             record = report.compose(request, profile.tier, settings, engine_settings, artifact,
                                     built, evaluation, calibration, calibrator, agreement,
                                     decision, latency, now)

@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 
 from tests.integration.test_ensembles import CLASSES, call, images, write_models
 from tiered import cli
+from tiered.files import sha256_tree
 from tiered.local.processes import AgentProcess
 
 STEPS = ("preprocess", "classifier", "postprocess")
@@ -153,3 +154,14 @@ def test_a_model_of_the_source_that_is_no_ensemble_is_refused_naming_it(
         capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
+
+
+def test_a_source_repository_of_another_digest_is_refused_before_building(
+        source, data, tmp_path, capsys) -> None:
+    pinned = sha256_tree(source)
+    repository = tmp_path / "repository"
+
+    code = tiered_build(source, repository, "regional", data, "--sha256", "0" * 64)
+
+    assert code == 2 and not repository.exists()
+    assert f"has sha256 {pinned}, not the expected" in capsys.readouterr().err

@@ -19,6 +19,7 @@ import datetime
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -118,35 +119,16 @@ def build_ensemble(
                     settings.random_samples, rng, "calibration")
                 calibration_tensors = [fp32.tensors(batch) for batch in
                                        calibration.batches(rows or pipeline.CALIBRATION_BATCH)]
-            steps: dict[str, dict] = {}
+            steps: dict[str, dict[str, Any]] = {}
             for index, step in enumerate(chain.steps):
-                chosen = step_settings[index]
-                artifact = work / step.model / install.MODEL_FILE
-                artifact.parent.mkdir()
-                calibrator: dict = {}
-                if chosen.precision == names.Precision.INT8:
-                    # The step's ranges come from what the FP32 chain hands it.
-                    feeds = [{name: tensors[t] for name, t in step.inputs.items()}
-                             for tensors in calibration_tensors]
-                    scratch = work / f".calibrate-{step.model}"
-                    scratch.mkdir()
-                    calibrator = quantize.quantize_int8(
-                        sources[index], artifact, feeds, method=chosen.calibration_method,
-                        per_channel=chosen.per_channel, work_dir=scratch)
-                else:
-                    pipeline.convert(sources[index], artifact, chosen)
-                engine_settings = pipeline.engine_settings_of(profile, chosen)
-                engine = open_engine(chosen.backend, artifact, engine_settings,
-                                     f"{profile.tier} profile {chosen.backend} "
-                                     f"(ensemble.steps[{index}])")
+                engine, steps[step.model] = _lower_step(
+                    index, step, sources[index], step_settings[index], lowerings[index],
+                    calibration_tensors, profile, work)
                 built.append(engine)
                 pipeline.check_same_interface(references[index], engine)
-                steps[step.model] = report.compose_step(
-                    profile.tier, sources[index], artifact, chosen, lowerings[index].kept_fp32,
-                    calibrator, engine, engine_settings)
             candidate = ChainRunner(chain, built)
-            expected, answered = _run_all(fp32, evaluation, rows), _run_all(candidate, evaluation,
-                                                                          rows)
+            expected = _run_all(fp32, evaluation, rows)
+            answered = _run_all(candidate, evaluation, rows)
             agreements = [gate.compare_outputs(name, expected[name], answered[name],
                                                evaluation.labels) for name in chain.outputs]
             decision = gate.judge_outputs(
@@ -173,6 +155,38 @@ def build_ensemble(
             installed = _install(request, chain, record, steps, configs, work, verdict,
                                  decision)
     return report.BuildOutcome(record, decision, installed)
+
+
+def _lower_step(
+    index: int, step: chains.ChainStep, source: Path, chosen: spec.BuildSettings,
+    lowering: chains.StepLowering, calibration_tensors: Sequence[Mapping[str, np.ndarray]],
+    profile: TierProfile, work: Path,
+) -> tuple[Engine, dict[str, Any]]:
+    """Write the step's artifact into WORK/<model>/, open it, and say what it was built as."""
+    artifact = work / step.model / install.MODEL_FILE
+    artifact.parent.mkdir()
+    calibrator: dict[str, Any] = {}
+    if chosen.precision == names.Precision.INT8:
+        # The step's ranges come from what the FP32 chain hands it.
+        feeds = [{name: tensors[t] for name, t in step.inputs.items()}
+                 for tensors in calibration_tensors]
+        scratch = work / f".calibrate-{step.model}"
+        scratch.mkdir()
+        calibrator = quantize.quantize_int8(source, artifact, feeds,
+                                            method=chosen.calibration_method,
+                                            per_channel=chosen.per_channel, work_dir=scratch)
+    else:
+        pipeline.convert(source, artifact, chosen)
+    engine_settings = pipeline.engine_settings_of(profile, chosen)
+    engine = open_engine(chosen.backend, artifact, engine_settings,
+                         f"{profile.tier} profile {chosen.backend} (ensemble.steps[{index}])")
+    try:
+        facts = report.compose_step(source, artifact, chosen, lowering.kept_fp32, calibrator,
+                                    engine, engine_settings)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, facts
 
 
 def _settings_of_step(settings: spec.BuildSettings, lowering: chains.StepLowering,
@@ -244,8 +258,9 @@ def _check_served_backends(request: spec.BuildRequest, chain: chains.EnsembleCha
                     f"the build makes a {chosen.backend!r} version of it")
 
 
-def _install(request: spec.BuildRequest, chain: chains.EnsembleChain, record: dict,
-             steps: Mapping[str, Mapping], configs: Sequence[Mapping], work: Path,
+def _install(request: spec.BuildRequest, chain: chains.EnsembleChain, record: dict[str, Any],
+             steps: Mapping[str, Mapping[str, Any]], configs: Sequence[Mapping[str, Any]],
+             work: Path,
              verdict: report.VerdictOf | None, decision: gate.GateDecision) -> Path:
     """The ensemble's version (build.json, the verdict) and each step's
     (model.onnx, a build.json pointing at the ensemble's), in one move."""

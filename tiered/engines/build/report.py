@@ -96,7 +96,7 @@ def compose(
 
 
 def compose_step(
-    tier: str, source: Path, artifact: Path, settings: spec.BuildSettings,
+    source: Path, artifact: Path, settings: spec.BuildSettings,
     kept_fp32: str | None, calibrator: Mapping[str, Any], built: Engine,
     engine_settings: Mapping[str, Any],
 ) -> dict[str, Any]:

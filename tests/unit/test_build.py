@@ -258,7 +258,7 @@ def test_latency_timing_stops_at_its_budget_after_a_minimum_of_runs(
 
     clock = [0.0]
     data = samples.Samples({"x": np.zeros((4, 2), np.float32)}, None, "random")
-    measured = pipeline._measure_latency(_Ticking(clock, run_s), _Ticking(clock, run_s), data,
+    measured = pipeline.measure_latency(_Ticking(clock, run_s), _Ticking(clock, run_s), data,
                                          [1, 32], runs, budget_s, lambda: clock[0])
     for name in ("build", "fp32_reference"):
         assert [s.runs for s in measured[name]] == [expected_runs, expected_runs]

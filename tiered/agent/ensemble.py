@@ -150,14 +150,15 @@ class EnsembleVersion:
     on_gpu = False  # it runs nothing itself
 
     def __init__(self, config: ModelConfig, version: int, lookup: Lookup,
-                 built_from: object = None, recorder: VersionRecorder | None = None) -> None:
+                 built_from: object = None, recorder: VersionRecorder | None = None,
+                 build: dict[str, str] | None = None) -> None:
         assert config.ensemble is not None
         self.config = config
         self.version = version
         self.built_from = built_from  # a reload rebuilds only when this changes
         self.stats = InferenceStats()
         self.recorder = recorder
-        self.build: dict[str, str] = {}  # an ensemble is not built
+        self.build = dict(build or {})  # key figures of `tiered build`'s verdict on the chain
         self.devices: tuple[str, ...] = ()  # its steps' models run on theirs
         self.admissions = Admissions(config.name, version)
         self.steps = config.ensemble.steps

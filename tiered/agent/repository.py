@@ -284,14 +284,7 @@ class ModelRepository:
     # -- internals ----------------------------------------------------------------
 
     def _config(self, name: str) -> ModelConfig:
-        config_path = config_file(self.root / name)
-        if config_path is None:
-            raise NotFound(f"model_name: no model {name!r} in repository {self.root}")
-        inside_repository(self.root, config_path, name)
-        where = f"{name}/{config_path.name}"
-        data = (triton_config.parse(config_path.read_text(), where)
-                if config_path.name == TRITON_CONFIG else read_yaml(config_path))
-        return parse_model_config(name, data, self.profile, where)
+        return read_model_config(self.root, name, self.profile)
 
     def _read(self, name: str) -> tuple[ModelConfig, dict[int, Path]]:
         model_dir = self.root / name
@@ -369,7 +362,7 @@ class ModelRepository:
             built[version] = old if old is not None and old.built_from == source else \
                 EnsembleVersion(config, version, self.get, built_from=source,
                                 recorder=VersionRecorder(time.monotonic) if self._telemetry
-                                else None)
+                                else None, build=_build_facts(wanted[version]))
         return built
 
     async def _open_engine(self, config: ModelConfig, path: Path) -> dict[str, Engine]:
@@ -465,6 +458,18 @@ def model_file(root: Path, name: str, version: int) -> Path:
     path = root / name / str(version) / MODEL_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def read_model_config(root: Path, name: str, profile: TierProfile) -> ModelConfig:
+    """DIR/<name>'s config (config.yaml or config.pbtxt), parsed as the agent serves it."""
+    config_path = config_file(root / name)
+    if config_path is None:
+        raise NotFound(f"model_name: no model {name!r} in repository {root}")
+    inside_repository(root, config_path, name)
+    where = f"{name}/{config_path.name}"
+    data = (triton_config.parse(config_path.read_text(), where)
+            if config_path.name == TRITON_CONFIG else read_yaml(config_path))
+    return parse_model_config(name, data, profile, where)
 
 
 def config_file(model_dir: Path) -> Path | None:

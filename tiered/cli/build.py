@@ -7,8 +7,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tiered.cli import flags
+
+if TYPE_CHECKING:
+    from tiered.engines.build.chain import EnsembleChain
+    from tiered.profiles import TierProfile
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -24,11 +29,17 @@ def register(commands: argparse._SubParsersAction) -> None:
         "profile's build: mapping. A checkpoint directory (config.json, *.safetensors, "
         "tokenizer.json) builds a generative model instead (edge: onnxruntime-genai INT4; "
         "regional: onnxruntime-genai FP16 on CUDA; datacenter: the torch engine), judged by "
-        "greedy generation against FP32 over --eval prompts (build.generative settings).",
+        "greedy generation against FP32 over --eval prompts (build.generative settings). "
+        "A Triton-style repository directory holding the ensemble NAME (NAME/config.pbtxt or "
+        "config.yaml) and its step models (STEP/<version>/model.onnx, FP32) builds each step "
+        "for the tier (steps with integer tensors stay FP32; INT8 steps calibrate on the FP32 "
+        "chain's tensors), judges the ensemble's outputs as one model, and installs the "
+        "ensemble and every step as version V together, or nothing.",
     )
     build.add_argument("artifact", metavar="ARTIFACT",
-                       help="the FP32 ONNX model (a path, or an http(s) URI to fetch), or a "
-                       "checkpoint directory (a path)")
+                       help="the FP32 ONNX model (a path, or an http(s) URI to fetch), a "
+                       "checkpoint directory (a path), or a repository directory holding the "
+                       "ensemble --model and its step models (a path)")
     build.add_argument("--sha256", metavar="HEX",
                        help="refuse to build unless the artifact has this SHA-256 (a "
                        "directory's: over its files, see tiered.files.sha256_tree)")
@@ -78,6 +89,29 @@ def register(commands: argparse._SubParsersAction) -> None:
     build.set_defaults(handler=_run_build)
 
 
+def _read_ensemble(source: Path, model: str, profile: TierProfile) -> EnsembleChain:
+    """The ensemble `model` of the source repository, read by the agent's own
+    parser, as the build's chain description."""
+    from tiered.agent.repository import config_file, read_model_config
+    from tiered.engines.build.chain import ChainStep, EnsembleChain
+    from tiered.errors import ConfigError
+
+    config = read_model_config(source, model, profile)
+    if config.ensemble is None:
+        raise ConfigError(f"artifact: {source / model} is model {model!r} of backend "
+                          f"{config.backend!r}, not an ensemble; build a single model from "
+                          "its ONNX file")
+    found = config_file(source / model)
+    assert found is not None  # read_model_config read it
+    return EnsembleChain(
+        name=model, config_file=found.name,
+        inputs=tuple(t.name for t in config.inputs),
+        outputs=tuple(t.name for t in config.outputs),
+        max_batch_size=config.max_batch_size,
+        steps=tuple(ChainStep(step.model, step.version, dict(step.inputs), dict(step.outputs))
+                    for step in config.ensemble.steps))
+
+
 def _run_build(args: argparse.Namespace) -> int:
     """Exit 0 built, 1 rejected by the gate, 2 refused, 3 failed; on every path
     the last stderr line is the verdict as JSON (tiered.protocol.verdict), which
@@ -115,6 +149,8 @@ def _run_build(args: argparse.Namespace) -> int:
                 return build.fetch_artifact(uri, sha256, Path(work), name) if uri else None
 
             source = build.fetch_artifact(args.artifact, args.sha256, Path(work))
+            ensemble = (_read_ensemble(source, args.model, profile)
+                        if build.is_model_repository(source) else None)
             where = f"{args.tier} profile build (and flags)"
             settings = build.choose_generative_settings(profile, {
                 "backend": args.backend, "precision": args.precision,
@@ -127,7 +163,7 @@ def _run_build(args: argparse.Namespace) -> int:
                 repository=args.repository, model=args.model, version=args.version,
                 calibration=data(args.calibration, args.calibration_sha256, "calibration.npz"),
                 evaluation=data(args.eval, args.eval_sha256, "eval.npz"), force=args.force,
-                allow_accuracy_drop=args.allow_accuracy_drop,
+                allow_accuracy_drop=args.allow_accuracy_drop, ensemble=ensemble,
             )
             outcome = build.build(
                 request, profile, settings, now=datetime.datetime.now(datetime.timezone.utc),

@@ -2,6 +2,10 @@
 against that artifact, judge it, and place it into a model repository.
 
     tiered build ARTIFACT.onnx --tier edge --repository DIR --model NAME --version V
+    tiered build SRC/ --tier edge --repository DIR --model ENSEMBLE --version V
+
+(the second: SRC is a Triton-style repository holding the ensemble ENSEMBLE
+and its step models' FP32 ONNX files, built and judged as one model).
 
 edge: INT8 static QDQ on ONNX Runtime's CPU provider; regional: FP16 weights
 and compute with FP32 inputs/outputs; datacenter: the FP32 artifact, which the
@@ -16,6 +20,9 @@ The package, one job a module:
     report    build.json: composed, written, read, and its key figures
     install   the repository layout and the all-or-nothing move into it
     pipeline  `build`, the adapter that runs engines and moves files
+    chain     an ensemble's steps as the build sees them (pure)
+    ensemble  the build of an ensemble: each step lowered, the chain judged as
+              one model, the ensemble and its steps installed together
     generative  the build of a checkpoint artifact (per-tier generative
               engines, the greedy-generation gate), which `build` hands over to
 
@@ -30,6 +37,8 @@ caller's verdict reaches build.json through `build(verdict=...)`.
 
 from __future__ import annotations
 
+from tiered.engines.build.chain import ChainStep, EnsembleChain
+from tiered.engines.build.ensemble import is_model_repository
 from tiered.engines.build.fetch import fetch_artifact
 from tiered.engines.build.gate import GateDecision
 from tiered.engines.build.pipeline import build
@@ -47,6 +56,8 @@ __all__ = [
     "BuildOutcome",
     "BuildRequest",
     "BuildSettings",
+    "ChainStep",
+    "EnsembleChain",
     "GateDecision",
     "GenerativeBuildSettings",
     "build",
@@ -54,6 +65,7 @@ __all__ = [
     "choose_settings",
     "fetch_artifact",
     "is_checkpoint",
+    "is_model_repository",
     "read_report",
     "version_facts",
 ]

@@ -1,6 +1,7 @@
 """The artifact a build starts from, as a local file holding exactly the pinned
 bytes: a path as it is, a file:// URI, or an http(s) URI downloaded. A
-checkpoint directory is given as a path (or file:// URI); its sha256 is
+checkpoint directory, or a repository directory holding an ensemble and its
+step models, is given as a path (or file:// URI); its sha256 is
 `tiered.files.sha256_tree`'s, over all its files.
 
 It must never hand over a file whose sha256 differs from the one given: a
@@ -13,6 +14,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from tiered.engines.build.ensemble import is_model_repository
 from tiered.engines.generative import CHECKPOINT_FILES, is_checkpoint
 from tiered.errors import ConfigError
 from tiered.files import sha256_file, sha256_tree
@@ -41,9 +43,10 @@ def fetch_artifact(uri: str, sha256: str | None, work: Path, name: str = "artifa
             raise ConfigError(f"artifact: cannot fetch {uri}: {error}") from error
     elif scheme in ("", "file"):
         path = Path(urllib.parse.urlparse(uri).path if scheme else uri)
-        if not (path.is_file() or is_checkpoint(path)):
-            raise ConfigError(f"artifact: {path} is not a file or a checkpoint directory "
-                              f"({', '.join(CHECKPOINT_FILES)} and *.safetensors)")
+        if not (path.is_file() or is_checkpoint(path) or is_model_repository(path)):
+            raise ConfigError(f"artifact: {path} is not a file, a checkpoint directory "
+                              f"({', '.join(CHECKPOINT_FILES)} and *.safetensors) or a "
+                              "repository holding an ensemble (<model>/config.pbtxt)")
     else:
         raise ConfigError(f"artifact: unsupported URI scheme {scheme!r} in {uri} "
                           "(a path, file://, http:// or https://)")

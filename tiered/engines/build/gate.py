@@ -23,12 +23,17 @@ class Agreement:
 
     output: str
     samples: int
-    top1_agreement: float | None  # None where an output has one value per sample
+    # The share of samples whose answer agrees: the argmax of a floating-point
+    # output's values ("top1"), or all of an integer output's values equal
+    # ("exact", a class index say). None where a floating-point output has one
+    # value per sample.
+    top1_agreement: float | None
     max_abs_error: float
     mean_abs_error: float
     nonfinite: int  # NaN/inf values in the build's output
     reference_accuracy: float | None = None  # with labels only
     build_accuracy: float | None = None
+    method: str = "top1"  # how top1_agreement compares: "top1" or "exact"
 
     @property
     def accuracy_drop(self) -> float | None:
@@ -46,6 +51,8 @@ def compare_outputs(
     """Top-1 agreement, absolute errors and (with labels) accuracy of both.
 
     Samples run along axis 0; top-1 is the argmax over each sample's values.
+    An integer (or boolean) output agrees where all its values are equal,
+    and, holding one value a sample, is that sample's class.
     """
     if reference.shape != candidate.shape:
         raise EngineError(
@@ -59,16 +66,23 @@ def compare_outputs(
     error = np.abs(ref - got)[finite]
     top1 = None
     build_accuracy = reference_accuracy = None
-    if ref.shape[1] > 1 and samples:
+    exact = reference.dtype.kind in "iub"
+    ref_top = got_top = None  # each sample's class, where the output names one
+    if exact and samples:
+        equal = reference.reshape(samples, -1) == candidate.reshape(samples, -1)
+        top1 = float(np.mean(np.all(equal, axis=1)))
+        if ref.shape[1] == 1:
+            ref_top, got_top = ref[:, 0], got[:, 0]
+    elif ref.shape[1] > 1 and samples:
         ref_top = ref.argmax(axis=1)
         got_top = np.where(finite, got, -np.inf).argmax(axis=1)
         top1 = float(np.mean(ref_top == got_top))
-        if labels is not None:
-            labels = np.asarray(labels).reshape(-1)
-            if labels.shape[0] != samples:
-                raise ConfigError(f"labels: {labels.shape[0]} labels for {samples} eval samples")
-            reference_accuracy = float(np.mean(ref_top == labels))
-            build_accuracy = float(np.mean(got_top == labels))
+    if labels is not None and ref_top is not None and got_top is not None:
+        labels = np.asarray(labels).reshape(-1)
+        if labels.shape[0] != samples:
+            raise ConfigError(f"labels: {labels.shape[0]} labels for {samples} eval samples")
+        reference_accuracy = float(np.mean(ref_top == labels))
+        build_accuracy = float(np.mean(got_top == labels))
     return Agreement(
         output=output,
         samples=int(samples),
@@ -78,6 +92,7 @@ def compare_outputs(
         nonfinite=int(finite.size - finite.sum()),
         reference_accuracy=reference_accuracy,
         build_accuracy=build_accuracy,
+        method="exact" if exact else "top1",
     )
 
 
@@ -103,9 +118,48 @@ def judge(
     max_accuracy_drop: float | None = None,
     allow_accuracy_drop: bool = False,
 ) -> GateDecision:
-    a = agreement
+    verdict, why, numbers = _judge_output(agreement, min_agreement, min_samples,
+                                          max_accuracy_drop)
+    return _decide(verdict, why, numbers, allow_accuracy_drop)
+
+
+# Worst first: one output's failure fails the whole, missing evidence holds it.
+VERDICT_ORDER = ("fail", "inconclusive", "pass")
+
+
+def judge_outputs(
+    agreements: Sequence[Agreement],
+    *,
+    min_agreement: float,
+    min_samples: int,
+    max_accuracy_drop: float | None = None,
+    allow_accuracy_drop: bool = False,
+) -> GateDecision:
+    """One verdict over several outputs (an ensemble's): the worst verdict of
+    the outputs with an agreement figure. A floating-point output with one
+    value a sample has none: its errors are reported, and it is judged only
+    where no output has a figure (then inconclusive)."""
+    if not agreements:
+        raise ValueError("judge_outputs: no outputs to judge")
+    judged = [a for a in agreements if a.top1_agreement is not None] or list(agreements)
+    verdicts = [_judge_output(a, min_agreement, min_samples, max_accuracy_drop)
+                for a in judged]
+    worst = min(verdicts, key=lambda v: VERDICT_ORDER.index(v[0]))[0]
+    why = "; ".join(f"{a.output!r}: {v[1]}" for a, v in zip(judged, verdicts, strict=True)
+                    if v[0] == worst)
+    reported = [f"{a.output!r}: max abs error {a.max_abs_error:.4g}, mean "
+                f"{a.mean_abs_error:.4g} (not gated: one value per sample)"
+                for a in agreements if a not in judged]
+    numbers = " | ".join([v[2] for v in verdicts] + reported)
+    return _decide(worst, why, numbers, allow_accuracy_drop)
+
+
+def _judge_output(a: Agreement, min_agreement: float, min_samples: int,
+                  max_accuracy_drop: float | None) -> tuple[str, str, str]:
+    """(verdict, why, the numbers) of one output."""
+    kind = "exact" if a.method == "exact" else "top-1"
     numbers = (
-        f"top-1 agreement {_fmt(a.top1_agreement)} (threshold {min_agreement:.4f}) over "
+        f"{kind} agreement {_fmt(a.top1_agreement)} (threshold {min_agreement:.4f}) over "
         f"{a.samples} samples of {a.output!r}; max abs error {a.max_abs_error:.4g}, "
         f"mean {a.mean_abs_error:.4g}"
     )
@@ -119,12 +173,16 @@ def judge(
     elif a.nonfinite:
         verdict, why = "fail", f"{a.nonfinite} NaN/inf values in the build's output"
     elif a.top1_agreement < min_agreement:
-        verdict, why = "fail", "top-1 agreement below the threshold"
+        verdict, why = "fail", f"{kind} agreement below the threshold"
     elif (max_accuracy_drop is not None and a.accuracy_drop is not None
           and a.accuracy_drop > max_accuracy_drop):
         verdict, why = "fail", f"accuracy drops more than {max_accuracy_drop:.4f}"
     else:
         verdict, why = "pass", "within the threshold"
+    return verdict, why, numbers
+
+
+def _decide(verdict: str, why: str, numbers: str, allow_accuracy_drop: bool) -> GateDecision:
     accepted = verdict == "pass" or allow_accuracy_drop
     if verdict != "pass" and allow_accuracy_drop:
         why += "; accepted anyway (--allow-accuracy-drop)"

@@ -1,7 +1,8 @@
-"""Placing a finished version into a model repository: the repository's
+"""Placing finished versions into a model repository: the repository's
 on-disk layout (DIR/<model>/config.yaml, DIR/<model>/<version>/model.onnx)
 written as a file format, the config.yaml of a model the build creates, and
-the all-or-nothing move into place.
+the all-or-nothing move into place (of one version, or of an ensemble's and
+its steps' versions together).
 
 It must never import tiered.agent (engines sit below it), never let an agent
 see a half-written version, and never leave the repository changed when a
@@ -12,19 +13,21 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from tiered.engines.build import spec
-from tiered.errors import ConfigError, TieredError
+from tiered.errors import ConfigError
 from tiered.files import write_atomically
 from tiered.profiles import TierProfile
 
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.yaml"
+MODEL_CONFIGS = (CONFIG_FILE, "config.pbtxt")  # a model with either has its config
 
 
 def check_layout_names(model: str, version: int) -> None:
@@ -83,56 +86,93 @@ def _process_exists(pid: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Placement:
+    """One finished version directory and where it goes: DIR/<model>/<version>,
+    with `config_text` written as DIR/<model>/<config_name> when the model has
+    no config yet (an existing one is left alone)."""
+
+    built: Path
+    model: str
+    config_name: str
+    config_text: str
+
+
 def install_version(
     built: Path, repository: Path, model: str, version: int,
     config: Mapping[str, Any], *, force: bool,
 ) -> Path:
-    """Move a finished version directory into DIR/<model>/<version>.
+    """Move a finished version directory into DIR/<model>/<version>, with a
+    config.yaml from `config` where the model has no config (`install_versions`)."""
+    text = yaml.safe_dump(dict(config), sort_keys=False)
+    return install_versions([Placement(built, model, CONFIG_FILE, text)], repository,
+                            version, force=force)[0]
 
-    The files are first copied next to their place under a hidden name the
-    agent ignores, then renamed into place in one step, so an agent never sees
-    a half-written version. config.yaml is written (the same way) only when
-    the model has none. On any failure the repository is left as it was; the
-    staging directory of a build killed while copying goes with the next build
-    of that version.
+
+def install_versions(placements: Sequence[Placement], repository: Path, version: int, *,
+                     force: bool) -> list[Path]:
+    """Move finished version directories (an ensemble's and its steps') into
+    DIR/<model>/<version>, all or none.
+
+    The files are first copied next to their places under hidden names the
+    agent ignores, then renamed into place one after another, so an agent
+    never sees a half-written version; configs are written (the same way)
+    only for models that have none. On any failure every version placed so
+    far is taken back and the repository is left as it was; the staging
+    directory of a build killed while copying goes with the next build of
+    that version.
     """
-    check_layout_names(model, version)
+    for placement in placements:
+        check_layout_names(placement.model, version)
     if repository.exists() and not repository.is_dir():
         raise ConfigError(f"repository: {repository} is not a directory")
     repository.mkdir(parents=True, exist_ok=True)  # a new repository starts with its first build
-    model_dir = repository / model
-    created_model_dir = not model_dir.exists()
-    target = model_dir / str(version)
-    staging = model_dir / f".{version}.partial-{os.getpid()}"
-    retired = model_dir / f".{version}.replaced-{os.getpid()}"
-    config_path = model_dir / CONFIG_FILE
+    pid = os.getpid()
+    created: list[Path] = []  # model directories this install made
+    staged: list[Path] = []
+    retired: list[tuple[Path, Path]] = []  # (version moved aside, its place)
+    placed: list[Path] = []
+    configs: list[Path] = []
+    target = repository
     try:
-        model_dir.mkdir(exist_ok=True)
-        _remove_stale_staging(model_dir, version)
-        shutil.copytree(built, staging)
-        replacing = target.exists()
-        if replacing:
-            if not force:
+        for placement in placements:
+            model_dir = repository / placement.model
+            if not model_dir.exists():
+                model_dir.mkdir()
+                created.append(model_dir)
+            _remove_stale_staging(model_dir, version)
+            staging = model_dir / f".{version}.partial-{pid}"
+            shutil.copytree(placement.built, staging)
+            staged.append(staging)
+        for placement in placements:
+            target = repository / placement.model / str(version)
+            if target.exists() and not force:
                 raise ConfigError(f"version: {target} already exists; pass --force to replace it")
-            os.rename(target, retired)
-        placed = False
-        try:
+        for placement, staging in zip(placements, staged, strict=True):
+            model_dir = staging.parent
+            target = model_dir / str(version)
+            if target.exists():
+                aside = model_dir / f".{version}.replaced-{pid}"
+                os.rename(target, aside)
+                retired.append((aside, target))
             os.rename(staging, target)
-            placed = True
-            if not config_path.exists():
-                write_atomically(config_path, yaml.safe_dump(dict(config), sort_keys=False))
-        except BaseException:
-            if placed:
-                shutil.rmtree(target, ignore_errors=True)
-            if replacing:
-                os.rename(retired, target)
-            raise
-    except (OSError, TieredError) as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created_model_dir:
+            placed.append(target)
+            if not any((model_dir / name).exists() for name in MODEL_CONFIGS):
+                config_path = model_dir / placement.config_name
+                write_atomically(config_path, placement.config_text)
+                configs.append(config_path)
+    except BaseException as error:
+        for path in (*placed, *staged):
+            shutil.rmtree(path, ignore_errors=True)
+        for path in configs:
+            path.unlink(missing_ok=True)
+        for aside, place in retired:
+            os.rename(aside, place)
+        for model_dir in created:
             shutil.rmtree(model_dir, ignore_errors=True)
-        if isinstance(error, TieredError):
-            raise
-        raise ConfigError(f"repository: cannot write {target}: {error}") from error
-    shutil.rmtree(retired, ignore_errors=True)
-    return target
+        if isinstance(error, OSError):
+            raise ConfigError(f"repository: cannot write {target}: {error}") from error
+        raise
+    for aside, _ in retired:
+        shutil.rmtree(aside, ignore_errors=True)
+    return placed

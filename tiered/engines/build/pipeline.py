@@ -15,9 +15,9 @@ from __future__ import annotations
 import datetime
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -48,7 +48,8 @@ def build(
 
     A checkpoint directory is built by `generative.build_checkpoint`, with
     `settings` itself where it is a GenerativeBuildSettings, else with its
-    `generative` mapping."""
+    `generative` mapping; an ensemble (`request.ensemble`) by
+    `ensemble.build_ensemble`."""
     if is_checkpoint(request.source):
         chosen = settings if isinstance(settings, spec.GenerativeBuildSettings) else \
             load_dataclass(spec.GenerativeBuildSettings, settings.generative,
@@ -58,8 +59,13 @@ def build(
     if isinstance(settings, spec.GenerativeBuildSettings):
         raise ConfigError(f"artifact: {request.source} is not a checkpoint directory, but "
                           "the settings are a checkpoint build's")
+    if request.ensemble is not None:
+        from tiered.engines.build import ensemble  # it builds on this module's steps
+
+        return ensemble.build_ensemble(request, profile, settings, now=now, clock=clock,
+                                       verdict=verdict)
     _preflight(request, profile, settings)
-    engine_settings = _engine_settings(profile, settings)
+    engine_settings = engine_settings_of(profile, settings)
     with tempfile.TemporaryDirectory(prefix="tiered-build-") as work_name:
         work = Path(work_name)
         artifact = work / "version" / install.MODEL_FILE
@@ -79,7 +85,7 @@ def build(
                                              artifact, work)
             built = open_engine(settings.backend, artifact, engine_settings,
                                 f"{profile.tier} profile {settings.backend} + build.engine")
-            _check_same_interface(reference, built)
+            check_same_interface(reference, built)
             output = reference.outputs[0].name
             agreement = gate.compare_outputs(output,
                                              _run_all(reference, evaluation, step, output),
@@ -93,8 +99,8 @@ def build(
                 allow_accuracy_drop=request.allow_accuracy_drop,
             )
             sizes = [b for b in settings.latency_batch_sizes if step is None or b == step] or [1]
-            latency = _measure_latency(reference, built, evaluation, sizes,
-                                       settings.latency_runs, settings.latency_budget_s, clock)
+            latency = measure_latency(reference, built, evaluation, sizes,
+                                      settings.latency_runs, settings.latency_budget_s, clock)
             record = report.compose(request, profile.tier, settings, engine_settings, artifact,
                                     built, evaluation, calibration, calibrator, agreement,
                                     decision, latency, now)
@@ -129,12 +135,17 @@ def _lower(
             method=settings.calibration_method, per_channel=settings.per_channel, work_dir=work,
         )
         return calibration, calibrator
+    convert(request.source, artifact, settings)
+    return None, {}
+
+
+def convert(source: Path, artifact: Path, settings: spec.BuildSettings) -> None:
+    """Write the tier's artifact of a precision that needs no calibration data."""
     if (settings.precision == names.Precision.FP16
             and settings.backend == names.Backend.ONNXRUNTIME):
-        quantize.convert_fp16(request.source, artifact)
+        quantize.convert_fp16(source, artifact)
     else:  # torch converts at load; ONNX Runtime fp32 is the artifact itself
-        quantize.keep_fp32(request.source, artifact)
-    return None, {}
+        quantize.keep_fp32(source, artifact)
 
 
 def _preflight(request: spec.BuildRequest, profile: TierProfile,
@@ -168,7 +179,7 @@ def _preflight(request: spec.BuildRequest, profile: TierProfile,
             )
 
 
-def _engine_settings(profile: TierProfile, settings: spec.BuildSettings) -> dict[str, Any]:
+def engine_settings_of(profile: TierProfile, settings: spec.BuildSettings) -> dict[str, Any]:
     """The settings the version is measured (and, in a new config, served) with."""
     merged = {**profile.backends.get(settings.backend, {}), **settings.engine}
     if settings.backend == names.Backend.TORCH:
@@ -176,7 +187,7 @@ def _engine_settings(profile: TierProfile, settings: spec.BuildSettings) -> dict
     return merged
 
 
-def _check_same_interface(reference: Engine, built: Engine) -> None:
+def check_same_interface(reference: Engine, built: Engine) -> None:
     def interface(engine: Engine) -> list[tuple[str, str]]:
         return [(s.name, str(s.dtype)) for s in (*engine.inputs, *engine.outputs)]
 
@@ -193,8 +204,15 @@ def _run_all(engine: Engine, data: samples.Samples, step: int | None,
     return np.concatenate(parts, axis=0)
 
 
-def _measure_latency(
-    reference: Engine, built: Engine, data: samples.Samples, batch_sizes: Sequence[int],
+class Runs(Protocol):
+    """What is timed: an engine, or an ensemble's chain of them."""
+
+    def run(self, inputs: Mapping[str, np.ndarray],
+            outputs: Sequence[str] | None = None) -> Mapping[str, np.ndarray]: ...
+
+
+def measure_latency(
+    reference: Runs, built: Runs, data: samples.Samples, batch_sizes: Sequence[int],
     runs: int, budget_s: float, clock: Callable[[], float],
 ) -> dict[str, list[gate.LatencySummary]]:
     """Runs of the two engines alternate, so both see the same machine noise:

@@ -95,6 +95,91 @@ def compose(
     }
 
 
+def compose_step(
+    source: Path, artifact: Path, settings: spec.BuildSettings,
+    kept_fp32: str | None, calibrator: Mapping[str, Any], built: Engine,
+    engine_settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """What one step of an ensemble was built as (its part of the ensemble's report)."""
+    source_bytes, artifact_bytes = source.stat().st_size, artifact.stat().st_size
+    return {
+        "backend": settings.backend,
+        "precision": settings.precision,
+        "kept_fp32": kept_fp32,
+        "source": {"path": str(source), "sha256": sha256_file(source),
+                   "size_bytes": source_bytes},
+        "artifact": {"file": install.MODEL_FILE, "sha256": sha256_file(artifact),
+                     "size_bytes": artifact_bytes,
+                     "size_vs_source": round(artifact_bytes / source_bytes, 4)},
+        "calibration": {**calibrator, "per_channel": settings.per_channel, "format": "QDQ",
+                        "activations": "int8", "weights": "int8"} if calibrator else None,
+        "engine": {**built.describe(), "device": built.device,
+                   "settings": _finite(dict(engine_settings))},
+    }
+
+
+def compose_ensemble(
+    request: spec.BuildRequest, tier: str, settings: spec.BuildSettings,
+    steps: Mapping[str, Mapping[str, Any]], evaluation: samples.Samples,
+    calibration: samples.Samples | None, agreements: Sequence[gate.Agreement],
+    decision: gate.GateDecision, latency: Mapping[str, Sequence[gate.LatencySummary]],
+    now: datetime.datetime,
+) -> dict[str, Any]:
+    """The report of one ensemble build, whatever the gate decided: `accuracy`
+    holds the figures of the output that decided the verdict (the gated one
+    of lowest agreement) and, under `outputs`, every output's."""
+    assert request.ensemble is not None
+    chain = request.ensemble
+    gated = [a for a in agreements if a.top1_agreement is not None]
+    deciding = min(gated, key=lambda a: a.top1_agreement or 0.0) if gated else agreements[0]
+    notes = []
+    if evaluation.origin == "random":
+        notes.append("eval on random inputs: agreement and errors only, no accuracy; "
+                     "pass --eval with real data for a meaningful gate")
+    if calibration is not None and calibration.origin == "random":
+        notes.append("INT8 ranges calibrated on random inputs; pass --calibration with real data")
+    if any(s["precision"] == names.Precision.FP16 and s["engine"]["device"] == "cpu"
+           for s in steps.values()):
+        notes.append("FP16 measured on CPU: ONNX Runtime runs FP16 nodes it lacks CPU kernels "
+                     "for through inserted casts, so this latency says nothing of GPU FP16")
+    kept = [f"{model}: {s['kept_fp32']}" for model, s in steps.items() if s["kept_fp32"]]
+    if kept:
+        notes.append("steps not lowered: " + "; ".join(kept))
+    return {
+        "model": request.model,
+        "version": request.version,
+        "tier": tier,
+        "backend": settings.backend,
+        "precision": settings.precision,
+        "kind": "ensemble",
+        "source": {"path": str(request.source), "sha256": sha256_tree(request.source),
+                   "config": chain.config_file},
+        "steps": {model: {**step, "version": request.version} for model, step in steps.items()},
+        "calibration": None if calibration is None else {
+            "samples": calibration.count, "data": calibration.origin,
+            "method": "the FP32 chain's tensors at each INT8 step's inputs",
+        },
+        "eval": {"data": evaluation.origin, "samples": evaluation.count,
+                 "labels": evaluation.labels is not None, "outputs": list(chain.outputs)},
+        "accuracy": {**_finite(asdict(deciding)),
+                     "accuracy_drop": _finite(deciding.accuracy_drop),
+                     "outputs": [{**_finite(asdict(a)), "accuracy_drop": _finite(a.accuracy_drop)}
+                                 for a in agreements]},
+        "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
+                 "reason": decision.reason, "min_agreement": settings.min_agreement,
+                 "min_eval_samples": settings.min_eval_samples,
+                 "max_accuracy_drop": settings.max_accuracy_drop,
+                 "allow_accuracy_drop": request.allow_accuracy_drop,
+                 "method": "the FP32 chain and the built chain on the same inputs; the "
+                           "ensemble's outputs compared (argmax of floating-point outputs, "
+                           "equality of integer ones)"},
+        "latency": {name: [_finite(asdict(s)) for s in rows] for name, rows in latency.items()},
+        "versions": _versions(),
+        "created": now.isoformat(),
+        "notes": notes,
+    }
+
+
 def compose_generative(
     request: spec.BuildRequest, tier: str, settings: spec.GenerativeBuildSettings,
     backend: str, precision: str, built_dir: Path, engine: Mapping[str, str],

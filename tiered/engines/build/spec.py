@@ -14,6 +14,7 @@ from typing import Any
 
 from tiered import names
 from tiered.engines import quantize
+from tiered.engines.build.chain import EnsembleChain
 from tiered.errors import ConfigError
 from tiered.profiles import TierProfile
 from tiered.settings import load_dataclass
@@ -166,7 +167,7 @@ def choose_generative_settings(
 
 @dataclass(frozen=True)
 class BuildRequest:
-    source: Path  # the FP32 ONNX artifact, or a checkpoint directory
+    source: Path  # the FP32 ONNX artifact, a checkpoint directory, or an ensemble's repository
     repository: Path
     model: str
     version: int
@@ -175,3 +176,6 @@ class BuildRequest:
     # (a checkpoint's: a JSON object {"prompts": [...]}, required)
     force: bool = False  # replace an existing version
     allow_accuracy_drop: bool = False  # write a version the gate rejects
+    # Set when `source` is a repository holding the ensemble `model` and its
+    # step models (chain.py); the caller reads its config with the agent's parser.
+    ensemble: EnsembleChain | None = None

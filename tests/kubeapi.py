@@ -206,6 +206,8 @@ BUILTIN_KINDS = (
     Kind("", "v1", "configmaps", "ConfigMap", singular="configmap", short_names=("cm",)),
     Kind("", "v1", "events", "Event", singular="event", short_names=("ev",)),
     Kind("coordination.k8s.io", "v1", "leases", "Lease", singular="lease"),
+    Kind("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler",
+         singular="horizontalpodautoscaler", short_names=("hpa",), categories=("all",)),
     Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice",
          singular="endpointslice"),  # written by tests
 )

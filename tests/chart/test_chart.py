@@ -373,6 +373,7 @@ LEAST_PRIVILEGE = {
     ("", "events"): {"create", "patch"},
     ("", "pods"): {"list"},  # a failed build's termination message, for status
     ("discovery.k8s.io", "endpointslices"): {"list"},  # every agent and router pod
+    ("autoscaling", "horizontalpodautoscalers"): {"list"},  # theirs, not fought over
     ("coordination.k8s.io", "leases"): {"get", "create", "update"},
 }
 

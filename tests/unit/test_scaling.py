@@ -154,11 +154,11 @@ READY = {(tier, 1): plan.VersionState(plan.READY) for tier in ("edge", "regional
 def test_the_plan_scales_autoscaled_tiers_and_says_so_in_events_and_status():
     first = plan.plan(SPEC, SERVING, plan.Observation(1, READY, frozenset({1}),
                                                       loads={"edge": load(4.0, agents=2)}), 10.0)
-    assert first.replicas == {"edge": 2, "regional": 3} and first.events == ()
+    assert first.replicas == {("edge", 1): 2, ("regional", 1): 3} and first.events == ()
     assert first.requeue_after_s == plan.SCALE_INTERVAL_S
     second = plan.plan(SPEC, first.status, plan.Observation(
         1, READY, frozenset({1}), loads={"edge": load(10.0, agents=2)}), 15.0)
-    assert second.replicas == {"edge": 5, "regional": 3}
+    assert second.replicas == {("edge", 1): 5, ("regional", 1): 3}
     (event,) = second.events
     assert event.reason == "ScaledUp" and event.message.startswith("edge: 2 -> 5 agents: ")
     kept = load_status(to_plain(second.status), "status")  # survives a restart
@@ -166,10 +166,22 @@ def test_the_plan_scales_autoscaled_tiers_and_says_so_in_events_and_status():
     assert plan.replicas_of(SPEC, kept.scaling) == {"edge": 5, "regional": 3}
 
 
+def test_a_live_canary_gets_agents_by_its_weight_and_stable_the_rest():
+    live = RolloutStatus(stable_version=1, canary_version=2, phase="Progressing")
+    sized = plan.workload_replicas(SPEC, live, {"edge": TierScale(10, "")}, (1, 2))
+    # Stage 1 sends 10% of edge to the canary; regional none (3 agents, fixed).
+    assert sized == {("edge", 1): 9, ("edge", 2): 1, ("regional", 1): 3, ("regional", 2): 1}
+    asleep = plan.workload_replicas(SPEC, live, {"edge": TierScale(0, "")}, (1, 2))
+    assert asleep[("edge", 1)] == asleep[("edge", 2)] == 0
+    # No rollout live: the version serving gets them all, one still to roll out one.
+    settled = plan.workload_replicas(SPEC, SERVING.rollout, {"edge": TierScale(4, "")}, (1, 2))
+    assert settled == {("edge", 1): 4, ("edge", 2): 1, ("regional", 1): 3, ("regional", 2): 1}
+
+
 def test_kubernetes_deployments_carry_the_decided_replicas():
     settings = render.ClusterSettings(namespace="ns")
     objects = render.desired_objects(SPEC, SERVING.artifacts, [1], render.Owner("digits", "u"),
-                                     settings, {"edge": 5, "regional": 3})
+                                     settings, {("edge", 1): 5, ("regional", 1): 3})
     sized = {o["metadata"]["name"]: o["spec"]["replicas"] for o in objects
              if o["kind"] == "Deployment"}
     assert sorted(sized.values()) == [3, 5]

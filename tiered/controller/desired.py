@@ -269,9 +269,9 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
         tiers: dict[str, routing.TierRoute] = {}
         asleep = []
         for tier in names.TIERS:
-            stable_agents = tuple(agents_of(spec, tier, status.stable_version))
             if tier not in spec.tiers:
                 continue
+            stable_agents = tuple(agents_of(spec, tier, status.stable_version))
             if not stable_agents:
                 auto = spec.tiers[tier].autoscaling
                 if auto is not None and auto.scale_to_zero:

@@ -19,7 +19,8 @@ spec's artifact and the stored status it decides
   fields, the `Ready`/`Progressing`/`Degraded` conditions and a bounded
   history of the rollout's steps with their numbers;
 - how many agents each tier runs (`replicas`): an autoscaled tier's from
-  its load (`tiered.controller.scaling`), with the reason in the status.
+  its load (`tiered.controller.scaling`), with the reason in the status,
+  shared between a live rollout's versions by its traffic weights.
 
 Pure: no clock (`now` is passed in), no I/O. The backends' observations
 arrive as `Observation`; the telemetry behind the measurements is read by
@@ -29,6 +30,7 @@ arrive as `Observation`; the telemetry behind the measurements is read by
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -125,7 +127,8 @@ class Plan:
     events: tuple[Event, ...] = ()
     snapshot: Snapshot | None = None  # this pass's rollout snapshot, if judged or moved
     requeue_after_s: float | None = None
-    replicas: Mapping[str, int] = dataclasses.field(default_factory=dict)  # agents per tier
+    # agents per (tier, version) of the versions still wanted (`workload_replicas`)
+    replicas: Mapping[tuple[str, int], int] = dataclasses.field(default_factory=dict)
 
 
 def versions(spec: TieredModel, status: TieredModelStatus) -> Versions:
@@ -252,7 +255,7 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
     if scales:
         requeue = min(v for v in (requeue, SCALE_INTERVAL_S) if v is not None)
     return Plan(written, keep, due, (*events, *_scale_events(status.scaling, scales)),
-                snapshot, requeue, replicas_of(spec, scales))
+                snapshot, requeue, workload_replicas(spec, rollout, scales, still))
 
 
 def scale_tiers(spec: TieredModel, previous: Mapping[str, TierScale],
@@ -271,6 +274,34 @@ def replicas_of(spec: TieredModel, scales: Mapping[str, TierScale]) -> dict[str,
     return {tier: scales[tier].replicas
             if tier in scales and spec.tiers[tier].autoscaling is not None
             else spec.tiers[tier].replicas for tier in _tiers(spec)}
+
+
+def workload_replicas(spec: TieredModel, rollout: RolloutStatus | None,
+                      scales: Mapping[str, TierScale], versions: Sequence[int]
+                      ) -> dict[tuple[str, int], int]:
+    """Agents per (tier, version), where each version runs agents of its own
+    (Kubernetes: a Deployment each). While a rollout is live the canary's
+    follow its traffic weight, at least one, and stable's the rest, at least
+    one; otherwise the version serving (or the first, about to) gets the
+    tier's count and one still to be rolled out one. A tier at zero runs
+    none of either."""
+    counts = replicas_of(spec, scales)
+    weights = engine.canary_weights(spec, rollout) if desired.live(rollout) else {}
+    sized = {}
+    for tier in _tiers(spec):
+        count = counts[tier]
+        share = weights.get(tier, 0.0) / 100.0
+        for version in versions:
+            if not count:
+                sized[(tier, version)] = 0
+            elif rollout is not None and version == rollout.stable_version:
+                sized[(tier, version)] = max(1, math.ceil(count * (1.0 - share) - 1e-9)) \
+                    if weights else count
+            elif rollout is not None and weights and version == rollout.canary_version:
+                sized[(tier, version)] = max(1, math.ceil(count * share - 1e-9))
+            else:  # the first version serves at once: all of them
+                sized[(tier, version)] = 1 if rollout is not None else count
+    return sized
 
 
 def _scale_events(before: Mapping[str, TierScale], after: Mapping[str, TierScale]

@@ -110,10 +110,11 @@ class Backend(Protocol):
         """Write the model as the controller keeps it (see `Stored.settled`);
         what it is then."""
 
-    def prepare(self, spec: TieredModel, wanted: plan.Versions, replicas: Mapping[str, int]
+    def prepare(self, spec: TieredModel, wanted: plan.Versions,
+                replicas: Mapping[tuple[str, int], int]
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
-        """Bring about the agents of the wanted versions (`replicas` per tier,
-        as last decided); their state per (tier, version), and the versions
+        """Bring about the agents of the wanted versions (`replicas` per tier
+        and version, as last decided); their state per (tier, version), and the versions
         with agents in place."""
 
     def agents(self, spec: TieredModel, rollout: RolloutStatus) -> Mapping[str, Sequence[str]]:
@@ -169,8 +170,8 @@ class Reconciler:
         except ConfigError as error:  # nothing to do until the spec changes
             self._write(stored, dataclasses.replace(status, message=str(error)))
             return None
-        states, present = self.backend.prepare(spec, wanted,
-                                               plan.replicas_of(spec, status.scaling))
+        states, present = self.backend.prepare(spec, wanted, plan.workload_replicas(
+            spec, status.rollout, status.scaling, wanted.wanted))
         now = self.clock()
         reading = None
         if plan.judging(spec, status, wanted, states):

@@ -108,7 +108,8 @@ class HostBackend:
         and has no finalizers, so what it reads is settled."""
         return stored
 
-    def prepare(self, spec: TieredModel, wanted: plan.Versions, replicas: Mapping[str, int]
+    def prepare(self, spec: TieredModel, wanted: plan.Versions,
+                replicas: Mapping[tuple[str, int], int]
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
         """Build what is missing, in the background: a version is Ready on a
         tier once the tier's agent serves it (its repository config names

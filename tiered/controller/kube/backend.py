@@ -58,6 +58,7 @@ class KubeBackend:
         self.apps = client.AppsV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
         self.discovery = client.DiscoveryV1Api(api_client)
+        self.autoscaling = client.AutoscalingV2Api(api_client)
         self._uids: dict[str, str] = {}  # owner references name the model's uid
 
     # -- the model --------------------------------------------------------------
@@ -140,7 +141,8 @@ class KubeBackend:
 
     # -- agents -----------------------------------------------------------------
 
-    def prepare(self, spec: TieredModel, wanted: plan.Versions, replicas: Mapping[str, int]
+    def prepare(self, spec: TieredModel, wanted: plan.Versions,
+                replicas: Mapping[tuple[str, int], int]
                 ) -> tuple[dict[tuple[str, int], plan.VersionState], frozenset[int]]:
         owner = render.Owner(spec.name, self._uids[spec.name])
         for obj in render.desired_objects(spec, wanted.artifacts, wanted.wanted, owner,
@@ -170,10 +172,12 @@ class KubeBackend:
         return pods or (self.settings.router,)
 
     def apply(self, spec: TieredModel, made: plan.Plan) -> None:
-        """Size the workloads the plan keeps (its replicas per tier); delete
-        the objects of the versions it retires."""
+        """Size the workloads of the versions still wanted (the plan's replicas
+        per tier and version; those on their way out keep theirs until they
+        go); delete the objects of the versions it retires."""
         owner = render.Owner(spec.name, self._uids[spec.name])
-        for obj in render.desired_objects(spec, made.status.artifacts, made.keep, owner,
+        sized = sorted({version for _, version in made.replicas})
+        for obj in render.desired_objects(spec, made.status.artifacts, sized, owner,
                                           self.settings, made.replicas):
             if obj["kind"] == "Deployment":  # unchanged ones are left alone (spec hash)
                 self._apply(obj)
@@ -249,8 +253,23 @@ class KubeBackend:
             return
         body = dict(obj, metadata={**obj["metadata"],
                                    "resourceVersion": existing.metadata.resource_version})
+        if kind == "Deployment" and name in self._scaled_by_others():
+            # An HPA (or KEDA) scales it: its replicas stay theirs, never fought over.
+            body["spec"] = {**body["spec"], "replicas": existing.spec.replicas}
         self._call(kind, "replace", name, self.namespace, body)
         self.progress(f"updated {kind} {name}")
+
+    def _scaled_by_others(self) -> frozenset[str]:
+        """The Deployments of the namespace a HorizontalPodAutoscaler targets
+        (KEDA's ScaledObjects make one too); none where HPAs cannot be listed."""
+        try:
+            found = self.autoscaling.list_namespaced_horizontal_pod_autoscaler(self.namespace)
+        except ApiException as error:
+            log.warning("HorizontalPodAutoscalers not listed (%s): replicas are set as the "
+                        "plan says", error.status)
+            return frozenset()
+        return frozenset(hpa.spec.scale_target_ref.name for hpa in found.items
+                         if hpa.spec.scale_target_ref.kind == "Deployment")
 
     def _owned(self, spec: TieredModel) -> dict[int, list[tuple[str, str]]]:
         """The model's workloads and Services, by version: (kind, name) each."""
@@ -304,7 +323,7 @@ class KubeBackend:
         zero while no pod of it is ready: none, so the table says it sleeps
         and the router holds what only it may answer until a pod serves."""
         service = render.agents_of(self.settings)(spec, tier, version)
-        auto = spec.tiers[tier].autoscaling
+        auto = spec.tiers[tier].autoscaling if tier in spec.tiers else None
         if auto is not None and auto.scale_to_zero and not self._agent_pods(spec, tier, version):
             return ()
         return tuple(service)

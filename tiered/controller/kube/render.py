@@ -381,9 +381,10 @@ def agent_service(spec: TieredModel, tier: str, version: int, owner: Owner,
 
 def desired_objects(spec: TieredModel, artifacts: Sequence[ArtifactVersion],
                     versions: Sequence[int], owner: Owner, settings: ClusterSettings,
-                    replicas: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+                    replicas: Mapping[tuple[str, int], int] | None = None
+                    ) -> list[dict[str, Any]]:
     """Workloads and Services for `versions` on each of the model's tiers;
-    `replicas`: pods per tier, as the plan decided (None: the spec's)."""
+    `replicas`: pods per (tier, version), as the plan decided (None: the spec's)."""
     by_version = {a.version: a for a in artifacts}
     objects = []
     for tier in (t for t in names.TIERS if t in spec.tiers):
@@ -391,7 +392,7 @@ def desired_objects(spec: TieredModel, artifacts: Sequence[ArtifactVersion],
             continue  # refused: plan reads why from the backend's state
         for version in sorted(versions):
             objects.append(agent_workload(spec, tier, by_version[version], owner, settings,
-                                          (replicas or {}).get(tier)))
+                                          (replicas or {}).get((tier, version))))
             objects.append(agent_service(spec, tier, version, owner, settings))
     return objects
 

@@ -6,9 +6,9 @@ as child processes, writes their addresses for the controller and the CLI,
 applies the TieredModels the system file lists, and then watches: a child
 that dies is started again (agents and the router on the port they had),
 the controller's progress lines are echoed, and each tier runs as many
-agents as the controller's autoscaling decided (`follow_scale`). Ctrl-C stops everything, the
-controller first and the agents last. It never reconciles: the controller
-child does.
+agents as the controller's autoscaling decided (`follow_scale`). Ctrl-C
+stops everything, the controller first and the agents last. It never
+reconciles: the controller child does.
 
     # examples/local.yaml
     state_dir: .tiered                # relative to the working directory
@@ -140,6 +140,8 @@ class LocalUp:
         self.agents: dict[str, list[AgentProcess]] = {}  # each tier's, first started first
         self.leaving: list[tuple[AgentProcess, float]] = []  # out of the table; stop when
         self._scale_stamp: int | None = None  # scale.json's, as last read
+        self._wanted: dict[str, int] = {}  # agents per tier, as scale.json said last
+        self._retry_at: dict[str, float] = {}  # a tier whose new agent failed: when again
         self.router: ServerProcess | None = None
         self.controller: subprocess.Popen | None = None
         self._controller_log_offset = 0
@@ -267,18 +269,18 @@ class LocalUp:
         for process, after in [entry for entry in self.leaving if entry[1] <= now]:
             process.stop()
             self.leaving.remove((process, after))
-        wanted = self._read_scale()
-        if wanted is None:
-            return
+        self._read_scale()
         changed = False
         for tier, agents in self.agents.items():
-            count = wanted.get(tier, 1)
-            while len(agents) < count:
+            count = self._wanted.get(tier, 1)
+            while len(agents) < count and now >= self._retry_at.get(tier, 0.0):
                 agent = self._agent(tier)
                 try:
                     agent.start()
                 except AgentError as error:
-                    self.progress(f"{tier}: scaling up failed: {error}")
+                    self._retry_at[tier] = now + RESTART_BACKOFF_S[-1]
+                    self.progress(f"{tier}: scaling up failed (again in "
+                                  f"{RESTART_BACKOFF_S[-1]:g} s): {error}")
                     break
                 agents.append(agent)
                 changed = True
@@ -300,21 +302,22 @@ class LocalUp:
         and the router to read it (`TABLE_POLL_S`), with a pass to spare."""
         return 2 * self.system.controller.interval_s + 2 * TABLE_POLL_S
 
-    def _read_scale(self) -> dict[str, int] | None:
-        """scale.json's counts when it changed since the last read, else None."""
+    def _read_scale(self) -> None:
+        """scale.json's counts, read again when it changed."""
         try:
             stamp = self.layout.scale.stat().st_mtime_ns
         except FileNotFoundError:
-            return None
+            return
         if stamp == self._scale_stamp:
-            return None
+            return
         try:
             wanted = json.loads(self.layout.scale.read_text())
         except (OSError, ValueError) as error:
             self.progress(f"controller's scale unreadable: {error}")
-            return None
+            return
         self._scale_stamp = stamp
-        return {tier: int(count) for tier, count in wanted.items() if tier in self.agents}
+        self._wanted = {tier: int(count) for tier, count in wanted.items()
+                        if tier in self.agents}
 
     def echo_controller(self, decisions: bool = True) -> None:
         """Print what the controller logged since last time, its holds aside:

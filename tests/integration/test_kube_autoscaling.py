@@ -8,19 +8,17 @@ never writes."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
-from concurrent import futures
 
-import grpc
 import pytest
 
 pytest.importorskip("kubernetes")
 
 from kubernetes import client  # noqa: E402
 
+from tests.fake_agents import telemetry_servers  # noqa: E402
 from tests.integration.test_kube_controller import (  # noqa: E402
     GROUP,
     PLURAL,
@@ -58,19 +56,10 @@ class LoadedTelemetry(tpb_grpc.TelemetryServicer):
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory):
-    servers, addresses = [], {}
-    for tier in ("edge", "regional"):
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        tpb_grpc.add_TelemetryServicer_to_server(LoadedTelemetry(tier), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        addresses[render.workload_name("digits", tier, 1)] = f"127.0.0.1:{port}"
-    path = tmp_path_factory.mktemp("agents") / "addresses.json"
-    path.write_text(json.dumps(addresses))
-    yield path
-    for server in servers:
-        server.stop(0)
+    with telemetry_servers({render.workload_name("digits", tier, 1): LoadedTelemetry(tier)
+                            for tier in ("edge", "regional")},
+                           tmp_path_factory.mktemp("agents") / "addresses.json") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,11 @@ rolled back in its first stage; deleting the model removes its routes.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import subprocess
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -37,6 +35,7 @@ pytest.importorskip("kubernetes")
 
 from kubernetes import client  # noqa: E402
 
+from tests.fake_agents import telemetry_servers  # noqa: E402
 from tests.kubeapi import FakeKubeAPI  # noqa: E402
 from tiered.controller.kube import render  # noqa: E402
 from tiered.controller.reconciler import decode_status  # noqa: E402
@@ -77,20 +76,10 @@ class FakeTelemetry(tpb_grpc.TelemetryServicer):
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory):
-    servers, addresses = [], {}
-    for tier in TIERS:
-        for version in SHAS:
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-            tpb_grpc.add_TelemetryServicer_to_server(FakeTelemetry(tier, version), server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            server.start()
-            servers.append(server)
-            addresses[render.workload_name("digits", tier, version)] = f"127.0.0.1:{port}"
-    path = tmp_path_factory.mktemp("agents") / "addresses.json"
-    path.write_text(json.dumps(addresses))
-    yield path
-    for server in servers:
-        server.stop(0)
+    with telemetry_servers({render.workload_name("digits", tier, version):
+                            FakeTelemetry(tier, version) for tier in TIERS for version in SHAS},
+                           tmp_path_factory.mktemp("agents") / "addresses.json") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,12 @@ from the example's `spec.tiers` keys.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 
@@ -32,6 +29,7 @@ pytest.importorskip("kubernetes")
 
 from kubernetes import client  # noqa: E402
 
+from tests.fake_agents import telemetry_servers  # noqa: E402
 from tests.kubeapi import CRD_PATH, FakeKubeAPI, load_crd, version_priority  # noqa: E402
 from tiered.controller.kube import render  # noqa: E402
 from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
@@ -124,19 +122,10 @@ def parse_table(text: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory):
-    servers, addresses = [], {}
-    for tier in tiers():
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        tpb_grpc.add_TelemetryServicer_to_server(FakeTelemetry(tier), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        addresses[render.workload_name(NAME, tier, 1)] = f"127.0.0.1:{port}"
-    path = tmp_path_factory.mktemp("agents") / "addresses.json"
-    path.write_text(json.dumps(addresses))
-    yield path
-    for server in servers:
-        server.stop(0)
+    with telemetry_servers({render.workload_name(NAME, tier, 1): FakeTelemetry(tier)
+                            for tier in tiers()},
+                           tmp_path_factory.mktemp("agents") / "addresses.json") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,21 @@ class BuildOutcome:
 VerdictOf = Callable[[gate.GateDecision, Path], Mapping[str, Any]]
 
 
+def _data_notes(evaluation: samples.Samples, calibration: samples.Samples | None,
+                fp16_on_cpu: bool) -> list[str]:
+    """What a reader of the report must know of the data and the device."""
+    notes = []
+    if evaluation.origin == "random":
+        notes.append("eval on random inputs: top-1 agreement and errors only, no accuracy; "
+                     "pass --eval with real data for a meaningful gate")
+    if calibration is not None and calibration.origin == "random":
+        notes.append("INT8 ranges calibrated on random inputs; pass --calibration with real data")
+    if fp16_on_cpu:
+        notes.append("FP16 measured on CPU: ONNX Runtime runs FP16 nodes it lacks CPU kernels "
+                     "for through inserted casts, so this latency says nothing of GPU FP16")
+    return notes
+
+
 def compose(
     request: spec.BuildRequest, tier: str, settings: spec.BuildSettings,
     engine_settings: Mapping[str, Any], artifact: Path, built: Engine,
@@ -52,15 +67,8 @@ def compose(
     """The report of one build, whatever the gate decided."""
     source_bytes = request.source.stat().st_size
     artifact_bytes = artifact.stat().st_size
-    notes = []
-    if evaluation.origin == "random":
-        notes.append("eval on random inputs: top-1 agreement and errors only, no accuracy; "
-                     "pass --eval with real data for a meaningful gate")
-    if calibration is not None and calibration.origin == "random":
-        notes.append("INT8 ranges calibrated on random inputs; pass --calibration with real data")
-    if settings.precision == names.Precision.FP16 and built.device == "cpu":
-        notes.append("FP16 measured on CPU: ONNX Runtime runs FP16 nodes it lacks CPU kernels "
-                     "for through inserted casts, so this latency says nothing of GPU FP16")
+    notes = _data_notes(evaluation, calibration,
+                        settings.precision == names.Precision.FP16 and built.device == "cpu")
     return {
         "model": request.model,
         "version": request.version,
@@ -132,16 +140,9 @@ def compose_ensemble(
     chain = request.ensemble
     gated = [a for a in agreements if a.top1_agreement is not None]
     deciding = min(gated, key=lambda a: a.top1_agreement or 0.0) if gated else agreements[0]
-    notes = []
-    if evaluation.origin == "random":
-        notes.append("eval on random inputs: agreement and errors only, no accuracy; "
-                     "pass --eval with real data for a meaningful gate")
-    if calibration is not None and calibration.origin == "random":
-        notes.append("INT8 ranges calibrated on random inputs; pass --calibration with real data")
-    if any(s["precision"] == names.Precision.FP16 and s["engine"]["device"] == "cpu"
-           for s in steps.values()):
-        notes.append("FP16 measured on CPU: ONNX Runtime runs FP16 nodes it lacks CPU kernels "
-                     "for through inserted casts, so this latency says nothing of GPU FP16")
+    notes = _data_notes(evaluation, calibration, any(
+        s["precision"] == names.Precision.FP16 and s["engine"]["device"] == "cpu"
+        for s in steps.values()))
     kept = [f"{model}: {s['kept_fp32']}" for model, s in steps.items() if s["kept_fp32"]]
     if kept:
         notes.append("steps not lowered: " + "; ".join(kept))

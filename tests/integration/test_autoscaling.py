@@ -8,6 +8,7 @@ it to wake and is answered there. Every client request is answered."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -101,7 +102,8 @@ def test_load_scales_edge_up_then_down_to_zero_and_no_request_fails(system, digi
         load.finish()
     failed = {k: v for k, v in load.outcomes.items() if k != "ok"}
     assert load.outcomes["ok"] > 100 and not failed, load.outcomes
-    assert any("edge: agent 2 of" in line for line in lines), lines
+    assert any(re.match(r"edge: agent 2 of \d serving after a [0-9.]+ s cold start", line)
+               for line in lines), lines
     wait_for(local, lambda: len(edge_agents(state)) == 0, 90, "edge to go to zero", store)
     status = status_of(store)
     assert status.scaling["edge"].replicas == 0

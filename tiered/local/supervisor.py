@@ -274,9 +274,9 @@ class LocalUp:
         for tier, agents in self.agents.items():
             count = self._wanted.get(tier, 1)
             while len(agents) < count and now >= self._retry_at.get(tier, 0.0):
-                agent = self._agent(tier)
+                agent, started = self._agent(tier), time.monotonic()
                 try:
-                    agent.start()
+                    agent.start()  # returns once it serves: the cold start
                 except AgentError as error:
                     self._retry_at[tier] = now + RESTART_BACKOFF_S[-1]
                     self.progress(f"{tier}: scaling up failed (again in "
@@ -284,7 +284,8 @@ class LocalUp:
                     break
                 agents.append(agent)
                 changed = True
-                self.progress(f"{tier}: agent {len(agents)} of {count} started, pid "
+                self.progress(f"{tier}: agent {len(agents)} of {count} serving after a "
+                              f"{time.monotonic() - started:.1f} s cold start, pid "
                               f"{agent.pid}, {agent.address}")
             while len(agents) > count:
                 agent = agents.pop()

@@ -223,11 +223,12 @@ def tinyllama_models(tmp_path_factory) -> Path:
 # rollouts judged on real latencies are two scopes, each scope's files one
 # after another on one worker: one system at a time per worker, two at most
 # on the two cores. The walkthrough, the longest file, is a scope alone; the
-# other three together take about as long. They start first; the generative
+# other four together take about as long. They start first; the generative
 # one leads, so that another worker trains the digits models the others need
 # meanwhile. The bench smoke tests are independent, each starting its own
 # processes: they are shared out one by one. The other long files follow.
-LOCAL_SYSTEMS = (("test_local_generative.py", "test_local_system.py", "test_chaos.py"),
+LOCAL_SYSTEMS = (("test_local_generative.py", "test_local_system.py", "test_chaos.py",
+                  "test_autoscaling.py"),
                  ("test_walkthrough.py",))
 SPREAD_FILES = ("test_bench_smoke.py",)
 LONG_FILES = ("test_both_backends.py", "test_background_builds.py", "test_kube_controller.py")

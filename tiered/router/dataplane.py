@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
-from tiered import errors
+from tiered import errors, names
 from tiered.protocol import error_text, messages, routing, security
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.router import (
@@ -115,6 +115,8 @@ class Router:
         tier = answer.candidate.tier
         self.statistics.succeeded(model, version, now - started, now)
         self.metrics.answered(model, tier, version, now - started)
+        if route.asleep:
+            self._missed_slo(request, route, metadata, tier, now - started)
         # A sequence's requests are never shadowed: the canary holds no state of it.
         if not step and policies.should_shadow(route.tiers[tier], choice, self.rng):
             self.shadows.send(request, raw, answer, route, table.timeout_s)
@@ -230,6 +232,20 @@ class Router:
                 self.demand.wanted(model, route.asleep[0])  # the cheapest wakes
             return await self.demand.until_awake(model, None, lambda: self.table, deadline)
         return route
+
+    def _missed_slo(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
+                    metadata: Sequence[tuple[str, str]] | None, served_by: str,
+                    seconds: float) -> None:
+        """A request answered slower than its SLO counts as demand for the
+        sleeping tiers above the one that answered it (the GPU tiers a
+        cheaper tier stood in for): what wakes them when the others miss."""
+        wanted = hints.read_hints(request.model_name, request.parameters, metadata)
+        slo_ms = wanted.slo_ms if wanted.slo_ms is not None else route.slo_ms
+        if seconds * 1e3 <= slo_ms:
+            return
+        for tier in route.asleep:
+            if names.TIERS.index(tier) > names.TIERS.index(served_by):
+                self.demand.wanted(request.model_name, tier)
 
     async def _route(self, request: pb.ModelInferRequest, raw: bytes, route: routing.ModelRoute,
                      metadata: Sequence[tuple[str, str]] | None, deadline: float

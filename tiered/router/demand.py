@@ -1,12 +1,16 @@
 """Demand for tiers scaled to zero: counted, and held until they wake.
 
 The routing table lists a model's tiers that may scale to zero and have no
-agent now as `asleep`. A request hinted to such a tier counts as demand the
-router could not place there (`unmet`) and goes to the next tier as any
-preference does, unless it is kept to its tier (`tiered-tier-strict`); a
-request for a model asleep on every tier counts for its cheapest. Those two
-wait here, as Knative's activator holds requests while a pod starts, until
-the table gives the tier (or the model) an agent or the request's deadline
+agent now as `asleep`. Counted as demand the router could not place there
+(`unmet`):
+- a request hinted to such a tier: the next tier answers it, as any
+  preference, unless it is kept to its tier (`tiered-tier-strict`);
+- a request for a model asleep on every tier: for its cheapest tier;
+- a request another tier answered slower than its SLO: for each sleeping
+  tier above that one (a cheaper tier stood in and missed).
+A request kept to a sleeping tier, or for a model asleep everywhere, waits
+here, as Knative's activator holds requests while a pod starts, until the
+table gives the tier (or the model) an agent or the request's deadline
 passes. The controller reads the counts (Telemetry.Routes) and wakes the
 tier; the held request then goes on, so the first request after waking is
 never lost. Bounded: at most MAX_WAITING requests held at once.

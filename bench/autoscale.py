@@ -166,20 +166,21 @@ def apply(store: StateStore, path: Path, document: dict[str, Any]) -> None:
 @dataclass
 class ColdStart:
     tier: str
-    why: str  # "first" (the system's start) or "scaled" (a scale-up or a wake)
+    why: str  # "first" (the system's start), "scaled" (a scale-up or a wake) or "restarted"
     started: float  # monotonic
     serving_s: float | None = None  # process start to serving (its listening line)
     address: str | None = None
-    in_table_s: float | None = None  # process start to the routing table naming it
 
 
 class TimedAgent(AgentProcess):
     """An agent whose start (process start to serving its models) is timed."""
 
     starts: list[ColdStart]
+    why: str
 
     def start(self, timeout_s: float = 120.0) -> TimedAgent:
         entry = ColdStart(self.tier, self.why, time.monotonic())
+        self.why = "restarted"  # by the supervisor, should it die
         self.starts.append(entry)
         super().start(timeout_s)
         entry.serving_s = time.monotonic() - entry.started
@@ -197,6 +198,8 @@ class TimedLocalUp(LocalUp):
 
     def _agent(self, tier: str) -> AgentProcess:
         agent = super()._agent(tier)
+        # Re-classed, not built anew: the agent keeps the command, environment
+        # and log the supervisor gives it; only its start is timed.
         agent.__class__ = TimedAgent
         agent.starts = self.starts
         agent.why = "scaled" if self.started else "first"
@@ -213,12 +216,14 @@ class TimedLocalUp(LocalUp):
 
 class Watch:
     """Every SAMPLE_S: agent processes per tier, and when the routing table
-    first names each agent address (for the cold starts)."""
+    starts to name each agent address (for the cold starts; a port freed by
+    one agent may be another's later, so every appearance is kept)."""
 
     def __init__(self, local: TimedLocalUp) -> None:
         self.local = local
         self.counts: list[tuple[float, dict[str, int]]] = []
-        self.in_table: dict[str, float] = {}
+        self.in_table: dict[str, list[float]] = {}  # address: when it appeared, each time
+        self._named: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -238,10 +243,16 @@ class Watch:
                 table = routing.load_table(self.local.layout.routing_table)
             except Exception:  # noqa: BLE001 - mid-write or absent: next look
                 continue
-            for route in table.models.values():
-                for tier in route.tiers.values():
-                    for address in (*tier.agents, *tier.canary_agents):
-                        self.in_table.setdefault(address, now)
+            named = {address for route in table.models.values()
+                     for tier in route.tiers.values()
+                     for address in (*tier.agents, *tier.canary_agents)}
+            for address in named - self._named:
+                self.in_table.setdefault(address, []).append(now)
+            self._named = named
+
+    def joined(self, address: str | None, after: float) -> float | None:
+        """When the table first named `address` at or after `after`."""
+        return next((t for t in self.in_table.get(address or "", ()) if t >= after), None)
 
     def between(self, start: float, end: float) -> list[tuple[float, dict[str, int]]]:
         return [(t, c) for t, c in list(self.counts) if start <= t <= end]
@@ -251,14 +262,15 @@ class Energy:
     """Each agent's Telemetry.Stats every TELEMETRY_S (its own cursor per agent
     instance), summed per arm and tier: every device's joules over the span
     (idle included), the model's active joules and inferences, and the source
-    of each figure. An agent's last span before it stops is lost (at most
-    TELEMETRY_S)."""
+    of each figure. Figures are as good as a poll: an agent's first and last
+    spans are lost, and a span across an arm's edge counts in the arm polled
+    (at most TELEMETRY_S each)."""
 
     def __init__(self, local: TimedLocalUp) -> None:
         self.local = local
         self.arm = "start"
         self.totals: dict[str, dict[str, dict[str, Any]]] = {}
-        self._cursors: dict[tuple[str, str], float] = {}
+        self._cursors: dict[str, tuple[str, float]] = {}  # address: (instance, cursor)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -287,18 +299,15 @@ class Energy:
                     if address not in channels:
                         channels[address] = tpb_grpc.TelemetryStub(
                             grpc.insecure_channel(address))
+                    instance, cursor = self._cursors.get(address, ("", 0.0))
                     try:
-                        response = channels[address].Stats(tpb.StatsRequest(model_name=MODEL,
-                                                           cursor=self._cursors.get(
-                                                               (address, ""), 0.0)), timeout=2)
+                        response = channels[address].Stats(
+                            tpb.StatsRequest(model_name=MODEL, cursor=cursor), timeout=2)
                     except grpc.RpcError:
                         continue
-                    key = (address, response.instance)
-                    first = key not in self._cursors
-                    self._cursors[(address, "")] = self._cursors[key] = response.end
-                    if first:
-                        continue  # the whole window so far: counted from the next look
-                    self._add(arm, tier, response)
+                    self._cursors[address] = (response.instance, response.end)
+                    if response.instance == instance:  # else its whole window so far
+                        self._add(arm, tier, response)
 
     def _add(self, arm: str, tier: str, response: Any) -> None:
         total = self.totals.setdefault(arm, {}).setdefault(tier, {
@@ -333,7 +342,6 @@ class Energy:
 @dataclass
 class Sent:
     sent: float  # monotonic
-    tier_hint: str
     latency_s: float | None = None
     code: str | None = None  # OK or the gRPC status code's name
     tier: str | None = None  # the tier that answered
@@ -397,7 +405,7 @@ class Load:
                 sent_here = 0
                 while time.monotonic() - began < seconds:
                     await asyncio.sleep(max(0.0, began + sent_here / rate - time.monotonic()))
-                    record = Sent(time.monotonic(), "edge")
+                    record = Sent(time.monotonic())
                     self.records.append(record)
                     task = asyncio.create_task(send(record, requests[index % len(requests)]))
                     pending.add(task)
@@ -675,7 +683,7 @@ def run(settings: Settings, work: Path, models: Path) -> dict[str, Any]:
                  and len(local.agents["datacenter"]) == 1 and not local.leaving, 180,
                  f"{fixed_edge} edge agents and one datacenter agent")
             addresses = [a.address for a in local.agents["edge"]]
-            wait(lambda: all(a in watch.in_table for a in addresses), 60,
+            wait(lambda: all(watch.joined(a, 0.0) for a in addresses), 60,
                  "the routing table naming every edge agent")
             time.sleep(2.0)  # the router reads the table
             energy.arm = "fixed"
@@ -683,11 +691,14 @@ def run(settings: Settings, work: Path, models: Path) -> dict[str, Any]:
             energy.arm = "end"
             fixed = arm_figures("fixed", load_fixed, watch, settings, energy.of("fixed"),
                                 status_scaling(store))
-        starts = [{**asdict(s), "started": None,
-                   "in_table_s": (round(watch.in_table[s.address] - s.started, 2)
-                                  if s.address in watch.in_table else None),
-                   "serving_s": round(s.serving_s, 2) if s.serving_s else None}
-                  for s in local.starts]
+        starts = []
+        for entry in local.starts:
+            joined = watch.joined(entry.address, entry.started)
+            starts.append({"tier": entry.tier, "why": entry.why, "address": entry.address,
+                           "serving_s": None if entry.serving_s is None
+                           else round(entry.serving_s, 2),
+                           "in_table_s": None if joined is None
+                           else round(joined - entry.started, 2)})
         return {"autoscaled": auto, "fixed": fixed, "wake": woke, "cold_starts": starts,
                 "fixed_edge": fixed_edge}
     finally:
@@ -735,7 +746,7 @@ def print_tables(result: dict[str, Any], found: Sequence[common.Target]) -> None
     print()
     print(common.table(["tier", "why", "start to serving s", "start to in the table s"],
                        [[s["tier"], s["why"], s["serving_s"],
-                         s["in_table_s"] if s["why"] == "scaled" else "- (waits on the builds)"]
+                         s["in_table_s"] if s["why"] != "first" else "- (waits on the builds)"]
                         for s in result["cold_starts"]]))
     print()
     wake_row = result["wake"]

@@ -100,7 +100,7 @@ class Settings:
     # own latencies, not the router's): on the 2-core VM with little else
     # running, 20/s on one agent read 0.006 on average and the burst at most
     # 0.043; beside other work it read above 0.15 (a target of 0.15
-    # then scaled the burst to 2-3 agents, and idle, not at all).
+    # then scaled the burst to 3 agents, and idle, not at all).
     target: float = 0.02
     scale_down_window_s: float = 20.0
     idle_s: float = 15.0  # datacenter goes to zero after this long without a request

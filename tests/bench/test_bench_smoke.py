@@ -353,3 +353,33 @@ def test_abuse_bench_answers_every_input_with_a_client_error_and_keeps_the_serve
                if t["name"] != "health during every input"), result["targets"]
     assert_header(stdout, "input", "server", "answer", "peak", "MiB", "health", "max", "ms")
     assert_header(stdout, "target", "what", "value", "needs", "verdict")
+
+
+def test_autoscale_bench_runs_both_arms_and_wakes_a_sleeping_tier_without_errors(tmp_path):
+    result, stdout = run_smoke("autoscale", tmp_path, timeout_s=480)
+    for arm in ("autoscaled", "fixed"):
+        figures = result[arm]
+        assert [p["phase"] for p in figures["phases"]] == ["low", "burst", "low again"]
+        for phase in figures["phases"]:
+            assert phase["sent"] > 0 and phase["errors"] == 0 and phase["unfinished"] == 0
+            assert positive(phase["p50_ms"]) and phase["p50_ms"] <= phase["p95_ms"], phase
+            assert 0 <= phase["slo_met_share"] <= 1
+        assert figures["errors"] == 0, figures["error_samples"]
+        assert positive(figures["agent_seconds"]["edge"])
+        assert positive(figures["agent_seconds"]["regional"])
+        assert figures["energy"]["edge"]["source"] in {"nvml", "rapl", "model"}
+    # a burst of 30/s against a concurrency target of 0.002 an agent scales edge up
+    assert any(c["to"] > c["from"] for c in result["autoscaled"]["edge_scale_changes"])
+    assert result["fixed_edge"] >= 2
+    assert result["wake"]["errors"] == 0
+    assert {s["why"] for s in result["cold_starts"]} == {"first", "scaled"}
+    assert all(positive(s["serving_s"]) for s in result["cold_starts"])
+    assert_targets(result["targets"], {
+        "autoscaled: p95 back under the SLO", "autoscaled: SLO met outside 30 s after steps",
+        "fixed: p95 back under the SLO", "fixed: SLO met outside 30 s after steps",
+        "autoscaled: scale changes at steady load", "client errors", "agent-seconds vs fixed",
+        "datacenter asleep, then woken"})
+    assert {t["name"]: t["verdict"] for t in result["targets"]}["client errors"] == "PASS"
+    assert_header(stdout, "arm", "phase", "req/s", "sent", "errors")
+    assert_header(stdout, "arm", "tier", "agent-s")
+    assert_header(stdout, "target", "what", "value", "needs", "verdict")

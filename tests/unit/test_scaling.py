@@ -27,7 +27,8 @@ from tiered.rollout.status import (
 from tiered.rollout.wire import to_plain
 from tiered.router import demand
 
-AUTO = Autoscaling(min_replicas=1, max_replicas=8, target=2.0, scale_down_window_s=60.0)
+AUTO = Autoscaling(min_replicas=1, max_replicas=8, target=2.0, scale_down_window_s=60.0,
+                   scale_period_s=0.0)
 
 
 def load(concurrency: float, agents: int = 1, requests: int = 100, unmet: int = 0,
@@ -56,10 +57,17 @@ def test_a_load_step_adds_the_agents_that_hold_the_target_at_once():
 
 
 def test_one_decision_adds_at_most_max_scale_up_and_never_passes_max_replicas():
-    auto = Autoscaling(max_replicas=6, target=1.0, max_scale_up=2)
+    auto = Autoscaling(max_replicas=6, target=1.0, max_scale_up=2, scale_period_s=0.0)
     seen = follow(auto, [20.0, 20.0, 20.0, 20.0], start=1)
     assert [s.replicas for s in seen] == [3, 5, 6, 6]
     assert "(maxReplicas 6)" in seen[-1].reason
+
+
+def test_one_change_a_period_makes_the_steps_a_rate():
+    auto = Autoscaling(max_replicas=6, target=1.0, max_scale_up=2, scale_period_s=15.0)
+    seen = follow(auto, [20.0] * 8, start=1)  # a look every 5 s
+    assert [s.replicas for s in seen] == [3, 3, 3, 5, 5, 5, 6, 6]
+    assert "scalePeriodSeconds 15, 10 s more" in seen[1].reason
 
 
 def test_a_drop_scales_down_after_the_window_one_agent_a_decision():
@@ -85,7 +93,7 @@ def test_a_load_that_jumps_up_and_down_changes_at_most_once_a_window():
 
 
 def test_the_scale_up_window_follows_its_lowest_recommendation():
-    auto = Autoscaling(max_replicas=8, target=2.0, scale_up_window_s=10.0)
+    auto = Autoscaling(max_replicas=8, target=2.0, scale_up_window_s=10.0, scale_period_s=0.0)
     seen = follow(auto, [2.0, 8.0, 8.0, 8.0])
     assert [s.replicas for s in seen] == [1, 1, 1, 4]  # 4 wanted for the whole 10 s
 

@@ -11,8 +11,8 @@ ceil(total / target), kept where it is while the metric per agent is within
 `tolerance` of the target (as the HPA does), within [minReplicas,
 maxReplicas]. Against flapping, as the HPA's behavior does: a scale-up
 follows the lowest recommendation of its window and a scale-down the
-highest of its own, and one decision adds at most maxScaleUp agents and
-removes at most maxScaleDown. A tier with scaleToZero goes to zero after
+highest of its own, and one change adds at most maxScaleUp agents and
+removes at most maxScaleDown, at most one change a scalePeriodSeconds. A tier with scaleToZero goes to zero after
 idleSeconds without a request, and back to minReplicas when the router
 reports demand it could not place there (`unmet`).
 """
@@ -54,7 +54,7 @@ def decide(auto: Autoscaling, previous: TierScale | None, load: TierLoad | None,
     """This look's scale of one tier; `replicas` is the spec's (where it starts)."""
     if previous is None:
         previous = TierScale(starting_replicas(auto, replicas), "starting at the spec's "
-                             "replicas", changed_at=now, last_request_at=now)
+                             "replicas", last_request_at=now)  # changed_at 0: never
     current = previous.replicas
     if current and not auto.min_replicas <= current <= auto.max_replicas:  # the spec changed
         bounded = min(max(current, auto.min_replicas), auto.max_replicas)
@@ -91,6 +91,11 @@ def decide(auto: Autoscaling, previous: TierScale | None, load: TierLoad | None,
                 f"+{auto.max_scale_up})" if wanted > current else
                 f"; {chosen} for now (the scale-down window's highest, at most "
                 f"-{auto.max_scale_down})")
+    wait_s = previous.changed_at + auto.scale_period_s - now
+    if chosen != current and previous.changed_at and wait_s > 0:  # 0: never changed
+        why += (f"; {current} until the period since the last change is over "
+                f"(scalePeriodSeconds {auto.scale_period_s:g}, {wait_s:.0f} s more)")
+        chosen = current
     if chosen == current:
         return TierScale(current, why, value, previous.changed_at, last_request, kept)
     return _changed(previous, chosen, why, value, now, kept, last_request)

@@ -128,11 +128,15 @@ class Autoscaling(Checked):
         60.0, doc="stabilisation: a scale-down follows the highest recommendation of this "
         "window, so a dip does not remove agents a burst needs again", minimum=0.0,
         maximum=3600.0)
-    max_scale_up: int = spec_field(4, doc="most agents added at one decision",
+    max_scale_up: int = spec_field(4, doc="most agents added at one change",
                                    minimum=1, maximum=1000)
-    max_scale_down: int = spec_field(1, doc="most agents removed at one decision (going to "
-                                     "zero when idle is one decision)", minimum=1,
+    max_scale_down: int = spec_field(1, doc="most agents removed at one change (going to "
+                                     "zero when idle is one change)", minimum=1,
                                      maximum=1000)
+    scale_period_s: float = spec_field(
+        15.0, doc="least time between two changes of the count (going to zero and waking "
+        "aside), so maxScaleUp and maxScaleDown bound a rate, as the HPA's periodSeconds",
+        minimum=0.0, maximum=3600.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) bench/chaos.py
 	$(PY) bench/judge.py
 	$(PY) bench/generate.py
+	$(PY) bench/autoscale.py
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

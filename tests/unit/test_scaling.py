@@ -139,6 +139,8 @@ def test_replicas_outside_new_bounds_move_inside_them_at_once():
     assert scaling.decide(auto, TierScale(7, ""), load(1.0), 1, 0.0).replicas == 3
     assert scaling.decide(auto, TierScale(1, ""), load(1.0), 1, 0.0).replicas == 2
     assert scaling.starting_replicas(auto, 10) == 3
+    woken = scaling.decide(auto, TierScale(0, ""), None, 1, 0.0)  # scaleToZero now off
+    assert woken.replicas == 2 and "scaleToZero is off" in woken.reason
     with pytest.raises(ConfigError, match="maxReplicas: must be at least minReplicas"):
         Autoscaling(min_replicas=5, max_replicas=2)
 

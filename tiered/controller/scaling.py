@@ -12,9 +12,10 @@ ceil(total / target), kept where it is while the metric per agent is within
 maxReplicas]. Against flapping, as the HPA's behavior does: a scale-up
 follows the lowest recommendation of its window and a scale-down the
 highest of its own, and one change adds at most maxScaleUp agents and
-removes at most maxScaleDown, at most one change a scalePeriodSeconds. A tier with scaleToZero goes to zero after
-idleSeconds without a request, and back to minReplicas when the router
-reports demand it could not place there (`unmet`).
+removes at most maxScaleDown, one change a scalePeriodSeconds at most. A
+tier with scaleToZero goes to zero after idleSeconds without a request, and
+back to minReplicas when the routers report demand they could not place
+there (`unmet`).
 """
 
 from __future__ import annotations
@@ -56,13 +57,15 @@ def decide(auto: Autoscaling, previous: TierScale | None, load: TierLoad | None,
         previous = TierScale(starting_replicas(auto, replicas), "starting at the spec's "
                              "replicas", last_request_at=now)  # changed_at 0: never
     current = previous.replicas
-    if current and not auto.min_replicas <= current <= auto.max_replicas:  # the spec changed
+    if (current or not auto.scale_to_zero) and not \
+            auto.min_replicas <= current <= auto.max_replicas:  # the spec changed
         bounded = min(max(current, auto.min_replicas), auto.max_replicas)
         return _changed(previous, bounded, f"{current} agents are outside minReplicas.."
-                        f"maxReplicas ({auto.min_replicas}..{auto.max_replicas})", None, now,
+                        f"maxReplicas ({auto.min_replicas}..{auto.max_replicas})"
+                        + ("" if current else " and scaleToZero is off"), None, now,
                         previous.recommendations)
     if load is None:
-        return _same(previous, f"{current} agents; no telemetry read this time", None, now)
+        return _same(previous, f"{current} agents; no telemetry read this time", None)
     last_request = previous.last_request_at if previous.last_request_at is not None else now
     if load.requests or load.unmet:
         last_request = now
@@ -71,7 +74,7 @@ def decide(auto: Autoscaling, previous: TierScale | None, load: TierLoad | None,
             return _changed(previous, auto.min_replicas,
                             f"woken: {load.unmet} requests the routers could not place here",
                             None, now, (), last_request=now)
-        return _same(previous, "at zero: no unmet demand", None, now)
+        return _same(previous, "at zero: no unmet demand", None)
     idle_s = now - last_request
     if auto.scale_to_zero and idle_s >= auto.idle_s:
         return _changed(previous, 0, f"no request for {idle_s:.0f} s (idleSeconds "
@@ -136,7 +139,7 @@ def _within(kept: tuple[Recommendation, ...], now: float, window_s: float, pick)
     return pick(held)
 
 
-def _same(previous: TierScale, reason: str, value: float | None, now: float) -> TierScale:
+def _same(previous: TierScale, reason: str, value: float | None) -> TierScale:
     return TierScale(previous.replicas, reason, value, previous.changed_at,
                      previous.last_request_at, previous.recommendations)
 

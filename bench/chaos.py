@@ -309,7 +309,7 @@ class Chaos:
         self._mark = now
 
     def kill_agent(self, tier: str) -> None:
-        agent = self.local.agents[tier]
+        agent = self.local.agents[tier][0]  # the tier's one agent here (no autoscaling)
         old, start = agent.pid, time.time()
         os.kill(old, signal.SIGKILL)
         self.progress(f"{tier} agent SIGKILLed (pid {old})")
@@ -323,7 +323,7 @@ class Chaos:
 
     def stop_agent(self, tier: str, seconds: float, fault: str) -> None:
         """SIGSTOP for `seconds`, then SIGCONT: unreachable, its sockets open."""
-        pids, start = family(self.local.agents[tier].pid), time.time()
+        pids, start = family(self.local.agents[tier][0].pid), time.time()
         for pid in pids:  # front-end processes too, where the agent has them
             os.kill(pid, signal.SIGSTOP)
         self.progress(f"{tier} agent SIGSTOPped for {seconds:g} s (pids {pids})")
@@ -532,8 +532,8 @@ def run(settings: Settings, work: Path, models: Path,
                                                     if r.code not in (None, "OK"))),
                              "unfinished": sum(r.code is None for r in records)}}
     finally:
-        for agent in local.agents.values():  # never leave one stopped
-            if agent.alive():
+        for agent in (a for agents in local.agents.values() for a in agents):
+            if agent.alive():  # never leave one stopped
                 for pid in family(agent.pid):
                     os.kill(pid, signal.SIGCONT)
         if load is not None:

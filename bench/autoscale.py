@@ -220,7 +220,26 @@ class TimedLocalUp(LocalUp):
         return counts
 
 
-class Watch:
+class Poller:
+    """A loop of its own (`_loop`, until `_stop` is set), on a daemon thread."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+
+class Watch(Poller):
     """Every SAMPLE_S: agent processes per tier, and when the routing table
     starts to name each agent address (for the cold starts; a port freed by
     one agent may be another's later, so every appearance is kept); every
@@ -233,16 +252,7 @@ class Watch:
         self._named: set[str] = set()
         # the controller's view of edge, every STATUS_S: (t, agents decided, metric an agent)
         self.edge_metric: list[tuple[float, int, float | None]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def start(self) -> Watch:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        super().__init__()
 
     def _loop(self) -> None:
         with StateStore(self.local.layout.store) as store:  # one connection per thread
@@ -283,7 +293,7 @@ class Watch:
         return [(t, c) for t, c in list(self.counts) if start <= t <= end]
 
 
-class Energy:
+class Energy(Poller):
     """Each agent's Telemetry.Stats every TELEMETRY_S (its own cursor per agent
     instance), summed per arm and tier: every device's joules over the span
     (idle included), the model's active joules and inferences, and the source
@@ -296,16 +306,7 @@ class Energy:
         self.arm = "start"
         self.totals: dict[str, dict[str, dict[str, Any]]] = {}
         self._cursors: dict[str, tuple[str, float]] = {}  # address: (instance, cursor)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def start(self) -> Energy:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        super().__init__()
 
     def _loop(self) -> None:
         import grpc

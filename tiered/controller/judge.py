@@ -143,12 +143,8 @@ class RolloutJudge:
         readings, unreadable, down = [], [], []
         for tier, addresses in agents.items():
             for agent in addresses:
-                key = (agent, model)
-                instance, cursor = self._cursors.get(key, ("", 0.0))
                 try:
-                    reply = tpb_grpc.TelemetryStub(self._channel(agent)).Stats(
-                        tpb.StatsRequest(model_name=model, cursor=cursor),
-                        timeout=RPC_TIMEOUT_S)
+                    reply, first = self._since(self._cursors, agent, model)
                 except grpc.RpcError as error:  # an agent away: its samples are missing
                     log.warning("telemetry of %s unreadable: %s", agent, error.code().name)
                     unreadable.append(agent)
@@ -156,8 +152,6 @@ class RolloutJudge:
                 down += [f"{agent} {share.device}: {share.down_reason}"
                          for version in reply.versions for share in version.devices
                          if not share.up]
-                first = key not in self._cursors or reply.instance != instance
-                self._cursors[key] = (reply.instance, reply.end)
                 if first:
                     # A new agent, or a restarted one behind the same address: its
                     # clock is another; what came before this first poll is not
@@ -165,6 +159,23 @@ class RolloutJudge:
                     continue
                 readings.extend(readings_of(tier, reply))
         return readings, unreadable, down
+
+    def _since(self, cursors: dict[tuple[str, str], tuple[str, float]], agent: str,
+               model: str, whole_first: bool = False) -> tuple[tpb.StatsResponse, bool]:
+        """The agent's Stats since its cursor in `cursors` (moved on), and
+        whether this is its first read: a new agent, or a restarted one behind
+        the same address, whose clock is another. `whole_first`: a restarted
+        one's whole window, rather than what its clock has past the old cursor."""
+        key = (agent, model)
+        instance, cursor = cursors.get(key, ("", 0.0))
+        stub = tpb_grpc.TelemetryStub(self._channel(agent))
+        reply = stub.Stats(tpb.StatsRequest(model_name=model, cursor=cursor),
+                           timeout=RPC_TIMEOUT_S)
+        first = key not in cursors or reply.instance != instance
+        if first and whole_first and instance:
+            reply = stub.Stats(tpb.StatsRequest(model_name=model), timeout=RPC_TIMEOUT_S)
+        cursors[key] = (reply.instance, reply.end)
+        return reply, first
 
     def loads(self, model: str, agents: Mapping[str, Sequence[str]],
               routers: Sequence[str] = ()) -> dict[str, scaling.TierLoad]:
@@ -177,19 +188,11 @@ class RolloutJudge:
         for tier, addresses in agents.items():
             replies = []
             for agent in addresses:
-                key = (agent, model)
-                instance, cursor = self._load_cursors.get(key, ("", 0.0))
-                stub = tpb_grpc.TelemetryStub(self._channel(agent))
                 try:
-                    reply = stub.Stats(tpb.StatsRequest(model_name=model, cursor=cursor),
-                                       timeout=RPC_TIMEOUT_S)
-                    if instance and reply.instance != instance:  # restarted: another clock
-                        reply = stub.Stats(tpb.StatsRequest(model_name=model),
-                                           timeout=RPC_TIMEOUT_S)
+                    reply, _ = self._since(self._load_cursors, agent, model, whole_first=True)
                 except grpc.RpcError as error:
                     log.warning("load of %s unreadable: %s", agent, error.code().name)
                     continue
-                self._load_cursors[key] = (reply.instance, reply.end)
                 replies.append(reply)
             loads[tier] = dataclasses.replace(tier_load(replies), unmet=unmet.get(tier, 0))
         return loads

@@ -131,7 +131,7 @@ def spec(models: Path, settings: Settings, autoscaled: bool, fixed_edge: int = 1
     if autoscaled:
         edge = {"min_replicas": 1, "max_replicas": settings.max_edge, "metric": "concurrency",
                 "target": settings.target, "scale_up_window_s": 0,
-                "scale_down_window_s": settings.scale_down_window_s, "max_scale_down": 1}
+                "scale_down_window_s": settings.scale_down_window_s}
         datacenter = {"min_replicas": 1, "max_replicas": 1, "scale_to_zero": True,
                       "idle_s": settings.idle_s, "scale_down_window_s": 0}
     else:

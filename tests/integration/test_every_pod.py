@@ -7,7 +7,9 @@ and two real routers for the router Deployment; the API test double holds
 the EndpointSlices that list them, as the endpoint controller would. Canary
 requests reach one canary pod only, the routers shadow stable traffic to
 the canary: the judge, through the Kubernetes backend, counts every request
-of every pod and the sum of both routers' shadow comparisons.
+of every pod and the sum of both routers' shadow comparisons, and what a pod
+that joins during the stage (the tier scaling up) answered before its first
+read.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tiered.telemetry.recorder import SLOT_S  # noqa: E402
 
 NAMESPACE, MODEL = "pods", "mlp"
 CANARY_DIRECT, STABLE_DIRECT, THROUGH_ROUTER = 30, 20, (12, 8)
+JOINED_DIRECT = 7  # answered by a canary pod that joins during the stage
 
 
 def repository(root: Path, version: int) -> Path:
@@ -128,18 +131,39 @@ def test_the_judge_counts_every_pod_and_every_router(tmp_path):
                 infer(router.address, "", count)
             shadows = sum(THROUGH_ROUTER)
             expected = (STABLE_DIRECT + shadows, CANARY_DIRECT + shadows, shadows)
-            deadline = time.monotonic() + 30
-            while True:
-                m = read()
-                seen = (m.tiers["edge"].stable.requests, m.tiers["edge"].canary.requests,
-                        m.shadow_compared)
-                if seen == expected or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            assert seen == expected, (seen, [shadowed(r) for r in routers])
+            assert wait_for_counts(read, expected), [shadowed(r) for r in routers]
+
+            # The tier scales up during the stage: a new canary pod answers
+            # before the judge first reads it, and those answers count too.
+            joined = AgentProcess("edge", canary_repo)
+            agents.append(joined)
+            joined.start()
+            discovery.create_namespaced_endpoint_slice(NAMESPACE, endpoint_slice(
+                render.workload_name(MODEL, "edge", 2), joined.address, len(canaries)))
+            infer(joined.address, "2", JOINED_DIRECT)
+            time.sleep(2 * SLOT_S)  # their slot closes before the judge first reads the pod
+            assert joined.address in backend.agents(spec, rollout)["edge"]
+            assert wait_for_counts(read, (*expected[:1], expected[1] + JOINED_DIRECT,
+                                          *expected[2:]))
     finally:
         for process in (*routers, *agents):
             process.stop()
+
+
+def wait_for_counts(read, expected: tuple[int, int, int], timeout_s: float = 30) -> bool:
+    """Read until the stage counts `expected` (stable requests, canary
+    requests, shadow comparisons): an agent's Stats hold a request once its
+    time slot has closed. Fails at once on counting more."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = read()
+        seen = (m.tiers["edge"].stable.requests, m.tiers["edge"].canary.requests,
+                m.shadow_compared)
+        assert all(s <= e for s, e in zip(seen, expected, strict=True)), (seen, expected)
+        if seen == expected:
+            return True
+        assert time.monotonic() < deadline, (seen, expected)
+        time.sleep(0.5)
 
 
 class Recording(Observer):

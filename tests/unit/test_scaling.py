@@ -7,6 +7,7 @@ until it wakes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -70,15 +71,23 @@ def test_one_change_a_period_makes_the_steps_a_rate():
     assert "scalePeriodSeconds 15, 10 s more" in seen[1].reason
 
 
-def test_a_drop_scales_down_after_the_window_one_agent_a_decision():
+def test_a_drop_scales_down_at_once_when_the_window_is_over():
     looks = [8.0, 2.0, *[2.0] * 20]  # 4 agents wanted, then a dip that stays
     seen = follow(AUTO, looks)
     replicas = [s.replicas for s in seen]
     assert replicas[0] == 4
     # The burst's 4 stays the window's highest until 60 s after it (12 looks of 5 s).
     assert replicas[1:13] == [4] * 12
-    assert "the scale-down window's highest" in seen[5].reason
-    assert replicas[13:17] == [3, 2, 1, 1]  # then one agent a decision, down to min
+    assert "the scale-down window's highest)" in seen[5].reason
+    assert replicas[13:] == [1] * 9  # then one change, down to what the load wants
+
+
+def test_max_scale_down_removes_at_most_that_many_agents_a_decision():
+    seen = follow(dataclasses.replace(AUTO, max_scale_down=1), [8.0, 2.0, *[2.0] * 20])
+    replicas = [s.replicas for s in seen]
+    assert replicas[1:13] == [4] * 12
+    assert replicas[13:17] == [3, 2, 1, 1]
+    assert "the scale-down window's highest, at most -1)" in seen[5].reason
 
 
 def test_a_steady_load_that_wobbles_around_the_target_changes_nothing():

@@ -141,10 +141,14 @@ class RolloutJudge:
         """This poll's readings, the agents that could not be read, and the
         engine processes the others report down."""
         readings, unreadable, down = [], [], []
+        # Agents first read after the rollout's first look joined (or restarted)
+        # during it, a tier scaling up say: all they answered is the rollout's.
+        joined_during = any(key[1] == model for key in self._cursors)
         for tier, addresses in agents.items():
             for agent in addresses:
                 try:
-                    reply, first = self._since(self._cursors, agent, model)
+                    reply, first = self._since(self._cursors, agent, model,
+                                               whole_first=joined_during)
                 except grpc.RpcError as error:  # an agent away: its samples are missing
                     log.warning("telemetry of %s unreadable: %s", agent, error.code().name)
                     unreadable.append(agent)
@@ -152,10 +156,8 @@ class RolloutJudge:
                 down += [f"{agent} {share.device}: {share.down_reason}"
                          for version in reply.versions for share in version.devices
                          if not share.up]
-                if first:
-                    # A new agent, or a restarted one behind the same address: its
-                    # clock is another; what came before this first poll is not
-                    # this stage's.
+                if first and not joined_during:
+                    # The rollout's first look: what came before it is not its.
                     continue
                 readings.extend(readings_of(tier, reply))
         return readings, unreadable, down

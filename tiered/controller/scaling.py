@@ -12,10 +12,10 @@ ceil(total / target), kept where it is while the metric per agent is within
 maxReplicas]. Against flapping, as the HPA's behavior does: a scale-up
 follows the lowest recommendation of its window and a scale-down the
 highest of its own, and one change adds at most maxScaleUp agents and
-removes at most maxScaleDown, one change a scalePeriodSeconds at most. A
-tier with scaleToZero goes to zero after idleSeconds without a request, and
-back to minReplicas when the routers report demand they could not place
-there (`unmet`).
+removes at most maxScaleDown (when set), one change a scalePeriodSeconds at
+most. A tier with scaleToZero goes to zero after idleSeconds without a
+request, and back to minReplicas when the routers report demand they could
+not place there (`unmet`).
 """
 
 from __future__ import annotations
@@ -87,13 +87,15 @@ def decide(auto: Autoscaling, previous: TierScale | None, load: TierLoad | None,
         chosen = min(max(_within(kept, now, auto.scale_up_window_s, min), current),
                      current + auto.max_scale_up)
     elif wanted < current:
-        chosen = max(min(_within(kept, now, auto.scale_down_window_s, max), current),
-                     current - auto.max_scale_down)
+        chosen = min(_within(kept, now, auto.scale_down_window_s, max), current)
+        if auto.max_scale_down is not None:
+            chosen = max(chosen, current - auto.max_scale_down)
     if chosen != wanted:
         why += (f"; {chosen} for now (the scale-up window's lowest, at most "
                 f"+{auto.max_scale_up})" if wanted > current else
-                f"; {chosen} for now (the scale-down window's highest, at most "
-                f"-{auto.max_scale_down})")
+                "; {} for now (the scale-down window's highest{})".format(
+                    chosen, "" if auto.max_scale_down is None
+                    else f", at most -{auto.max_scale_down}"))
     wait_s = previous.changed_at + auto.scale_period_s - now
     if chosen != current and previous.changed_at and wait_s > 0:  # 0: never changed
         why += (f"; {current} until the period since the last change is over "

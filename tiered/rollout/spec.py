@@ -130,9 +130,10 @@ class Autoscaling(Checked):
         maximum=3600.0)
     max_scale_up: int = spec_field(4, doc="most agents added at one change",
                                    minimum=1, maximum=1000)
-    max_scale_down: int = spec_field(1, doc="most agents removed at one change (going to "
-                                     "zero when idle is one change)", minimum=1,
-                                     maximum=1000)
+    max_scale_down: int | None = spec_field(
+        None, doc="most agents removed at one change; null: down to the scale-down "
+        "window's highest recommendation at once, as the HPA's default policy (going to "
+        "zero when idle is one change)", minimum=1, maximum=1000)
     scale_period_s: float = spec_field(
         15.0, doc="least time between two changes of the count (going to zero and waking "
         "aside), so maxScaleUp and maxScaleDown bound a rate, as the HPA's periodSeconds",

@@ -217,14 +217,15 @@ class Kube:
             API_GROUP, API_VERSION, self.namespace, "tieredmodels", NAME, obj)
 
     def kubelet(self) -> None:
-        """Every workload of the namespace has an available pod."""
+        """Every pod of every workload of the namespace is available."""
         apps = client.AppsV1Api(self.api)
         for deployment in self.raw.objects("deployments"):
-            if deployment["metadata"]["namespace"] == self.namespace and not (
-                    deployment.get("status") or {}).get("availableReplicas"):
+            pods = deployment["spec"]["replicas"]
+            if deployment["metadata"]["namespace"] == self.namespace and (
+                    deployment.get("status") or {}).get("availableReplicas") != pods:
                 apps.patch_namespaced_deployment_status(
-                    deployment["metadata"]["name"], self.namespace,
-                    {"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}})
+                    deployment["metadata"]["name"], self.namespace, {"status": {
+                        "replicas": pods, "readyReplicas": pods, "availableReplicas": pods}})
 
     def table(self) -> routing.RoutingTable:
         data = client.CoreV1Api(self.api).read_namespaced_config_map(

@@ -181,19 +181,24 @@ def rollout(kube) -> dict:
                     spell=None) or {}
 
 
-def workloads(api, version: int) -> list[dict]:
+def workloads(api, version: int, namespace: str = NAMESPACE) -> list[dict]:
     return [d for d in api.objects("deployments")
-            if d["metadata"]["labels"].get(render.LABEL_VERSION) == str(version)]
+            if d["metadata"]["labels"].get(render.LABEL_VERSION) == str(version)
+            and d["metadata"]["namespace"] == namespace]
 
 
-def make_available(kube, api, version: int) -> None:
-    """What the pods' readiness would report to the API server."""
+def make_available(kube, api, version: int, namespace: str = NAMESPACE) -> None:
+    """What the pods' readiness would report to the API server: every pod
+    of the version's Deployments ready."""
     apps = client.AppsV1Api(kube)
-    wait(f"workloads of v{version}", lambda: len(workloads(api, version)) == len(TIERS))
-    status = {"status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}}
-    for deployment in workloads(api, version):
-        apps.patch_namespaced_deployment_status(deployment["metadata"]["name"], NAMESPACE,
-                                                status)
+    wait(f"workloads of v{version}",
+         lambda: len(workloads(api, version, namespace)) == len(TIERS))
+    for deployment in workloads(api, version, namespace):
+        pods = deployment["spec"]["replicas"]
+        if (deployment.get("status") or {}).get("availableReplicas") != pods:
+            apps.patch_namespaced_deployment_status(
+                deployment["metadata"]["name"], namespace, {"status": {
+                    "replicas": pods, "readyReplicas": pods, "availableReplicas": pods}})
 
 
 def routing_table(kube) -> dict:
@@ -269,11 +274,21 @@ def test_a_healthy_version_is_promoted_across_a_leader_change(kube, api, control
     started[leader].wait()
     wait("a new leader", lambda: lease_holder(kube) not in (leader, ""), 30)
     stages = []
-    final = wait("v2 promoted", lambda: stages.append(rollout(kube).get("stage_index", 0))
-                 or (rollout(kube).get("phase") == "Promoted" and rollout(kube)), 60)
+
+    def promoted():
+        stages.append(rollout(kube).get("stage_index", 0))
+        make_available(kube, api, 2)  # the canary's pods start as its Deployments grow
+        return rollout(kube).get("phase") == "Promoted" and rollout(kube)
+
+    final = wait("v2 promoted", promoted, 60)
     assert min(stages) >= reached, "the rollout went back a stage after the leader change"
     assert final["stable_version"] == 2 and final.get("canary_version") is None
     assert "promoting version 2" in final["message"]
+    # Edge runs 2 agents, the canary 1 of them until the judge would promote:
+    # it waited for the canary's second pod before the traffic moved.
+    events = client.CoreV1Api(kube).list_namespaced_event(NAMESPACE).items
+    assert any("promoting once the canary's agents are ready (edge 1 of 2)" in e.message
+               for e in events), [e.message for e in events]
     wait("the table without a canary",
          lambda: "canary" not in routing_table(kube)["models"]["digits"]["tiers"]["edge"])
     wait("v1 retired", lambda: not workloads(api, 1) and not [
@@ -399,8 +414,9 @@ def test_an_unreadable_agent_holds_the_stage_until_it_is_back(kube, api, control
         assert rollout(kube)["stage_index"] == held["stage_index"] == 0
     finally:
         UNREACHABLE.clear()
-    final = wait("the new version promoted", lambda: rollout(kube).get("phase") == "Promoted"
-                 and rollout(kube).get("stable_version") == 3 and rollout(kube), 60)
+    final = wait("the new version promoted", lambda: make_available(kube, api, 3) or (
+        rollout(kube).get("phase") == "Promoted" and rollout(kube).get("stable_version") == 3
+        and rollout(kube)), 60)
     assert final.get("canary_version") is None
 
 
@@ -498,15 +514,6 @@ def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
         return (r.get("phase"), r.get("stableVersion"), r.get("canaryVersion"),
                 r.get("stageIndex"))
 
-    def mark_available(version: int) -> None:
-        names = {render.workload_name("digits", tier, version) for tier in TIERS}
-        wait(f"v{version} workloads", lambda: names <= {
-            d["metadata"]["name"] for d in api.objects("deployments")
-            if d["metadata"]["namespace"] == namespace})
-        for name in names:
-            client.AppsV1Api(kube).patch_namespaced_deployment_status(name, namespace, {
-                "status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1}})
-
     def table_matches_status() -> bool:
         # Twice in about 15 full runs a read here came back without data,
         # right after a kill; the controller never writes the ConfigMap
@@ -527,15 +534,15 @@ def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
     process = controller()
     try:
-        mark_available(1)
+        make_available(kube, api, 1, namespace)
         wait("v1", lambda: state()[1] == 1)
         set_spec(kube, model(2)["spec"], namespace)
-        mark_available(2)
         seen = [state()]
         while seen[-1][:2] != ("Promoted", 2):
             wait("the table at the stage's weights", table_matches_status, 30)
             before = seen[-1]
-            seen.append(wait("a step", lambda: state() != before and state(), 60))  # noqa: B023
+            seen.append(wait("a step", lambda: make_available(  # noqa: B023
+                kube, api, 2, namespace) or (state() != before and state()), 60))
             process.kill()  # right after the step, whatever it was writing next
             process.wait()
             process = controller()

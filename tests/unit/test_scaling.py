@@ -17,6 +17,7 @@ from tiered.controller.kube import render
 from tiered.controller.scaling import TierLoad
 from tiered.errors import ConfigError, DeadlineExceeded, ResourceExhausted
 from tiered.protocol import routing
+from tiered.rollout import engine
 from tiered.rollout.spec import Autoscaling, load_tiered_model
 from tiered.rollout.status import (
     ArtifactVersion,
@@ -255,3 +256,41 @@ def test_a_held_request_ends_at_its_deadline_and_the_holding_is_bounded(monkeypa
     monkeypatch.setattr(demand, "MAX_WAITING", 0)
     with pytest.raises(ResourceExhausted, match="wait for tiers to wake"):
         asyncio.run(held.until_awake("digits", None, lambda: asleep, time.monotonic() + 1))
+
+
+def test_a_promotion_waits_for_the_canary_at_full_count_and_a_rollback_does_not(monkeypatch):
+    live = dataclasses.replace(SERVING, rollout=RolloutStatus(
+        stable_version=1, canary_version=2, phase="Progressing", stage_started_at=0.0),
+        artifacts=(*SERVING.artifacts, ArtifactVersion(2, "/m/digits-2.onnx", "2" * 64)),
+        scaling={"edge": TierScale(4, "")})
+    spec = dataclasses.replace(SPEC, artifact=dataclasses.replace(
+        SPEC.artifact, uri="/m/digits-2.onnx", sha256="2" * 64))
+    decide = {"now": engine.promote}
+    monkeypatch.setattr(plan, "_judge", lambda spec, rollout, reading, now: (
+        decide["now"](spec, rollout, now), None))
+
+    def look(status, canary_ready: int) -> plan.Plan:
+        states = {**{(t, 1): plan.VersionState(plan.READY, ready=n)
+                     for t, n in (("edge", 4), ("regional", 3))},
+                  **{(t, 2): plan.VersionState(plan.READY, ready=min(canary_ready, n))
+                     for t, n in (("edge", 4), ("regional", 3))}}
+        return plan.plan(spec, status, plan.Observation(1, states, frozenset({1, 2})), 50.0)
+
+    # The canary (1 agent each) is promoted only once it is ready at every tier's count.
+    waiting = look(live, canary_ready=1)
+    rollout = waiting.status.rollout
+    assert rollout.canary_version == 2 and rollout.promoting, rollout
+    assert "promoting once the canary's agents are ready (edge 1 of 4, regional 1 of 3)" \
+        in rollout.message
+    assert waiting.replicas == {("edge", 1): 4, ("edge", 2): 4, ("regional", 1): 3,
+                                ("regional", 2): 3}  # stable keeps serving meanwhile
+    assert [e.reason for e in waiting.events] == ["Holding"]
+    promoted = look(waiting.status, canary_ready=4)
+    assert promoted.status.rollout.stable_version == 2
+    assert not promoted.status.rollout.promoting
+    assert [e.reason for e in promoted.events] == ["Promoted"]
+    # A rollback while it waits moves the traffic back at once.
+    decide["now"] = lambda spec, rollout, now: engine._rolled_back(spec, rollout, "slower", None)
+    rolled = look(waiting.status, canary_ready=1)
+    assert rolled.status.rollout.phase == "RolledBack" and not rolled.status.rollout.promoting
+    assert rolled.replicas[("edge", 1)] == 4

@@ -66,6 +66,7 @@ class VersionState:
 
     state: str  # Ready | Pending | Refused
     why: str = ""  # Refused: the build's verdict; Pending: what it waits for, if told
+    ready: int | None = None  # its agents ready now; None: not sized per version (local)
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,8 @@ def plan(spec: TieredModel, status: TieredModelStatus, observed: Observation, no
             held = rollout.message  # the reason of the last decision
             decision, figures = _judge(spec, rollout, observed.reading, now)
             decision = desired.explain_starvation(spec, decision)
+            decision = _promotion_waits(spec, rollout, decision, observed.states,
+                                        replicas_of(spec, status.scaling))
             rollout = decision.status
             snapshot = make_snapshot(spec, rollout, decision.action, decision.reason, figures)
             if decision.action == names.Action.HOLD:
@@ -282,15 +285,17 @@ def workload_replicas(spec: TieredModel, rollout: RolloutStatus | None,
     """Agents per (tier, version), where each version runs agents of its own
     (Kubernetes: a Deployment each). While a rollout is live the canary's
     follow its traffic weight, at least one, and stable's the rest, at least
-    one; otherwise the version serving (or the first, about to) gets the
-    tier's count and one still to be rolled out one. A tier at zero runs
-    none of either."""
+    one; a canary about to be promoted (`promoting`) gets the tier's count
+    while stable keeps serving its share. Otherwise the version serving (or
+    the first, about to) gets the tier's count and one still to be rolled out
+    one. A tier at zero runs none of either."""
     counts = replicas_of(spec, scales)
     weights = engine.canary_weights(spec, rollout) if desired.live(rollout) else {}
     sized = {}
     for tier in _tiers(spec):
         count = counts[tier]
         share = weights.get(tier, 0.0) / 100.0
+        canary_share = 1.0 if rollout is not None and rollout.promoting else share
         for version in versions:
             if not count:
                 sized[(tier, version)] = 0
@@ -298,10 +303,35 @@ def workload_replicas(spec: TieredModel, rollout: RolloutStatus | None,
                 sized[(tier, version)] = max(1, math.ceil(count * (1.0 - share) - 1e-9)) \
                     if weights else count
             elif rollout is not None and weights and version == rollout.canary_version:
-                sized[(tier, version)] = max(1, math.ceil(count * share - 1e-9))
+                sized[(tier, version)] = max(1, math.ceil(count * canary_share - 1e-9))
             else:  # the first version serves at once: all of them
                 sized[(tier, version)] = 1 if rollout is not None else count
     return sized
+
+
+def _promotion_waits(spec: TieredModel, rollout: RolloutStatus, decision: engine.Decision,
+                     states: Mapping[tuple[str, int], VersionState],
+                     counts: Mapping[str, int]) -> engine.Decision:
+    """A promotion moves every tier's traffic to the canary: where the
+    backend sizes each version's agents, it waits (holding, `promoting`: the
+    canary sized to each tier's count, stable still serving) until the
+    canary's agents are ready at that count, so no tier is short of agents
+    while they start. A rollback moves traffic at once: the canary is what
+    failed."""
+    if decision.action != names.Action.PROMOTE:
+        held = decision.action == names.Action.HOLD and rollout.promoting
+        return dataclasses.replace(decision, status=dataclasses.replace(
+            decision.status, promoting=held)) if decision.status.promoting != held \
+            else decision
+    short = [f"{tier} {state.ready} of {counts[tier]}" for tier in _tiers(spec)
+             if (state := states.get((tier, rollout.canary_version))) is not None
+             and state.ready is not None and state.ready < counts[tier]]
+    if not short:
+        return dataclasses.replace(decision, status=dataclasses.replace(
+            decision.status, promoting=False))
+    why = f"promoting once the canary's agents are ready ({', '.join(short)}): {decision.reason}"
+    return engine.Decision(names.Action.HOLD, why, dataclasses.replace(
+        rollout, message=why, promoting=True), requeue_after_s=WAIT_S)
 
 
 def _scale_events(before: Mapping[str, TierScale], after: Mapping[str, TierScale]

@@ -72,6 +72,8 @@ class RolloutStatus:
                               "onUndecided)")
     last_analysis: AnalysisRun | None = spec_field(None, doc="the latest analysis")
     message: str = spec_field("", doc="the latest decision's reason")
+    promoting: bool = spec_field(False, doc="true while a promotion waits for the canary's "
+                                 "agents to be ready at every tier's count")
 
 
 @dataclass(frozen=True)

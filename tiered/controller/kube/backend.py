@@ -148,7 +148,8 @@ class KubeBackend:
         for obj in render.desired_objects(spec, wanted.artifacts, wanted.wanted, owner,
                                           self.settings, replicas):
             self._apply(obj)
-        states = {(tier, version): self._state(spec, tier, version)
+        others = self._scaled_by_others()
+        states = {(tier, version): self._state(spec, tier, version, others)
                   for tier in spec.tiers for version in wanted.wanted}
         return states, frozenset(self._owned(spec))
 
@@ -281,20 +282,28 @@ class KubeBackend:
                 owned.setdefault(version, []).append((kind, obj.metadata.name))
         return owned
 
-    def _state(self, spec: TieredModel, tier: str, version: int) -> plan.VersionState:
+    def _state(self, spec: TieredModel, tier: str, version: int,
+               scaled_by_others: frozenset[str] = frozenset()) -> plan.VersionState:
+        """Its agents' state, and how many are ready where the plan sizes them
+        (not a DaemonSet's, one a node, nor a Deployment an HPA scales)."""
         refused = self.settings.agent_pods.placement.refusal(spec.tiers[tier])
         if refused:
             return plan.VersionState(plan.REFUSED, refused)
-        if self._available(spec, tier, version):
-            return plan.VersionState(plan.READY)
+        available = self._available(spec, tier, version)
+        sized = None if spec.tiers[tier].per_node or render.workload_name(
+            spec.name, tier, version) in scaled_by_others else available
+        if available:
+            return plan.VersionState(plan.READY, ready=sized)
         pods = self._pods(spec, tier, version)
         why = render.build_failure(pods)
         if why:
-            return plan.VersionState(plan.REFUSED, why)
+            return plan.VersionState(plan.REFUSED, why, ready=sized)
         return plan.VersionState(plan.PENDING,
-                                 render.pod_progress(pods, datetime.now(timezone.utc)))
+                                 render.pod_progress(pods, datetime.now(timezone.utc)),
+                                 ready=sized)
 
-    def _available(self, spec: TieredModel, tier: str, version: int) -> bool:
+    def _available(self, spec: TieredModel, tier: str, version: int) -> int:
+        """Its workload's available pods (none when it is not there yet)."""
         per_node = spec.tiers[tier].per_node
         try:
             workload = self._call("DaemonSet" if per_node else "Deployment", "read",
@@ -302,13 +311,12 @@ class KubeBackend:
                                   self.namespace)
         except ApiException as error:
             if error.status == 404:
-                return False
+                return 0
             raise
         status = workload.status
         if status is None:
-            return False
-        ready = status.number_available if per_node else status.available_replicas
-        return bool(ready and ready >= 1)
+            return 0
+        return (status.number_available if per_node else status.available_replicas) or 0
 
     def _pods(self, spec: TieredModel, tier: str, version: int) -> list[dict[str, Any]]:
         """The pods of this tier and version, as plain JSON: the kubelet's

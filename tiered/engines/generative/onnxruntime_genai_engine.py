@@ -44,7 +44,9 @@ class OrtGenAIEngine(GenerativeEngine):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids)
 
-    def start(self, prompt: Sequence[int], sampling: Sampling) -> int:
+    def start(self, prompt: Sequence[int], sampling: Sampling,
+              visual: np.ndarray | None = None) -> int:
+        self.refuse_visual(visual)
         self.check_fits(prompt, sampling)
         params = og.GeneratorParams(self._model)
         options = {"max_length": len(prompt) + sampling.max_tokens,
@@ -88,7 +90,9 @@ class OrtGenAIEngine(GenerativeEngine):
     def close(self) -> None:
         self._generators.clear()
 
-    def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
+    def prefix_logits(self, ids: Sequence[int], visual: np.ndarray | None = None
+                      ) -> np.ndarray:
+        self.refuse_visual(visual)
         # A generator of its own: appending tokens runs them in one forward,
         # whose logits output holds every position's row.
         params = og.GeneratorParams(self._model)

@@ -1,12 +1,16 @@
 """The decoder stage of a vision-language model: a LLaVA checkpoint's Llama
 decoder run by our torch engine, its prompts carrying visual tokens, against
 transformers' LlavaForConditionalGeneration (FP32, CPU), alone, batched
-with text-only sequences, through the sequence loop and an engine core.
+with text-only sequences, through the sequence loop and an engine core; and
+built by onnxruntime-genai's builder (FP32, and the edge's INT4) into a
+pipeline that takes them.
 
-The LLaVA model has random weights. Logits are compared with a tolerance;
-greedy tokens only over the steps where the reference's best token leads
-the next by a clear margin (`MARGIN`, far above FP32's rounding), so no
-near tie decides a comparison."""
+The tiny LLaVA model is trained for a second to answer each of four images
+with one sentence of tinyllama's corpus (from the image tokens alone), so its
+greedy choices after an image lead by wide margins, which INT4 keeps. Logits
+are compared with a tolerance; greedy tokens only over the steps where the
+reference's best token leads the next by a clear margin (`MARGIN`, far above
+FP32's rounding), so no near tie decides a comparison."""
 
 from __future__ import annotations
 
@@ -43,10 +47,12 @@ NEW_TOKENS = 8
 SETTINGS = {"device": "cpu", "precision": "fp32"}
 
 
-def _write_llava(out):
-    """A random-weight LLaVA checkpoint: a 2-layer CLIP vision tower on 8x8
-    images, the projector, a tiny Llama decoder, and tinyllama's tokenizer
-    with `<image>` as a special token."""
+def _write_llava(out, images: torch.Tensor, train_steps: int = 60):
+    """A LLaVA checkpoint: a 2-layer CLIP vision tower on 8x8 images, the
+    projector, a tiny Llama decoder, and tinyllama's tokenizer with
+    `<image>` as a special token; trained to answer `images` [n, 3, 8, 8]
+    (an image alone in the prompt) with the first n sentences of tinyllama's
+    corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         CLIPVisionConfig,
@@ -76,15 +82,49 @@ def _write_llava(out):
         image_token_index=tokenizer.token_to_id(IMAGE),
         vision_feature_select_strategy="default", vision_feature_layer=-2)
     torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).eval()
+    model = LlavaForConditionalGeneration(config)
+    _train(model, images, [tokenizer.encode(s).ids for s in tinyllama.CORPUS[:len(images)]],
+           config.image_token_index, train_steps)
     model.save_pretrained(out)
     fast.save_pretrained(out)
     return out
 
 
+def _train(model, images: torch.Tensor, sentences: list[list[int]], image_token: int,
+           steps: int) -> None:
+    """Full-batch AdamW: image i's tokens, then sentence i and end of sequence
+    (the loss on the sentence's tokens only)."""
+    rows = [[image_token] * TOKENS_PER_IMAGE + ids + [tinyllama.EOS_ID] for ids in sentences]
+    width = max(map(len, rows))
+    inputs = torch.full((len(rows), width), tinyllama.EOS_ID)
+    labels = torch.full((len(rows), width), -100)
+    for index, row in enumerate(rows):
+        inputs[index, :len(row)] = torch.tensor(row)
+        labels[index, TOKENS_PER_IMAGE:len(row)] = torch.tensor(row[TOKENS_PER_IMAGE:])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.0)
+        for _ in range(steps):
+            loss = model(input_ids=inputs, pixel_values=images, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+        model.eval()
+
+
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return _write_llava(tmp_path_factory.mktemp("llava") / "llava")
+def images():
+    """Four images (pixel values), each answered with its own sentence."""
+    return torch.randn((4, 3, 8, 8), generator=torch.Generator().manual_seed(11))
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, images):
+    return _write_llava(tmp_path_factory.mktemp("llava") / "llava", images)
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +142,6 @@ def decoder(llava, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(decoder):
     return TorchGenerativeEngine(decoder, TorchGenerativeSettings(**SETTINGS))
-
-
-@pytest.fixture(scope="module")
-def images():
-    generator = torch.Generator().manual_seed(7)
-    return torch.randn((2, 3, 8, 8), generator=generator)  # two pixel-value images
 
 
 def _visual(reference, pixels: torch.Tensor) -> np.ndarray:
@@ -173,7 +207,7 @@ def test_the_decoder_checkpoint_is_the_llava_language_model_as_llama(llava, deco
         np.testing.assert_allclose(llama(torch.tensor([ids])).logits[0].numpy(), theirs,
                                    atol=1e-5, rtol=0)
     np.testing.assert_allclose(engine.prefix_logits(ids), theirs, atol=1e-4, rtol=0)
-    for text in ("the quick brown fox jumps", "edge gateways answer first"):
+    for text in ("the quick brown fox jumps", "a regional server sits between"):
         ids = engine.encode(text)
         expected, clear = _greedy_reference(reference, ids, None)
         assert clear >= 4, f"{text!r}: only {clear} greedy steps lead by {MARGIN}"
@@ -187,12 +221,14 @@ def _tensor_names(directory) -> list[str]:
         return list(f.keys())
 
 
-@pytest.mark.parametrize("image", [0, 1])
+@pytest.mark.parametrize("image", [0, 1, 2, 3])
 def test_visual_tokens_answer_as_transformers_llava(image, reference, engine, images):
     pixels = images[image:image + 1]
     visual = _visual(reference, pixels)
     assert visual.shape == (TOKENS_PER_IMAGE, 128) and visual.dtype == np.float32
-    ids = _prompt(engine, "the quick brown")
+    ids = _prompt(engine, "")
+    answer = _alone(engine, ids, visual, tokens=20)
+    assert engine.decode(_ids(answer)) == tinyllama.CORPUS[image]  # what it learnt
     with torch.no_grad():
         theirs = reference(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
     ours = engine.prefix_logits(ids, visual)
@@ -206,14 +242,14 @@ def test_visual_tokens_answer_as_transformers_llava(image, reference, engine, im
 
 def test_sequences_with_and_without_images_batch_in_one_step(reference, engine, images):
     visual = [_visual(reference, images[i:i + 1]) for i in (0, 1)]
-    both = _visual(reference, images)  # two images in one prompt
+    both = _visual(reference, images[:2])  # two images in one prompt
     assert np.abs(visual[0] - visual[1]).max() > 1e-2
     requests = [(engine.encode("the quick brown"), None),
-                (_prompt(engine, "the quick brown"), visual[0]),
-                (_prompt(engine, "the quick brown"), visual[1]),
-                (_prompt(engine, "a canary takes a few"), visual[0]),
+                (_prompt(engine, ""), visual[0]),
+                (_prompt(engine, ""), visual[1]),
+                (_prompt(engine, "a regional"), visual[0]),
                 (_prompt(engine, "edge gateways", images=2), both),
-                (engine.encode("small models run on gateways"), None)]
+                (engine.encode("a regional server sits"), None)]
     alone = [_alone(engine, prompt, rows) for prompt, rows in requests]
     assert len({tuple(_ids(a)) for a in alone[1:3]}) == 2  # the two images answer apart
     # all but the last start together: one prefill of text and image prompts
@@ -326,3 +362,50 @@ def test_an_engine_core_gets_visual_tokens_in_its_work_frame(reference, engine, 
         assert key == 2 and "16 image tokens and no visual tokens" in str(error)
     finally:
         core.close()
+
+
+@pytest.fixture(scope="module")
+def genai_builds(decoder, tmp_path_factory):
+    """The decoder built as the edge and a CPU FP32 build would be
+    (onnxruntime-genai's builder, then completed to take visual tokens)."""
+    from tiered.engines.build.generative import Target, lower
+
+    root = tmp_path_factory.mktemp("genai")
+    for precision in ("fp32", "int4"):
+        lower(decoder, Target("onnxruntime-genai", precision, "cpu"), root / precision, root)
+    return root
+
+
+def test_the_edge_int4_decoder_takes_visual_tokens(genai_builds, reference, engine, images):
+    from tiered.engines.generative.onnxruntime_genai_engine import OrtGenAIEngine
+
+    fp32 = OrtGenAIEngine(genai_builds / "fp32")
+    int4 = OrtGenAIEngine(genai_builds / "int4")
+    assert int4.visual_facts == engine.visual_facts
+    visual = [_visual(reference, images[i:i + 1]) for i in range(len(images))]
+    both = np.concatenate(visual[:2])
+    # FP32: the pipeline computes what the torch engine does
+    for ids, rows in ((_prompt(engine, "the quick"), visual[0]),
+                      (_prompt(engine, "edge", images=2), both),
+                      (engine.encode("the quick brown"), None)):
+        np.testing.assert_allclose(fp32.prefix_logits(ids, rows), engine.prefix_logits(ids, rows),
+                                   atol=1e-4, rtol=0)
+    # INT4: each image's answer (wide margins) as FP32's, all in one running batch
+    # with a two-image prompt, and a text-only one (no clear margins: it answers
+    # as INT4 does alone)
+    requests = [*((_prompt(engine, ""), rows) for rows in visual),
+                (_prompt(engine, "", images=2), both),
+                (engine.encode("the quick brown fox"), None)]
+    expected = [_ids(_alone(engine, ids, rows, tokens=20)) for ids, rows in requests[:-1]]
+    expected.append(_ids(_alone(int4, *requests[-1], tokens=20)))
+    names = {int4.start(ids, Sampling(max_tokens=20), rows): n
+             for n, (ids, rows) in enumerate(requests)}
+    got: dict[int, list[int]] = {n: [] for n in names.values()}
+    while int4.running:
+        for token in int4.step():
+            got[names[token.sequence]].append(token.id)
+    assert [got[n] for n in range(len(requests))] == expected
+    assert [int4.decode(got[n]) for n in range(4)] == list(tinyllama.CORPUS[:4])
+    with pytest.raises(InvalidArgument, match="visual: 15 visual tokens"):
+        int4.start(_prompt(engine, ""), Sampling(max_tokens=2), visual[0][:-1])
+    assert int4.running == 0

@@ -15,6 +15,18 @@ feeds it images) needs to place visual tokens (`VisualFacts`).
 
 `visual_rows` checks a sequence's visual tokens against its prompt; an engine
 calls it before it admits the sequence.
+
+onnxruntime-genai's decoders read token ids, and one built with
+`exclude_embeds` (inputs_embeds in place of input_ids) cannot be run alone:
+its generator still asks for input_ids. Its multimodal pipeline can: an
+embedding model (input_ids and image_features to inputs_embeds) runs before
+the decoder at every step, and a vision model, run once on the prompt's
+extra inputs, writes the image_features. `genai_visual_inputs` completes a
+builder's `exclude_embeds` output into that pipeline with two small ONNX
+graphs of our own: the embedding (the checkpoint's table; image tokens take
+the image_features rows, in order) and a pass-through vision model whose
+"pixel_values" are the visual tokens themselves. So the edge's INT4 decoder
+takes the vision stage's output as it comes (`GENAI_VISUAL_INPUTS`).
 """
 
 from __future__ import annotations
@@ -38,6 +50,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json")
 # A LLaVA checkpoint's language-model tensors, by prefix, and Llama's names for
 # them: the layout `save_pretrained` writes, and the one its modules hold.
+# What a generator of `genai_visual_inputs`' pipeline is given with a prompt:
+# the visual tokens as one "image" [1, tokens, hidden], and their count.
+GENAI_VISUAL_INPUTS = ("pixel_values", "num_image_tokens")
+GENAI_PIPELINE_TYPE = "phi3v"  # onnxruntime-genai's plainest vision-embedding-decoder pipeline
+GENAI_FILES = ("embedding.onnx", "visual_tokens.onnx")
 _LANGUAGE_PREFIXES = (("language_model.model.", "model."),
                       ("language_model.lm_head.", "lm_head."),
                       ("model.language_model.", "model."),
@@ -205,3 +222,109 @@ def _check_image_token(path: Path, index: int) -> None:
         raise ConfigError(f"{path}: the tokenizer's {IMAGE_TOKEN} is "
                           f"{ids[0] if ids else 'missing'}; config.json's image_token_index "
                           f"is {index}")
+
+
+def genai_visual_inputs(model_dir: Path, checkpoint: Path) -> None:
+    """Make the onnxruntime-genai model in `model_dir` (its builder's output
+    for the decoder `checkpoint`, built with `exclude_embeds`) take visual
+    tokens: write its embedding and pass-through vision models, point its
+    genai_config.json at them, and copy `visual.json`."""
+    import onnx
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+    from safetensors.torch import load_file
+
+    model_dir, checkpoint = Path(model_dir), Path(checkpoint)
+    facts = VisualFacts.read(checkpoint)
+    if facts is None:
+        raise ConfigError(f"{checkpoint}: no {VISUAL_FACTS}; not a vision-language decoder")
+    config_path = model_dir / "genai_config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        decoder = config["model"]["decoder"]
+        graph = onnx.load(str(model_dir / decoder["filename"]), load_external_data=False).graph
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(f"{model_dir}: not an onnxruntime-genai model: {error!r}") from error
+    embeds = decoder["inputs"].get("inputs_embeds")
+    kinds = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    if embeds not in kinds:
+        raise ConfigError(f"{model_dir}: its decoder takes no inputs_embeds; build it with "
+                          "the builder's extra option exclude_embeds=true")
+    dtype = helper.tensor_dtype_to_np_dtype(kinds[embeds])
+    table = None
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        table = load_file(str(file)).get("model.embed_tokens.weight", table)
+    if table is None or tuple(table.shape)[1:] != (facts.hidden_size,):
+        raise ConfigError(f"{checkpoint}: no model.embed_tokens.weight of width "
+                          f"{facts.hidden_size}")
+    hidden = facts.hidden_size
+    constants = [
+        numpy_helper.from_array(table.to(torch.float32).numpy().astype(dtype), "table"),
+        numpy_helper.from_array(np.array(facts.image_token_index, np.int64), "image_token"),
+        numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+        numpy_helper.from_array(np.array(0, np.int64), "axis0"),
+        numpy_helper.from_array(np.zeros((1, hidden), dtype), "no_image"),
+        numpy_helper.from_array(np.array([-1], np.int64), "last_axis")]
+    # The k-th image token of the flattened ids reads row k of [no_image; image_features]
+    # where there is one; every other token (and an image token past the rows, as one
+    # generated is) keeps its row of the table.
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["text"], axis=0),
+             helper.make_node("Equal", ["input_ids", "image_token"], ["is_image"]),
+             helper.make_node("Reshape", ["is_image", "flat"], ["is_image_flat"]),
+             helper.make_node("Cast", ["is_image_flat"], ["is_image_int"],
+                              to=TensorProto.INT64),
+             helper.make_node("CumSum", ["is_image_int", "axis0"], ["counted"]),
+             helper.make_node("Shape", ["image_features"], ["rows_given"], end=1),
+             helper.make_node("LessOrEqual", ["counted", "rows_given"], ["has_row"]),
+             helper.make_node("And", ["is_image_flat", "has_row"], ["takes_row_flat"]),
+             helper.make_node("Cast", ["takes_row_flat"], ["takes_row_int"],
+                              to=TensorProto.INT64),
+             helper.make_node("Mul", ["counted", "takes_row_int"], ["row_flat"]),
+             helper.make_node("Shape", ["input_ids"], ["ids_shape"]),
+             helper.make_node("Reshape", ["row_flat", "ids_shape"], ["row"]),
+             helper.make_node("Reshape", ["takes_row_flat", "ids_shape"], ["takes_row"]),
+             helper.make_node("Concat", ["no_image", "image_features"], ["rows"], axis=0),
+             helper.make_node("Gather", ["rows", "row"], ["visual"], axis=0),
+             helper.make_node("Unsqueeze", ["takes_row", "last_axis"], ["at_image"]),
+             helper.make_node("Where", ["at_image", "visual", "text"], ["inputs_embeds"])]
+    elem = kinds[embeds]
+    _save_onnx(helper.make_graph(
+        nodes, "embedding",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"]),
+         helper.make_tensor_value_info("image_features", elem, ["image_tokens", hidden])],
+        [helper.make_tensor_value_info("inputs_embeds", elem, ["batch", "sequence", hidden])],
+        constants), model_dir / GENAI_FILES[0], external=table.numel() * 4 > 1 << 30)
+    _save_onnx(helper.make_graph(
+        [helper.make_node("Reshape", ["pixel_values", "rows_shape"], ["rows"]),
+         helper.make_node("Cast", ["rows"], ["image_features"], to=elem)],
+        "visual_tokens",
+        [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT,
+                                       ["images", "tokens", hidden])],
+        [helper.make_tensor_value_info("image_features", elem, ["image_tokens", hidden])],
+        [numpy_helper.from_array(np.array([-1, hidden], np.int64), "rows_shape")]),
+        model_dir / GENAI_FILES[1])
+    model = config["model"]
+    model["type"] = GENAI_PIPELINE_TYPE
+    model["embedding"] = {"filename": GENAI_FILES[0],
+                          "inputs": {"input_ids": "input_ids", "image_features": "image_features"},
+                          "outputs": {"inputs_embeds": "inputs_embeds"}}
+    model["vision"] = {"filename": GENAI_FILES[1], "inputs": {"pixel_values": "pixel_values"},
+                       "outputs": {"image_features": "image_features"}}
+    config_path.write_text(json.dumps(config, indent=4) + "\n")
+    facts.write(model_dir)
+
+
+def _save_onnx(graph: Any, path: Path, external: bool = False) -> None:
+    """`graph` as a model at `path`; `external`: its weights in a file beside
+    it (a protobuf holds 2 GB at most)."""
+    import onnx
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    if external:
+        onnx.save(model, str(path), save_as_external_data=True,
+                  location=path.name + ".data")
+        onnx.checker.check_model(str(path))
+    else:
+        onnx.checker.check_model(model)
+        onnx.save(model, str(path))

@@ -293,7 +293,7 @@ def test_visual_tokens_that_do_not_fit_the_prompt_are_invalid_argument_naming_th
     shutil.copytree(decoder, text_only)
     (text_only / VISUAL_FACTS).unlink()
     plain = TorchGenerativeEngine(text_only, TorchGenerativeSettings(**SETTINGS))
-    with pytest.raises(InvalidArgument, match="visual: this model takes no visual tokens"):
+    with pytest.raises(InvalidArgument, match="visual: this model version takes no visual tokens"):
         plain.start(prompt, sampling, visual)
     # FP64 rows are taken as FP32
     assert _alone(engine, prompt, visual.astype(np.float64), 3) == \
@@ -409,3 +409,42 @@ def test_the_edge_int4_decoder_takes_visual_tokens(genai_builds, reference, engi
     with pytest.raises(InvalidArgument, match="visual: 15 visual tokens"):
         int4.start(_prompt(engine, ""), Sampling(max_tokens=2), visual[0][:-1])
     assert int4.running == 0
+
+
+def test_a_generation_request_carries_its_visual_tokens_to_the_engine(reference, engine,
+                                                                      images):
+    """The scheduler's text side: a request's visual tokens reach the engine
+    beside its tokenized prompt, and the answer streams back as text."""
+    import asyncio
+
+    from tiered.agent.generation import GenerationRequest
+    from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
+
+    async def answers() -> list[str | Exception]:
+        scheduler = Scheduler(engine, SchedulerLimits(), asyncio.get_running_loop())
+        try:
+            jobs = [scheduler.submit(GenerationRequest(
+                IMAGE * TOKENS_PER_IMAGE, Sampling(max_tokens=20),
+                visual=_visual(reference, images[i:i + 1])), math.inf) for i in (2, 3)]
+            jobs.append(scheduler.submit(GenerationRequest(
+                IMAGE * TOKENS_PER_IMAGE, Sampling(max_tokens=20)), math.inf))
+            out: list[str | Exception] = []
+            for job in jobs:
+                text = ""
+                while True:
+                    event = await asyncio.wait_for(job.queue.get(), 30)
+                    if not isinstance(event, Piece):
+                        text = event
+                        break
+                    text += event.text
+                    if event.last:
+                        break
+                out.append(text)
+            return out
+        finally:
+            scheduler.close()
+
+    first, second, missing = asyncio.run(answers())
+    assert (first, second) == tinyllama.CORPUS[2:4]
+    assert isinstance(missing, InvalidArgument)
+    assert "visual: the prompt holds 16 image tokens and no visual tokens" in str(missing)

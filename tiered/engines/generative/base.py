@@ -9,8 +9,8 @@ come from one thread at a time.
 
 A vision-language model's decoder takes visual tokens with a prompt
 (`visual`, FP32 [image tokens, hidden]): the embeddings at the prompt's image
-tokens are replaced by these rows, in order (`visual.py`). An engine that
-cannot take them refuses them (`refuse_visual`).
+tokens are replaced by these rows, in order (`visual.py`); a model version
+built without them refuses them (InvalidArgument naming `visual`).
 """
 
 from __future__ import annotations
@@ -112,12 +112,6 @@ class GenerativeEngine(ABC):
         running sequences as they were. What a build's accuracy gate scores
         a model with."""
         raise EngineError(f"{type(self).__name__} cannot score a token sequence")
-
-    def refuse_visual(self, visual: np.ndarray | None) -> None:
-        """What an engine that cannot take visual tokens says when given some."""
-        if visual is not None:
-            raise InvalidArgument(f"visual: the {self.describe().get('engine', 'this')} "
-                                  "engine cannot take visual tokens")
 
     def check_fits(self, prompt: Sequence[int], sampling: Sampling) -> None:
         """The admission checks every engine makes."""

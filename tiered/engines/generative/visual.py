@@ -176,7 +176,8 @@ def visual_rows(prompt: Sequence[int], visual: np.ndarray | None,
     the model takes none (`facts` None)."""
     if facts is None:
         if visual is not None:
-            raise InvalidArgument("visual: this model takes no visual tokens (a text model)")
+            raise InvalidArgument("visual: this model version takes no visual tokens (it "
+                                  "was built without visual.json)")
         return None
     expected = sum(1 for token in prompt if token == facts.image_token_index)
     if visual is None:

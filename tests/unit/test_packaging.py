@@ -80,7 +80,7 @@ def test_agent_is_the_cpu_runtime_and_gpu_the_cuda_one():
 def test_test_installs_everything_the_tests_import():
     test = resolved("test")
     assert {"onnxruntime", "torch", "onnxscript", "scikit-learn", "kubernetes", "tritonclient",
-            "kubernetes-validate", "grpcio-tools"} <= set(test)
+            "kubernetes-validate", "grpcio-tools", "pillow"} <= set(test)
     assert "onnxruntime-gpu" not in test
 
 

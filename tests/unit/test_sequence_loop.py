@@ -30,7 +30,7 @@ class Counting(GenerativeEngine):
     def decode(self, ids):
         return ""
 
-    def start(self, prompt, sampling):
+    def start(self, prompt, sampling, visual=None):
         self.next_id += 1
         self.sequences[self.next_id] = [0, sampling.max_tokens]
         return self.next_id

@@ -11,7 +11,8 @@ tokenizes, detokenizes, applies stop strings and answers. They exchange one
 frame a turn each way over a socket pair (`devices.send_frame`: a pickled
 header):
 
-    agent -> core   WORK    ([Entry, ...] new requests, [key, ...] cancelled)
+    agent -> core   WORK    ([Entry, ...] new requests, with a vision-language
+                            decoder's visual tokens; [key, ...] cancelled)
     core -> agent   HELLO   CoreFacts, once its engine is loaded
                     TURN    Turn: the turn's admissions, token ids and errors
                     FAILED  (error class name, message): the engine did not load

@@ -46,6 +46,9 @@ class GenerationRequest:
     sampling: Sampling
     stop: tuple[str, ...] = ()
     empty_final_response: bool = False  # the client asked for Triton's empty final response
+    # A vision-language decoder's visual tokens, FP32 [image tokens of the
+    # prompt, hidden]: the vision stage's output for the prompt's images, in order.
+    visual: np.ndarray | None = None
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any],

@@ -36,6 +36,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tiered.agent.generation import Detokenizer, GenerationRequest, StopText
 from tiered.engines.generative.base import GenerativeEngine, Sampling
 from tiered.errors import (
@@ -79,6 +81,9 @@ class Entry:
     deadline: float  # monotonic; inf: none
     admit_by: float  # when waiting for a slot ends
     generated: int = 0
+    # The visual tokens of the prompt's image tokens (a vision-language
+    # decoder), FP32 [tokens, hidden], until the engine admits it.
+    visual: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -163,13 +168,14 @@ class SequenceLoop:
         while self._waiting and len(self._running) < self.engine.max_sequences:
             entry = self._waiting.popleft()
             try:
-                sequence = self.engine.start(entry.prompt, entry.sampling)
+                sequence = self.engine.start(entry.prompt, entry.sampling, entry.visual)
             except ResourceExhausted:
                 self._waiting.appendleft(entry)  # the engine is fuller than it said
                 break
             except Exception as error:  # noqa: BLE001 -- reported to its request
                 failed.append((entry.key, domain_error(error, "starting the sequence")))
                 continue
+            entry.visual = None  # the engine holds them now
             self._running[sequence] = entry
             self._sequence_of[entry.key] = sequence
             admitted.append((entry.key, self._clock()))
@@ -365,7 +371,7 @@ class Scheduler:
             job.prompt_tokens = len(prompt)
             self._jobs[job.key] = job
             entries.append(Entry(job.key, prompt, job.request.sampling, job.arrived,
-                                 job.deadline, job.admit_by))
+                                 job.deadline, job.admit_by, visual=job.request.visual))
         return entries, events
 
     def _forget(self, cancelled: Iterable[Job]) -> list[Job]:

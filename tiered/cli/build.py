@@ -34,12 +34,22 @@ def register(commands: argparse._SubParsersAction) -> None:
         "config.yaml) and its step models (STEP/<version>/model.onnx, FP32) builds each step "
         "for the tier (steps with integer tensors stay FP32; INT8 steps calibrate on the FP32 "
         "chain's tensors), judges the ensemble's outputs as one model, and installs the "
-        "ensemble and every step as version V together, or nothing.",
+        "ensemble and every step as version V together, or nothing. A vision-language "
+        "checkpoint (config.json model_type: llava) is two models, so --stage says which "
+        "one NAME is: the vision stage (pixel_values FP32 [batch, 3, H, W] in, visual_tokens "
+        "out) is exported to ONNX and built like an ONNX artifact for the tier (datacenter: "
+        "ONNX Runtime FP16, build.vision), judged by per-token cosine similarity and relative "
+        "L2 error against the FP32 export and, where --eval holds questions, by the "
+        "checkpoint's greedy answers from either stage's tokens (build.vision settings).",
     )
     build.add_argument("artifact", metavar="ARTIFACT",
                        help="the FP32 ONNX model (a path, or an http(s) URI to fetch), a "
                        "checkpoint directory (a path), or a repository directory holding the "
                        "ensemble --model and its step models (a path)")
+    build.add_argument("--stage", choices=("vision", "decoder"),
+                       help="which stage of a vision-language checkpoint to build (required for "
+                       "one, refused for any other source): there is no default because the "
+                       "two stages are two models, each under its own --model name")
     build.add_argument("--sha256", metavar="HEX",
                        help="refuse to build unless the artifact has this SHA-256 (a "
                        "directory's: over its files, see tiered.files.sha256_tree)")
@@ -56,7 +66,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     build.add_argument("--eval", metavar="DATA.npz",
                        help="eval inputs like --calibration, plus optional integer `labels` "
                        "(default: random inputs: agreement only, no accuracy); for a "
-                       'checkpoint, required: JSON {"prompts": ["...", ...]}')
+                       'checkpoint, required: JSON {"prompts": ["...", ...]}; for a vision '
+                       "stage: an npz of `images` (uint8 [n, H, W, 3] or any form "
+                       "tiered.engines.images takes) or `pixel_values`, and optional "
+                       "`questions` (strings, one an image) for the answer match")
     build.add_argument("--calibration-sha256", metavar="HEX",
                        help="refuse to build unless the --calibration file has this SHA-256")
     build.add_argument("--eval-sha256", metavar="HEX",
@@ -72,7 +85,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                        "checkpoints: onnxruntime-genai or torch-generative)")
     build.add_argument("--min-agreement", type=float, metavar="FRACTION",
                        help="top-1 agreement with FP32 the gate asks for (profile default 0.99; "
-                       "checkpoints: the teacher-forced token agreement, default 0.98)")
+                       "checkpoints: the teacher-forced token agreement, default 0.98; a "
+                       "vision stage: the mean visual-token cosine, default 0.99)")
     build.add_argument("--max-batch-size", type=int, metavar="N",
                        help="max_batch_size of a config.yaml the build creates")
     build.add_argument("--max-queue-delay-us", type=int, metavar="US",
@@ -152,18 +166,24 @@ def _run_build(args: argparse.Namespace) -> int:
             ensemble = (_read_ensemble(source, args.model, profile)
                         if build.is_model_repository(source) else None)
             where = f"{args.tier} profile build (and flags)"
-            settings = build.choose_generative_settings(profile, {
-                "backend": args.backend, "precision": args.precision,
-                "min_token_agreement": args.min_agreement,
-            }, f"{args.tier} profile build.generative (and flags)") \
-                if build.is_checkpoint(source) else \
-                build.choose_settings(profile, overrides, where)
+            if args.stage == "vision" and build.is_vision_language(source):
+                settings = build.choose_vision_settings(profile, {
+                    **overrides, "min_agreement": None,
+                    "vision": {"min_cosine_mean": args.min_agreement}}, where)
+            elif build.is_checkpoint(source):
+                settings = build.choose_generative_settings(profile, {
+                    "backend": args.backend, "precision": args.precision,
+                    "min_token_agreement": args.min_agreement,
+                }, f"{args.tier} profile build.generative (and flags)")
+            else:
+                settings = build.choose_settings(profile, overrides, where)
             request = build.BuildRequest(
                 source=source,
                 repository=args.repository, model=args.model, version=args.version,
                 calibration=data(args.calibration, args.calibration_sha256, "calibration.npz"),
                 evaluation=data(args.eval, args.eval_sha256, "eval.npz"), force=args.force,
                 allow_accuracy_drop=args.allow_accuracy_drop, ensemble=ensemble,
+                stage=args.stage,
             )
             outcome = build.build(
                 request, profile, settings, now=datetime.datetime.now(datetime.timezone.utc),

@@ -25,6 +25,9 @@ The package, one job a module:
               one model, the ensemble and its steps installed together
     generative  the build of a checkpoint artifact (per-tier generative
               engines, the greedy-generation gate), which `build` hands over to
+    vision_language  the vision stage of a vision-language checkpoint: its
+              ONNX export, its tier builds and their gate (visual-token
+              agreement, answer match), which `build` hands `--stage vision` to
 
 This `__init__` is only the public surface (the names its callers use); the
 orchestration has a module of its own so that the surface is read in one
@@ -47,9 +50,12 @@ from tiered.engines.build.spec import (
     BuildRequest,
     BuildSettings,
     GenerativeBuildSettings,
+    VisionBuildSettings,
     choose_generative_settings,
     choose_settings,
+    choose_vision_settings,
 )
+from tiered.engines.build.vision_language import export_vision_stage, is_vision_language
 from tiered.engines.generative import is_checkpoint
 
 __all__ = [
@@ -60,12 +66,16 @@ __all__ = [
     "EnsembleChain",
     "GateDecision",
     "GenerativeBuildSettings",
+    "VisionBuildSettings",
     "build",
     "choose_generative_settings",
     "choose_settings",
+    "choose_vision_settings",
+    "export_vision_stage",
     "fetch_artifact",
     "is_checkpoint",
     "is_model_repository",
+    "is_vision_language",
     "read_report",
     "version_facts",
 ]

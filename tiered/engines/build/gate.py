@@ -298,3 +298,116 @@ def judge_generations(
     if verdict != "pass" and allow_accuracy_drop:
         why += "; accepted anyway (--allow-accuracy-drop)"
     return GateDecision(verdict, accepted, f"{verdict}: {why}: {numbers}")
+
+
+@dataclass(frozen=True)
+class VisualAgreement:
+    """How a built vision stage's visual tokens compare with the FP32 export's
+    on the same images (tiered.engines.build.spec.VisionBuildSettings says
+    what each figure means). None where there are no tokens."""
+
+    images: int
+    tokens: int  # visual tokens compared, over every image
+    cosine_mean: float | None
+    cosine_p1: float | None  # 1st percentile (nearest rank) of the per-token cosine
+    cosine_min: float | None
+    relative_l2: float | None
+    max_abs_error: float
+    nonfinite: int  # NaN/inf values in the build's tokens
+
+
+def compare_visual_tokens(reference: np.ndarray, candidate: np.ndarray) -> VisualAgreement:
+    """`reference`, `candidate`: [images, tokens, hidden]. A token whose two
+    vectors are both zero agrees (cosine 1); one zero against one not, 0;
+    a token holding NaN/inf, -1 (the worst)."""
+    if reference.shape != candidate.shape or reference.ndim != 3:
+        raise EngineError(f"visual tokens: the build answers shape {list(candidate.shape)}, "
+                          f"the FP32 export {list(reference.shape)} ([images, tokens, hidden])")
+    ref = reference.reshape(-1, reference.shape[-1]).astype(np.float64)
+    got = candidate.reshape(-1, candidate.shape[-1]).astype(np.float64)
+    finite_rows = np.isfinite(got).all(axis=1)
+    got_clean = np.where(np.isfinite(got), got, 0.0)
+    ref_norm = np.linalg.norm(ref, axis=1)
+    got_norm = np.linalg.norm(got_clean, axis=1)
+    both_zero = (ref_norm == 0) & (got_norm == 0)
+    denominator = np.where(ref_norm * got_norm > 0, ref_norm * got_norm, 1.0)
+    cosine = np.where(both_zero, 1.0, np.sum(ref * got_clean, axis=1) / denominator)
+    cosine = np.where(finite_rows, cosine, -1.0)
+    error = np.abs(ref - got)[np.isfinite(got)]
+    total = float(np.linalg.norm(ref))
+    tokens = cosine.shape[0]
+    ordered = np.sort(cosine)
+    return VisualAgreement(
+        images=int(reference.shape[0]), tokens=int(tokens),
+        cosine_mean=float(cosine.mean()) if tokens else None,
+        cosine_p1=float(ordered[max(0, math.ceil(0.01 * tokens) - 1)]) if tokens else None,
+        cosine_min=float(ordered[0]) if tokens else None,
+        relative_l2=(float(np.linalg.norm(ref - got_clean)) / total if total > 0 else
+                     float(np.linalg.norm(got_clean) > 0)) if tokens else None,
+        max_abs_error=float(error.max()) if error.size else 0.0,
+        nonfinite=int(np.size(got) - np.isfinite(got).sum()),
+    )
+
+
+@dataclass(frozen=True)
+class AnswerMatch:
+    """Greedy answers fed the built stage's visual tokens against those fed the
+    FP32 stage's, one question an image."""
+
+    questions: int
+    match: float | None  # share of questions answered token for token alike; None without any
+    max_new_tokens: int
+    mismatched: tuple[int, ...]  # indices of the questions answered differently
+
+
+def compare_answers(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]],
+                    max_new_tokens: int) -> AnswerMatch:
+    if len(reference) != len(candidate):
+        raise EngineError(f"compare_answers: {len(reference)} reference answers, "
+                          f"{len(candidate)} candidate answers")
+    mismatched = tuple(index for index, (ref, got) in enumerate(zip(reference, candidate,
+                                                                    strict=True))
+                       if list(ref) != list(got))
+    questions = len(reference)
+    return AnswerMatch(questions, (questions - len(mismatched)) / questions if questions else None,
+                       max_new_tokens, mismatched)
+
+
+def judge_visual(
+    agreement: VisualAgreement, answers: AnswerMatch | None, *, min_cosine_mean: float,
+    min_cosine_p1: float, max_relative_l2: float, min_answer_match: float, min_images: int,
+    allow_accuracy_drop: bool = False,
+) -> GateDecision:
+    """The vision stage's verdict: every token figure within its threshold, and
+    the answer match where it was measured (`answers` None: no questions or
+    no decoder, said in the reason; the token figures decide alone)."""
+    a = agreement
+    numbers = (f"visual-token cosine mean {_fmt(a.cosine_mean)} (threshold "
+               f"{min_cosine_mean:.4f}), 1st percentile {_fmt(a.cosine_p1)} (threshold "
+               f"{min_cosine_p1:.4f}), min {_fmt(a.cosine_min)}, relative L2 error "
+               f"{_fmt(a.relative_l2)} (at most {max_relative_l2:.4f}) over {a.images} images, "
+               f"{a.tokens} tokens")
+    if answers is None:
+        numbers += "; answer match not measured (no questions in the eval data)"
+    else:
+        numbers += (f"; answer match {_fmt(answers.match)} (threshold {min_answer_match:.4f}) "
+                    f"over {answers.questions} questions, {answers.max_new_tokens} tokens each")
+    if a.images < min_images:
+        verdict, why = "inconclusive", f"only {a.images} images (the gate needs {min_images})"
+    elif a.cosine_mean is None or a.cosine_p1 is None or a.relative_l2 is None:
+        verdict, why = "inconclusive", "the stage gave no visual tokens to compare"
+    elif answers is not None and answers.match is None:
+        verdict, why = "inconclusive", "no answers to compare"
+    elif a.nonfinite:
+        verdict, why = "fail", f"{a.nonfinite} NaN/inf values in the build's visual tokens"
+    elif a.cosine_mean < min_cosine_mean:
+        verdict, why = "fail", "visual-token cosine mean below the threshold"
+    elif a.cosine_p1 < min_cosine_p1:
+        verdict, why = "fail", "visual-token cosine 1st percentile below the threshold"
+    elif a.relative_l2 > max_relative_l2:
+        verdict, why = "fail", "visual-token relative L2 error above the threshold"
+    elif answers is not None and answers.match is not None and answers.match < min_answer_match:
+        verdict, why = "fail", "answer match below the threshold"
+    else:
+        verdict, why = "pass", "within the thresholds"
+    return _decide(verdict, why, numbers, allow_accuracy_drop)

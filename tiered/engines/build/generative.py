@@ -10,6 +10,10 @@ the gate accepts, as `pipeline.build` does for ONNX artifacts.
                        where the GPU has FP8 tensor cores, and only if it
                        passes the gate: else fp16, the report says why
 
+A vision-language decoder (a checkpoint with `visual.json`) is built by
+onnxruntime-genai's builder with its embeddings as an input and completed
+into a pipeline that takes visual tokens (`visual.genai_visual_inputs`).
+
 The FP32 reference is our torch engine on the CPU (checked against
 transformers' LlamaForCausalLM in the tests). What the gate measures is in
 `spec.GenerativeBuildSettings`; the numbers in `gate.compare_generations`.
@@ -38,6 +42,7 @@ from tiered import names
 from tiered.engines import generative as engines
 from tiered.engines.build import gate, install, report, spec
 from tiered.engines.generative.base import GenerativeEngine, Sampling
+from tiered.engines.generative.visual import VISUAL_FACTS, genai_visual_inputs
 from tiered.errors import ConfigError, EngineError
 from tiered.profiles import TierProfile
 from tiered.settings import read_yaml
@@ -180,14 +185,19 @@ def lower(source: Path, target: Target, out: Path, work: Path) -> None:
     if target.backend == "torch-generative":
         shutil.copytree(source, out)
         return
+    # A vision-language decoder: its embeddings an input, for the visual tokens.
+    takes_visual = (source / VISUAL_FACTS).is_file()
     try:
         _run_builder(["-m", str(source), "-i", str(source), "-o", str(out),
                       "-p", target.precision, "-e", target.device,
-                      "-c", str(work / "builder-cache")])
+                      "-c", str(work / "builder-cache"),
+                      *(["--extra_options", "exclude_embeds=true"] if takes_visual else [])])
     except (Exception, SystemExit) as error:  # its argparse exits
         raise EngineError(f"onnxruntime-genai's builder failed: {error!r}") from error
     if not (out / "genai_config.json").is_file():
         raise EngineError("onnxruntime-genai's builder wrote no genai_config.json")
+    if takes_visual:
+        genai_visual_inputs(out, source)
 
 
 def _run_builder(argv: Sequence[str]) -> None:

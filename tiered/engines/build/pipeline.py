@@ -49,7 +49,27 @@ def build(
     A checkpoint directory is built by `generative.build_checkpoint`, with
     `settings` itself where it is a GenerativeBuildSettings, else with its
     `generative` mapping; an ensemble (`request.ensemble`) by
-    `ensemble.build_ensemble`."""
+    `ensemble.build_ensemble`; the vision stage of a vision-language
+    checkpoint (`request.stage` "vision") by `vision_language.build_vision_stage`,
+    which reads `settings.vision` (spec.choose_vision_settings)."""
+    from tiered.engines.build import vision_language  # it builds on this module's steps
+
+    if request.stage is not None and request.stage not in vision_language.STAGES:
+        raise ConfigError(f"stage: {request.stage!r} is not one of "
+                          f"{', '.join(vision_language.STAGES)}")
+    if vision_language.is_vision_language(request.source):
+        if request.stage is None:
+            raise ConfigError(f"stage: {request.source} is a vision-language checkpoint, built "
+                              "as two models: say which (--stage vision or --stage decoder)")
+        if request.stage == vision_language.VISION_STAGE:
+            if isinstance(settings, spec.GenerativeBuildSettings):
+                raise ConfigError("stage: the vision stage is built with a tier's build "
+                                  "settings (spec.choose_vision_settings), not a checkpoint's")
+            return vision_language.build_vision_stage(request, profile, settings, now=now,
+                                                      clock=clock, verdict=verdict)
+    elif request.stage is not None:
+        raise ConfigError(f"stage: {request.source} is not a vision-language checkpoint; "
+                          "--stage is for those only")
     if is_checkpoint(request.source):
         chosen = settings if isinstance(settings, spec.GenerativeBuildSettings) else \
             load_dataclass(spec.GenerativeBuildSettings, settings.generative,

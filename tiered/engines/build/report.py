@@ -87,17 +87,17 @@ def compose(
         },
         "eval": {"data": evaluation.origin, "samples": evaluation.count,
                  "labels": evaluation.labels is not None},
-        "accuracy": {**_finite(asdict(agreement)),
-                     "accuracy_drop": _finite(agreement.accuracy_drop)},
+        "accuracy": {**finite(asdict(agreement)),
+                     "accuracy_drop": finite(agreement.accuracy_drop)},
         "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
                  "reason": decision.reason, "min_agreement": settings.min_agreement,
                  "min_eval_samples": settings.min_eval_samples,
                  "max_accuracy_drop": settings.max_accuracy_drop,
                  "allow_accuracy_drop": request.allow_accuracy_drop},
-        "latency": {name: [_finite(asdict(s)) for s in rows] for name, rows in latency.items()},
+        "latency": {name: [finite(asdict(s)) for s in rows] for name, rows in latency.items()},
         "engine": {**built.describe(), "device": built.device,
-                   "settings": _finite(dict(engine_settings))},
-        "versions": _versions(),
+                   "settings": finite(dict(engine_settings))},
+        "versions": library_versions(),
         "created": now.isoformat(),
         "notes": notes,
     }
@@ -122,7 +122,7 @@ def compose_step(
         "calibration": {**calibrator, "per_channel": settings.per_channel, "format": "QDQ",
                         "activations": "int8", "weights": "int8"} if calibrator else None,
         "engine": {**built.describe(), "device": built.device,
-                   "settings": _finite(dict(engine_settings))},
+                   "settings": finite(dict(engine_settings))},
     }
 
 
@@ -162,9 +162,9 @@ def compose_ensemble(
         },
         "eval": {"data": evaluation.origin, "samples": evaluation.count,
                  "labels": evaluation.labels is not None, "outputs": list(chain.outputs)},
-        "accuracy": {**_finite(asdict(deciding)),
-                     "accuracy_drop": _finite(deciding.accuracy_drop),
-                     "outputs": [{**_finite(asdict(a)), "accuracy_drop": _finite(a.accuracy_drop)}
+        "accuracy": {**finite(asdict(deciding)),
+                     "accuracy_drop": finite(deciding.accuracy_drop),
+                     "outputs": [{**finite(asdict(a)), "accuracy_drop": finite(a.accuracy_drop)}
                                  for a in agreements]},
         "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
                  "reason": decision.reason, "min_agreement": settings.min_agreement,
@@ -174,8 +174,8 @@ def compose_ensemble(
                  "method": "the FP32 chain and the built chain on the same inputs; the "
                            "ensemble's outputs compared (argmax of floating-point outputs, "
                            "equality of integer ones)"},
-        "latency": {name: [_finite(asdict(s)) for s in rows] for name, rows in latency.items()},
-        "versions": _versions(),
+        "latency": {name: [finite(asdict(s)) for s in rows] for name, rows in latency.items()},
+        "versions": library_versions(),
         "created": now.isoformat(),
         "notes": notes,
     }
@@ -205,7 +205,7 @@ def compose_generative(
                      "sha256": sha256_tree(built_dir), "size_bytes": built_bytes,
                      "size_vs_source": round(built_bytes / source_bytes, 4)},
         "eval": {"data": "prompts", **evaluation},
-        "accuracy": _finite(asdict(agreement)),
+        "accuracy": finite(asdict(agreement)),
         "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
                  "reason": decision.reason,
                  "method": "greedy generation, FP32 reference (torch engine, CPU) vs build; "
@@ -215,9 +215,9 @@ def compose_generative(
                  "min_token_agreement": settings.min_token_agreement,
                  "min_eval_prompts": settings.min_eval_prompts,
                  "allow_accuracy_drop": request.allow_accuracy_drop},
-        "latency": _finite(dict(latency)),
-        "engine": {**engine, "settings": _finite(dict(engine_settings))},
-        "versions": _versions(),
+        "latency": finite(dict(latency)),
+        "engine": {**engine, "settings": finite(dict(engine_settings))},
+        "versions": library_versions(),
         "created": now.isoformat(),
         "notes": list(notes),
     }
@@ -227,7 +227,7 @@ def _tree_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
-def _versions() -> dict[str, str | None]:
+def library_versions() -> dict[str, str | None]:
     found = {}
     for name, dists in (("onnxruntime", ("onnxruntime", "onnxruntime-gpu")),
                         ("onnx", ("onnx",)), ("numpy", ("numpy",)), ("torch", ("torch",)),
@@ -243,14 +243,14 @@ def _versions() -> dict[str, str | None]:
     return found
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """JSON has no NaN or infinity: they become null."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {str(k): _finite(v) for k, v in value.items()}
+        return {str(k): finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [finite(v) for v in value]
     return value
 
 
@@ -264,6 +264,9 @@ def version_facts(report: Mapping[str, Any]) -> dict[str, str]:
         "build_token_agreement": _fact(accuracy.get("token_agreement")),
         "build_first_tokens_match": _fact(accuracy.get("first_tokens_match")),
         "build_max_abs_error": _fact(accuracy.get("max_abs_error")),
+        "build_visual_cosine_mean": _fact(accuracy.get("cosine_mean")),
+        "build_visual_cosine_p1": _fact(accuracy.get("cosine_p1")),
+        "build_answer_match": _fact(accuracy.get("answer_match")),
         "build_accuracy": _fact(accuracy.get("build_accuracy")),
         "build_eval_data": (report.get("eval") or {}).get("data"),
         "build_gate": (report.get("gate") or {}).get("verdict"),

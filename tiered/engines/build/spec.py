@@ -55,6 +55,9 @@ class BuildSettings:
     # How a checkpoint artifact is built (GenerativeBuildSettings' keys);
     # choose_generative_settings reads it, the ONNX build does not.
     generative: Mapping[str, Any] = field(default_factory=dict)
+    # How a vision-language checkpoint's vision stage is built and judged
+    # (VisionBuildSettings' keys); choose_vision_settings reads it.
+    vision: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in PRECISIONS:
@@ -166,6 +169,61 @@ def choose_generative_settings(
 
 
 @dataclass(frozen=True)
+class VisionBuildSettings:
+    """How a tier builds the vision stage of a vision-language checkpoint
+    (profile `build.vision`), and the gate it must pass.
+
+    The stage's visual tokens, built against the FP32 export on the same
+    images: each token's cosine similarity with its FP32 twin (the mean over
+    every token of every image, and the 1st percentile, so that a few ruined
+    tokens fail a build whose mean looks fine), and the relative L2 error
+    ||built - fp32|| / ||fp32|| over all of them. Where the eval data has
+    questions, answer match too: the share of images whose greedy answer
+    (the checkpoint's FP32 decoder fed the built stage's tokens) equals the
+    answer fed the FP32 stage's tokens, token for token.
+    """
+
+    # The vision stage's backend and precision where they differ from the
+    # tier's `build:` (None: the tier's).
+    backend: str | None = None
+    precision: str | None = None
+    min_cosine_mean: float = 0.99
+    min_cosine_p1: float = 0.95
+    max_relative_l2: float = 0.15
+    min_answer_match: float = 0.9
+    min_eval_images: int = 8  # fewer make the gate inconclusive, never a pass
+    max_new_tokens: int = 8  # greedy answer tokens per question
+
+    def __post_init__(self) -> None:
+        for name in ("min_cosine_mean", "min_cosine_p1", "min_answer_match"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name}: must be within 0..1, got {getattr(self, name)}")
+        if self.max_relative_l2 < 0:
+            raise ConfigError(f"max_relative_l2: must be >= 0, got {self.max_relative_l2}")
+        for name in ("min_eval_images", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+def choose_vision_settings(
+    profile: TierProfile, overrides: Mapping[str, Any], where: str = "build"
+) -> BuildSettings:
+    """The tier's `build:` for a vision stage: its `vision` mapping's backend
+    and precision over the tier's, the flags given over both (None: not
+    given). The result's `vision` holds the gate's settings; `overrides` may
+    hold a `vision` mapping of flags laid over the profile's."""
+    given = {key: value for key, value in overrides.items()
+             if value is not None and key != "vision"}
+    vision = {**profile.build.get("vision", {}),
+              **{k: v for k, v in (overrides.get("vision") or {}).items() if v is not None}}
+    chosen = load_dataclass(VisionBuildSettings, vision, f"{where}.vision")
+    stage = {key: getattr(chosen, key) for key in ("backend", "precision")
+             if getattr(chosen, key) is not None}
+    return load_dataclass(BuildSettings, {**profile.build, **stage, **given, "vision": vision},
+                          where)
+
+
+@dataclass(frozen=True)
 class BuildRequest:
     source: Path  # the FP32 ONNX artifact, a checkpoint directory, or an ensemble's repository
     repository: Path
@@ -179,3 +237,6 @@ class BuildRequest:
     # Set when `source` is a repository holding the ensemble `model` and its
     # step models (chain.py); the caller reads its config with the agent's parser.
     ensemble: EnsembleChain | None = None
+    # Which stage of a vision-language checkpoint (`source` a LLaVA-style
+    # directory) is built: "vision" or "decoder"; None for any other source.
+    stage: str | None = None

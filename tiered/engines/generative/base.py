@@ -6,6 +6,11 @@ sequence by one token, so sequences join (`start`) and leave (`stop`, or their
 last token) between steps: in-flight batching. The first step of a sequence
 reads its prompt (prefill) and gives its first token. Calls are blocking and
 come from one thread at a time.
+
+A vision-language model's decoder takes visual tokens with a prompt
+(`visual`, FP32 [image tokens, hidden]): the embeddings at the prompt's image
+tokens are replaced by these rows, in order (`visual.py`); a model version
+built without them refuses them (InvalidArgument naming `visual`).
 """
 
 from __future__ import annotations
@@ -73,9 +78,12 @@ class GenerativeEngine(ABC):
         """Text of token ids."""
 
     @abstractmethod
-    def start(self, prompt: Sequence[int], sampling: Sampling) -> int:
-        """Admit a sequence; its id. ResourceExhausted when every slot is
-        taken, InvalidArgument when it cannot fit the context."""
+    def start(self, prompt: Sequence[int], sampling: Sampling,
+              visual: np.ndarray | None = None) -> int:
+        """Admit a sequence, with the visual tokens of its image tokens, if
+        any; its id. ResourceExhausted when every slot is taken,
+        InvalidArgument when it cannot fit the context or `visual` does not
+        fit its prompt."""
 
     @abstractmethod
     def step(self) -> list[Token]:
@@ -97,10 +105,12 @@ class GenerativeEngine(ABC):
     def close(self) -> None:
         """Release what the engine holds. Safe to call twice."""
 
-    def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
-        """Teacher forcing: the logits after each prefix of `ids`, FP32
-        [len(ids), vocab], leaving running sequences as they were. What a
-        build's accuracy gate scores a model with."""
+    def prefix_logits(self, ids: Sequence[int], visual: np.ndarray | None = None
+                      ) -> np.ndarray:
+        """Teacher forcing: the logits after each prefix of `ids` (with
+        `visual` at its image tokens), FP32 [len(ids), vocab], leaving
+        running sequences as they were. What a build's accuracy gate scores
+        a model with."""
         raise EngineError(f"{type(self).__name__} cannot score a token sequence")
 
     def check_fits(self, prompt: Sequence[int], sampling: Sampling) -> None:

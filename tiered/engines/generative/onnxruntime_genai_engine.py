@@ -7,6 +7,11 @@ each running sequence in turn; sequences still join and leave between steps.
 Its own search picks each token (greedy, or sampled with the sequence's
 temperature, top-p and seed); the log-probability of the token comes from the
 step's logits.
+
+A vision-language decoder built for visual tokens (`visual.genai_visual_inputs`:
+a `visual.json` beside its embedding and pass-through vision models) takes
+them with a prompt: each generator is given them as its "image" before its
+prompt, and its embedding model puts them at the prompt's image tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import onnxruntime_genai as og
 
 from tiered.engines.generative.base import GenerativeEngine, Sampling, Token
 from tiered.engines.generative.text import GenAITokenizer
+from tiered.engines.generative.visual import GENAI_VISUAL_INPUTS, VisualFacts, visual_rows
 from tiered.errors import ConfigError
 
 
@@ -35,6 +41,9 @@ class OrtGenAIEngine(GenerativeEngine):
         self.max_context = int(config["model"]["context_length"])
         self.max_sequences = max_sequences
         self.device = "cuda" if "cuda" in _providers(config) else "cpu"
+        # a decoder built without its embedding model reads token ids only
+        self.visual_facts = VisualFacts.read(model_dir) if "embedding" in config["model"] \
+            else None
         self._generators: dict[int, og.Generator] = {}
         self._ids = itertools.count(1)
 
@@ -44,8 +53,10 @@ class OrtGenAIEngine(GenerativeEngine):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids)
 
-    def start(self, prompt: Sequence[int], sampling: Sampling) -> int:
+    def start(self, prompt: Sequence[int], sampling: Sampling,
+              visual: np.ndarray | None = None) -> int:
         self.check_fits(prompt, sampling)
+        rows = visual_rows(prompt, visual, self.visual_facts)
         params = og.GeneratorParams(self._model)
         options = {"max_length": len(prompt) + sampling.max_tokens,
                    "do_sample": not sampling.greedy}
@@ -54,6 +65,7 @@ class OrtGenAIEngine(GenerativeEngine):
                            random_seed=sampling.seed)
         params.set_search_options(**options)
         generator = og.Generator(self._model, params)
+        _give_visual(generator, rows)
         generator.append_tokens(np.asarray(prompt, dtype=np.int32))
         sequence = next(self._ids)
         self._generators[sequence] = generator
@@ -88,15 +100,28 @@ class OrtGenAIEngine(GenerativeEngine):
     def close(self) -> None:
         self._generators.clear()
 
-    def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
+    def prefix_logits(self, ids: Sequence[int], visual: np.ndarray | None = None
+                      ) -> np.ndarray:
+        rows = visual_rows(ids, visual, self.visual_facts)
         # A generator of its own: appending tokens runs them in one forward,
         # whose logits output holds every position's row.
         params = og.GeneratorParams(self._model)
         params.set_search_options(max_length=len(ids) + 1)
         generator = og.Generator(self._model, params)
+        _give_visual(generator, rows)
         generator.append_tokens(np.asarray(ids, dtype=np.int32))
         logits = np.asarray(generator.get_output("logits"), dtype=np.float32)
         return logits.reshape(-1, logits.shape[-1])[-len(ids):]
+
+
+def _give_visual(generator: og.Generator, rows: np.ndarray | None) -> None:
+    """A generator's visual tokens, as its one image, before its prompt."""
+    if rows is not None and len(rows):
+        inputs = og.NamedTensors()
+        pixels, count = GENAI_VISUAL_INPUTS
+        inputs[pixels] = rows[None]
+        inputs[count] = np.array([len(rows)], dtype=np.int64)
+        generator.set_inputs(inputs)
 
 
 def _config(model_dir: Path) -> dict:

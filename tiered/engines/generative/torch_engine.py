@@ -33,6 +33,11 @@ loads, so that no request waits for the compiler. On the CPU the batch is
 the running sequences' slots, gathered, and attention reads only the
 positions written so far.
 
+A vision-language decoder (a checkpoint with `visual.json`) takes visual
+tokens with a prompt: prefill replaces the embeddings of the prompt's image
+tokens with them, before the first layer (so the CUDA path's compiled layers
+are the same); decode reads token ids only.
+
 Never imports the agent or the wire protocol: token ids and text in, tokens out.
 """
 
@@ -55,6 +60,7 @@ from tiered import names
 from tiered.engines.generative import is_checkpoint
 from tiered.engines.generative.base import GenerativeEngine, Sampling, Token, pick
 from tiered.engines.generative.text import CheckpointTokenizer
+from tiered.engines.generative.visual import VisualFacts, visual_rows
 from tiered.errors import ConfigError, InvalidArgument, ResourceExhausted
 
 log = logging.getLogger(__name__)
@@ -143,11 +149,14 @@ class LlamaShape:
 
 
 class _Sequence:
-    __slots__ = ("slot", "prompt", "length", "next_input", "sampling", "generated", "rng")
+    __slots__ = ("slot", "prompt", "visual", "length", "next_input", "sampling", "generated",
+                 "rng")
 
-    def __init__(self, slot: int, prompt: list[int], sampling: Sampling) -> None:
+    def __init__(self, slot: int, prompt: list[int], sampling: Sampling,
+                 visual: np.ndarray | None = None) -> None:
         self.slot = slot
         self.prompt: list[int] | None = prompt  # until prefilled
+        self.visual = visual  # the rows of its image tokens, until prefilled
         self.length = 0  # positions of the cache written
         self.next_input = 0  # the token the next decode reads
         self.sampling = sampling
@@ -177,6 +186,10 @@ class TorchGenerativeEngine(GenerativeEngine):
                       else DTYPES[settings.precision])
         config = _read_json(checkpoint / "config.json")
         self.shape = shape = LlamaShape.read(config, f"{checkpoint}/config.json")
+        self.visual_facts = VisualFacts.read(checkpoint)
+        if self.visual_facts is not None and self.visual_facts.hidden_size != shape.hidden:
+            raise ConfigError(f"{checkpoint}/visual.json: hidden_size "
+                              f"{self.visual_facts.hidden_size}; config.json's is {shape.hidden}")
         self.max_context = settings.max_context or shape.max_positions
         if self.max_context > shape.max_positions:
             raise ConfigError(f"max_context: {self.max_context} exceeds the model's "
@@ -240,16 +253,19 @@ class TorchGenerativeEngine(GenerativeEngine):
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids)
 
-    def start(self, prompt: Sequence[int], sampling: Sampling) -> int:
+    def start(self, prompt: Sequence[int], sampling: Sampling,
+              visual: np.ndarray | None = None) -> int:
         self.check_fits(prompt, sampling)
         bad = [t for t in prompt if not 0 <= t < self.shape.vocab]
         if bad:
             raise InvalidArgument(f"text_input: token id {bad[0]} is outside the "
                                   f"vocabulary of {self.shape.vocab}")
+        rows = visual_rows(prompt, visual, self.visual_facts)
         if not self._free:  # check_fits counted running sequences; slots agree
             raise ResourceExhausted(f"all {self.max_sequences} sequences are running")
         sequence = next(self._ids)
-        self._sequences[sequence] = _Sequence(heapq.heappop(self._free), list(prompt), sampling)
+        self._sequences[sequence] = _Sequence(heapq.heappop(self._free), list(prompt), sampling,
+                                              rows)
         return sequence
 
     def step(self) -> list[Token]:
@@ -287,22 +303,28 @@ class TorchGenerativeEngine(GenerativeEngine):
                 "weights_mib": f"{self.weight_bytes / (1 << 20):.1f}",
                 "kv_cache_mib": f"{self.cache_bytes / (1 << 20):.1f}",
                 "cuda_graphs": str(self._use_graphs).lower(),
-                "compiled": str(self._compile).lower()}
+                "compiled": str(self._compile).lower(),
+                **({} if self.visual_facts is None else
+                   {"visual_tokens_per_image": str(self.visual_facts.tokens_per_image)})}
 
     def close(self) -> None:
         self._sequences.clear()
         self._graphs.clear()
 
-    def prefix_logits(self, ids: Sequence[int]) -> np.ndarray:
-        """Logits after each prefix of `ids` (teacher forcing), FP32 [len, vocab];
-        written into the scratch slot, so running sequences are untouched."""
+    def prefix_logits(self, ids: Sequence[int], visual: np.ndarray | None = None
+                      ) -> np.ndarray:
+        """Logits after each prefix of `ids` (teacher forcing, `visual` at its
+        image tokens), FP32 [len, vocab]; written into the scratch slot, so
+        running sequences are untouched."""
         if not ids or len(ids) > self.max_context:
             raise InvalidArgument(f"ids: 1..{self.max_context} tokens, got {len(ids)}")
+        rows = visual_rows(ids, visual, self.visual_facts)
         with torch.inference_mode():
             tokens = torch.tensor([list(ids)], device=self.device)
             positions = self._positions[:len(ids)].unsqueeze(0)
             slots = torch.tensor([self.max_sequences], device=self.device)
-            hidden = self._forward(tokens, positions, slots, len(ids))
+            hidden = self._forward(tokens, positions, slots, len(ids),
+                                   visual=self._visual_at(tokens, [len(ids)], [rows]))
             return self._head(hidden[0]).float().cpu().numpy()
 
     # -- the forward ---------------------------------------------------------
@@ -318,18 +340,33 @@ class TorchGenerativeEngine(GenerativeEngine):
                               device=self.device)
         positions = self._positions[:longest].expand(len(states), longest)
         slots = torch.tensor([s.slot for s in states], device=self.device)
+        visual = self._visual_at(tokens, lengths, [s.visual for s in states])
         compiled = self._compiled()
         try:  # compiled: far fewer launches, the step's other sequences wait less
-            hidden = self._forward(tokens, positions, slots, longest, compiled)
+            hidden = self._forward(tokens, positions, slots, longest, compiled, visual)
         except Exception as error:
             if compiled is None:
                 raise
             self._compile_failed(error)  # the writes are the same: run it again eager
-            hidden = self._forward(tokens, positions, slots, longest)
+            hidden = self._forward(tokens, positions, slots, longest, visual=visual)
         for state, length in zip(states, lengths, strict=True):
-            state.prompt, state.length = None, length
+            state.prompt, state.length, state.visual = None, length, None
         ends = torch.tensor(lengths, device=self.device) - 1
         return self._head(hidden[torch.arange(len(states), device=self.device), ends]), None
+
+    def _visual_at(self, tokens: torch.Tensor, lengths: list[int],
+                   visual: list[np.ndarray | None]) -> _Visual | None:
+        """Where the prompts `tokens` [B, T] (each of `lengths`, padded past
+        it) take visual tokens, and the rows, in the order of the positions
+        (row-major); None where none does. `visual` is each prompt's rows,
+        checked to be as many as its image tokens."""
+        if self.visual_facts is None or all(rows is None for rows in visual):
+            return None
+        within = self._positions[:tokens.shape[1]] < torch.tensor(
+            lengths, device=self.device)[:, None]
+        at = (tokens == self.visual_facts.image_token_index) & within
+        rows = torch.from_numpy(np.concatenate([r for r in visual if r is not None]))
+        return _Visual(at, rows.to(device=self.device, dtype=self.dtype))
 
     def _decode(self, states: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One token's logits for each of `states`, in one forward, and their
@@ -391,15 +428,18 @@ class TorchGenerativeEngine(GenerativeEngine):
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                  slots: torch.Tensor | None, window: int,
-                 layer_of: Any = None) -> torch.Tensor:
+                 layer_of: Any = None, visual: _Visual | None = None) -> torch.Tensor:
         """The last layer's output [B, T, hidden] for `tokens` [B, T] at
         `positions` [B, T] of cache `slots` [B] (None: the first B slots, read
         in place), attending over the first `window` positions of each slot;
-        each layer run by `layer_of` (the eager layer unless given)."""
+        `visual`'s rows in place of the embeddings where it says; each layer
+        run by `layer_of` (the eager layer unless given)."""
         w, shape = self._weights, self.shape
         batch, length = tokens.shape
         groups = shape.heads // shape.kv_heads
         x = w["embed"][tokens]
+        if visual is not None:
+            x[visual.at] = visual.rows
         angles = positions[..., None].float() * self._inv_freq  # [B, T, head_dim / 2]
         # rotate_half(x) * sin == x.roll(half) * signed_sin: one kernel fewer
         cos = torch.cat((angles, angles), dim=-1).cos().to(self.dtype)[:, :, None]
@@ -430,6 +470,15 @@ class TorchGenerativeEngine(GenerativeEngine):
         return [(int(best[n]), best_logprob[n]) if state.sampling.greedy
                 else pick(host[sampled.index(n)], state.sampling, state.rng)
                 for n, state in enumerate(states)]
+
+
+@dataclass(frozen=True)
+class _Visual:
+    """Visual tokens of a prefill: `at` [B, T] marks the image tokens whose
+    embeddings `rows` [marked, hidden] replace, in row-major order."""
+
+    at: torch.Tensor
+    rows: torch.Tensor
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

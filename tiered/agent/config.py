@@ -10,7 +10,9 @@ version_policy, instance_count, engine, generation, decoupled, ensemble.
 settings) and `dynamic_batching` are laid over the profile's defaults. A
 generative backend (`onnxruntime-genai`, `torch-generative`) makes the model
 decoupled: its tensors are fixed (`generation.py`), `engine.max_sequences` bounds its running
-batch and `generation` its wait for a sequence slot. Any other model may say
+batch and `generation` its wait for a sequence slot; `generation.vision` makes it a
+vision-language model, its vision stage served beside it (`vision_language.py`).
+Any other model may say
 `decoupled: true`: it answers a streamed request with one response per row of
 its outputs' first axis (zero rows, zero responses), so each output's `dims`
 are a response's. `backend: ensemble` with `ensemble: {steps: [...]}` makes
@@ -24,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from tiered.agent.sequences import SequenceBatching
@@ -87,6 +90,23 @@ class DynamicBatching:
 
 
 @dataclass(frozen=True)
+class VisionStageConfig:
+    """A vision-language model's vision stage (images to the decoder's visual
+    tokens), served beside its decoder (`vision_language.py`)."""
+
+    path: str = "vision"  # its directory in the version's: model.onnx, preprocessor_config.json
+    backend: str = "onnxruntime"
+    engine: Mapping[str, Any] = field(default_factory=dict)  # its engine's settings
+    max_images: int = 8  # images one request may carry
+
+    def __post_init__(self) -> None:
+        if not self.path or Path(self.path).is_absolute() or ".." in Path(self.path).parts:
+            raise ConfigError(f"path: a directory inside the version's, got {self.path!r}")
+        if self.max_images < 1:
+            raise ConfigError(f"max_images: must be >= 1, got {self.max_images}")
+
+
+@dataclass(frozen=True)
 class Generation:
     """How a generative (decoupled) model admits requests."""
 
@@ -98,6 +118,7 @@ class Generation:
     # (`engine_core.py`); `thread`, a worker thread of the agent's process;
     # `auto`, a process where the engine runs on a GPU.
     engine_core: str = "auto"
+    vision: VisionStageConfig | None = None  # a vision-language model's vision stage
 
     def __post_init__(self) -> None:
         if self.engine_core not in ENGINE_CORE_LAYOUTS:

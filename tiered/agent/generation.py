@@ -49,6 +49,9 @@ class GenerationRequest:
     # A vision-language decoder's visual tokens, FP32 [image tokens of the
     # prompt, hidden]: the vision stage's output for the prompt's images, in order.
     visual: np.ndarray | None = None
+    # A vision-language request's images until its vision stage encodes them
+    # (`vision_language.Images`).
+    images: Any = None
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any],

@@ -33,6 +33,7 @@ from tiered.agent.generation import (
 )
 from tiered.agent.model import Admissions, record_failure
 from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
+from tiered.agent.vision_language import IMAGE, VISUAL_TOKENS, VisionStage
 from tiered.engines.generative.base import GenerativeEngine
 from tiered.engines.generative.chat import ChatTemplate
 from tiered.errors import ConfigError, TieredError
@@ -51,18 +52,26 @@ INPUTS = (
     TensorConfig(STOP, "BYTES", (-1,), optional=True),
 )
 OUTPUTS = (TensorConfig(TEXT_OUTPUT, "BYTES", (1,)), TensorConfig(TOKEN_IDS, "INT64", (-1,)))
+# A vision-language model's, besides: pixels (UINT8 [H, W, C]; BYTES, encoded
+# images, are taken too) or the vision stage's output made elsewhere.
+VISION_INPUTS = (
+    TensorConfig(IMAGE, "UINT8", (-1, -1, -1), optional=True),
+    TensorConfig(VISUAL_TOKENS, "FP32", (-1, -1, -1), optional=True),
+)
 
 
 def with_tensors(config: ModelConfig, where: str) -> ModelConfig:
     """A generative model's config with its fixed tensors; declared ones must match."""
-    for kind, fixed in (("inputs", INPUTS), ("outputs", OUTPUTS)):
+    assert config.generation is not None
+    inputs = (*INPUTS, *(VISION_INPUTS if config.generation.vision is not None else ()))
+    for kind, fixed in (("inputs", inputs), ("outputs", OUTPUTS)):
         declared = {t.name for t in getattr(config, kind)}
         if declared and declared - {t.name for t in fixed}:
             raise ConfigError(
                 f"{where}.{kind}: a generative model's {kind} are "
                 f"{', '.join(t.name for t in fixed)}; it has no "
                 f"{', '.join(sorted(declared - {t.name for t in fixed}))}")
-    return replace(config, inputs=INPUTS, outputs=OUTPUTS)
+    return replace(config, inputs=inputs, outputs=OUTPUTS)
 
 
 class GenerativeVersion:
@@ -71,9 +80,10 @@ class GenerativeVersion:
     def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine | EngineCores,
                  built_from: Hashable = None, recorder: VersionRecorder | None = None,
                  build: Mapping[str, str] | None = None, device: str = "",
-                 chat: ChatTemplate | None = None) -> None:
+                 chat: ChatTemplate | None = None, vision: VisionStage | None = None) -> None:
         assert config.generation is not None
         self.chat = chat or ChatTemplate()  # chat messages to a prompt
+        self.vision = vision  # a vision-language model's vision stage
         self.config = config
         self.version = version
         self.engine = engine
@@ -119,7 +129,11 @@ class GenerativeVersion:
     def parse(self, inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any]
               ) -> GenerationRequest:
         try:
-            return parse_request(inputs, parameters, self.config.name, self.chat)
+            if self.vision is None:
+                return parse_request(inputs, parameters, self.config.name, self.chat)
+            text = {k: v for k, v in inputs.items() if k not in (IMAGE, VISUAL_TOKENS)}
+            return self.vision.take(parse_request(text, parameters, self.config.name,
+                                                  self.chat), inputs)
         except TieredError as error:
             self.count_rejected(error)
             raise
@@ -144,6 +158,9 @@ class GenerativeVersion:
         job, finished, previous = None, False, 0.0
         with self.admissions.request():
             try:
+                if request.images is not None:  # counted in the first token's time
+                    assert self.vision is not None
+                    request = await self.vision.encode(request)
                 job = self.scheduler.submit(request, deadline)
                 while not finished:
                     events = [await job.queue.get()]
@@ -184,6 +201,8 @@ class GenerativeVersion:
         await self.admissions.close(timeout_s)
         await asyncio.to_thread(self.scheduler.close)
         self.engine.close()
+        if self.vision is not None:
+            self.vision.close()
 
 
 def _now_ms() -> int:

@@ -35,6 +35,7 @@ from tiered.agent.engine_core import CoreSpec, EngineCore, EngineCores, runs_in_
 from tiered.agent.ensemble import EnsembleVersion, check_steps, load_order, step_version
 from tiered.agent.generative import GenerativeVersion, with_tensors
 from tiered.agent.model import ModelVersion
+from tiered.agent.vision_language import VisionStage
 from tiered.engines import Engine, open_engine
 from tiered.engines import build as build_report
 from tiered.engines.base import warm_up
@@ -410,6 +411,9 @@ class ModelRepository:
         completed = with_tensors(config, where)
         assert config.generation is not None
         chat = await asyncio.to_thread(ChatTemplate.of, path)  # a bad template fails first
+        vision = config.generation.vision
+        stage = None if vision is None else await asyncio.to_thread(
+            VisionStage.open, path, vision, f"{where}.generation.vision")
         if runs_in_a_process(config.generation.engine_core, config.backend, config.engine,
                              nvml_gpu_count):
             spec = CoreSpec(f"{config.name} v{version}", config.backend, path,
@@ -426,7 +430,7 @@ class ModelRepository:
             completed, version, engine, built_from=source,
             recorder=VersionRecorder(time.monotonic) if self._telemetry else None,
             build=_build_facts(path.parent), device=self.devices.label(engine.device),
-            chat=chat)
+            chat=chat, vision=stage)
 
     def _drain_later(self, version: Served) -> None:
         task = asyncio.get_running_loop().create_task(

@@ -412,8 +412,9 @@ class ModelRepository:
         assert config.generation is not None
         chat = await asyncio.to_thread(ChatTemplate.of, path)  # a bad template fails first
         vision = config.generation.vision
+        version_dir = path if path.is_dir() else path.parent
         stage = None if vision is None else await asyncio.to_thread(
-            VisionStage.open, path, vision, f"{where}.generation.vision")
+            VisionStage.open, version_dir, vision, f"{where}.generation.vision")
         if runs_in_a_process(config.generation.engine_core, config.backend, config.engine,
                              nvml_gpu_count):
             spec = CoreSpec(f"{config.name} v{version}", config.backend, path,

@@ -120,6 +120,17 @@ def test_the_vision_stage_tokens_made_elsewhere_answer_the_same(agent, checkpoin
     question = QUESTIONS[0]
     assert ask(agent, question, visual_tokens=tokens.astype(np.float32)) == \
         ask(agent, question, image=images[0])
+    # Asked for the stage's output alone (a unary call), the agent runs only it.
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        inputs = [grpcclient.InferInput("text_input", [1], "BYTES"),
+                  grpcclient.InferInput("image", [2, 8, 8, 3], "UINT8")]
+        inputs[0].set_data_from_numpy(np.array([b""], dtype=object))
+        inputs[1].set_data_from_numpy(images[:2])
+        answer = client.infer(MODEL, inputs,
+                              outputs=[grpcclient.InferRequestedOutput("visual_tokens")])
+    served = answer.as_numpy("visual_tokens")
+    assert served.shape == (2, *tokens.shape[1:])
+    np.testing.assert_allclose(served[0], tokens[0], atol=1e-5)
 
 
 def test_bad_requests_get_clear_errors_and_the_agent_keeps_serving(agent, images):

@@ -36,7 +36,7 @@ from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
 from tiered.agent.vision_language import IMAGE, VISUAL_TOKENS, VisionStage
 from tiered.engines.generative.base import GenerativeEngine
 from tiered.engines.generative.chat import ChatTemplate
-from tiered.errors import ConfigError, TieredError
+from tiered.errors import ConfigError, InvalidArgument, TieredError
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
 from tiered.telemetry.token_stats import TokenStats
@@ -195,6 +195,27 @@ class GenerativeVersion:
         if self.recorder is not None:
             # Busy time comes from the steps (batch_ran), not from here.
             self.recorder.request_succeeded(elapsed_ns / 1e9, queue_s, compute_ns / 1e9, 1)
+
+    async def visual_tokens(self, request: GenerationRequest) -> np.ndarray:
+        """Only the vision stage: the request's images as visual tokens, FP32
+        [images, tokens, hidden] (what the router's split asks one tier for,
+        to have another decode). Counted as a request of the version."""
+        if self.vision is None or request.images is None:
+            raise InvalidArgument(f"outputs: {VISUAL_TOKENS} is the vision stage's; it needs "
+                                  f"an {IMAGE} input and a vision-language model")
+        started = time.perf_counter_ns()
+        with self.admissions.request():
+            try:
+                visual = (await self.vision.encode(request)).visual
+            except TieredError as error:
+                self._failed(time.perf_counter_ns() - started, error)
+                raise
+        elapsed_ns = time.perf_counter_ns() - started
+        self.stats.request_succeeded(elapsed_ns, 0, BatchTiming(0, elapsed_ns, 0), _now_ms())
+        if self.recorder is not None:
+            self.recorder.request_succeeded(elapsed_ns / 1e9, 0.0, elapsed_ns / 1e9, 1)
+        facts = self.vision.facts
+        return visual.reshape(-1, facts.tokens_per_image, facts.hidden_size)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let running ones finish, then release the engine."""

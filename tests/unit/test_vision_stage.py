@@ -23,6 +23,7 @@ from tests.vlm_fixtures import eval_images, n_visual, write_eval_npz, write_tiny
 from tiered import names  # noqa: E402
 from tiered.engines import open_engine  # noqa: E402
 from tiered.engines.build import gate, pipeline, spec, vision_language  # noqa: E402
+from tiered.engines.build.report import version_facts  # noqa: E402
 from tiered.engines.images import Preprocessor, pixel_values  # noqa: E402
 from tiered.errors import ConfigError, EngineError  # noqa: E402
 from tiered.profiles import load_profile  # noqa: E402
@@ -136,6 +137,9 @@ def test_regional_fp16_build_passes_and_is_served_by_open_engine(made, tmp_path)
     assert outcome.installed == tmp_path / "repo" / "vision-fp16" / "1"
     written = json.loads((outcome.installed / "build.json").read_text())
     assert written["gate"]["verdict"] == "pass" and written["precision"] == "fp16"
+    facts = version_facts(written)
+    assert float(facts["build_visual_cosine_mean"]) > 0.9999
+    assert float(facts["build_answer_match"]) == 1.0
     preprocessor = Preprocessor.from_json(made["checkpoint"] / "preprocessor_config.json")
     engine = open_engine(names.Backend.ONNXRUNTIME, outcome.installed / "model.onnx", {}, "test")
     try:
@@ -231,6 +235,27 @@ def test_tiered_build_cli_builds_the_datacenter_vision_stage(made, tmp_path, cap
                                                                "vision-stage")
     assert out["stage"]["n_visual"] == n_visual() and out["stage"]["image_token_index"] == 3
     assert (tmp_path / "repo" / "vision" / "1" / "model.onnx").is_file()
+
+
+def test_stage_data_takes_images_or_pixel_values_and_questions(made, tmp_path):
+    preprocessor = vision_language.read_preprocessor(made["checkpoint"])
+    data = vision_language.load_stage_data(made["eval"], preprocessor, 10, "eval")
+    assert data.pixels.shape == (10, 3, 8, 8) and data.questions is not None
+    assert len(data.questions) == 10 and data.questions[1] == "what colour is it ?"
+    path = tmp_path / "pixels.npz"
+    np.savez(path, pixel_values=data.pixels, questions=np.array("is it a cat ?"))
+    again = vision_language.load_stage_data(path, preprocessor, 100, "calibration")
+    np.testing.assert_array_equal(again.pixels, data.pixels)
+    assert again.questions == ("is it a cat ?",) * 10
+    for arrays, problem in (
+            ({"pictures": data.pixels}, "exactly one of images or pixel_values"),
+            ({"pixel_values": data.pixels[:, :, :4]}, r"eval.pixel_values: FP32 \[n, 3, 8, 8\]"),
+            ({"images": np.zeros((2, 4, 4, 2), np.uint8)}, "eval.images: .*C of 1, 3 or 4"),
+            ({"images": eval_images(3), "questions": np.array(["a", "b"])}, "2 questions for 3"),
+            ({"images": eval_images(2), "questions": np.array([1, 2])}, "strings expected")):
+        np.savez(path, **arrays)
+        with pytest.raises(ConfigError, match=problem):
+            vision_language.load_stage_data(path, preprocessor, 100, "eval")
 
 
 @pytest.mark.parametrize(("candidate", "verdict", "why"), [

@@ -50,7 +50,7 @@ from tiered import names
 from tiered.engines import Engine, open_engine, quantize
 from tiered.engines.build import gate, install, pipeline, report, samples, spec
 from tiered.engines.images import PREPROCESSOR_FILE, Preprocessor, pixel_values
-from tiered.errors import ConfigError, EngineError
+from tiered.errors import ConfigError, EngineError, InvalidArgument
 from tiered.files import sha256_file, sha256_tree
 from tiered.profiles import TierProfile
 from tiered.settings import read_yaml
@@ -221,9 +221,17 @@ class Checkpoint:
         return torch.stack(list(features)).numpy()
 
     def prompt_ids(self, question: str) -> list[int]:
-        """`<image>` n_visual times, then the question (LLaVA's expanded prompt)."""
-        ids = self.tokenizer(question, add_special_tokens=False).input_ids
-        return [self.shape.image_token_index] * self.shape.n_visual + list(ids)
+        """The prompt as LLaVA's processor expands it: the image token
+        n_visual times, then the question, tokenized as one text with the
+        tokenizer's own special tokens; ConfigError where the tokenizer does
+        not keep the image token whole."""
+        image = self.tokenizer.convert_ids_to_tokens(self.shape.image_token_index)
+        ids = list(self.tokenizer(image * self.shape.n_visual + question).input_ids)
+        if ids.count(self.shape.image_token_index) != self.shape.n_visual:
+            raise ConfigError(f"image_token_index: the tokenizer encodes {image!r} x "
+                              f"{self.shape.n_visual} as {ids.count(self.shape.image_token_index)}"
+                              f" image tokens; it must be one special token")
+        return ids
 
     def answers(self, visual_tokens: np.ndarray, questions: Sequence[str],
                 max_new_tokens: int) -> list[list[int]]:
@@ -365,8 +373,6 @@ def load_stage_data(path: Path, preprocessor: Preprocessor, limit: int,
             raise ConfigError(f"{where}.{INPUT}: FP32 [n, {', '.join(map(str, preprocessor.shape))}]"
                               f" expected, got {pixels.dtype} {list(pixels.shape)}")
     else:
-        from tiered.errors import InvalidArgument
-
         try:
             pixels = pixel_values(arrays["images"][:limit], preprocessor)
         except InvalidArgument as error:

@@ -137,6 +137,11 @@ def test_regional_fp16_build_passes_and_is_served_by_open_engine(made, tmp_path)
     assert outcome.installed == tmp_path / "repo" / "vision-fp16" / "1"
     written = json.loads((outcome.installed / "build.json").read_text())
     assert written["gate"]["verdict"] == "pass" and written["precision"] == "fp16"
+    from tiered.agent.repository import read_model_config
+
+    served = read_model_config(tmp_path / "repo", "vision-fp16", load_profile("regional", None))
+    assert served.max_batch_size == 64 and served.backend == "onnxruntime"
+    assert tuple(served.outputs[0].dims) == (n_visual(), HIDDEN)
     facts = version_facts(written)
     assert float(facts["build_visual_cosine_mean"]) > 0.9999
     assert float(facts["build_answer_match"]) == 1.0

@@ -468,12 +468,9 @@ def build_vision_stage(
             if built is not None:
                 built.close()
         agreement = gate.compare_visual_tokens(ref_tokens, built_tokens)
-        answers = None
-        if evaluation.questions is not None:
-            n = gate_settings.max_new_tokens
-            answers = gate.compare_answers(
-                checkpoint.answers(ref_tokens, evaluation.questions, n),
-                checkpoint.answers(built_tokens, evaluation.questions, n), n)
+        answers = None if evaluation.questions is None else answer_match(
+            checkpoint, ref_tokens, built_tokens, evaluation.questions,
+            gate_settings.max_new_tokens)
         decision = gate.judge_visual(
             agreement, answers, min_cosine_mean=gate_settings.min_cosine_mean,
             min_cosine_p1=gate_settings.min_cosine_p1,
@@ -497,6 +494,16 @@ def build_vision_stage(
                                                 request.model, request.version, config,
                                                 force=request.force)
     return report.BuildOutcome(record, decision, installed)
+
+
+def answer_match(checkpoint: Checkpoint, reference_tokens: np.ndarray,
+                 candidate_tokens: np.ndarray, questions: Sequence[str],
+                 max_new_tokens: int) -> gate.AnswerMatch:
+    """The checkpoint's FP32 greedy answers to `questions` (one an image) from
+    the candidate stage's visual tokens against those from the reference's."""
+    return gate.compare_answers(
+        checkpoint.answers(reference_tokens, questions, max_new_tokens),
+        checkpoint.answers(candidate_tokens, questions, max_new_tokens), max_new_tokens)
 
 
 def _run_all(engine: Engine, pixels: np.ndarray) -> np.ndarray:

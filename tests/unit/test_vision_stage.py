@@ -111,6 +111,10 @@ def test_the_export_gives_transformers_visual_tokens(made, checkpoint, tmp_path)
             attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     answer = checkpoint.answers(got[:1], ["what is in the picture ?"], 6)[0]
     assert from_pixels[0, ids.shape[1]:].tolist()[:len(answer)] == answer
+    # Teacher-forced on its own greedy answers, the decoder's top-1 is each answer.
+    questions = ["what is in the picture ?", "is it a cat ?", "what colour is it ?", "no"] * 2
+    answers = checkpoint.answers(got[:4].repeat(2, axis=0), questions, 6)
+    assert checkpoint.forced_top1(got[:4].repeat(2, axis=0), questions, answers) == answers
     config = (tmp_path / "config.yaml").read_text()
     assert "visual_tokens" in config and f"- {n_visual()}" in config
 
@@ -133,6 +137,7 @@ def test_regional_fp16_build_passes_and_is_served_by_open_engine(made, tmp_path)
     accuracy = outcome.report["accuracy"]
     assert accuracy["cosine_mean"] > 0.9999 and accuracy["relative_l2"] < 0.01
     assert accuracy["answer_match"] == 1.0 and accuracy["answers"]["questions"] == 16
+    assert accuracy["answers"]["token_agreement"] == 1.0
     assert outcome.report["stage"]["export"]["max_error_vs_transformers"] < 1e-5
     assert outcome.installed == tmp_path / "repo" / "vision-fp16" / "1"
     written = json.loads((outcome.installed / "build.json").read_text())
@@ -204,6 +209,8 @@ def test_a_noisy_projector_fails_the_gate(made, checkpoint, tmp_path):
     assert decision.verdict == "fail" and not decision.accepted
     assert agreement.cosine_mean < 0.99 and agreement.relative_l2 > 0.15
     assert answers.match is not None and answers.match < 0.9
+    assert answers.token_agreement is not None and answers.token_agreement < 0.9
+    assert answers.positions >= 16
     # Judged on answers alone, it fails too.
     lenient = gate.judge_visual(agreement, answers, min_cosine_mean=0.0, min_cosine_p1=0.0,
                                 max_relative_l2=10.0, min_answer_match=0.9, min_images=8)

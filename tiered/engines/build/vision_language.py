@@ -241,31 +241,76 @@ class Checkpoint:
         one length run as one batch (no padding, so a batch answers what each
         prompt alone would), at most ANSWER_BATCH at once."""
         torch = self._torch
-        if visual_tokens.shape[0] != len(questions):
-            raise EngineError(f"answers: {visual_tokens.shape[0]} images for "
-                              f"{len(questions)} questions")
-        embed = self.model.get_input_embeddings()
-        prompts = [self.prompt_ids(question) for question in questions]
-        by_length: dict[int, list[int]] = {}
-        for index, prompt in enumerate(prompts):
-            by_length.setdefault(len(prompt), []).append(index)
+        prompts = self._prompts(visual_tokens, questions)
         out: list[list[int]] = [[] for _ in prompts]
-        groups = [indices[start:start + ANSWER_BATCH] for indices in by_length.values()
-                  for start in range(0, len(indices), ANSWER_BATCH)]
         with torch.no_grad():
-            for group in groups:
+            for group in _same_length(prompts):
                 ids = torch.tensor([prompts[i] for i in group])
-                embeddings = embed(ids)
-                tokens = torch.from_numpy(np.ascontiguousarray(visual_tokens[group], np.float32))
-                embeddings[ids == self.shape.image_token_index] = tokens.reshape(
-                    -1, tokens.shape[-1]).to(embeddings.dtype)
                 generated = self.model.generate(
-                    inputs_embeds=embeddings, attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens, do_sample=False,
-                    pad_token_id=self.tokenizer.eos_token_id)
+                    inputs_embeds=self._embeddings(ids, visual_tokens[group], ids.shape[1]),
+                    attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                    do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
                 for row, index in enumerate(group):
                     out[index] = _until_end(generated[row].tolist(), self.tokenizer.eos_token_id)
         return out
+
+    def forced_top1(self, visual_tokens: np.ndarray, questions: Sequence[str],
+                    answers: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The decoder's top-1 at each position of each answer, fed the prompt
+        (with these visual tokens) and the answer's tokens before it."""
+        torch = self._torch
+        prompts = self._prompts(visual_tokens, questions)
+        # The answer's last token is never an input: nothing is predicted after it.
+        fed = [[*prompt, *answer[:-1]] for prompt, answer in zip(prompts, answers, strict=True)]
+        out: list[list[int]] = [[] for _ in prompts]
+        with torch.no_grad():
+            # Batched by prompt and answer length both: the image tokens sit
+            # in the prompt, whose length a batch's rows share.
+            keys = [(len(prompt), len(sequence)) for prompt, sequence in zip(prompts, fed,
+                                                                              strict=True)]
+            for group in _same_key(keys):
+                if not answers[group[0]]:
+                    continue
+                ids = torch.tensor([fed[i] for i in group])
+                embeddings = self._embeddings(ids, visual_tokens[group], keys[group[0]][0])
+                logits = self.model(inputs_embeds=embeddings,
+                                    attention_mask=torch.ones_like(ids)).logits
+                for row, index in enumerate(group):
+                    first = len(prompts[index]) - 1
+                    out[index] = logits[row, first:].argmax(dim=-1).tolist()
+        return out
+
+    def _prompts(self, visual_tokens: np.ndarray, questions: Sequence[str]) -> list[list[int]]:
+        if visual_tokens.shape[0] != len(questions):
+            raise EngineError(f"answers: {visual_tokens.shape[0]} images for "
+                              f"{len(questions)} questions")
+        return [self.prompt_ids(question) for question in questions]
+
+    def _embeddings(self, ids: Any, visual_tokens: np.ndarray, prompt_length: int) -> Any:
+        """The sequences' embeddings, the image tokens' rows within their first
+        `prompt_length` positions replaced by the visual tokens (an answer may
+        hold the image token's id, and stays a text token)."""
+        torch = self._torch
+        embeddings = self.model.get_input_embeddings()(ids)
+        tokens = torch.from_numpy(np.ascontiguousarray(visual_tokens, np.float32))
+        in_prompt = torch.arange(ids.shape[1]) < prompt_length
+        embeddings[(ids == self.shape.image_token_index) & in_prompt] = tokens.reshape(
+            -1, tokens.shape[-1]).to(embeddings.dtype)
+        return embeddings
+
+
+def _same_length(sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Indices of the sequences in batches of one length, ANSWER_BATCH at most."""
+    return _same_key([len(sequence) for sequence in sequences])
+
+
+def _same_key(keys: Sequence[Any]) -> list[list[int]]:
+    """Indices in batches of one key each, ANSWER_BATCH at most, in order."""
+    by_key: dict[Any, list[int]] = {}
+    for index, key in enumerate(keys):
+        by_key.setdefault(key, []).append(index)
+    return [indices[start:start + ANSWER_BATCH] for indices in by_key.values()
+            for start in range(0, len(indices), ANSWER_BATCH)]
 
 
 def _until_end(ids: list[int], eos: int | None) -> list[int]:
@@ -500,10 +545,12 @@ def answer_match(checkpoint: Checkpoint, reference_tokens: np.ndarray,
                  candidate_tokens: np.ndarray, questions: Sequence[str],
                  max_new_tokens: int) -> gate.AnswerMatch:
     """The checkpoint's FP32 greedy answers to `questions` (one an image) from
-    the candidate stage's visual tokens against those from the reference's."""
+    the candidate stage's visual tokens against those from the reference's,
+    and the candidate's top-1 teacher-forced on the reference's answers."""
+    reference = checkpoint.answers(reference_tokens, questions, max_new_tokens)
     return gate.compare_answers(
-        checkpoint.answers(reference_tokens, questions, max_new_tokens),
-        checkpoint.answers(candidate_tokens, questions, max_new_tokens), max_new_tokens)
+        reference, checkpoint.answers(candidate_tokens, questions, max_new_tokens),
+        max_new_tokens, checkpoint.forced_top1(candidate_tokens, questions, reference))
 
 
 def _run_all(engine: Engine, pixels: np.ndarray) -> np.ndarray:

@@ -3,7 +3,6 @@ against that artifact, judge it, and place it into a model repository.
 
     tiered build ARTIFACT.onnx --tier edge --repository DIR --model NAME --version V
     tiered build SRC/ --tier edge --repository DIR --model ENSEMBLE --version V
-
     tiered build LLAVA/ --stage vision --tier edge --repository DIR --model NAME --version V
 
 (the second: SRC is a Triton-style repository holding the ensemble ENSEMBLE

@@ -49,11 +49,11 @@ import yaml
 from tiered import names
 from tiered.engines import Engine, open_engine, quantize
 from tiered.engines.build import gate, install, pipeline, report, samples, spec
-from tiered.engines.images import PREPROCESSOR_FILE, Preprocessor, pixel_values
+from tiered.engines.images import MAX_IMAGES, PREPROCESSOR_FILE, Preprocessor, pixel_values
 from tiered.errors import ConfigError, EngineError, InvalidArgument
 from tiered.files import sha256_file, sha256_tree
 from tiered.profiles import TierProfile
-from tiered.settings import read_yaml
+from tiered.settings import load_dataclass, read_yaml
 
 VISION_STAGE = "vision"
 DECODER_STAGE = "decoder"
@@ -418,8 +418,10 @@ def load_stage_data(path: Path, preprocessor: Preprocessor, limit: int,
             raise ConfigError(f"{where}.{INPUT}: FP32 [n, {', '.join(map(str, preprocessor.shape))}]"
                               f" expected, got {pixels.dtype} {list(pixels.shape)}")
     else:
-        try:
-            pixels = pixel_values(arrays["images"][:limit], preprocessor)
+        images = arrays["images"][:limit]
+        try:  # a call of pixel_values takes at most MAX_IMAGES
+            pixels = np.concatenate([pixel_values(images[start:start + MAX_IMAGES], preprocessor)
+                                     for start in range(0, max(len(images), 1), MAX_IMAGES)])
         except InvalidArgument as error:
             raise ConfigError(f"{where}.images: {error}") from error
     if not np.isfinite(pixels).all() or pixels.shape[0] == 0:
@@ -456,8 +458,6 @@ def build_vision_stage(
     verdict: report.VerdictOf | None = None,
 ) -> report.BuildOutcome:
     """Export, lower, judge, time; install only what the gate accepts."""
-    from tiered.settings import load_dataclass
-
     gate_settings = load_dataclass(spec.VisionBuildSettings, settings.vision,
                                    f"{profile.tier} build.vision")
     shape, preprocessor = _preflight(request, settings)

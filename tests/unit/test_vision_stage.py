@@ -23,6 +23,7 @@ from tests.vlm_fixtures import eval_images, n_visual, write_eval_npz, write_tiny
 from tiered import names  # noqa: E402
 from tiered.engines import open_engine  # noqa: E402
 from tiered.engines.build import gate, pipeline, spec, vision_language  # noqa: E402
+from tiered.engines.build.report import version_facts  # noqa: E402
 from tiered.engines.images import Preprocessor, pixel_values  # noqa: E402
 from tiered.errors import ConfigError, EngineError  # noqa: E402
 from tiered.profiles import load_profile  # noqa: E402
@@ -110,6 +111,10 @@ def test_the_export_gives_transformers_visual_tokens(made, checkpoint, tmp_path)
             attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     answer = checkpoint.answers(got[:1], ["what is in the picture ?"], 6)[0]
     assert from_pixels[0, ids.shape[1]:].tolist()[:len(answer)] == answer
+    # Teacher-forced on its own greedy answers, the decoder's top-1 is each answer.
+    questions = ["what is in the picture ?", "is it a cat ?", "what colour is it ?", "no"] * 2
+    answers = checkpoint.answers(got[:4].repeat(2, axis=0), questions, 6)
+    assert checkpoint.forced_top1(got[:4].repeat(2, axis=0), questions, answers) == answers
     config = (tmp_path / "config.yaml").read_text()
     assert "visual_tokens" in config and f"- {n_visual()}" in config
 
@@ -132,10 +137,19 @@ def test_regional_fp16_build_passes_and_is_served_by_open_engine(made, tmp_path)
     accuracy = outcome.report["accuracy"]
     assert accuracy["cosine_mean"] > 0.9999 and accuracy["relative_l2"] < 0.01
     assert accuracy["answer_match"] == 1.0 and accuracy["answers"]["questions"] == 16
-    assert outcome.report["stage"]["export"]["max_error_vs_transformers"] < 1e-4
+    assert accuracy["answers"]["token_agreement"] == 1.0
+    assert outcome.report["stage"]["export"]["max_error_vs_transformers"] < 1e-5
     assert outcome.installed == tmp_path / "repo" / "vision-fp16" / "1"
     written = json.loads((outcome.installed / "build.json").read_text())
     assert written["gate"]["verdict"] == "pass" and written["precision"] == "fp16"
+    from tiered.agent.repository import read_model_config
+
+    served = read_model_config(tmp_path / "repo", "vision-fp16", load_profile("regional", None))
+    assert served.max_batch_size == 64 and served.backend == "onnxruntime"
+    assert tuple(served.outputs[0].dims) == (n_visual(), HIDDEN)
+    facts = version_facts(written)
+    assert float(facts["build_visual_cosine_mean"]) > 0.9999
+    assert float(facts["build_answer_match"]) == 1.0
     preprocessor = Preprocessor.from_json(made["checkpoint"] / "preprocessor_config.json")
     engine = open_engine(names.Backend.ONNXRUNTIME, outcome.installed / "model.onnx", {}, "test")
     try:
@@ -185,8 +199,8 @@ def test_a_noisy_projector_fails_the_gate(made, checkpoint, tmp_path):
             engine.close()
     agreement = gate.compare_visual_tokens(tokens["checkpoint"], tokens["noisy"])
     questions = ["what is in the picture ?"] * 16
-    answers = gate.compare_answers(checkpoint.answers(tokens["checkpoint"], questions, 8),
-                                   checkpoint.answers(tokens["noisy"], questions, 8), 8)
+    answers = vision_language.answer_match(checkpoint, tokens["checkpoint"], tokens["noisy"],
+                                           questions, 8)
     defaults = spec.VisionBuildSettings()
     decision = gate.judge_visual(
         agreement, answers, min_cosine_mean=defaults.min_cosine_mean,
@@ -195,6 +209,8 @@ def test_a_noisy_projector_fails_the_gate(made, checkpoint, tmp_path):
     assert decision.verdict == "fail" and not decision.accepted
     assert agreement.cosine_mean < 0.99 and agreement.relative_l2 > 0.15
     assert answers.match is not None and answers.match < 0.9
+    assert answers.token_agreement is not None and answers.token_agreement < 0.9
+    assert answers.positions >= 16
     # Judged on answers alone, it fails too.
     lenient = gate.judge_visual(agreement, answers, min_cosine_mean=0.0, min_cosine_p1=0.0,
                                 max_relative_l2=10.0, min_answer_match=0.9, min_images=8)
@@ -231,6 +247,27 @@ def test_tiered_build_cli_builds_the_datacenter_vision_stage(made, tmp_path, cap
                                                                "vision-stage")
     assert out["stage"]["n_visual"] == n_visual() and out["stage"]["image_token_index"] == 3
     assert (tmp_path / "repo" / "vision" / "1" / "model.onnx").is_file()
+
+
+def test_stage_data_takes_images_or_pixel_values_and_questions(made, tmp_path):
+    preprocessor = vision_language.read_preprocessor(made["checkpoint"])
+    data = vision_language.load_stage_data(made["eval"], preprocessor, 10, "eval")
+    assert data.pixels.shape == (10, 3, 8, 8) and data.questions is not None
+    assert len(data.questions) == 10 and data.questions[1] == "what colour is it ?"
+    path = tmp_path / "pixels.npz"
+    np.savez(path, pixel_values=data.pixels, questions=np.array("is it a cat ?"))
+    again = vision_language.load_stage_data(path, preprocessor, 100, "calibration")
+    np.testing.assert_array_equal(again.pixels, data.pixels)
+    assert again.questions == ("is it a cat ?",) * 10
+    for arrays, problem in (
+            ({"pictures": data.pixels}, "exactly one of images or pixel_values"),
+            ({"pixel_values": data.pixels[:, :, :4]}, r"eval.pixel_values: FP32 \[n, 3, 8, 8\]"),
+            ({"images": np.zeros((2, 4, 4, 2), np.uint8)}, "eval.images: .*C of 1, 3 or 4"),
+            ({"images": eval_images(3), "questions": np.array(["a", "b"])}, "2 questions for 3"),
+            ({"images": eval_images(2), "questions": np.array([1, 2])}, "strings expected")):
+        np.savez(path, **arrays)
+        with pytest.raises(ConfigError, match=problem):
+            vision_language.load_stage_data(path, preprocessor, 100, "eval")
 
 
 @pytest.mark.parametrize(("candidate", "verdict", "why"), [

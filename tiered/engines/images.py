@@ -7,7 +7,8 @@ What is taken as an image:
 - a numeric array: `[H, W]` (grey), `[H, W, C]` with C of 1 (grey), 3 (RGB) or
   4 (RGBA, alpha dropped), or a batch of those, `[n, H, W]` or `[n, H, W, C]`.
   A rank-3 array is one image when its last axis is 1, 3 or 4, else a batch of
-  grey images. uint8 arrays hold 0..255; float arrays are taken on the same
+  grey images. uint8 arrays hold 0..255 (other integer types are refused:
+  their scale is anyone's guess); float arrays are taken on the same
   scale (the pixel scale before `rescale_factor`, 0..255 for CLIP's 1/255),
   never as already rescaled or normalized;
 - encoded bytes (PNG, JPEG, anything Pillow decodes), converted to RGB;
@@ -180,8 +181,10 @@ def _split_array(value: Any, where: str) -> list[np.ndarray]:
     if not isinstance(value, np.ndarray):
         raise InvalidArgument(f"{where}: an image is a numeric array or encoded bytes, "
                               f"got {type(value).__name__}")
-    if value.dtype.kind not in "uif" or value.dtype == np.bool_:
-        raise InvalidArgument(f"{where}: pixel arrays are numeric, got {value.dtype}")
+    if value.dtype != np.uint8 and value.dtype.kind != "f":
+        # Other integers (uint16, int32) have no agreed scale: refused, not guessed.
+        raise InvalidArgument(f"{where}: pixel arrays are uint8 (0..255) or floating "
+                              f"point, got {value.dtype}")
     if value.ndim == 2:
         return [value[:, :, None]]
     if value.ndim == 3:

@@ -3,9 +3,12 @@ against that artifact, judge it, and place it into a model repository.
 
     tiered build ARTIFACT.onnx --tier edge --repository DIR --model NAME --version V
     tiered build SRC/ --tier edge --repository DIR --model ENSEMBLE --version V
+    tiered build LLAVA/ --stage vision --tier edge --repository DIR --model NAME --version V
 
 (the second: SRC is a Triton-style repository holding the ensemble ENSEMBLE
-and its step models' FP32 ONNX files, built and judged as one model).
+and its step models' FP32 ONNX files, built and judged as one model; the
+third: the vision stage of a vision-language checkpoint, exported to ONNX
+and built like an artifact).
 
 edge: INT8 static QDQ on ONNX Runtime's CPU provider; regional: FP16 weights
 and compute with FP32 inputs/outputs; datacenter: the FP32 artifact, which the

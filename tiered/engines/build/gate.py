@@ -358,19 +358,34 @@ class AnswerMatch:
     match: float | None  # share of questions answered token for token alike; None without any
     max_new_tokens: int
     mismatched: tuple[int, ...]  # indices of the questions answered differently
+    # Teacher-forced on the reference's answers: the share of answer positions
+    # where the build's top-1 is the reference's token (reported, not gated:
+    # it says how far apart differing answers are).
+    token_agreement: float | None = None
+    positions: int = 0
 
 
 def compare_answers(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]],
-                    max_new_tokens: int) -> AnswerMatch:
-    if len(reference) != len(candidate):
+                    max_new_tokens: int,
+                    forced_top1: Sequence[Sequence[int]] | None = None) -> AnswerMatch:
+    if len(reference) != len(candidate) or (forced_top1 is not None
+                                            and len(forced_top1) != len(reference)):
         raise EngineError(f"compare_answers: {len(reference)} reference answers, "
                           f"{len(candidate)} candidate answers")
     mismatched = tuple(index for index, (ref, got) in enumerate(zip(reference, candidate,
                                                                     strict=True))
                        if list(ref) != list(got))
     questions = len(reference)
+    agree = positions = 0
+    for ref, forced in zip(reference, forced_top1 or (), strict=False):
+        if len(forced) != len(ref):
+            raise EngineError(f"compare_answers: {len(forced)} forced positions for "
+                              f"{len(ref)} reference tokens")
+        agree += sum(int(a == b) for a, b in zip(ref, forced, strict=True))
+        positions += len(ref)
     return AnswerMatch(questions, (questions - len(mismatched)) / questions if questions else None,
-                       max_new_tokens, mismatched)
+                       max_new_tokens, mismatched,
+                       agree / positions if positions else None, positions)
 
 
 def judge_visual(
@@ -391,7 +406,8 @@ def judge_visual(
         numbers += "; answer match not measured (no questions in the eval data)"
     else:
         numbers += (f"; answer match {_fmt(answers.match)} (threshold {min_answer_match:.4f}) "
-                    f"over {answers.questions} questions, {answers.max_new_tokens} tokens each")
+                    f"over {answers.questions} questions, {answers.max_new_tokens} tokens each "
+                    f"(teacher-forced token agreement {_fmt(answers.token_agreement)})")
     if a.images < min_images:
         verdict, why = "inconclusive", f"only {a.images} images (the gate needs {min_images})"
     elif a.cosine_mean is None or a.cosine_p1 is None or a.relative_l2 is None:

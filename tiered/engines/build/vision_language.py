@@ -49,11 +49,11 @@ import yaml
 from tiered import names
 from tiered.engines import Engine, open_engine, quantize
 from tiered.engines.build import gate, install, pipeline, report, samples, spec
-from tiered.engines.images import PREPROCESSOR_FILE, Preprocessor, pixel_values
-from tiered.errors import ConfigError, EngineError
+from tiered.engines.images import MAX_IMAGES, PREPROCESSOR_FILE, Preprocessor, pixel_values
+from tiered.errors import ConfigError, EngineError, InvalidArgument
 from tiered.files import sha256_file, sha256_tree
 from tiered.profiles import TierProfile
-from tiered.settings import read_yaml
+from tiered.settings import load_dataclass, read_yaml
 
 VISION_STAGE = "vision"
 DECODER_STAGE = "decoder"
@@ -221,9 +221,17 @@ class Checkpoint:
         return torch.stack(list(features)).numpy()
 
     def prompt_ids(self, question: str) -> list[int]:
-        """`<image>` n_visual times, then the question (LLaVA's expanded prompt)."""
-        ids = self.tokenizer(question, add_special_tokens=False).input_ids
-        return [self.shape.image_token_index] * self.shape.n_visual + list(ids)
+        """The prompt as LLaVA's processor expands it: the image token
+        n_visual times, then the question, tokenized as one text with the
+        tokenizer's own special tokens; ConfigError where the tokenizer does
+        not keep the image token whole."""
+        image = self.tokenizer.convert_ids_to_tokens(self.shape.image_token_index)
+        ids = list(self.tokenizer(image * self.shape.n_visual + question).input_ids)
+        if ids.count(self.shape.image_token_index) != self.shape.n_visual:
+            raise ConfigError(f"image_token_index: the tokenizer encodes {image!r} x "
+                              f"{self.shape.n_visual} as {ids.count(self.shape.image_token_index)}"
+                              f" image tokens; it must be one special token")
+        return ids
 
     def answers(self, visual_tokens: np.ndarray, questions: Sequence[str],
                 max_new_tokens: int) -> list[list[int]]:
@@ -233,31 +241,76 @@ class Checkpoint:
         one length run as one batch (no padding, so a batch answers what each
         prompt alone would), at most ANSWER_BATCH at once."""
         torch = self._torch
-        if visual_tokens.shape[0] != len(questions):
-            raise EngineError(f"answers: {visual_tokens.shape[0]} images for "
-                              f"{len(questions)} questions")
-        embed = self.model.get_input_embeddings()
-        prompts = [self.prompt_ids(question) for question in questions]
-        by_length: dict[int, list[int]] = {}
-        for index, prompt in enumerate(prompts):
-            by_length.setdefault(len(prompt), []).append(index)
+        prompts = self._prompts(visual_tokens, questions)
         out: list[list[int]] = [[] for _ in prompts]
-        groups = [indices[start:start + ANSWER_BATCH] for indices in by_length.values()
-                  for start in range(0, len(indices), ANSWER_BATCH)]
         with torch.no_grad():
-            for group in groups:
+            for group in _same_length(prompts):
                 ids = torch.tensor([prompts[i] for i in group])
-                embeddings = embed(ids)
-                tokens = torch.from_numpy(np.ascontiguousarray(visual_tokens[group], np.float32))
-                embeddings[ids == self.shape.image_token_index] = tokens.reshape(
-                    -1, tokens.shape[-1]).to(embeddings.dtype)
                 generated = self.model.generate(
-                    inputs_embeds=embeddings, attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens, do_sample=False,
-                    pad_token_id=self.tokenizer.eos_token_id)
+                    inputs_embeds=self._embeddings(ids, visual_tokens[group], ids.shape[1]),
+                    attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                    do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
                 for row, index in enumerate(group):
                     out[index] = _until_end(generated[row].tolist(), self.tokenizer.eos_token_id)
         return out
+
+    def forced_top1(self, visual_tokens: np.ndarray, questions: Sequence[str],
+                    answers: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The decoder's top-1 at each position of each answer, fed the prompt
+        (with these visual tokens) and the answer's tokens before it."""
+        torch = self._torch
+        prompts = self._prompts(visual_tokens, questions)
+        # The answer's last token is never an input: nothing is predicted after it.
+        fed = [[*prompt, *answer[:-1]] for prompt, answer in zip(prompts, answers, strict=True)]
+        out: list[list[int]] = [[] for _ in prompts]
+        with torch.no_grad():
+            # Batched by prompt and answer length both: the image tokens sit
+            # in the prompt, whose length a batch's rows share.
+            keys = [(len(prompt), len(sequence)) for prompt, sequence in zip(prompts, fed,
+                                                                              strict=True)]
+            for group in _same_key(keys):
+                if not answers[group[0]]:
+                    continue
+                ids = torch.tensor([fed[i] for i in group])
+                embeddings = self._embeddings(ids, visual_tokens[group], keys[group[0]][0])
+                logits = self.model(inputs_embeds=embeddings,
+                                    attention_mask=torch.ones_like(ids)).logits
+                for row, index in enumerate(group):
+                    first = len(prompts[index]) - 1
+                    out[index] = logits[row, first:].argmax(dim=-1).tolist()
+        return out
+
+    def _prompts(self, visual_tokens: np.ndarray, questions: Sequence[str]) -> list[list[int]]:
+        if visual_tokens.shape[0] != len(questions):
+            raise EngineError(f"answers: {visual_tokens.shape[0]} images for "
+                              f"{len(questions)} questions")
+        return [self.prompt_ids(question) for question in questions]
+
+    def _embeddings(self, ids: Any, visual_tokens: np.ndarray, prompt_length: int) -> Any:
+        """The sequences' embeddings, the image tokens' rows within their first
+        `prompt_length` positions replaced by the visual tokens (an answer may
+        hold the image token's id, and stays a text token)."""
+        torch = self._torch
+        embeddings = self.model.get_input_embeddings()(ids)
+        tokens = torch.from_numpy(np.ascontiguousarray(visual_tokens, np.float32))
+        in_prompt = torch.arange(ids.shape[1]) < prompt_length
+        embeddings[(ids == self.shape.image_token_index) & in_prompt] = tokens.reshape(
+            -1, tokens.shape[-1]).to(embeddings.dtype)
+        return embeddings
+
+
+def _same_length(sequences: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Indices of the sequences in batches of one length, ANSWER_BATCH at most."""
+    return _same_key([len(sequence) for sequence in sequences])
+
+
+def _same_key(keys: Sequence[Any]) -> list[list[int]]:
+    """Indices in batches of one key each, ANSWER_BATCH at most, in order."""
+    by_key: dict[Any, list[int]] = {}
+    for index, key in enumerate(keys):
+        by_key.setdefault(key, []).append(index)
+    return [indices[start:start + ANSWER_BATCH] for indices in by_key.values()
+            for start in range(0, len(indices), ANSWER_BATCH)]
 
 
 def _until_end(ids: list[int], eos: int | None) -> list[int]:
@@ -365,10 +418,10 @@ def load_stage_data(path: Path, preprocessor: Preprocessor, limit: int,
             raise ConfigError(f"{where}.{INPUT}: FP32 [n, {', '.join(map(str, preprocessor.shape))}]"
                               f" expected, got {pixels.dtype} {list(pixels.shape)}")
     else:
-        from tiered.errors import InvalidArgument
-
-        try:
-            pixels = pixel_values(arrays["images"][:limit], preprocessor)
+        images = arrays["images"][:limit]
+        try:  # a call of pixel_values takes at most MAX_IMAGES
+            pixels = np.concatenate([pixel_values(images[start:start + MAX_IMAGES], preprocessor)
+                                     for start in range(0, max(len(images), 1), MAX_IMAGES)])
         except InvalidArgument as error:
             raise ConfigError(f"{where}.images: {error}") from error
     if not np.isfinite(pixels).all() or pixels.shape[0] == 0:
@@ -405,8 +458,6 @@ def build_vision_stage(
     verdict: report.VerdictOf | None = None,
 ) -> report.BuildOutcome:
     """Export, lower, judge, time; install only what the gate accepts."""
-    from tiered.settings import load_dataclass
-
     gate_settings = load_dataclass(spec.VisionBuildSettings, settings.vision,
                                    f"{profile.tier} build.vision")
     shape, preprocessor = _preflight(request, settings)
@@ -462,12 +513,9 @@ def build_vision_stage(
             if built is not None:
                 built.close()
         agreement = gate.compare_visual_tokens(ref_tokens, built_tokens)
-        answers = None
-        if evaluation.questions is not None:
-            n = gate_settings.max_new_tokens
-            answers = gate.compare_answers(
-                checkpoint.answers(ref_tokens, evaluation.questions, n),
-                checkpoint.answers(built_tokens, evaluation.questions, n), n)
+        answers = None if evaluation.questions is None else answer_match(
+            checkpoint, ref_tokens, built_tokens, evaluation.questions,
+            gate_settings.max_new_tokens)
         decision = gate.judge_visual(
             agreement, answers, min_cosine_mean=gate_settings.min_cosine_mean,
             min_cosine_p1=gate_settings.min_cosine_p1,
@@ -491,6 +539,18 @@ def build_vision_stage(
                                                 request.model, request.version, config,
                                                 force=request.force)
     return report.BuildOutcome(record, decision, installed)
+
+
+def answer_match(checkpoint: Checkpoint, reference_tokens: np.ndarray,
+                 candidate_tokens: np.ndarray, questions: Sequence[str],
+                 max_new_tokens: int) -> gate.AnswerMatch:
+    """The checkpoint's FP32 greedy answers to `questions` (one an image) from
+    the candidate stage's visual tokens against those from the reference's,
+    and the candidate's top-1 teacher-forced on the reference's answers."""
+    reference = checkpoint.answers(reference_tokens, questions, max_new_tokens)
+    return gate.compare_answers(
+        reference, checkpoint.answers(candidate_tokens, questions, max_new_tokens),
+        max_new_tokens, checkpoint.forced_top1(candidate_tokens, questions, reference))
 
 
 def _run_all(engine: Engine, pixels: np.ndarray) -> np.ndarray:

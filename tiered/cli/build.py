@@ -35,21 +35,23 @@ def register(commands: argparse._SubParsersAction) -> None:
         "for the tier (steps with integer tensors stay FP32; INT8 steps calibrate on the FP32 "
         "chain's tensors), judges the ensemble's outputs as one model, and installs the "
         "ensemble and every step as version V together, or nothing. A vision-language "
-        "checkpoint (config.json model_type: llava) is two models, so --stage says which "
-        "one NAME is: the vision stage (pixel_values FP32 [batch, 3, H, W] in, visual_tokens "
-        "out) is exported to ONNX and built like an ONNX artifact for the tier (datacenter: "
-        "ONNX Runtime FP16, build.vision), judged by per-token cosine similarity and relative "
-        "L2 error against the FP32 export and, where --eval holds questions, by the "
-        "checkpoint's greedy answers from either stage's tokens (build.vision settings).",
+        "checkpoint (config.json model_type: llava) builds both its stages as one version: "
+        "the vision stage (pixel_values FP32 [batch, 3, H, W] in, visual_tokens out) exported "
+        "to ONNX and built like an ONNX artifact for the tier (datacenter: ONNX Runtime FP16, "
+        "build.vision), judged by per-token cosine similarity and relative L2 error against "
+        "the FP32 export and by the FP32 decoder's answers from its tokens; the decoder built "
+        "as a checkpoint's is; and the two together judged on their greedy answers to --eval's "
+        "questions against the FP32 model's. --stage vision builds the vision stage alone, as "
+        "a model of its own.",
     )
     build.add_argument("artifact", metavar="ARTIFACT",
                        help="the FP32 ONNX model (a path, or an http(s) URI to fetch), a "
                        "checkpoint directory (a path), or a repository directory holding the "
                        "ensemble --model and its step models (a path)")
-    build.add_argument("--stage", choices=("vision", "decoder"),
-                       help="which stage of a vision-language checkpoint to build (required for "
-                       "one, refused for any other source): there is no default because the "
-                       "two stages are two models, each under its own --model name")
+    build.add_argument("--stage", choices=("vision",),
+                       help="build only the vision stage of a vision-language checkpoint, as a "
+                       "predictive model of its own (refused for any other source; default: "
+                       "both stages, one version)")
     build.add_argument("--sha256", metavar="HEX",
                        help="refuse to build unless the artifact has this SHA-256 (a "
                        "directory's: over its files, see tiered.files.sha256_tree)")

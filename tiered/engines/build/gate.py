@@ -182,6 +182,22 @@ def _judge_output(a: Agreement, min_agreement: float, min_samples: int,
     return verdict, why, numbers
 
 
+def judge_answers(answers: AnswerMatch, min_answer_match: float, min_questions: int,
+                  allow_accuracy_drop: bool = False) -> GateDecision:
+    """A whole vision-language build's verdict: the built stages' greedy
+    answers against the FP32 model's, token for token."""
+    numbers = (f"answer match {_fmt(answers.match)} (threshold {min_answer_match:.4f}) over "
+               f"{answers.questions} questions, {answers.max_new_tokens} tokens each")
+    if answers.questions < min_questions or answers.match is None:
+        verdict, why = "inconclusive", (f"only {answers.questions} questions (the gate needs "
+                                        f"{min_questions})")
+    elif answers.match < min_answer_match:
+        verdict, why = "fail", "the built stages answer unlike the FP32 model"
+    else:
+        verdict, why = "pass", "the built stages answer as the FP32 model"
+    return _decide(verdict, why, numbers, allow_accuracy_drop)
+
+
 def _decide(verdict: str, why: str, numbers: str, allow_accuracy_drop: bool) -> GateDecision:
     accepted = verdict == "pass" or allow_accuracy_drop
     if verdict != "pass" and allow_accuracy_drop:

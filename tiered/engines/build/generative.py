@@ -90,7 +90,7 @@ def _build(request: spec.BuildRequest, profile: TierProfile,
         work = Path(work_name)
         version = work / "version"
         lower(request.source, target, version, work)
-        engine_settings = _engine_settings(target, settings)
+        engine_settings = served_settings(target, settings)
         reference = built = None
         try:
             reference = _reference(request.source, prompts, settings)
@@ -219,7 +219,7 @@ def _run_builder(argv: Sequence[str]) -> None:
         sys.argv = saved_argv
 
 
-def _engine_settings(target: Target, settings: spec.GenerativeBuildSettings) -> dict[str, Any]:
+def served_settings(target: Target, settings: spec.GenerativeBuildSettings) -> dict[str, Any]:
     """What the version is measured and served with."""
     merged = dict(settings.engine)
     if target.backend == "torch-generative":

@@ -58,9 +58,16 @@ def build(
         raise ConfigError(f"stage: {request.stage!r} is not one of "
                           f"{', '.join(vision_language.STAGES)}")
     if vision_language.is_vision_language(request.source):
-        if request.stage is None:
-            raise ConfigError(f"stage: {request.source} is a vision-language checkpoint, built "
-                              "as two models: say which (--stage vision or --stage decoder)")
+        if request.stage is None:  # both stages, one version
+            from tiered.engines.build import two_stage
+
+            decoder = settings if isinstance(settings, spec.GenerativeBuildSettings) else \
+                load_dataclass(spec.GenerativeBuildSettings, settings.generative,
+                               f"{profile.tier} build.generative")
+            return two_stage.build_whole(
+                request, profile, spec.choose_vision_settings(profile, {}, f"{profile.tier} "
+                                                              "build"),
+                decoder, now=now, clock=clock, verdict=verdict)
         if request.stage == vision_language.VISION_STAGE:
             if isinstance(settings, spec.GenerativeBuildSettings):
                 raise ConfigError("stage: the vision stage is built with a tier's build "

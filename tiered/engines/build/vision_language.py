@@ -56,8 +56,7 @@ from tiered.profiles import TierProfile
 from tiered.settings import load_dataclass, read_yaml
 
 VISION_STAGE = "vision"
-DECODER_STAGE = "decoder"
-STAGES = (VISION_STAGE, DECODER_STAGE)
+STAGES = (VISION_STAGE,)  # built alone; the decoder is built with it (two_stage.py)
 INPUT = "pixel_values"
 OUTPUT = "visual_tokens"
 BATCH_DIM = "batch"

@@ -10,12 +10,15 @@ from pathlib import Path
 # Kept in step with tiered.models.digits.VARIANTS (a test compares them): the
 # choices are spelled out so that `--help` does not have to import torch.
 DIGITS_VARIANTS = ("v1", "v2", "heavy")
+# Likewise tiered.models.tinyvlm.VARIANTS (torch, transformers).
+TINYVLM_VARIANTS = ("v1", "v2", "bench")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     models = commands.add_parser(
         "models",
-        help="write sample models: trained digits classifiers, a random-weight ResNet-18",
+        help="write sample models: trained digits classifiers, tiny LLMs and VLMs, a random-weight "
+        "ResNet-18",
         description="Write sample ONNX models built on this machine (nothing is downloaded).",
     )
     model_kinds = models.add_subparsers(dest="model", required=True, metavar="MODEL")
@@ -49,6 +52,25 @@ def register(commands: argparse._SubParsersAction) -> None:
     tinyllama.add_argument("--out", type=Path, default=Path("build/models"), metavar="DIR",
                            help="output directory (default: build/models)")
     tinyllama.set_defaults(handler=_run_tinyllama)
+    tinyvlm = model_kinds.add_parser(
+        "tinyvlm",
+        help="train tiny LLaVA-shaped vision-language checkpoints on the digits "
+        "(needs tiered[generative,samples])",
+        description="Train a tiny LLaVA-shaped model (CLIP-style vision tower, projector, "
+        "Llama decoder) to answer questions about scikit-learn's 8x8 digits in words "
+        "(CPU, seconds) and write DIR/tinyvlm-<variant>/ (a checkpoint directory: "
+        "config.json, model.safetensors, tokenizer.json, preprocessor_config.json), "
+        "DIR/tinyvlm-eval.npz (held-out images, labels, questions, answers) and "
+        "DIR/tinyvlm-calibration.npz (training images for INT8 calibration of the vision "
+        "stage). Variants: v1; v2, retrained with another seed (mostly the same answers); "
+        "bench, random weights at a realistic size (a CLIP-B/16-like tower at 224 px and "
+        "TinyLlama-1.1B's decoder, FP16, about 2.4 GB). Prints training progress to "
+        "stderr and a summary per model with its held-out accuracy.")
+    tinyvlm.add_argument("--variant", default="v1", choices=(*TINYVLM_VARIANTS, "all"),
+                         help="which checkpoint to write (default: v1)")
+    tinyvlm.add_argument("--out", type=Path, default=Path("build/models"), metavar="DIR",
+                         help="output directory (default: build/models)")
+    tinyvlm.set_defaults(handler=_run_tinyvlm)
     resnet18 = model_kinds.add_parser(
         "resnet18",
         help="write a ResNet-18-shaped classifier with random weights",
@@ -92,6 +114,22 @@ def _run_tinyllama(args: argparse.Namespace) -> int:
     for name in tinyllama.VARIANTS if args.variant == "all" else (args.variant,):
         print(tinyllama.write_tinyllama(args.out, name), flush=True)
     print(f"eval prompts: {args.out / tinyllama.EVAL_FILE}", flush=True)
+    return 0
+
+
+def _run_tinyvlm(args: argparse.Namespace) -> int:
+    try:
+        from tiered.models import tinyvlm  # torch, transformers, scikit-learn: only here
+    except ImportError as error:
+        print(f"tiered models tinyvlm: needs the generative and samples extras: {error}",
+              file=sys.stderr)
+        return 2
+    for name in TINYVLM_VARIANTS if args.variant == "all" else (args.variant,):
+        model = tinyvlm.write_tinyvlm(
+            args.out, name, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        print(model.summary(), flush=True)
+    print(f"data: {model.calibration_path} (calibration images), {model.eval_path} "
+          "(held-out images, labels, questions and answers)", flush=True)
     return 0
 
 

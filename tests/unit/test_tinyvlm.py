@@ -95,6 +95,13 @@ def test_preprocessor_config_reproduces_the_trained_pixels(v1) -> None:
     np.testing.assert_array_equal(by_config, stored)
     np.testing.assert_array_equal(tinyvlm.pixel_values(images), stored)
     assert stored.min() == -1.0 and stored.max() == 1.0
+    # transformers' own CLIP image processor reads the file the same way.
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(v1.checkpoint)
+    rgb = [np.repeat(image[:, :, None], 3, axis=2) for image in images[:32]]
+    np.testing.assert_array_equal(processor(images=rgb, return_tensors="np")["pixel_values"],
+                                  stored[:32])
     with np.load(v1.calibration_path) as data:
         assert data["image"].shape == (tinyvlm.CALIBRATION_SAMPLES, 8, 8)
         assert data["pixel_values"].shape == (tinyvlm.CALIBRATION_SAMPLES, 3, 8, 8)
@@ -144,6 +151,13 @@ def test_bench_shape_cut_down_writes_random_fp16_weights_fast(tmp_path) -> None:
     assert config["text_config"]["vocab_size"] == 1000
     preprocessor = json.loads((model.checkpoint / tinyvlm.PREPROCESSOR_FILE).read_text())
     assert preprocessor["size"] == {"height": 32, "width": 32} and preprocessor["do_resize"]
+    from transformers import AutoImageProcessor
+
+    images = np.random.default_rng(0).integers(0, 17, (2, 8, 8), dtype=np.uint8)
+    rgb = [np.repeat(image[:, :, None], 3, axis=2) for image in images]
+    processed = AutoImageProcessor.from_pretrained(model.checkpoint)(
+        images=rgb, return_tensors="np")["pixel_values"]
+    np.testing.assert_array_equal(processed, tinyvlm.pixel_values(images, 32))
     # It runs: stored 8x8 images upsampled to the tower's 32x32, some answer each.
     answers = tinyvlm.answer(model.checkpoint, np.zeros((2, 8, 8), np.uint8), "is it odd or even?")
     assert len(answers) == 2

@@ -119,11 +119,15 @@ def _run_tinyllama(args: argparse.Namespace) -> int:
 
 def _run_tinyvlm(args: argparse.Namespace) -> int:
     try:
+        from transformers.utils import logging as transformers_logging
+
         from tiered.models import tinyvlm  # torch, transformers, scikit-learn: only here
     except ImportError as error:
         print(f"tiered models tinyvlm: needs the generative and samples extras: {error}",
               file=sys.stderr)
         return 2
+    # Its bars for every load and save would bury the training's progress lines.
+    transformers_logging.disable_progress_bar()
     for name in TINYVLM_VARIANTS if args.variant == "all" else (args.variant,):
         model = tinyvlm.write_tinyvlm(
             args.out, name, progress=lambda line: print(line, file=sys.stderr, flush=True))

@@ -2,7 +2,7 @@
 it, answers right on held-out digits, a v2 that differs in weights and not
 much in answers, a bench shape that writes fast, and the CLI's variants.
 
-v1 and v2 are each trained once per file (module fixtures).
+v1 and v2 are trained once per test run (the session's `tinyvlm_models`).
 """
 
 from __future__ import annotations
@@ -30,19 +30,21 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_ACCURACY = 0.95
 
 
-@pytest.fixture(scope="module")
-def out_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tinyvlm")
+def made(models: Path, variant: str) -> tinyvlm.TinyVlmModel:
+    """What `write_tinyvlm` measured of the session's `variant`."""
+    fields = json.loads((models / "made.json").read_text())[variant]
+    return tinyvlm.TinyVlmModel(**{**fields, **{key: Path(fields[key]) for key in (
+        "checkpoint", "eval_path", "calibration_path")}})
 
 
 @pytest.fixture(scope="module")
-def v1(out_dir) -> tinyvlm.TinyVlmModel:
-    return tinyvlm.write_tinyvlm(out_dir, "v1")
+def v1(tinyvlm_models) -> tinyvlm.TinyVlmModel:
+    return made(tinyvlm_models, "v1")
 
 
 @pytest.fixture(scope="module")
-def v2(out_dir) -> tinyvlm.TinyVlmModel:
-    return tinyvlm.write_tinyvlm(out_dir, "v2")
+def v2(tinyvlm_models) -> tinyvlm.TinyVlmModel:
+    return made(tinyvlm_models, "v2")
 
 
 def test_checkpoint_loads_as_llava_with_the_image_token_in_its_tokenizer(v1) -> None:

@@ -37,12 +37,13 @@ from tiered.engines import generative as engines
 from tiered.engines.build import gate, generative, install, report, spec, vision_language
 from tiered.engines.generative.base import GenerativeEngine, Sampling
 from tiered.engines.generative.visual import IMAGE_TOKEN, VisualFacts, decoder_checkpoint
-from tiered.engines.images import PREPROCESSOR_FILE
+from tiered.engines.images import PREPROCESSOR_FILE, Preprocessor
 from tiered.errors import ConfigError
 from tiered.profiles import TierProfile
 from tiered.settings import load_dataclass, read_yaml
 
 STAGE_DIR = "vision"  # the vision stage's directory in a version (agent.config.VisionStageConfig)
+MAX_LISTED = 32  # mismatched questions named in the report
 
 
 def build_whole(
@@ -74,11 +75,8 @@ def build_whole(
         generative.lower(work / "decoder", target, version, work)
         engine_settings = generative.served_settings(target, decoder)
         checkpoint = vision_language.Checkpoint(request.source)
-        data = vision_language.load_stage_data(request.evaluation,
-                                               vision_language.read_preprocessor(request.source),
-                                               settings.eval_samples, "eval")
-        if data.questions is None:
-            raise ConfigError(f"eval: {request.evaluation} holds no `questions`")
+        data = eval_questions(request.evaluation, vision_language.read_preprocessor(
+            request.source), settings.eval_samples)
         stage_config = read_yaml(stage.installed.parent / install.CONFIG_FILE)
         vision = open_engine(stage_config["backend"], stage.installed / install.MODEL_FILE,
                              stage_config.get("engine", {}), f"{profile.tier} vision stage")
@@ -106,8 +104,8 @@ def build_whole(
                         "device": target.device, "note": target.note},
             "vision_stage": stage.report,
             "answers": {"questions": match.questions, "match": match.match,
-                        "mismatched": list(match.mismatched),
-                        **_accuracy(request.evaluation, checkpoint, reference, answers)},
+                        "mismatched": list(match.mismatched)[:MAX_LISTED],
+                        **_accuracy(data, checkpoint, reference, answers)},
             "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
                      "reason": decision.reason},
         }
@@ -171,18 +169,48 @@ def _run_stage(engine: Engine, pixels: np.ndarray) -> np.ndarray:
         for start in range(0, len(pixels), vision_language.EVAL_BATCH)])
 
 
-def _accuracy(path: Path, checkpoint: vision_language.Checkpoint,
+@dataclasses.dataclass(frozen=True)
+class EvalQuestions:
+    """Eval images as pixel values, a question each, and the expected answers
+    where the data has them."""
+
+    pixels: np.ndarray  # FP32 [n, 3, H, W]
+    questions: tuple[str, ...]
+    answers: tuple[str, ...] | None
+
+
+def eval_questions(path: Path, preprocessor: Preprocessor, limit: int) -> EvalQuestions:
+    """An eval npz as `vision_language.load_stage_data` reads it (`questions`
+    one an image, maybe `answers` too), or every image asked each of
+    `question` [k] with `answer` [n, k] expected (tinyvlm-eval.npz's form);
+    at most `limit` questions."""
+    with np.load(path, allow_pickle=False) as archive:
+        asked = archive["question"] if "question" in archive.files else None
+        table = archive["answer"] if "answer" in archive.files else None
+        listed = archive["answers"] if "answers" in archive.files else None
+    data = vision_language.load_stage_data(path, preprocessor, limit, "eval")
+    if data.questions is not None:
+        answers = None if listed is None else tuple(str(a) for a in listed[:len(data.pixels)])
+        return EvalQuestions(data.pixels, data.questions, answers)
+    if asked is None or table is None or table.shape != (len(data.pixels), len(asked)):
+        raise ConfigError(f"eval: {path} holds no questions: `questions` (one an image), or "
+                          "`question` [k] with `answer` [images, k]")
+    count = min(limit, table.size)
+    return EvalQuestions(np.repeat(data.pixels, len(asked), axis=0)[:count],
+                         tuple(str(q) for q in np.tile(asked, len(data.pixels))[:count]),
+                         tuple(str(a) for a in table.reshape(-1)[:count]))
+
+
+def _accuracy(data: EvalQuestions, checkpoint: vision_language.Checkpoint,
               reference: Sequence[Sequence[int]], built: Sequence[Sequence[int]]
               ) -> dict[str, Any]:
-    """Each model's share of expected answers, where the eval data has them."""
-    with np.load(path, allow_pickle=False) as data:
-        if "answers" not in data:
-            return {}
-        expected = [str(a).strip() for a in data["answers"][:len(reference)]]
+    """Each model's share of the expected answers, where the eval data has them."""
+    if data.answers is None:
+        return {}
 
     def share(answers: Sequence[Sequence[int]]) -> float:
         said = [checkpoint.tokenizer.decode(ids, skip_special_tokens=True).strip()
                 for ids in answers]
-        return sum(a == b for a, b in zip(said, expected, strict=False)) / len(expected)
+        return sum(a == b.strip() for a, b in zip(said, data.answers, strict=True)) / len(said)
 
     return {"accuracy_fp32": share(reference), "accuracy_built": share(built)}

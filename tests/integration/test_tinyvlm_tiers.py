@@ -1,0 +1,110 @@
+"""The small vision-language model on two tiers, end to end: the trained
+tinyvlm v1 built whole with the real `tiered build` for the edge (vision
+stage INT8, decoder INT4 on onnxruntime-genai) and the datacenter (vision
+stage FP16, decoder on the torch engine), each served by a real agent, and
+asked about held-out digits with the real tritonclient, directly and through
+a real router."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+from functools import partial
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("tritonclient.grpc")
+
+import tritonclient.grpc as grpcclient  # noqa: E402
+
+from tiered.local.processes import AgentProcess, RouterProcess  # noqa: E402
+from tiered.models import tinyvlm  # noqa: E402
+
+MODEL, ASKED = "tinyvlm", 24  # held-out images asked on each path
+
+
+@pytest.fixture(scope="module")
+def repositories(tinyvlm_models, tmp_path_factory):
+    """Each tier's repository, built by the CLI as a tier's build runs it."""
+    built = {}
+    for tier in ("edge", "datacenter"):
+        root = tmp_path_factory.mktemp(f"{tier}-repository")
+        done = subprocess.run(
+            [sys.executable, "-m", "tiered", "build", str(tinyvlm_models / "tinyvlm-v1"),
+             "--tier", tier, "--model", MODEL, "--version", "1", "--repository", str(root),
+             "--eval", str(tinyvlm_models / tinyvlm.EVAL_FILE),
+             "--calibration", str(tinyvlm_models / tinyvlm.CALIBRATION_FILE)],
+            capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        built[tier] = root, json.loads(done.stdout)["verdict"]  # stdout: the build report
+    return built
+
+
+@pytest.fixture(scope="module")
+def served(repositories, tmp_path_factory):
+    agents = {tier: AgentProcess(tier, root) for tier, (root, _) in repositories.items()}
+    for agent in agents.values():
+        agent.start()
+    table = tmp_path_factory.mktemp("router") / "routing.json"
+    table.write_text(json.dumps({"version": 1, "models": {MODEL: {"tiers": {
+        tier: {"agents": [agent.address]} for tier, agent in agents.items()}}}}))
+    router = RouterProcess(table)
+    router.start()
+    try:
+        yield agents, router
+    finally:
+        for process in (router, *agents.values()):
+            process.stop()
+
+
+def ask(address: str, image: np.ndarray, question: str, headers=None) -> str:
+    """One streamed question about one image; the answer's text."""
+    answers: queue.Queue = queue.Queue()
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([question.encode()], dtype=object))
+    pixels = grpcclient.InferInput("image", list(image.shape), "UINT8")
+    pixels.set_data_from_numpy(image)
+    with grpcclient.InferenceServerClient(address) as client:
+        client.start_stream(partial(lambda q, result, error: q.put(error or result), answers),
+                            headers=headers)
+        client.async_stream_infer(MODEL, [text, pixels])
+        said = []
+        while True:
+            answer = answers.get(timeout=60)
+            assert not isinstance(answer, Exception), answer
+            said += [t.decode() for t in answer.as_numpy("text_output")]
+            if answer.get_response().parameters["triton_final_response"].bool_param:
+                break
+        client.stop_stream()
+    return "".join(said).strip()
+
+
+def test_each_tier_build_passes_its_gate_within_two_points_of_fp32(repositories):
+    for tier, (_, verdict) in repositories.items():
+        assert verdict["built"], (tier, verdict)
+        report = json.loads((repositories[tier][0] / MODEL / "1" / "build.json").read_text())
+        answers = report["answers"]
+        assert answers["accuracy_fp32"] >= 0.95, answers
+        assert answers["accuracy_built"] >= answers["accuracy_fp32"] - 0.02, (tier, answers)
+        assert report["gate"]["verdict"] == "pass"
+
+
+def test_digits_are_answered_in_words_on_each_tier_and_through_the_router(
+        served, tinyvlm_models):
+    agents, router = served
+    data = np.load(tinyvlm_models / tinyvlm.EVAL_FILE)
+    images, labels = data["image"][:ASKED], data["label"][:ASKED]
+    expected = [tinyvlm.NUMBER_WORDS[int(label)] for label in labels]
+    paths = {tier: (agent.address, None) for tier, agent in agents.items()}
+    paths.update({f"router to {tier}": (router.address, {"tiered-tier": tier,
+                                                         "tiered-tier-strict": "true"})
+                  for tier in agents})
+    for path, (address, headers) in paths.items():
+        said = [ask(address, image, "what digit is this?", headers) for image in images]
+        right = sum(a == b for a, b in zip(said, expected, strict=True))
+        assert right >= 0.9 * ASKED, (path, list(zip(said, expected, strict=True)))

@@ -2,15 +2,18 @@
 tinyvlm v1 built whole with the real `tiered build` for the edge (vision
 stage INT8, decoder INT4 on onnxruntime-genai) and the datacenter (vision
 stage FP16, decoder on the torch engine), each served by a real agent, and
-asked about held-out digits with the real tritonclient, directly and through
-a real router."""
+asked about held-out digits with the real tritonclient, directly, through
+a real router, and split: the router has the edge encode each image and the
+datacenter decode from its visual tokens."""
 
 from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import sys
+import urllib.request
 from functools import partial
 
 import numpy as np
@@ -50,15 +53,19 @@ def served(repositories, tmp_path_factory):
     agents = {tier: AgentProcess(tier, root) for tier, (root, _) in repositories.items()}
     for agent in agents.values():
         agent.start()
-    table = tmp_path_factory.mktemp("router") / "routing.json"
-    table.write_text(json.dumps({"version": 1, "models": {MODEL: {"tiers": {
-        tier: {"agents": [agent.address]} for tier, agent in agents.items()}}}}))
-    router = RouterProcess(table)
-    router.start()
+    folder = tmp_path_factory.mktemp("router")
+    routers = {}
+    for name, split in (("whole", None), ("split", {"vision": "edge", "decoder": "datacenter"})):
+        table = folder / f"{name}.json"
+        table.write_text(json.dumps({"version": 1, "models": {MODEL: {"tiers": {
+            tier: {"agents": [agent.address]} for tier, agent in agents.items()},
+            **({"split": split} if split else {})}}}))
+        routers[name] = RouterProcess(table)
+        routers[name].start()
     try:
-        yield agents, router
+        yield agents, routers
     finally:
-        for process in (router, *agents.values()):
+        for process in (*routers.values(), *agents.values()):
             process.stop()
 
 
@@ -94,17 +101,26 @@ def test_each_tier_build_passes_its_gate_within_two_points_of_fp32(repositories)
         assert report["gate"]["verdict"] == "pass"
 
 
-def test_digits_are_answered_in_words_on_each_tier_and_through_the_router(
+def test_digits_are_answered_in_words_on_each_tier_through_the_router_and_split(
         served, tinyvlm_models):
-    agents, router = served
+    agents, routers = served
     data = np.load(tinyvlm_models / tinyvlm.EVAL_FILE)
     images, labels = data["image"][:ASKED], data["label"][:ASKED]
     expected = [tinyvlm.NUMBER_WORDS[int(label)] for label in labels]
     paths = {tier: (agent.address, None) for tier, agent in agents.items()}
-    paths.update({f"router to {tier}": (router.address, {"tiered-tier": tier,
-                                                         "tiered-tier-strict": "true"})
-                  for tier in agents})
+    paths.update({f"router to {tier}": (routers["whole"].address, {
+        "tiered-tier": tier, "tiered-tier-strict": "true"}) for tier in agents})
+    paths["split: edge encodes, datacenter decodes"] = (routers["split"].address, None)
     for path, (address, headers) in paths.items():
         said = [ask(address, image, "what digit is this?", headers) for image in images]
         right = sum(a == b for a, b in zip(said, expected, strict=True))
         assert right >= 0.9 * ASKED, (path, list(zip(said, expected, strict=True)))
+    # Split: every image went to the edge, its visual tokens to the datacenter.
+    metrics = urllib.request.urlopen(routers["split"].metrics_url, timeout=10).read().decode()
+    sent = {what: float(re.search(rf'tiered_router_split_bytes_total{{model="{MODEL}",'
+                                  rf'what="{what}"}} (\S+)', metrics).group(1))
+            for what in ("image", "visual_tokens")}
+    assert sent["image"] == ASKED * images[0].nbytes
+    assert sent["visual_tokens"] == ASKED * 4 * 128 * 4  # 4 tokens of 128 FP32 an image
+    assert f'tiered_router_split_vision_seconds_count{{decoder="datacenter",model="{MODEL}",' \
+        f'vision="edge"}} {float(ASKED)}' in metrics

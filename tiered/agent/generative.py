@@ -33,10 +33,11 @@ from tiered.agent.generation import (
 )
 from tiered.agent.model import Admissions, record_failure
 from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
-from tiered.agent.vision_language import IMAGE, VISUAL_TOKENS, VisionStage
+from tiered.agent.vision_language import VisionStage
 from tiered.engines.generative.base import GenerativeEngine
 from tiered.engines.generative.chat import ChatTemplate
 from tiered.errors import ConfigError, InvalidArgument, TieredError
+from tiered.protocol.messages import IMAGE, VISUAL_TOKENS
 from tiered.telemetry.inference_stats import BatchTiming, InferenceStats
 from tiered.telemetry.recorder import VersionRecorder
 from tiered.telemetry.token_stats import TokenStats

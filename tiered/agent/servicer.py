@@ -31,7 +31,6 @@ from tiered.agent.repository import ModelRepository
 from tiered.agent.scheduler import Piece
 from tiered.agent.sequences import SequenceFlags
 from tiered.agent.shared_memory import CallerRegions, SharedMemory
-from tiered.agent.vision_language import VISUAL_TOKENS
 from tiered.errors import InvalidArgument, TieredError, Unimplemented
 from tiered.protocol import error_text, messages
 from tiered.protocol import grpc_service_pb2 as pb
@@ -177,14 +176,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise InvalidArgument("outputs: a generative model answers in the message, "
                                       "not in shared memory")
             outputs = call.outputs or (TEXT_OUTPUT, TOKEN_IDS)
-            known = (TEXT_OUTPUT, TOKEN_IDS, *((VISUAL_TOKENS,) if model.vision else ()))
+            tokens = messages.VISUAL_TOKENS
+            known = (TEXT_OUTPUT, TOKEN_IDS, *((tokens,) if model.vision else ()))
             for name in outputs:
                 if name not in known:
                     raise InvalidArgument(f"outputs: unknown output {name!r}; model "
                                           f"{model.config.name!r} has {', '.join(known)}")
-            if VISUAL_TOKENS in outputs and len(outputs) > 1:
-                raise InvalidArgument(f"outputs: {VISUAL_TOKENS} (the vision stage's alone) "
-                                      "is asked for by itself")
+            if tokens in outputs and len(outputs) > 1:
+                raise InvalidArgument(f"outputs: {tokens} (the vision stage's alone) is asked "
+                                      "for by itself")
         except TieredError as error:
             model.count_rejected(error)
             raise
@@ -241,9 +241,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _generate_whole(self, model: GenerativeVersion, request: pb.ModelInferRequest,
                               seconds_left: float, raw: list | None) -> pb.ModelInferResponse:
         call, generation = self._generation(model, request, raw)
-        if call.outputs == (VISUAL_TOKENS,):
+        if call.outputs == (messages.VISUAL_TOKENS,):
             return messages.encode_infer_response(call, model.config.name, model.version, {
-                VISUAL_TOKENS: await model.visual_tokens(generation)})
+                messages.VISUAL_TOKENS: await model.visual_tokens(generation)})
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
         pieces: list[Piece] = []
         async with contextlib.aclosing(model.generate(generation, deadline, WHOLE)) as stream:

@@ -36,8 +36,8 @@ from tiered.engines import Engine, open_engine
 from tiered.engines.generative.visual import IMAGE_TOKEN, VisualFacts
 from tiered.engines.images import PREPROCESSOR_FILE, Preprocessor, pixel_values
 from tiered.errors import ConfigError, InvalidArgument
+from tiered.protocol.messages import IMAGE, VISUAL_TOKENS
 
-IMAGE, VISUAL_TOKENS = "image", "visual_tokens"
 STAGE_MODEL = "model.onnx"  # in the vision stage's directory
 PIXELS, TOKENS = "pixel_values", "visual_tokens"  # the vision stage's input and output
 

@@ -28,6 +28,9 @@ FINAL_RESPONSE = "triton_final_response"
 # whole-text (ModelInfer) answer the mean natural-log probability of those
 # tokens under the model (a response parameter; the router's cascade reads it).
 TOKEN_IDS = "token_ids"
+# A vision-language model's inputs: an image, or its vision stage's output
+# (the router's split sends the one tier's in place of the other's image).
+IMAGE, VISUAL_TOKENS = "image", "visual_tokens"
 MEAN_LOGPROB = "mean_logprob"
 # A generative model's response parameters: its request's prompt in tokens, and
 # on the last response why it ended ("length": max_tokens; "stop": the model's

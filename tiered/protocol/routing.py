@@ -129,6 +129,25 @@ class CascadeSettings:
 
 
 @dataclass(frozen=True)
+class SplitRoute:
+    """A vision-language model split across two tiers: a request with an
+    image is encoded by the `vision` tier's agents (its vision stage alone)
+    and answered by the `decoder` tier's from those visual tokens."""
+
+    vision: str
+    decoder: str
+
+    def __post_init__(self) -> None:
+        for role in ("vision", "decoder"):
+            if getattr(self, role) not in names.TIERS:
+                raise ConfigError(f"{role}: unknown tier {getattr(self, role)!r}; expected one "
+                                  f"of {', '.join(names.TIERS)}")
+        if self.vision == self.decoder:
+            raise ConfigError(f"decoder: the same tier as vision ({self.vision}); a split "
+                              "needs two")
+
+
+@dataclass(frozen=True)
 class ModelRoute:
     tiers: Mapping[str, TierRoute]
     policy: str = names.Policy.SLO_ENERGY
@@ -138,6 +157,7 @@ class ModelRoute:
     cascade: CascadeSettings = field(default_factory=CascadeSettings)
     stage_floor: float = DEFAULT_STAGE_FLOOR  # see DEFAULT_STAGE_FLOOR
     asleep: tuple[str, ...] = ()  # tiers with no agent now: requests wake them
+    split: SplitRoute | None = None  # a vision-language model's stages on two tiers
 
     def __post_init__(self) -> None:
         _freeze(self, "asleep")
@@ -162,6 +182,11 @@ class ModelRoute:
             raise ConfigError(f"max_in_flight: expected >= 1, got {self.max_in_flight}")
         if not 0.0 <= self.stage_floor <= 1.0:
             raise ConfigError(f"stage_floor: expected 0..1, got {self.stage_floor}")
+        if self.split is not None:
+            for role in ("vision", "decoder"):
+                tier = getattr(self.split, role)
+                if tier not in self.tiers and tier not in self.asleep:
+                    raise ConfigError(f"split.{role}: tier {tier!r} has no entry in tiers")
         if self.policy == names.Policy.CASCADE:
             missing = [t for t in self.cascade.tiers if t not in self.tiers]
             if missing:

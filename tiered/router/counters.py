@@ -165,6 +165,16 @@ class RouterMetrics:
             "(generative) models: from arrival at the router to their first response relayed "
             "to the client, by the tier and version that answered",
             ["model", "tier", "version"], buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.split_stage = Histogram(
+            "tiered_router_split_vision_seconds", "Requests of a vision-language model split "
+            "across tiers: the vision tier's time to encode their images, by the tiers of the "
+            "split", ["model", "vision", "decoder"], buckets=LATENCY_BUCKETS_S,
+            registry=self.registry)
+        self.split_bytes = Counter(
+            "tiered_router_split_bytes", "Requests split across tiers: the image bytes the "
+            "vision tier took (what = image) and the visual-token bytes sent on to the "
+            "decoder tier in their place (what = visual_tokens)", ["model", "what"],
+            registry=self.registry)
         self._children: dict[tuple[object, ...], Counter | Histogram] = {}
 
     def _child(self, counter, *labels: str):
@@ -184,6 +194,14 @@ class RouterMetrics:
     def first_response(self, model: str, tier: str, version: str, seconds: float) -> None:
         """A streamed request's first response went out `seconds` after it arrived."""
         self._child(self.first_token, model, tier, version).observe(seconds)
+
+    def split(self, model: str, split: tuple[str, str], seconds: float, image_bytes: int,
+              token_bytes: int) -> None:
+        """A request split across (vision, decoder) tiers: its vision stage's
+        time and the bytes it swapped."""
+        self._child(self.split_stage, model, *split).observe(seconds)
+        self._child(self.split_bytes, model, "image").inc(image_bytes)
+        self._child(self.split_bytes, model, "visual_tokens").inc(token_bytes)
 
     def failed_over(self, model: str, tier: str, reason: str) -> None:
         self._child(self.failovers, model, tier, reason).inc()

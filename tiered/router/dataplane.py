@@ -15,9 +15,12 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
+import numpy as np
+
 from tiered import errors, names
 from tiered.protocol import error_text, messages, routing, security
 from tiered.protocol import grpc_service_pb2 as pb
+from tiered.protocol.messages import IMAGE, VISUAL_TOKENS
 from tiered.router import (
     counters,
     demand,
@@ -144,9 +147,14 @@ class Router:
                                       started)
             route = await self._awake(request, route, metadata, deadline)
             wanted, choices, _, ranking = self._rank(request, route, metadata)
+            candidates = ranking.candidates
+            if splits(route, request, wanted):
+                assert route.split is not None
+                request, raw = await self._split(request, route, candidates, deadline)
+                candidates = [c for c in candidates if c.tier == route.split.decoder]
             try:
                 opened = await streams.open_stream(self.forwarder, request, raw,
-                                                   ranking.candidates, route, deadline)
+                                                   candidates, route, deadline)
             except (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded) \
                     as error:
                 if wanted.strict:
@@ -175,6 +183,27 @@ class Router:
             self.shadows.send_generation(
                 request, raw, lambda: tuple(t for r in relayed for t in forward.token_ids(r)),
                 opened.candidate, route, table.timeout_s)
+
+    async def _split(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
+                     candidates: Sequence[policies.Candidate], deadline: float
+                     ) -> tuple[pb.ModelInferRequest, bytes]:
+        """The request to send the decoder tier: the vision tier's agents
+        encode its image (their vision stage alone, a unary call asking for
+        `visual_tokens`), which it then carries in place of the image."""
+        assert route.split is not None
+        started = self.clock()
+        ask = pb.ModelInferRequest()
+        ask.CopyFrom(request)
+        del ask.outputs[:]
+        ask.outputs.add().name = VISUAL_TOKENS
+        answer = await self.forwarder.forward(
+            ask, ask.SerializeToString(),
+            [c for c in candidates if c.tier == route.split.vision], route, deadline)
+        tokens, token_bytes = answer.response.outputs[0], answer.response.raw_output_contents[0]
+        decoder, image_bytes = with_visual_tokens(request, tokens, token_bytes)
+        self.metrics.split(request.model_name, (route.split.vision, route.split.decoder),
+                           self.clock() - started, image_bytes, len(token_bytes))
+        return decoder, decoder.SerializeToString()
 
     async def _ask_decoupled(self, model: str) -> bool:
         """Whether the model is decoupled, as the first of its agents to answer
@@ -289,6 +318,37 @@ class Router:
         self.shadows.cancel()
         self.decoupled.cancel()
         await self.pool.close()
+
+
+def splits(route: routing.ModelRoute, request: pb.ModelInferRequest,
+           wanted: policies.RouteRequest) -> bool:
+    """Whether a request goes split across the route's tiers: the route
+    splits, the request carries an image, and no tier hint keeps it whole on
+    one tier."""
+    return route.split is not None and wanted.tier is None and any(
+        tensor.name == IMAGE for tensor in request.inputs)
+
+
+def with_visual_tokens(request: pb.ModelInferRequest, tokens: pb.ModelInferResponse.
+                       InferOutputTensor, token_bytes: bytes) -> tuple[pb.ModelInferRequest, int]:
+    """The request with its image replaced by the vision stage's tokens, and
+    the image's bytes."""
+    out = pb.ModelInferRequest()
+    out.CopyFrom(request)
+    raw = len(out.raw_input_contents) == len(out.inputs)
+    index = next(i for i, tensor in enumerate(out.inputs) if tensor.name == IMAGE)
+    image = out.inputs[index]
+    image_bytes = len(out.raw_input_contents[index]) if raw else image.ByteSize()
+    del out.inputs[index]
+    if raw:
+        del out.raw_input_contents[index]
+    tensor = out.inputs.add(name=VISUAL_TOKENS, datatype=tokens.datatype)
+    tensor.shape.extend(tokens.shape)
+    if raw:
+        out.raw_input_contents.append(token_bytes)
+    else:
+        tensor.contents.fp32_contents.extend(np.frombuffer(token_bytes, "<f4").tolist())
+    return out, image_bytes
 
 
 def agents_by_tier(table: routing.RoutingTable) -> set[tuple[str, str]]:

@@ -217,10 +217,10 @@ def test_a_noisy_projector_fails_the_gate(made, checkpoint, tmp_path):
     assert lenient.verdict == "fail" and "answer match" in lenient.reason
 
 
-def test_the_pipeline_refuses_a_llava_checkpoint_without_a_stage(made, tmp_path):
+def test_the_pipeline_refuses_what_it_cannot_build_of_a_llava_checkpoint(made, tmp_path):
     profile = load_profile("edge", None)
     settings = spec.choose_vision_settings(profile, {})
-    for stage, source, problem in ((None, made["checkpoint"], "--stage vision or"),
+    for stage, source, problem in ((None, made["checkpoint"], "judged on its answers: give"),
                                    ("vision", made["eval"], "not a vision-language"),
                                    ("audio", made["checkpoint"], "'audio' is not one of")):
         request = spec.BuildRequest(source=source, repository=tmp_path / "repo", model="m",

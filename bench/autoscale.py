@@ -62,6 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
 
 from bench import common
+from tiered.controller.plan import SCALE_INTERVAL_S
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file
@@ -527,11 +528,20 @@ def agent_seconds(samples: Sequence[tuple[float, dict[str, int]]]) -> dict[str, 
 
 def scale_changes(samples: Sequence[tuple[float, dict[str, int]]], tier: str
                   ) -> list[tuple[float, int, int]]:
-    """(when, from, to) each time the tier's agent processes changed."""
-    changes = []
+    """(when, from, to) of each change of the tier's agent processes: one
+    decision's agents, started or stopped one after the other, count once
+    (steps the same way closer than the controller's SCALE_INTERVAL_S, in
+    which it decides at most once)."""
+    changes: list[tuple[float, int, int]] = []
     for (_, before), (t, after) in zip(samples, samples[1:]):
-        if before.get(tier, 0) != after.get(tier, 0):
-            changes.append((t, before.get(tier, 0), after.get(tier, 0)))
+        was, now = before.get(tier, 0), after.get(tier, 0)
+        if was == now:
+            continue
+        if changes and t - changes[-1][0] < SCALE_INTERVAL_S and \
+                (now > was) == (changes[-1][2] > changes[-1][1]):
+            changes[-1] = (changes[-1][0], changes[-1][1], now)  # the same decision
+        else:
+            changes.append((t, was, now))
     return changes
 
 

@@ -383,3 +383,26 @@ def test_autoscale_bench_runs_both_arms_and_wakes_a_sleeping_tier_without_errors
     assert_header(stdout, "arm", "phase", "req/s", "sent", "errors")
     assert_header(stdout, "arm", "tier", "agent-s")
     assert_header(stdout, "target", "what", "value", "needs", "verdict")
+
+
+def test_vlm_bench_answers_whole_on_each_tier_and_split_at_each_image_size(tmp_path,
+                                                                          tinyvlm_models):
+    result, stdout = run_smoke("vlm", tmp_path, "--models", str(tinyvlm_models),
+                               timeout_s=480)
+    rows = result["rows"]
+    assert {(r["arm"], r["image_px"]) for r in rows} == {
+        (arm, size) for arm in ("whole edge", "whole datacenter", "split") for size in (8, 256)}
+    for row in rows:
+        assert row["right"] >= 0.75, row  # 8 held-out digits
+        assert positive(row["ttft_ms"]["p50_ms"]) and positive(row["tpot_ms"]["p50_ms"]), row
+        assert row["energy_source"] in {"nvml", "rapl", "model"}, row
+    upstream = {(r["arm"], r["image_px"]): r["upstream_bytes_per_request"] for r in rows}
+    assert upstream[("whole datacenter", 256)] == 256 * 256 * 3
+    assert upstream[("split", 256)] < upstream[("whole datacenter", 256)]
+    assert upstream[("whole edge", 8)] == 0
+    assert {b: result["builds"][b]["gate"] for b in result["builds"]} == {
+        "edge": "pass", "datacenter": "pass"}
+    assert_targets(result["targets"], {"split TTFT 8 px", "split TTFT 256 px",
+                                       "split upstream bytes 256 px"})
+    assert_header(stdout, "arm", "image", "px", "req/s")
+    assert_header(stdout, "target", "what", "value", "needs", "verdict")

@@ -160,8 +160,7 @@ class GenerativeVersion:
         with self.admissions.request():
             try:
                 if request.images is not None:  # counted in the first token's time
-                    assert self.vision is not None
-                    request = await self.vision.encode(request)
+                    request = await self._encoded(request)
                 job = self.scheduler.submit(request, deadline)
                 while not finished:
                     events = [await job.queue.get()]
@@ -197,6 +196,15 @@ class GenerativeVersion:
             # Busy time comes from the steps (batch_ran), not from here.
             self.recorder.request_succeeded(elapsed_ns / 1e9, queue_s, compute_ns / 1e9, 1)
 
+    async def _encoded(self, request: GenerationRequest) -> GenerationRequest:
+        """The request with its images' visual tokens; the vision stage's run
+        counts as an execution and as busy time (what its energy follows)."""
+        assert self.vision is not None and request.images is not None
+        started = time.perf_counter()
+        encoded = await self.vision.encode(request)
+        self._stepped(time.perf_counter() - started, request.images.count)
+        return encoded
+
     async def visual_tokens(self, request: GenerationRequest) -> np.ndarray:
         """Only the vision stage: the request's images as visual tokens, FP32
         [images, tokens, hidden] (what the router's split asks one tier for,
@@ -207,7 +215,7 @@ class GenerativeVersion:
         started = time.perf_counter_ns()
         with self.admissions.request():
             try:
-                visual = (await self.vision.encode(request)).visual
+                visual = (await self._encoded(request)).visual
             except TieredError as error:
                 self._failed(time.perf_counter_ns() - started, error)
                 raise

@@ -1,0 +1,273 @@
+"""Benchmark: a vision-language model whole on one tier against split across two.
+
+The small trained model (`tiered models tinyvlm`, v1: questions about 8x8
+digits) is built by the real `tiered build` for the edge (vision stage INT8,
+decoder INT4 on onnxruntime-genai) and the datacenter (vision stage FP16,
+decoder on the torch engine) and served by one real agent each. Two real
+routers over the same agents: one routes whole (each request hinted, strict,
+to one tier), one splits (`split: {vision: edge, decoder: datacenter}`: the
+edge encodes the image, the datacenter answers from its visual tokens).
+
+Three arms, each at several image sizes (the digit upscaled to S x S RGB
+uint8, as a camera's frame is larger than the model's input; the agent's
+preprocessing resizes it): whole on the edge, whole on the datacenter, and
+split. Each arm asks "what digit is this?" of held-out images, `--streams`
+at a time, for `--requests` requests, and reports TTFT and TPOT percentiles
+(client side: the first response, then the gaps between responses), answers
+right, the bytes a request sends upstream (from the edge's site to the
+datacenter: the image when the datacenter answers whole, its visual tokens
+when split, none when the edge answers whole), and J per request from the
+agents' own telemetry (`Telemetry.Stats`: each version's active joules over
+the arm, with its source: `model` on a machine without RAPL or NVML, an
+estimate). All agents share this machine's cores: the "tiers" differ in
+engine and precision, not in hardware.
+
+Targets (benchmark targets): split TTFT p50 within 1.2x of the best whole
+arm's at the same size; split upstream bytes at most 1/5 of sending the
+image, at sizes of 64 px and more.
+
+Run: `.venv/bin/python bench/vlm.py` (a few minutes, most of it training and
+building; `--models DIR` reuses `tiered models tinyvlm --variant v1 --out
+DIR`), `--smoke --out PATH` for a quick check that it still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
+
+import grpc  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+
+from bench import common  # noqa: E402
+from tiered.local.processes import AgentProcess, RouterProcess  # noqa: E402
+from tiered.models import tinyvlm  # noqa: E402
+from tiered.protocol import telemetry_pb2 as tpb  # noqa: E402
+from tiered.protocol import telemetry_pb2_grpc as tpb_grpc  # noqa: E402
+from tiered.telemetry.recorder import SLOT_S  # noqa: E402
+
+MODEL, QUESTION = "tinyvlm", "what digit is this?"
+TIERS = ("edge", "datacenter")
+ARMS = ("whole edge", "whole datacenter", "split")
+SIZES, SMOKE_SIZES = (8, 64, 256, 1024), (8, 256)
+TARGET_TTFT_RATIO = 1.2
+TARGET_BYTES_RATIO = 0.2
+BYTES_TARGET_FROM_PX = 64
+SPLIT = {"vision": "edge", "decoder": "datacenter"}
+
+
+def build(models: Path, tier: str, repository: Path) -> dict[str, Any]:
+    """The tier's whole build of tinyvlm v1 by the CLI; its build report."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tiered", "build", str(models / "tinyvlm-v1"), "--tier", tier,
+         "--model", MODEL, "--version", "1", "--repository", str(repository),
+         "--eval", str(models / tinyvlm.EVAL_FILE),
+         "--calibration", str(models / tinyvlm.CALIBRATION_FILE)],
+        capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"tiered build --tier {tier} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def routing_table(path: Path, agents: dict[str, AgentProcess],
+                  split: dict[str, str] | None) -> Path:
+    """A routing table of the agents, splitting the model or not."""
+    path.write_text(json.dumps({"version": 1, "models": {MODEL: {"tiers": {
+        tier: {"agents": [agent.address]} for tier, agent in agents.items()},
+        **({"split": split} if split else {})}}}))
+    return path
+
+
+def frame(image: np.ndarray, size: int) -> np.ndarray:
+    """A stored digit (0..16) as an S x S RGB frame, each pixel repeated."""
+    grey = np.kron(image, np.ones((size // image.shape[0],) * 2, np.uint8))
+    return np.repeat(grey[:, :, None], 3, axis=2)
+
+
+def ask(address: str, image: np.ndarray, headers: dict[str, str] | None
+        ) -> tuple[str, float, list[float]]:
+    """One streamed question: the answer, seconds to its first response, and
+    the gaps between the responses after it."""
+    answers: queue.Queue = queue.Queue()
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([QUESTION.encode()], dtype=object))
+    pixels = grpcclient.InferInput("image", list(image.shape), "UINT8")
+    pixels.set_data_from_numpy(image)
+    with grpcclient.InferenceServerClient(address) as client:
+        client.start_stream(partial(lambda q, result, error: q.put(
+            (time.perf_counter(), error or result)), answers), headers=headers)
+        started = time.perf_counter()
+        client.async_stream_infer(MODEL, [text, pixels])
+        said, times = [], []
+        while True:
+            at, answer = answers.get(timeout=120)
+            if isinstance(answer, Exception):
+                client.stop_stream()
+                raise answer
+            said += [t.decode() for t in answer.as_numpy("text_output")]
+            times.append(at)
+            if answer.get_response().parameters["triton_final_response"].bool_param:
+                break
+        client.stop_stream()
+    return "".join(said).strip(), times[0] - started, list(np.diff(times))
+
+
+def version_joules(agent: AgentProcess, cursor: float) -> tuple[float, float, set[str]]:
+    """The agent's versions' active joules since `cursor`, its new cursor and
+    the energy sources."""
+    with grpc.insecure_channel(agent.address) as channel:
+        reply = tpb_grpc.TelemetryStub(channel).Stats(
+            tpb.StatsRequest(model_name=MODEL, cursor=cursor), timeout=10)
+    joules = sum(v.energy.joules for v in reply.versions if v.HasField("energy"))
+    return joules, reply.end, {v.energy.source for v in reply.versions if v.HasField("energy")}
+
+
+def run_arm(arm: str, address: str, headers: dict[str, str] | None, images: np.ndarray,
+            labels: np.ndarray, size: int, streams: int, agents: dict[str, AgentProcess],
+            cursors: dict[str, float]) -> dict[str, Any]:
+    frames = [frame(image, size) for image in images]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        results = list(pool.map(lambda f: ask(address, f, headers), frames))
+    seconds = time.perf_counter() - started
+    time.sleep(2 * SLOT_S)  # the agents' telemetry slots of this arm close
+    joules, sources = 0.0, set()
+    for tier, agent in agents.items():
+        used, cursors[tier], said = version_joules(agent, cursors[tier])
+        joules, sources = joules + used, sources | said
+    expected = [tinyvlm.NUMBER_WORDS[int(label)] for label in labels]
+    ttft = [r[1] for r in results]
+    tpot = [gap for r in results for gap in r[2]]
+    image_bytes = frames[0].nbytes
+    upstream = {"whole edge": 0, "whole datacenter": image_bytes,
+                "split": TOKENS_BYTES}[arm]
+    return {
+        "arm": arm, "image_px": size, "requests": len(results), "streams": streams,
+        "seconds": seconds, "requests_per_s": len(results) / seconds,
+        "right": sum(r[0] == e for r, e in zip(results, expected, strict=True)) / len(results),
+        "ttft_ms": common.percentiles_ms(ttft), "tpot_ms": common.percentiles_ms(tpot),
+        "image_bytes": image_bytes, "upstream_bytes_per_request": upstream,
+        "j_per_request": joules / len(results) if joules > 0 else None,
+        "energy_source": ",".join(sorted(sources)) or None,
+    }
+
+
+TOKENS_BYTES = 4 * 128 * 4  # tinyvlm v1: 4 visual tokens of 128 FP32 an image
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> list[common.Target]:
+    out = []
+    for size in sorted({r["image_px"] for r in rows}):
+        at = {r["arm"]: r for r in rows if r["image_px"] == size}
+        best = min(at[a]["ttft_ms"]["p50_ms"] for a in ("whole edge", "whole datacenter"))
+        out.append(common.judge(f"split TTFT {size} px", "split TTFT p50 / best whole arm's",
+                                common.ratio(at["split"]["ttft_ms"]["p50_ms"], best), "<=",
+                                TARGET_TTFT_RATIO))
+        if size >= BYTES_TARGET_FROM_PX:
+            out.append(common.judge(
+                f"split upstream bytes {size} px", "visual tokens / the image, a request",
+                common.ratio(at["split"]["upstream_bytes_per_request"],
+                             at["whole datacenter"]["upstream_bytes_per_request"]), "<=",
+                TARGET_BYTES_RATIO))
+    return out
+
+
+def report(rows: Sequence[dict[str, Any]], goals: Sequence[common.Target]) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    return "\n\n".join([
+        common.table(["arm", "image px", "req/s", "right", "TTFT p50 ms", "TTFT p95 ms",
+                      "TPOT p50 ms", "upstream B/req", "J/req", "energy source"],
+                     [[r["arm"], r["image_px"], f"{r['requests_per_s']:.1f}",
+                       f"{r['right']:.0%}", ms(r["ttft_ms"]["p50_ms"]), ms(r["ttft_ms"]["p95_ms"]),
+                       ms(r["tpot_ms"]["p50_ms"]), f"{r['upstream_bytes_per_request']:,}",
+                       "-" if r["j_per_request"] is None else f"{r['j_per_request']:.4f}",
+                       r["energy_source"] or "-"] for r in rows]),
+        common.targets_table(goals)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, help="a directory `tiered models tinyvlm "
+                        "--variant v1` wrote (default: train v1 into a scratch directory)")
+    parser.add_argument("--requests", type=int, help="requests an arm and size (default 96; "
+                        "smoke 8)")
+    parser.add_argument("--streams", type=int, default=4, help="requests at once (default 4)")
+    common.add_arguments(parser, "vlm")
+    args = common.parse(parser, argv, "vlm")
+    requests = args.requests or (8 if args.smoke else 96)
+    sizes = SMOKE_SIZES if args.smoke else SIZES
+    result = common.record("vlm", args.smoke)
+    with tempfile.TemporaryDirectory(prefix="bench-vlm-") as scratch_name:
+        scratch = Path(scratch_name)
+        models = args.models
+        if models is None:
+            common.progress("training tinyvlm v1 (about half a minute)")
+            models = scratch / "models"
+            tinyvlm.write_tinyvlm(models, "v1")
+        builds = {}
+        for tier in TIERS:
+            common.progress(f"building tinyvlm v1 for {tier}")
+            builds[tier] = build(models, tier, scratch / tier)
+        data = np.load(models / tinyvlm.EVAL_FILE)
+        images, labels = data["image"][:requests], data["label"][:requests]
+        agents = {tier: AgentProcess(tier, scratch / tier) for tier in TIERS}
+        addresses = {"whole edge": ("whole", {"tiered-tier": "edge",
+                                              "tiered-tier-strict": "true"}),
+                     "whole datacenter": ("whole", {"tiered-tier": "datacenter",
+                                                    "tiered-tier-strict": "true"}),
+                     "split": ("split", None)}
+        rows = []
+        with common.serving(list(agents.values())):
+            routers = {name: RouterProcess(routing_table(scratch / f"{name}.json", agents,
+                                                         split))
+                       for name, split in (("whole", None), ("split", SPLIT))}
+            with common.serving(list(routers.values())):
+                cursors = {}
+                for tier, agent in agents.items():  # the cursors start after a warm-up
+                    ask(agent.address, frame(images[0], 8), None)
+                    time.sleep(2 * SLOT_S)
+                    _, cursors[tier], _ = version_joules(agent, 0.0)
+                for size in sizes:
+                    for arm in ARMS:
+                        router, headers = addresses[arm]
+                        common.progress(f"{arm}, {size} px: {requests} requests, "
+                                        f"{args.streams} at a time")
+                        rows.append(run_arm(arm, routers[router].address, headers, images,
+                                            labels, size, args.streams, agents, cursors))
+    goals = targets(rows)
+    result.update({
+        "settings": {"requests": requests, "streams": args.streams, "sizes": list(sizes),
+                     "question": QUESTION},
+        "builds": {tier: {"answers": b["answers"], "decoder": b["decoder"],
+                          "gate": b["gate"]["verdict"]} for tier, b in builds.items()},
+        "rows": rows, "targets": goals, "overall": common.overall(goals),
+        "note": "all agents share one machine's cores; energy is each agent's versions' "
+                "active joules from its own telemetry, with its source",
+    })
+    print(report(rows, goals))
+    common.write(result, args.out)
+    if args.smoke:
+        return common.smoke_exit({"rows": (rows, ("requests_per_s", "ttft_ms.p50_ms",
+                                                  "tpot_ms.p50_ms", "image_bytes"))})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

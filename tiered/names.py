@@ -46,10 +46,18 @@ class Precision(StrEnum):
 class ModelKind(StrEnum):
     """What a TieredModel serves, which decides what its rollouts are judged
     on: one answer per request (request latency, J/inference) or tokens
-    streamed (time to first token, time per output token, J/token)."""
+    streamed (time to first token, time per output token, J/token): a
+    generative model's, or a vision-language model's, which answers an image
+    and a question (its vision stage's time counted in the first token's)."""
 
     PREDICTIVE = "predictive"
     GENERATIVE = "generative"
+    VISION_LANGUAGE = "vision-language"
+
+    @property
+    def streams_tokens(self) -> bool:
+        """Judged on its tokens (TTFT, TPOT, J/token), not on its requests."""
+        return self is not ModelKind.PREDICTIVE
 
 
 class Policy(StrEnum):

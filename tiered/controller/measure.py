@@ -270,7 +270,7 @@ class StageAccumulator:
         generative model's output tokens, TTFT and TPOT p95 and J per output
         token."""
         m = self.measurements(stable_version, tiers)
-        generative = kind == names.ModelKind.GENERATIVE
+        generative = names.ModelKind(kind).streams_tokens
 
         def headline(samples: VersionSamples, energy_source: str | None = None) -> Figures:
             if generative:

@@ -111,7 +111,7 @@ def report_thresholds(spec: TieredModel) -> dict[str, float | None]:
     """The canary limits the report draws, from the spec's analysis: those of
     the metrics the model's kind is judged on."""
     analysis = spec.rollout.analysis
-    if spec.kind == names.ModelKind.GENERATIVE:
+    if names.ModelKind(spec.kind).streams_tokens:
         ttft, tpot, energy = analysis.ttft_p95, analysis.tpot_p95, analysis.energy_per_token
         return {"ttft_p95_max_ratio": ttft.max_ratio if ttft else None,
                 "ttft_p95_max_ms": ttft.max_ms if ttft else None,

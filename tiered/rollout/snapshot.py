@@ -93,7 +93,7 @@ class Snapshot:
     @property
     def generative(self) -> bool:
         """Judged on TTFT, TPOT and J/token, not request p95 and J/inference."""
-        return self.kind == names.ModelKind.GENERATIVE
+        return names.ModelKind(self.kind).streams_tokens
 
 
 # Each figure's key, "{who}" standing for stable or canary.

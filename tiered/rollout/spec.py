@@ -345,6 +345,8 @@ METRICS_OF_KIND: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
                                  "energy_per_inference", "agreement"),
     names.ModelKind.GENERATIVE: ("ttft_p95", "ttft_shift", "tpot_p95", "error_rate",
                                  "energy_per_token", "agreement"),
+    names.ModelKind.VISION_LANGUAGE: ("ttft_p95", "ttft_shift", "tpot_p95", "error_rate",
+                                      "energy_per_token", "agreement"),
 })
 
 
@@ -392,7 +394,9 @@ class TieredModel(Checked):
         names.ModelKind.PREDICTIVE, enum=tuple(names.ModelKind),
         doc="predictive: one answer a request, judged on request latency and J/inference; "
         "generative: tokens streamed, judged on time to first token, time per output token "
-        "and J/token. Said, not guessed from the artifact")
+        "and J/token; vision-language: an image and text in, tokens streamed, judged as "
+        "generative (its vision stage's time in the first token's). Said, not guessed from "
+        "the artifact")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -150,7 +150,7 @@ class Router:
             candidates = ranking.candidates
             if splits(route, request, wanted):
                 assert route.split is not None
-                request, raw = await self._split(request, route, candidates, deadline)
+                request, raw = await self._split(request, raw, route, candidates, deadline)
                 candidates = [c for c in candidates if c.tier == route.split.decoder]
             try:
                 opened = await streams.open_stream(self.forwarder, request, raw,
@@ -184,20 +184,16 @@ class Router:
                 request, raw, lambda: tuple(t for r in relayed for t in forward.token_ids(r)),
                 opened.candidate, route, table.timeout_s)
 
-    async def _split(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
-                     candidates: Sequence[policies.Candidate], deadline: float
-                     ) -> tuple[pb.ModelInferRequest, bytes]:
+    async def _split(self, request: pb.ModelInferRequest, raw: bytes,
+                     route: routing.ModelRoute, candidates: Sequence[policies.Candidate],
+                     deadline: float) -> tuple[pb.ModelInferRequest, bytes]:
         """The request to send the decoder tier: the vision tier's agents
         encode its image (their vision stage alone, a unary call asking for
         `visual_tokens`), which it then carries in place of the image."""
         assert route.split is not None
         started = self.clock()
-        ask = pb.ModelInferRequest()
-        ask.CopyFrom(request)
-        del ask.outputs[:]
-        ask.outputs.add().name = VISUAL_TOKENS
         answer = await self.forwarder.forward(
-            ask, ask.SerializeToString(),
+            request, asking_visual_tokens(request, raw),
             [c for c in candidates if c.tier == route.split.vision], route, deadline)
         tokens, token_bytes = answer.response.outputs[0], answer.response.raw_output_contents[0]
         decoder, image_bytes = with_visual_tokens(request, tokens, token_bytes)
@@ -329,19 +325,42 @@ def splits(route: routing.ModelRoute, request: pb.ModelInferRequest,
         tensor.name == IMAGE for tensor in request.inputs)
 
 
+_ASK_VISUAL_TOKENS = pb.ModelInferRequest(
+    outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name=VISUAL_TOKENS)]
+).SerializeToString()
+
+
+def asking_visual_tokens(request: pb.ModelInferRequest, raw: bytes) -> bytes:
+    """`raw` (the bytes of `request`) asking for the output `visual_tokens`
+    alone: the vision stage's part. A repeated field appends on the wire, so
+    a request naming no outputs (as clients' streams do) is not rebuilt."""
+    if not request.outputs:
+        return raw + _ASK_VISUAL_TOKENS
+    ask = pb.ModelInferRequest()
+    ask.CopyFrom(request)
+    del ask.outputs[:]
+    ask.outputs.add().name = VISUAL_TOKENS
+    return ask.SerializeToString()
+
+
 def with_visual_tokens(request: pb.ModelInferRequest, tokens: pb.ModelInferResponse.
                        InferOutputTensor, token_bytes: bytes) -> tuple[pb.ModelInferRequest, int]:
-    """The request with its image replaced by the vision stage's tokens, and
-    the image's bytes."""
-    out = pb.ModelInferRequest()
-    out.CopyFrom(request)
-    raw = len(out.raw_input_contents) == len(out.inputs)
-    index = next(i for i, tensor in enumerate(out.inputs) if tensor.name == IMAGE)
-    image = out.inputs[index]
-    image_bytes = len(out.raw_input_contents[index]) if raw else image.ByteSize()
-    del out.inputs[index]
-    if raw:
-        del out.raw_input_contents[index]
+    """The request with its image replaced by the vision stage's tokens (the
+    image is not copied), and the image's bytes."""
+    out = pb.ModelInferRequest(model_name=request.model_name,
+                               model_version=request.model_version, id=request.id)
+    for key, value in request.parameters.items():
+        out.parameters[key].CopyFrom(value)
+    out.outputs.extend(request.outputs)
+    raw = len(request.raw_input_contents) == len(request.inputs)
+    image_bytes = 0
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name == IMAGE:
+            image_bytes = len(request.raw_input_contents[index]) if raw else tensor.ByteSize()
+            continue
+        out.inputs.append(tensor)
+        if raw:
+            out.raw_input_contents.append(request.raw_input_contents[index])
     tensor = out.inputs.add(name=VISUAL_TOKENS, datatype=tokens.datatype)
     tensor.shape.extend(tokens.shape)
     if raw:

@@ -189,7 +189,7 @@ class HostBackend:
         before = dict(yaml.safe_load(path.read_text()) or {})
         batching = spec.tiers[tier].batching
         config = {**before, "version_policy": {"specific": list(versions)}}
-        if spec.kind != names.ModelKind.GENERATIVE:
+        if not names.ModelKind(spec.kind).streams_tokens:
             config |= {"max_batch_size": batching.max_batch_size,
                        "dynamic_batching": {**(before.get("dynamic_batching") or {}),
                                             "max_queue_delay_us": batching.max_queue_delay_us}}

@@ -248,7 +248,7 @@ def tinyllama_models(tmp_path_factory) -> Path:
 # processes: they are shared out one by one. The other long files follow.
 LOCAL_SYSTEMS = (("test_local_generative.py", "test_local_system.py", "test_chaos.py",
                   "test_autoscaling.py"),
-                 ("test_walkthrough.py",))
+                 ("test_walkthrough.py", "test_local_vision_language.py"))
 SPREAD_FILES = ("test_bench_smoke.py",)
 LONG_FILES = ("test_both_backends.py", "test_background_builds.py", "test_kube_controller.py")
 

@@ -110,3 +110,43 @@ def write_eval_npz(path: Path, count: int, seed: int = 0) -> Path:
     questions = np.array([QUESTIONS[i % len(QUESTIONS)] for i in range(count)])
     np.savez(path, images=eval_images(count, seed=seed), questions=questions)
     return path
+
+
+def ask_streamed(address: str, model: str, question: str, headers=None,
+                 **tensors) -> list:
+    """One streamed request (`text_input` and the named arrays) with the real
+    tritonclient: its responses, up to the final one; an error raised."""
+    import queue
+    from functools import partial
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    datatypes = {np.uint8: "UINT8", np.int32: "INT32", np.float32: "FP32", np.object_: "BYTES"}
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES")]
+    inputs[0].set_data_from_numpy(np.array([question.encode()], dtype=object))
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), datatypes[array.dtype.type])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(address) as client:
+        client.start_stream(partial(lambda q, result, error: q.put(error or result), answers),
+                            headers=headers)
+        try:
+            client.async_stream_infer(model, inputs)
+            responses = []
+            while True:
+                answer = answers.get(timeout=60)
+                if isinstance(answer, Exception):
+                    raise answer
+                responses.append(answer)
+                if answer.get_response().parameters["triton_final_response"].bool_param:
+                    return responses
+        finally:
+            client.stop_stream()
+
+
+def answer_text(responses: list) -> str:
+    """The text a stream's responses carried, stripped."""
+    return "".join(t.decode() for r in responses for t in r.as_numpy("text_output")).strip()

@@ -14,11 +14,9 @@ sent with the real tritonclient through the router while a rollout is judged.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import Counter
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,7 @@ import pytest
 import yaml
 
 from tests.integration.test_local_generative import tiered
+from tests.vlm_fixtures import answer_text, ask_streamed
 from tiered import names
 from tiered.controller.host.state import StateLayout
 from tiered.controller.reconciler import decode_status
@@ -35,8 +34,6 @@ from tiered.models import tinyvlm
 
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("tritonclient.grpc")
-
-import tritonclient.grpc as grpcclient  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tinyvlm.yaml"
 MODEL, QUESTION = "tinyvlm", "what digit is this?"
@@ -104,26 +101,7 @@ def rollout_of(local: LocalUp, store: StateStore, done, timeout_s: float):
 
 
 def ask(router: str, image: np.ndarray, headers=None) -> str:
-    answers: queue.Queue = queue.Queue()
-    text = grpcclient.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([QUESTION.encode()], dtype=object))
-    pixels = grpcclient.InferInput("image", list(image.shape), "UINT8")
-    pixels.set_data_from_numpy(image)
-    with grpcclient.InferenceServerClient(router) as client:
-        client.start_stream(partial(lambda q, result, error: q.put(error or result), answers),
-                            headers=headers)
-        client.async_stream_infer(MODEL, [text, pixels])
-        said = []
-        while True:
-            answer = answers.get(timeout=60)
-            if isinstance(answer, Exception):
-                client.stop_stream()
-                raise answer
-            said += [t.decode() for t in answer.as_numpy("text_output")]
-            if answer.get_response().parameters["triton_final_response"].bool_param:
-                break
-        client.stop_stream()
-    return "".join(said).strip()
+    return answer_text(ask_streamed(router, MODEL, QUESTION, headers, image=image))
 
 
 class Questions:

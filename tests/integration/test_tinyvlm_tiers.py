@@ -9,12 +9,10 @@ datacenter decode from its visual tokens."""
 from __future__ import annotations
 
 import json
-import queue
 import re
 import subprocess
 import sys
 import urllib.request
-from functools import partial
 
 import numpy as np
 import pytest
@@ -23,8 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("tritonclient.grpc")
 
-import tritonclient.grpc as grpcclient  # noqa: E402
-
+from tests.vlm_fixtures import answer_text, ask_streamed  # noqa: E402
 from tiered.local.processes import AgentProcess, RouterProcess  # noqa: E402
 from tiered.models import tinyvlm  # noqa: E402
 
@@ -71,24 +68,7 @@ def served(repositories, tmp_path_factory):
 
 def ask(address: str, image: np.ndarray, question: str, headers=None) -> str:
     """One streamed question about one image; the answer's text."""
-    answers: queue.Queue = queue.Queue()
-    text = grpcclient.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([question.encode()], dtype=object))
-    pixels = grpcclient.InferInput("image", list(image.shape), "UINT8")
-    pixels.set_data_from_numpy(image)
-    with grpcclient.InferenceServerClient(address) as client:
-        client.start_stream(partial(lambda q, result, error: q.put(error or result), answers),
-                            headers=headers)
-        client.async_stream_infer(MODEL, [text, pixels])
-        said = []
-        while True:
-            answer = answers.get(timeout=60)
-            assert not isinstance(answer, Exception), answer
-            said += [t.decode() for t in answer.as_numpy("text_output")]
-            if answer.get_response().parameters["triton_final_response"].bool_param:
-                break
-        client.stop_stream()
-    return "".join(said).strip()
+    return answer_text(ask_streamed(address, MODEL, question, headers, image=image))
 
 
 def test_each_tier_build_passes_its_gate_within_two_points_of_fp32(repositories):

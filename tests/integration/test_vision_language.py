@@ -7,9 +7,7 @@ the same pixels; bad requests get clear errors and the agent keeps serving."""
 
 from __future__ import annotations
 
-import queue
 import shutil
-from functools import partial
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ pytest.importorskip("tritonclient.grpc")
 import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from tests.vlm_fixtures import QUESTIONS, write_tiny_llava  # noqa: E402
+from tests.vlm_fixtures import QUESTIONS, ask_streamed, write_tiny_llava  # noqa: E402
 from tiered.agent.repository import write_config  # noqa: E402
 from tiered.engines.build.vision_language import export_vision_stage  # noqa: E402
 from tiered.engines.generative.visual import decoder_checkpoint  # noqa: E402
@@ -77,30 +75,9 @@ def reference(checkpoint, image: np.ndarray, question: str) -> list[int]:
 
 def ask(agent, question: str, **tensors: np.ndarray) -> list[int]:
     """One streamed request; the token ids it was answered with."""
-    answers: queue.Queue = queue.Queue()
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES")]
-    inputs[0].set_data_from_numpy(np.array([question.encode()], dtype=object))
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), {
-            np.uint8: "UINT8", np.float32: "FP32", np.object_: "BYTES"}[array.dtype.type])
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    max_tokens = grpcclient.InferInput("max_tokens", [1], "INT32")
-    max_tokens.set_data_from_numpy(np.array([MAX_TOKENS], np.int32))
-    with grpcclient.InferenceServerClient(agent.address) as client:
-        client.start_stream(partial(lambda q, result, error: q.put(error or result), answers))
-        client.async_stream_infer(MODEL, [*inputs, max_tokens])
-        ids = []
-        while True:
-            answer = answers.get(timeout=60)
-            if isinstance(answer, InferenceServerException):
-                client.stop_stream()
-                raise answer
-            ids += answer.as_numpy("token_ids").tolist()
-            if answer.get_response().parameters["triton_final_response"].bool_param:
-                break
-        client.stop_stream()
-    return ids
+    responses = ask_streamed(agent.address, MODEL, question,
+                             max_tokens=np.array([MAX_TOKENS], np.int32), **tensors)
+    return [t for r in responses for t in r.as_numpy("token_ids").tolist()]
 
 
 def test_an_image_is_answered_as_transformers_answers_it(agent, checkpoint, images):

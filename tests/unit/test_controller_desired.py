@@ -24,6 +24,8 @@ from tiered.controller.desired import (
     version_of,
     wanted_versions,
 )
+from tiered.errors import ConfigError
+from tiered.protocol import routing
 from tiered.protocol.routing import DEFAULT_STAGE_FLOOR, dump_table, parse_table
 from tiered.rollout import engine
 from tiered.rollout.spec import Artifact, load_tiered_model
@@ -420,3 +422,26 @@ def test_an_advance_into_a_starved_stage_says_why_and_each_hold_keeps_saying_it(
     assert explain_starvation(spec, explained) == explained  # said once, not piled up
     fine = model(tiers=THREE, stages=EDGE_FIRST)
     assert explain_starvation(fine, decision) is decision
+
+
+def test_a_vision_language_split_reaches_the_table_while_both_its_tiers_are_there():
+    def vlm(split: dict | None, kind: str = "vision-language"):
+        return load_tiered_model({
+            "name": "vlm", "kind": kind,
+            "artifact": {"uri": "/m/vlm", "sha256": SHA_A},
+            "tiers": {"edge": {}, "datacenter": {}},
+            "routing": {"split": split} if split else {},
+            "rollout": {"stages": STAGES[:1], "analysis": {"agreement": None}}})
+
+    split = {"vision": "edge", "decoder": "datacenter"}
+    serving = RolloutStatus(stable_version=1, phase=names.Phase.PROMOTED)
+    both = {"edge": ("e:1",), "datacenter": ("d:1",)}
+    table = routing_table(1, [(vlm(split), serving)], same_agents(both))
+    assert table.models["vlm"].split == routing.SplitRoute("edge", "datacenter")
+    assert parse_table(yaml.safe_load(dump_table(table))) == table  # it survives the file
+    edge_only = routing_table(1, [(vlm(split), serving)], same_agents({"edge": ("e:1",)}))
+    assert edge_only.models["vlm"].split is None  # served whole until the decoder tier is up
+    with pytest.raises(ConfigError, match="routing.split: only for kind vision-language"):
+        vlm(split, kind="generative")
+    with pytest.raises(ConfigError, match="routing.split.decoder: tier 'regional' is not"):
+        vlm({"vision": "edge", "decoder": "regional"})

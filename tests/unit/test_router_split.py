@@ -85,3 +85,22 @@ def test_a_split_names_two_tiers_of_the_route():
         document = {"version": 1, "models": {"vlm": {**tiers["models"]["vlm"], "split": split}}}
         with pytest.raises(ConfigError, match=problem):
             routing.parse_table(document)
+
+
+def test_the_vision_tier_encodes_with_the_version_the_decoder_tier_answers_with():
+    route = routing.ModelRoute(
+        tiers={"edge": routing.TierRoute(("a:1",), 1, canary=2, canary_weight=0.3,
+                                         canary_agents=("c:1",)),
+               "datacenter": routing.TierRoute(("b:1",), 1)},
+        split=routing.SplitRoute("edge", "datacenter"))
+    assert dataplane.split_encoders(route, 1) == [policies.Candidate("edge", "a:1", 1)]
+    # The canary staged on the edge only: the datacenter never decodes its tokens.
+    assert dataplane.split_encoders(route, 2) == [policies.Candidate("edge", "c:1", 2)]
+    staged = routing.ModelRoute(
+        tiers={"edge": routing.TierRoute(("a:1",), 1),
+               "datacenter": routing.TierRoute(("b:1",), 1, canary=2, canary_weight=0.3)},
+        split=routing.SplitRoute("edge", "datacenter"))
+    assert dataplane.split_encoders(staged, 2) == []  # whole on the datacenter instead
+    asleep = routing.ModelRoute(tiers={"edge": route.tiers["edge"]}, asleep=("datacenter",),
+                                split=routing.SplitRoute("edge", "datacenter"))
+    assert not dataplane.splits(asleep, request(True), policies.RouteRequest("vlm"))

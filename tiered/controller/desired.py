@@ -294,8 +294,20 @@ def routing_table(version: int, models: Sequence[tuple[TieredModel, RolloutStatu
             tiers, policy=spec.routing.policy if cascade_tiers else "slo-energy",
             slo_ms=spec.routing.slo_ms, stage_floor=STAGE_FLOOR,
             cascade=routing.CascadeSettings(cascade_tiers, cascade.threshold, cascade.output)
-            if cascade_tiers else routing.CascadeSettings(), asleep=tuple(asleep))
+            if cascade_tiers else routing.CascadeSettings(), asleep=tuple(asleep),
+            split=_split(spec, tiers, asleep))
     return routing.RoutingTable(version, table)
+
+
+def _split(spec: TieredModel, tiers: Mapping[str, routing.TierRoute],
+           asleep: Sequence[str]) -> routing.SplitRoute | None:
+    """The spec's split, while both its tiers are in the route (up or asleep);
+    else the model is served whole."""
+    split = spec.routing.split
+    if split is None or not all(t in tiers or t in asleep
+                                for t in (split.vision, split.decoder)):
+        return None
+    return routing.SplitRoute(split.vision, split.decoder)
 
 
 def next_table(previous: routing.RoutingTable | None,

@@ -194,6 +194,21 @@ class CascadeSettings(Checked):
 
 
 @dataclass(frozen=True)
+class Split(Checked):
+    """A vision-language model's stages on two tiers (`tiered.router.dataplane`)."""
+
+    vision: str = spec_field(doc="the tier whose agents encode the image", enum=names.TIERS)
+    decoder: str = spec_field(doc="the tier whose agents answer from the visual tokens",
+                              enum=names.TIERS)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.vision == self.decoder:
+            raise ConfigError(f"decoder: the same tier as vision ({self.vision}); a split "
+                              "needs two")
+
+
+@dataclass(frozen=True)
 class Routing(Checked):
     policy: str = spec_field(names.Policy.SLO_ENERGY, doc="how the router picks a tier",
                              enum=tuple(names.Policy))
@@ -201,6 +216,9 @@ class Routing(Checked):
                                minimum=0.0, exclusive_minimum=True)
     cascade: CascadeSettings = spec_field(default_factory=CascadeSettings,
                                           doc="settings of the cascade policy")
+    split: Split | None = spec_field(
+        None, doc="a vision-language model: requests with an image (and no tier hint) are "
+        "encoded on the vision tier and answered on the decoder tier; null: whole on one tier")
 
 
 @dataclass(frozen=True)
@@ -402,6 +420,15 @@ class TieredModel(Checked):
         super().__post_init__()
         if not self.tiers:
             raise ConfigError("tiers: needs at least one tier")
+        split = self.routing.split
+        if split is not None:
+            if self.kind != names.ModelKind.VISION_LANGUAGE:
+                raise ConfigError(f"routing.split: only for kind {names.ModelKind.VISION_LANGUAGE}"
+                                  f" (its stages), not {self.kind}")
+            for role in ("vision", "decoder"):
+                if getattr(split, role) not in self.tiers:
+                    raise ConfigError(f"routing.split.{role}: tier {getattr(split, role)!r} is "
+                                      "not one of the model's tiers")
         if not self.rollout.analysis.judged(self.kind):
             raise ConfigError(f"rollout.analysis: every metric a {self.kind} model is judged "
                               f"on ({', '.join(map(wire_key, METRICS_OF_KIND[self.kind]))}) "

@@ -147,13 +147,16 @@ class Router:
                                       started)
             route = await self._awake(request, route, metadata, deadline)
             wanted, choices, _, ranking = self._rank(request, route, metadata)
-            candidates = ranking.candidates
+            candidates, sent, sent_raw = ranking.candidates, request, raw
             if splits(route, request, wanted):
                 assert route.split is not None
-                request, raw = await self._split(request, raw, route, candidates, deadline)
-                candidates = [c for c in candidates if c.tier == route.split.decoder]
+                decoder = route.split.decoder
+                candidates = [c for c in candidates if c.tier == decoder]
+                encoders = split_encoders(route, choices[decoder].version)
+                if encoders:  # else the vision tier lacks that version: whole on the decoder's
+                    sent, sent_raw = await self._split(request, raw, route, encoders, deadline)
             try:
-                opened = await streams.open_stream(self.forwarder, request, raw,
+                opened = await streams.open_stream(self.forwarder, sent, sent_raw,
                                                    candidates, route, deadline)
             except (errors.Unavailable, errors.ResourceExhausted, errors.DeadlineExceeded) \
                     as error:
@@ -185,16 +188,15 @@ class Router:
                 opened.candidate, route, table.timeout_s)
 
     async def _split(self, request: pb.ModelInferRequest, raw: bytes,
-                     route: routing.ModelRoute, candidates: Sequence[policies.Candidate],
+                     route: routing.ModelRoute, encoders: Sequence[policies.Candidate],
                      deadline: float) -> tuple[pb.ModelInferRequest, bytes]:
         """The request to send the decoder tier: the vision tier's agents
-        encode its image (their vision stage alone, a unary call asking for
-        `visual_tokens`), which it then carries in place of the image."""
+        (`encoders`) encode its image (their vision stage alone, a unary call
+        asking for `visual_tokens`), which it then carries in place of the image."""
         assert route.split is not None
         started = self.clock()
         answer = await self.forwarder.forward(
-            request, asking_visual_tokens(request, raw),
-            [c for c in candidates if c.tier == route.split.vision], route, deadline)
+            request, asking_visual_tokens(request, raw), encoders, route, deadline)
         tokens, token_bytes = answer.response.outputs[0], answer.response.raw_output_contents[0]
         decoder, image_bytes = with_visual_tokens(request, tokens, token_bytes)
         self.metrics.split(request.model_name, (route.split.vision, route.split.decoder),
@@ -319,15 +321,29 @@ class Router:
 def splits(route: routing.ModelRoute, request: pb.ModelInferRequest,
            wanted: policies.RouteRequest) -> bool:
     """Whether a request goes split across the route's tiers: the route
-    splits, the request carries an image, and no tier hint keeps it whole on
-    one tier."""
-    return route.split is not None and wanted.tier is None and any(
-        tensor.name == IMAGE for tensor in request.inputs)
+    splits and both its tiers are up (not asleep), the request carries an
+    image, and no tier hint keeps it whole on one tier."""
+    return route.split is not None and wanted.tier is None \
+        and route.split.vision in route.tiers and route.split.decoder in route.tiers \
+        and any(tensor.name == IMAGE for tensor in request.inputs)
 
 
 _ASK_VISUAL_TOKENS = pb.ModelInferRequest(
     outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name=VISUAL_TOKENS)]
 ).SerializeToString()
+
+
+def split_encoders(route: routing.ModelRoute, version: int) -> list[policies.Candidate]:
+    """The vision tier's agents serving `version`, the one the decoder tier
+    was chosen to answer with: a version's two stages are one model, so its
+    visual tokens are never decoded by another version. None where the
+    vision tier does not serve it (a canary staged on one tier only)."""
+    assert route.split is not None
+    tier = route.tiers.get(route.split.vision)
+    if tier is None or version not in (tier.stable, tier.canary):
+        return []
+    return [policies.Candidate(route.split.vision, agent, version)
+            for agent in tier.agents_for(version)]
 
 
 def asking_visual_tokens(request: pb.ModelInferRequest, raw: bytes) -> bytes:

@@ -99,10 +99,11 @@ class Settings:
     fixed_edge: int | None = None  # None: the most the autoscaled arm ran
     # Concurrency an edge agent holds, as the controller reads it (the agents'
     # own latencies, not the router's): on the 2-core VM with little else
-    # running, 20/s on one agent read 0.006 on average and the burst at most
-    # 0.043; beside other work it read above 0.15 (a target of 0.15
-    # then scaled the burst to 3 agents, and idle, not at all).
-    target: float = 0.02
+    # running, 20/s on one agent read 0.005-0.008 on average, at most
+    # 0.018-0.022 (four runs: 0.02 scaled the low phase up in two of them), and
+    # the burst at most 0.043-0.14; beside other work it read above 0.15 (a
+    # target of 0.15 then scaled the burst to 3 agents, and idle, not at all).
+    target: float = 0.03
     scale_down_window_s: float = 20.0
     idle_s: float = 15.0  # datacenter goes to zero after this long without a request
     wake_requests: int = 5

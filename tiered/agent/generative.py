@@ -6,7 +6,10 @@ The agent's counterpart of `model.ModelVersion` for decoupled models: the
 repository, servicer, telemetry and metrics read the same attributes
 (`config`, `version`, `engine`, `stats`, `recorder`, `queue_depth`,
 `in_flight`, `drain`). A request becomes a stream of `Piece`s, one per token;
-leaving the stream early (the client went away) frees its sequence.
+leaving the stream early (the client went away) frees its sequence. A
+vision-language version also holds its vision stage (`vision_language.py`):
+a request's images become visual tokens before it joins the scheduler, and
+a unary call asking for `visual_tokens` alone runs only that stage.
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ digits v1 and built in the background; once it serves on three tiers,
 (the same greedy output) must be promoted and tinyllama-v3.yaml (slower per
 token) rolled back, judged on time to first token and per output token.
 
+Last, the vision-language act: examples/tinyvlm.yaml (a small LLaVA-style
+checkpoint trained once on the digits into build/models) is built for the
+edge and the datacenter, both its stages a version, and once it serves it
+answers questions about held-out digits, sent with their images through
+the router, in words.
+
 Each controller decision and each judged window prints as it happens; at the
 end a report (HTML with plots, and JSON) is written, and the demo checks the
 outcomes and that no client request failed.
@@ -356,6 +362,76 @@ def _digits_rollouts(store: StateStore, up: LocalUp, last: int, terminal: LiveLi
           f"in stage {final.stage_index + 1}", bool(failed))
 
 
+VISION_LANGUAGE = "tinyvlm"
+ASKED = 20  # held-out digits the vision-language act asks about
+
+
+def prepare_tinyvlm(models: Path, say: Callable[[str], None]) -> None:
+    """Train the small vision-language checkpoint v1 into `models` unless it is there."""
+    from tiered.models import tinyvlm
+
+    if (models / "tinyvlm-v1" / "config.json").is_file() \
+            and (models / tinyvlm.EVAL_FILE).is_file():
+        return
+    made = tinyvlm.write_tinyvlm(models, "v1")
+    say(f"trained {made.summary()}")
+
+
+def _vision_language_act(store: StateStore, up: LocalUp, router: str, models: Path,
+                         terminal: LiveLines, check: Callable[[str, bool], None]) -> None:
+    """examples/tinyvlm.yaml on the edge and the datacenter; once it serves,
+    questions about held-out digits through the router, answered in words."""
+    from tiered.models import tinyvlm
+
+    def served(status) -> bool:
+        return status is not None and status.stable_version == 1 and next(
+            (c.status == "True" for c in decode_status(VISION_LANGUAGE, store.get(
+                VISION_LANGUAGE).status).conditions if c.type == "Ready"), False)
+
+    terminal.say("7. tiered apply -f examples/tinyvlm.yaml: a small vision-language model "
+                 "(both stages built for the edge and the datacenter)")
+    apply_file(store, EXAMPLES / "tinyvlm.yaml")
+    _follow(store, up, served, 0, SERVED_TIMEOUT_S, terminal, "  ", VISION_LANGUAGE)
+    data = np.load(models / tinyvlm.EVAL_FILE)
+    right = 0
+    for index, (image, label) in enumerate(zip(data["image"][:ASKED], data["label"][:ASKED],
+                                               strict=True)):
+        said = ask_about_image(router, VISION_LANGUAGE, image, "what digit is this?")
+        right += said == tinyvlm.NUMBER_WORDS[int(label)]
+        if index < 3:
+            terminal.say(f"  an image of a {label}: 'what digit is this?' -> {said!r}")
+    check(f"tinyvlm answers {ASKED} held-out digits through the router ({right} right)",
+          right >= 0.9 * ASKED)
+
+
+def ask_about_image(router: str, model: str, image: np.ndarray, question: str) -> str:
+    """One streamed question about an image with the real tritonclient; the
+    answer's text."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"),
+              grpcclient.InferInput("image", list(image.shape), "UINT8")]
+    inputs[0].set_data_from_numpy(np.array([question.encode()], dtype=object))
+    inputs[1].set_data_from_numpy(image.astype(np.uint8))
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(router) as client:
+        client.start_stream(lambda result, error: answers.put(error or result))
+        try:
+            client.async_stream_infer(model, inputs)
+            pieces = []
+            while True:
+                answer = answers.get(timeout=60)
+                if isinstance(answer, Exception):
+                    raise answer
+                pieces += [t.decode() for t in answer.as_numpy("text_output")]
+                if answer.get_response().parameters["triton_final_response"].bool_param:
+                    return "".join(pieces).strip()
+        finally:
+            client.stop_stream()
+
+
 def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
         generative: bool = True) -> int:
     """The rollout demo; with `generative`, the generative act runs beside it."""
@@ -375,6 +451,7 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
     prepare_sample_models(models.resolve(), say)
     if generative:
         prepare_tinyllama(models.resolve(), say)
+        prepare_tinyvlm(models.resolve(), say)
     if models.resolve() != (EXAMPLES.parent / "build" / "models").resolve():
         sys.exit(f"tiered demo: the examples read their models from build/models; run it "
                  f"from {EXAMPLES.parent}")
@@ -423,11 +500,17 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
                 terminal.say("   waiting for the generative act")
                 checks += act.join(SERVED_TIMEOUT_S + sum(rollout_timeout_s(
                     EXAMPLES / f"{GENERATIVE}-{v}.yaml") for v in ("v2", "v3")))
+            if generative:
+                try:
+                    _vision_language_act(store, up, running.router, models.resolve(),
+                                         terminal, check)
+                except Undecided as undecided:
+                    check(f"tinyvlm served ({undecided})", False)
 
             history = _timed(store, MODEL)
         ok = traffic.outcomes["ok"]
         failed = {k: v for k, v in traffic.outcomes.items() if k != "ok"}
-        terminal.say(f"7. Traffic: {ok} answered, {sum(failed.values())} failed")
+        terminal.say(f"8. Traffic: {ok} answered, {sum(failed.values())} failed")
         for what, count in failed.items():
             terminal.say(f"     {count} x {what}")
         check("every client request answered", ok > 0 and not failed)
@@ -436,7 +519,7 @@ def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),
                                 {"requests answered": ok, "requests failed": sum(failed.values()),
                                  "traffic": f"{RATE_PER_S:g}/s, {CONCURRENCY} clients",
                                  "demo seconds": round(time.monotonic() - started, 1)})
-        terminal.say(f"8. Report: {html} and {js}")
+        terminal.say(f"9. Report: {html} and {js}")
     except Undecided as undecided:  # v1 never served: nothing to roll out
         check(f"version 1 served ({undecided})", False)
     finally:

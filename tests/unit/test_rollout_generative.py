@@ -90,7 +90,7 @@ def test_a_kind_with_every_one_of_its_metrics_null_is_refused():
 
 def test_the_crd_declares_kind_and_the_generative_bounds():
     spec = crd_validation()["openAPIV3Schema"]["properties"]["spec"]
-    assert spec["properties"]["kind"]["enum"] == ["predictive", "generative"]
+    assert spec["properties"]["kind"]["enum"] == ["predictive", "generative", "vision-language"]
     assert spec["properties"]["kind"]["default"] == "predictive"
     analysis = spec["properties"]["rollout"]["properties"]["analysis"]["properties"]
     assert set(analysis["ttftP95"]["properties"]) == {"maxRatio", "maxMilliseconds"}

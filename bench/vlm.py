@@ -36,10 +36,12 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import re
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -137,10 +139,21 @@ def version_joules(agent: AgentProcess, cursor: float) -> tuple[float, float, se
     return joules, reply.end, {v.energy.source for v in reply.versions if v.HasField("energy")}
 
 
-def run_arm(arm: str, address: str, headers: dict[str, str] | None, images: np.ndarray,
-            labels: np.ndarray, size: int, streams: int, agents: dict[str, AgentProcess],
-            cursors: dict[str, float]) -> dict[str, Any]:
+def split_token_bytes(router: RouterProcess) -> float:
+    """The visual-token bytes the router has sent on to decoder tiers (its
+    tiered_router_split_bytes_total)."""
+    text = urllib.request.urlopen(router.metrics_url, timeout=10).read().decode()
+    found = re.search(r'tiered_router_split_bytes_total\{[^}]*what="visual_tokens"[^}]*\} '
+                      r'(\S+)', text)
+    return float(found.group(1)) if found else 0.0
+
+
+def run_arm(arm: str, router: RouterProcess, headers: dict[str, str] | None,
+            images: np.ndarray, labels: np.ndarray, size: int, streams: int,
+            agents: dict[str, AgentProcess], cursors: dict[str, float]) -> dict[str, Any]:
+    address = router.address
     frames = [frame(image, size) for image in images]
+    sent_before = split_token_bytes(router)
     started = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         results = list(pool.map(lambda f: ask(address, f, headers), frames))
@@ -154,8 +167,9 @@ def run_arm(arm: str, address: str, headers: dict[str, str] | None, images: np.n
     ttft = [r[1] for r in results]
     tpot = [gap for r in results for gap in r[2]]
     image_bytes = frames[0].nbytes
+    # Split: what the router counted sending on; whole: the image itself, or nothing.
     upstream = {"whole edge": 0, "whole datacenter": image_bytes,
-                "split": TOKENS_BYTES}[arm]
+                "split": (split_token_bytes(router) - sent_before) / len(results)}[arm]
     return {
         "arm": arm, "image_px": size, "requests": len(results), "streams": streams,
         "seconds": seconds, "requests_per_s": len(results) / seconds,
@@ -165,9 +179,6 @@ def run_arm(arm: str, address: str, headers: dict[str, str] | None, images: np.n
         "j_per_request": joules / len(results) if joules > 0 else None,
         "energy_source": ",".join(sorted(sources)) or None,
     }
-
-
-TOKENS_BYTES = 4 * 128 * 4  # tinyvlm v1: 4 visual tokens of 128 FP32 an image
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[common.Target]:
@@ -196,7 +207,7 @@ def report(rows: Sequence[dict[str, Any]], goals: Sequence[common.Target]) -> st
                       "TPOT p50 ms", "upstream B/req", "J/req", "energy source"],
                      [[r["arm"], r["image_px"], f"{r['requests_per_s']:.1f}",
                        f"{r['right']:.0%}", ms(r["ttft_ms"]["p50_ms"]), ms(r["ttft_ms"]["p95_ms"]),
-                       ms(r["tpot_ms"]["p50_ms"]), f"{r['upstream_bytes_per_request']:,}",
+                       ms(r["tpot_ms"]["p50_ms"]), f"{r['upstream_bytes_per_request']:,.0f}",
                        "-" if r["j_per_request"] is None else f"{r['j_per_request']:.4f}",
                        r["energy_source"] or "-"] for r in rows]),
         common.targets_table(goals)])
@@ -249,8 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         router, headers = addresses[arm]
                         common.progress(f"{arm}, {size} px: {requests} requests, "
                                         f"{args.streams} at a time")
-                        rows.append(run_arm(arm, routers[router].address, headers, images,
-                                            labels, size, args.streams, agents, cursors))
+                        rows.append(run_arm(arm, routers[router], headers, images, labels,
+                                            size, args.streams, agents, cursors))
     goals = targets(rows)
     result.update({
         "settings": {"requests": requests, "streams": args.streams, "sizes": list(sizes),

@@ -229,11 +229,7 @@ def _preflight(request: spec.BuildRequest, chain: chains.EnsembleChain,
                 f"the build installs every step as version {version} with the ensemble, so "
                 f"give -1 (the newest) or {version}")
     for model in (chain.name, *(step.model for step in chain.steps)):
-        install.check_layout_names(model, version)
-        model_dir = request.repository / model
-        if (model_dir / str(version)).exists() and not request.force:
-            raise ConfigError(f"version: {model_dir / str(version)} already exists; pass "
-                              "--force to replace it")
+        install.check_destination(request, model)
     for step in chain.steps:
         model_dir = request.repository / step.model
         newer = sorted(int(c.name) for c in model_dir.glob("*")

@@ -312,14 +312,8 @@ def _preflight(request: spec.BuildRequest, settings: spec.GenerativeBuildSetting
     """Refuse what cannot be built before the builder runs; the eval prompts."""
     if not engines.is_checkpoint(request.source):
         raise ConfigError(f"artifact: {request.source} is not a checkpoint directory")
-    install.check_layout_names(request.model, request.version)
-    if request.repository.exists() and not request.repository.is_dir():
-        raise ConfigError(f"repository: {request.repository} is not a directory")
-    model_dir = request.repository / request.model
-    if (model_dir / str(request.version)).exists() and not request.force:
-        raise ConfigError(f"version: {model_dir / str(request.version)} already exists; "
-                          "pass --force to replace it")
-    config_path = model_dir / install.CONFIG_FILE
+    install.check_destination(request)
+    config_path = request.repository / request.model / install.CONFIG_FILE
     if config_path.is_file():
         served = read_yaml(config_path).get("backend")
         if served != settings.backend:

@@ -39,6 +39,20 @@ def check_layout_names(model: str, version: int) -> None:
         raise ConfigError(f"version: must be a positive integer, got {version}")
 
 
+def check_destination(request: spec.BuildRequest, model: str | None = None) -> None:
+    """What refuses a build before it starts, wherever it installs: a model
+    name that is not a plain directory, a repository that is not a directory,
+    and a version already there (unless --force). `model`: another model
+    the build installs beside the request's (an ensemble's step)."""
+    model = request.model if model is None else model
+    check_layout_names(model, request.version)
+    if request.repository.exists() and not request.repository.is_dir():
+        raise ConfigError(f"repository: {request.repository} is not a directory")
+    target = request.repository / model / str(request.version)
+    if target.exists() and not request.force:
+        raise ConfigError(f"version: {target} already exists; pass --force to replace it")
+
+
 def new_config(settings: spec.BuildSettings, engine_settings: Mapping[str, Any],
                profile: TierProfile, step: int | None) -> dict[str, Any]:
     """config.yaml for a model the build creates (an existing one is left alone)."""

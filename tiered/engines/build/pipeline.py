@@ -180,21 +180,13 @@ def _preflight(request: spec.BuildRequest, profile: TierProfile,
     """Everything that can refuse a build before minutes are spent on it."""
     if not request.source.is_file():
         raise ConfigError(f"artifact: {request.source} is not a file")
-    install.check_layout_names(request.model, request.version)
-    if request.repository.exists() and not request.repository.is_dir():
-        raise ConfigError(f"repository: {request.repository} is not a directory")
+    install.check_destination(request)
     if settings.backend not in tuple(names.Backend):
         raise ConfigError(
             f"backend: {settings.backend!r} has no engine in this installation of tiered "
             f"(engines: {', '.join(names.Backend)}); build for it once its engine is registered"
         )
-    model_dir = request.repository / request.model
-    if (model_dir / str(request.version)).exists() and not request.force:
-        raise ConfigError(
-            f"version: {model_dir / str(request.version)} already exists; pass --force to "
-            "replace it"
-        )
-    config_path = model_dir / install.CONFIG_FILE
+    config_path = request.repository / request.model / install.CONFIG_FILE
     if config_path.is_file():
         config = read_yaml(config_path)
         served = config.get("backend", profile.engine)

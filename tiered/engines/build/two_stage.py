@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from tiered.engines import Engine, open_engine
 from tiered.engines import generative as engines
+from tiered.engines import open_engine
 from tiered.engines.build import gate, generative, install, report, spec, vision_language
 from tiered.engines.generative.base import GenerativeEngine, Sampling
-from tiered.engines.generative.visual import IMAGE_TOKEN, VisualFacts, decoder_checkpoint
+from tiered.engines.generative.visual import IMAGE_TOKEN, decoder_checkpoint
 from tiered.engines.images import PREPROCESSOR_FILE, Preprocessor
 from tiered.errors import ConfigError
 from tiered.profiles import TierProfile
@@ -81,7 +81,7 @@ def build_whole(
         vision = open_engine(stage_config["backend"], stage.installed / install.MODEL_FILE,
                              stage_config.get("engine", {}), f"{profile.tier} vision stage")
         try:
-            built_tokens = _run_stage(vision, data.pixels)
+            built_tokens = vision_language.run_stage(vision, data.pixels)
         finally:
             vision.close()
         reference = checkpoint.answers(checkpoint.image_features(data.pixels), data.questions,
@@ -132,11 +132,10 @@ def greedy_answers(engine: GenerativeEngine, visual: np.ndarray, questions: Sequ
     """The engine's greedy answer ids, one question an image, each prompt its
     image's tokens then the question (as the agent serves one: the image
     first when the question does not mark it)."""
-    facts = VisualFacts(0, visual.shape[1], visual.shape[2])
     sampling = Sampling(max_tokens=max_new_tokens)
     out: list[list[int]] = []
     for question, rows in zip(questions, visual, strict=True):
-        prompt = engine.encode(IMAGE_TOKEN * facts.tokens_per_image + question)
+        prompt = engine.encode(IMAGE_TOKEN * len(rows) + question)
         sequence = engine.start(prompt, sampling, np.ascontiguousarray(rows))
         ids: list[int] = []
         while engine.running:
@@ -148,10 +147,7 @@ def greedy_answers(engine: GenerativeEngine, visual: np.ndarray, questions: Sequ
 def generative_preflight(request: spec.BuildRequest,
                          decoder: spec.GenerativeBuildSettings) -> None:
     """What the decoder's build refuses before it starts (layout, backend)."""
-    install.check_layout_names(request.model, request.version)
-    target = request.repository / request.model / str(request.version)
-    if target.exists() and not request.force:
-        raise ConfigError(f"version: {target} already exists; pass --force to replace it")
+    install.check_destination(request)
     if decoder.backend not in engines.GENERATIVE_BACKENDS:
         raise ConfigError(f"backend: {decoder.backend!r} is not a generative backend")
 
@@ -160,13 +156,6 @@ def _scratch(request: spec.BuildRequest, repository: Path) -> spec.BuildRequest:
     """The request for the vision stage alone, built into a scratch repository."""
     return dataclasses.replace(request, repository=repository, model="vision", version=1,
                                stage=vision_language.VISION_STAGE, force=True)
-
-
-def _run_stage(engine: Engine, pixels: np.ndarray) -> np.ndarray:
-    return np.concatenate([
-        engine.run({vision_language.INPUT: pixels[start:start + vision_language.EVAL_BATCH]},
-                   [vision_language.OUTPUT])[vision_language.OUTPUT]
-        for start in range(0, len(pixels), vision_language.EVAL_BATCH)])
 
 
 @dataclasses.dataclass(frozen=True)

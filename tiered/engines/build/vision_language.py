@@ -497,8 +497,8 @@ def build_vision_stage(
             built = open_engine(settings.backend, artifact, engine_settings,
                                 f"{profile.tier} profile {settings.backend} + build.engine")
             pipeline.check_same_interface(reference, built)
-            ref_tokens = _run_all(reference, evaluation.pixels)
-            built_tokens = _run_all(built, evaluation.pixels)
+            ref_tokens = run_stage(reference, evaluation.pixels)
+            built_tokens = run_stage(built, evaluation.pixels)
             timed = samples.Samples({INPUT: evaluation.pixels}, None, evaluation.origin)
             latency = pipeline.measure_latency(reference, built, timed,
                                                list(settings.latency_batch_sizes),
@@ -552,7 +552,8 @@ def answer_match(checkpoint: Checkpoint, reference_tokens: np.ndarray,
         max_new_tokens, checkpoint.forced_top1(candidate_tokens, questions, reference))
 
 
-def _run_all(engine: Engine, pixels: np.ndarray) -> np.ndarray:
+def run_stage(engine: Engine, pixels: np.ndarray) -> np.ndarray:
+    """The stage's visual tokens for every image, EVAL_BATCH a run."""
     return np.concatenate([engine.run({INPUT: pixels[start:start + EVAL_BATCH]}, [OUTPUT])[OUTPUT]
                            for start in range(0, len(pixels), EVAL_BATCH)], axis=0)
 
@@ -567,14 +568,8 @@ def _preflight(request: spec.BuildRequest, settings: spec.BuildSettings
         raise ConfigError(f"backend: the vision stage is built for onnxruntime (the torch "
                           f"engine's ONNX reader lacks its operators), got {settings.backend!r}; "
                           "set build.vision.backend or pass --backend onnxruntime")
-    install.check_layout_names(request.model, request.version)
-    if request.repository.exists() and not request.repository.is_dir():
-        raise ConfigError(f"repository: {request.repository} is not a directory")
-    model_dir = request.repository / request.model
-    if (model_dir / str(request.version)).exists() and not request.force:
-        raise ConfigError(f"version: {model_dir / str(request.version)} already exists; pass "
-                          "--force to replace it")
-    config_path = model_dir / install.CONFIG_FILE
+    install.check_destination(request)
+    config_path = request.repository / request.model / install.CONFIG_FILE
     if config_path.is_file():
         served = read_yaml(config_path).get("backend")
         if served not in (None, settings.backend):

@@ -24,11 +24,11 @@ import pytest
 import yaml
 
 from tests.integration.test_local_generative import tiered
-from tests.vlm_fixtures import answer_text, ask_streamed
 from tiered import names
 from tiered.controller.host.state import StateLayout
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
+from tiered.demo.rollouts import answer_text, ask_streamed
 from tiered.local.supervisor import ControllerSettings, LocalSystem, LocalUp, RouterPorts
 from tiered.models import tinyvlm
 

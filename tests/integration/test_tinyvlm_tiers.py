@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("tritonclient.grpc")
 
-from tests.vlm_fixtures import answer_text, ask_streamed  # noqa: E402
+from tiered.demo.rollouts import answer_text, ask_streamed  # noqa: E402
 from tiered.local.processes import AgentProcess, RouterProcess  # noqa: E402
 from tiered.models import tinyvlm  # noqa: E402
 

@@ -18,8 +18,9 @@ pytest.importorskip("tritonclient.grpc")
 import tritonclient.grpc as grpcclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from tests.vlm_fixtures import QUESTIONS, ask_streamed, write_tiny_llava  # noqa: E402
+from tests.vlm_fixtures import QUESTIONS, write_tiny_llava  # noqa: E402
 from tiered.agent.repository import write_config  # noqa: E402
+from tiered.demo.rollouts import ask_streamed  # noqa: E402
 from tiered.engines.build.vision_language import export_vision_stage  # noqa: E402
 from tiered.engines.generative.visual import decoder_checkpoint  # noqa: E402
 from tiered.engines.images import PREPROCESSOR_FILE, Preprocessor, pixel_values  # noqa: E402

@@ -396,7 +396,8 @@ def _vision_language_act(store: StateStore, up: LocalUp, router: str, models: Pa
     right = 0
     for index, (image, label) in enumerate(zip(data["image"][:ASKED], data["label"][:ASKED],
                                                strict=True)):
-        said = ask_about_image(router, VISION_LANGUAGE, image, "what digit is this?")
+        said = answer_text(ask_streamed(router, VISION_LANGUAGE, "what digit is this?",
+                                        image=image.astype(np.uint8)))
         right += said == tinyvlm.NUMBER_WORDS[int(label)]
         if index < 3:
             terminal.say(f"  an image of a {label}: 'what digit is this?' -> {said!r}")
@@ -404,32 +405,41 @@ def _vision_language_act(store: StateStore, up: LocalUp, router: str, models: Pa
           right >= 0.9 * ASKED)
 
 
-def ask_about_image(router: str, model: str, image: np.ndarray, question: str) -> str:
-    """One streamed question about an image with the real tritonclient; the
-    answer's text."""
+def ask_streamed(address: str, model: str, question: str, headers=None,
+                 **tensors: np.ndarray) -> list:
+    """One streamed request (`text_input` and the named arrays) with the real
+    tritonclient: its responses up to the final one; an error is raised."""
     import queue
 
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
 
-    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"),
-              grpcclient.InferInput("image", list(image.shape), "UINT8")]
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES")]
     inputs[0].set_data_from_numpy(np.array([question.encode()], dtype=object))
-    inputs[1].set_data_from_numpy(image.astype(np.uint8))
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
     answers: queue.Queue = queue.Queue()
-    with grpcclient.InferenceServerClient(router) as client:
-        client.start_stream(lambda result, error: answers.put(error or result))
+    with grpcclient.InferenceServerClient(address) as client:
+        client.start_stream(lambda result, error: answers.put(error or result), headers=headers)
         try:
             client.async_stream_infer(model, inputs)
-            pieces = []
+            responses = []
             while True:
                 answer = answers.get(timeout=60)
                 if isinstance(answer, Exception):
                     raise answer
-                pieces += [t.decode() for t in answer.as_numpy("text_output")]
+                responses.append(answer)
                 if answer.get_response().parameters["triton_final_response"].bool_param:
-                    return "".join(pieces).strip()
+                    return responses
         finally:
             client.stop_stream()
+
+
+def answer_text(responses: list) -> str:
+    """The text a stream's responses carried, stripped."""
+    return "".join(t.decode() for r in responses for t in r.as_numpy("text_output")).strip()
 
 
 def run(out: Path = Path("build/demo"), models: Path = Path("build/models"),

@@ -4,11 +4,14 @@ The test process allocates device memory with cudaMalloc and hands the
 agent its CUDA IPC handle through `tritonclient`'s
 `register_cuda_shared_memory`, as `tritonclient.utils.cuda_shared_memory`
 does; the agent reads an input from that memory and writes an output into
-it. Skipped where torch sees no GPU (CI).
+it. With front ends and the torch engine on the GPU, such requests merge
+into frames of ranges and the engine gathers their rows device to device.
+Skipped where torch sees no GPU (CI).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import ctypes
 import time
@@ -22,10 +25,14 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU visible to torch", allow_module_level=True)
 
 import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.grpc.aio as aioclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from tests.integration.test_front_ends import frames_fed  # noqa: E402
 from tiered.agent import shared_memory  # noqa: E402
+from tiered.agent.repository import model_file, write_config  # noqa: E402
 from tiered.local.processes import AgentProcess  # noqa: E402
+from tiered.models import zoo  # noqa: E402
 
 BYTES = 16 * 4  # one FP32 [1, 16] tensor
 
@@ -103,3 +110,68 @@ def test_cuda_is_loaded_before_the_agent_serves(shared_repository):
         client.register_cuda_shared_memory("first", handle, 0, BYTES)
         assert time.monotonic() - started < 1.0
         client.unregister_cuda_shared_memory()
+
+
+def test_requests_in_cuda_regions_merge_and_are_gathered_on_the_device(tmp_path):
+    """A datacenter agent with front ends and the torch engine on the GPU:
+    requests whose inputs and outputs all lie in CUDA regions take the
+    front ends' batch path (none goes to the engine whole); the engine copies
+    each request's rows into the batch on the device and writes each output
+    into its own region, and one whose output range is too small fails alone."""
+    zoo.add_sub(model_file(tmp_path, "add_sub", 1))
+    write_config(tmp_path, "add_sub", {"backend": "torch", "max_batch_size": 8,
+                                       "dynamic_batching": {"max_queue_delay_us": 2000}})
+    torch.cuda.init()
+    rng = np.random.default_rng(3)
+    count = 24
+    rows = [rng.standard_normal((1 + i % 3, 16)).astype(np.float32) for i in range(count)]
+    regions = []
+    for i, a in enumerate(rows):
+        memory, handle = device_region(4 * a.nbytes)  # [a, 2a, a + 2a, a - 2a]
+        memory[:2 * a.size].copy_(torch.from_numpy(np.concatenate([a, 2 * a]).ravel()))
+        regions.append((f"cuda-{i}", memory, handle))
+    torch.cuda.synchronize()
+
+    def request(index: int, a: np.ndarray):
+        name, output_bytes = regions[index][0], a.nbytes - (4 if index == 5 else 0)
+        inputs, outputs = [], []
+        for slot, tensor in enumerate(("INPUT0", "INPUT1")):
+            inputs.append(aioclient.InferInput(tensor, list(a.shape), "FP32"))
+            inputs[-1].set_shared_memory(name, a.nbytes, offset=slot * a.nbytes)
+        for slot, tensor in enumerate(("OUTPUT0", "OUTPUT1"), start=2):
+            outputs.append(aioclient.InferRequestedOutput(tensor))
+            outputs[-1].set_shared_memory(name, output_bytes, offset=slot * a.nbytes)
+        return inputs, outputs
+
+    async def send(agent: AgentProcess):
+        async with aioclient.InferenceServerClient(agent.address) as client:
+            for (name, _, handle), a in zip(regions, rows):
+                await client.register_cuda_shared_memory(name, handle, 0, 4 * a.nbytes)
+            before = frames_fed(agent)
+            made = [request(i, a) for i, a in enumerate(rows)]
+            outcomes = await asyncio.gather(
+                *(client.infer("add_sub", inputs, outputs=outputs) for inputs, outputs in made),
+                return_exceptions=True)
+            after = frames_fed(agent)
+            await client.unregister_cuda_shared_memory()
+            return outcomes, before, after
+
+    with AgentProcess("datacenter", tmp_path, extra_args=["--front-ends", "2"]) as agent:
+        outcomes, before, after = asyncio.run(send(agent))
+        assert agent.alive(), agent.log_tail()
+    torch.cuda.synchronize()
+    for i, (a, (name, memory, _), answer) in enumerate(zip(rows, regions, outcomes)):
+        if i == 5:
+            assert isinstance(answer, InferenceServerException), answer
+            assert f"the output has {a.nbytes} bytes, more than the {a.nbytes - 4}" \
+                in str(answer), answer
+            continue
+        assert not isinstance(answer, Exception), answer
+        assert answer.get_output("OUTPUT0").parameters["shared_memory_region"].string_param \
+            == name
+        assert answer.get_response().raw_output_contents[0] == b""  # no bytes on the wire
+        written = memory[2 * a.size:].cpu().numpy().reshape(2, *a.shape)
+        np.testing.assert_allclose(written[0], 3 * a, rtol=2e-3, atol=2e-3)  # computed in FP16
+        np.testing.assert_allclose(written[1], -a, rtol=2e-3, atol=2e-3)
+    assert {kind: after[kind] - before[kind] for kind in after} == \
+        {"batch": count, "single": 0}, (before, after)

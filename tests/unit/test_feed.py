@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -20,12 +21,14 @@ from tiered.agent.feed import (
     FeedServer,
     ModelFacts,
     OutputInRegion,
+    OutputOnDevice,
     _cut,
     _Group,
 )
 from tiered.agent.front_end import front_end_count
-from tiered.agent.shared_memory import RegionViews, open_view
+from tiered.agent.shared_memory import CudaRange, RegionViews, not_registered, open_view
 from tiered.errors import Unavailable
+from tiered.protocol import codec
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
 
@@ -128,7 +131,7 @@ def test_a_plain_request_is_keyed_by_model_inputs_and_outputs_with_its_rows():
     facts = ModelFacts.of(config())
     key, rows = group_key(facts, request(rows=3))
     assert rows == 3
-    assert key == ("m", "", (("x", "FP32", (2, 3)), ("n", "INT64", (1,))), ("y",))
+    assert key == ("m", "", (("x", "FP32", (2, 3)), ("n", "INT64", (1,))), ("y",), None)
     assert group_key(facts, request(width=5))[0] != key  # another width: another batch
     assert group_key(facts, request(outputs=()))[0] != key
 
@@ -162,8 +165,12 @@ def test_what_a_front_end_answers_for_itself_does_not_keep_a_request_alone():
     in_region = request()
     in_region.outputs[0].parameters["shared_memory_region"].string_param = "r"
     assert group_key(facts, in_region) is None  # the engine writes it
-    assert facts.group_key(in_region, list(in_region.raw_input_contents), {"y"}) == \
+    by_front_end = {"y": OutputInRegion(RegionViews(), "", {})}
+    assert facts.group_key(in_region, list(in_region.raw_input_contents), by_front_end) == \
         group_key(facts, request())
+    by_engine = {"y": OutputOnDevice({})}  # a CUDA region: one caller's frame
+    assert facts.group_key(in_region, list(in_region.raw_input_contents), by_engine, "c")[0] \
+        == (*group_key(facts, request())[0][:4], "c")
 
 
 def test_each_request_of_a_frame_gets_its_outputs_in_its_own_region_or_its_own_error():
@@ -181,7 +188,7 @@ def test_each_request_of_a_frame_gets_its_outputs_in_its_own_region_or_its_own_e
                                {"y": OutputInRegion(views, "", gone)}])
         y = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)
         (first, answer), (second, error) = _cut(
-            group, ("m", "7", [("y", "FP32", [2, 2, 3])]), y.tobytes())
+            group, ("m", "7", [("y", "FP32", [2, 2, 3])], {}), y.tobytes())
         assert (first, second) == (0, grpc.StatusCode.INVALID_ARGUMENT.value[0])
         response = pb.ModelInferResponse.FromString(answer)
         assert response.raw_output_contents == [b""]  # in the region, not on the wire
@@ -282,3 +289,82 @@ def test_an_engine_error_reaches_every_request_of_the_frame(tmp_path):
     outcomes = asyncio.run(main())
     assert all(isinstance(o, FedError) and o.code == grpc.StatusCode.UNAVAILABLE.value[0]
                and "queue is full" in str(o) for o in outcomes), outcomes
+
+
+class RegionsOfOneCaller:
+    """A caller's regions as the engine reads and writes them (`CallerRegions`),
+    in host bytes here; "gone" was unregistered."""
+
+    def __init__(self, memory: dict[str, bytearray]) -> None:
+        self.memory = memory
+
+    def read(self, parameters, datatype, shape, field):
+        start = parameters["shared_memory_offset"]
+        data = self.memory[parameters["shared_memory_region"]]
+        return np.frombuffer(bytes(data[start:start + parameters["shared_memory_byte_size"]]),
+                             codec.DATATYPES[datatype]).reshape(shape)
+
+    def write(self, parameters, raw, field):
+        name = parameters["shared_memory_region"]
+        if name not in self.memory:
+            raise not_registered(field, name)
+        start = parameters.get("shared_memory_offset", 0)
+        self.memory[name][start:start + len(raw)] = raw
+        return True
+
+
+def test_requests_in_cuda_regions_merge_as_ranges_the_engine_reads_and_writes(tmp_path):
+    """Inputs in CUDA regions travel as ranges (the engine alone maps the
+    regions) and merge into one frame of one caller's requests; outputs
+    asked for in CUDA regions are written by the engine, and one whose region
+    went meanwhile fails its request alone."""
+    rows = (1, 3, 2)
+    messages = [request(r) for r in rows]
+    memory = {"x": bytearray(), "n": bytearray(), "out": bytearray(6 * 4 * sum(rows))}
+    buffers, placed, at = [], [], 0
+    for message, count in zip(messages, rows):
+        ranges = []
+        for name, raw in zip(("x", "n"), message.raw_input_contents):
+            ranges.append(CudaRange(name, len(memory[name]), len(raw)))
+            memory[name] += raw
+        buffers.append(ranges)
+        region = "gone" if count == 3 else "out"
+        parameters = {"shared_memory_region": region, "shared_memory_offset": at,
+                      "shared_memory_byte_size": 6 * 4 * count}
+        message.outputs[0].parameters["shared_memory_region"].string_param = region
+        placed.append({"y": OutputOnDevice(parameters)})
+        at += 6 * 4 * count
+
+    class OnDevice(Doubling):
+        def regions(self, caller):
+            assert caller == "c"
+            return RegionsOfOneCaller(memory)
+
+    engine = OnDevice()
+    engine.go.set()
+    sent = [bytes(m.raw_input_contents[0]) for m in messages]
+
+    async def main():
+        server = FeedServer(str(tmp_path / "feed.sock"), engine, 1 << 20)
+        arena = Arena(1 << 16)
+        client = await FeedClient.connect(server.path, arena)
+        facts = replace(ModelFacts.of(config()), frames_ahead=1)
+        calls = [asyncio.ensure_future(client.infer(m, 5.0, facts, b, p, "c"))
+                 for m, b, p in zip(messages, buffers, placed)]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        await server.close()
+        arena.close()
+        return answers
+
+    answers = asyncio.run(main())
+    assert engine.groups == [[1], [3, 2]]  # the last two gathered while the first ran
+    assert isinstance(answers[1], FedError) and \
+        "no shared-memory region 'gone' is registered" in str(answers[1])
+    for index in (0, 2):
+        response = pb.ModelInferResponse.FromString(answers[index])
+        assert response.raw_output_contents == [b""]  # in the region, not on the wire
+        assert response.outputs[0].parameters["shared_memory_region"].string_param == "out"
+        start = placed[index]["y"].parameters["shared_memory_offset"]
+        written = bytes(memory["out"][start:start + 6 * 4 * rows[index]])
+        np.testing.assert_array_equal(np.frombuffer(written, np.float32),
+                                      2 * np.frombuffer(sent[index], np.float32))

@@ -66,13 +66,23 @@ import os
 import socket
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from tiered.agent.shared_memory import RegionViews, not_registered
+from tiered.agent.shared_memory import (
+    BYTE_SIZE,
+    OFFSET,
+    REGION,
+    CallerRegions,
+    CudaRange,
+    Placed,
+    RegionViews,
+    not_registered,
+)
+from tiered.engines.base import DeviceRows
 from tiered.errors import EngineError, TieredError, Unavailable
 from tiered.protocol import codec, messages
 from tiered.protocol import grpc_service_pb2 as pb
@@ -107,6 +117,9 @@ class Answers(Protocol):
                            outputs: Sequence[str], rows: Sequence[int], seconds_left: float,
                            ) -> tuple[str, str, dict[str, np.ndarray]]:
         """Requests merged row-wise -> (model, version, outputs by name)."""
+
+    def regions(self, caller: str) -> CallerRegions:
+        """The shared-memory regions `caller` names in its tensors."""
 
 
 # -- the front end's side ----------------------------------------------------------
@@ -147,13 +160,16 @@ class ModelFacts:
             inputs={t.name: (datatype(t), tuple(t.dims)) for t in config.input},
             outputs=frozenset(t.name for t in config.output))
 
-    def group_key(self, request: pb.ModelInferRequest, buffers: Sequence[bytes],
-                  placed: Collection[str] = ()) -> tuple[tuple, int] | None:
-        """(key, rows) when the request (`buffers`: its raw inputs) may share
-        a frame with others of its key: raw inputs the config accepts, no
-        parameters but those of the outputs `placed` in shared memory by the
-        front end; else None (it travels alone, and the engine checks it and
-        answers any error)."""
+    def group_key(self, request: pb.ModelInferRequest, buffers: Sequence[bytes | CudaRange],
+                  placed: Mapping[str, Placement] | None = None, caller: str = "",
+                  ) -> tuple[tuple, int] | None:
+        """(key, rows) when the request (`buffers`: its raw inputs, or the
+        CUDA ranges they lie in) may share a frame with others of its key:
+        inputs the config accepts, no parameters but those of the outputs
+        `placed` in shared memory; else None (it travels alone, and the
+        engine checks it and answers any error). A frame that names CUDA
+        ranges holds one caller's requests (the engine reads its regions)."""
+        placed = placed or {}
         if (not self.max_batch_size or self.decoupled
                 or any(key not in _NO_EFFECT_ON_A_BATCH for key in request.parameters)
                 or len(buffers) != len(request.inputs)):
@@ -170,7 +186,8 @@ class ModelFacts:
                 return None
             if rows is None:
                 rows = shape[0]
-            if shape[0] != rows or len(raw) != math.prod(shape) * \
+            size = raw.byte_size if isinstance(raw, CudaRange) else len(raw)
+            if shape[0] != rows or size != math.prod(shape) * \
                     codec.DATATYPES[tensor.datatype].itemsize:
                 return None
             signature.append((tensor.name, tensor.datatype, shape[1:]))
@@ -179,7 +196,10 @@ class ModelFacts:
                 for o in request.outputs):
             return None
         outputs = tuple(o.name for o in request.outputs)
-        return (request.model_name, request.model_version, tuple(signature), outputs), rows
+        on_device = any(isinstance(b, CudaRange) for b in buffers) or any(
+            isinstance(p, OutputOnDevice) for p in placed.values())
+        return (request.model_name, request.model_version, tuple(signature), outputs,
+                caller if on_device else None), rows
 
 
 @dataclass(frozen=True)
@@ -194,9 +214,23 @@ class OutputInRegion:
 
     def write(self, raw: bytes, field: str) -> None:
         placed = self.views.place(self.caller, self.parameters)
-        if placed is None:
+        if not isinstance(placed, Placed):  # gone, or now a CUDA region of that name
             raise not_registered(field, self.parameters.get(codec.SHARED_MEMORY_REGION))
         placed.write(raw, field)
+
+
+@dataclass(frozen=True)
+class OutputOnDevice:
+    """An output asked for in a CUDA region: the engine process writes it
+    there (it alone maps the region); the front end echoes its parameters."""
+
+    parameters: Mapping[str, object]
+
+    def write(self, raw: bytes, field: str) -> None:
+        """Written by the engine already."""
+
+
+Placement = OutputInRegion | OutputOnDevice
 
 
 @dataclass(eq=False)
@@ -260,8 +294,9 @@ class _Group:
 
     key: tuple
     requests: list[pb.ModelInferRequest] = field(default_factory=list)
-    buffers: list[list[bytes]] = field(default_factory=list)  # each request's raw inputs
-    placed: list[Mapping[str, OutputInRegion]] = field(default_factory=list)  # its outputs'
+    # each request's raw inputs, or the CUDA ranges they lie in
+    buffers: list[list[bytes | CudaRange]] = field(default_factory=list)
+    placed: list[Mapping[str, Placement]] = field(default_factory=list)  # its outputs'
     rows: list[int] = field(default_factory=list)
     futures: list[asyncio.Future] = field(default_factory=list)
     seconds_left: float = 0.0
@@ -319,8 +354,9 @@ class FeedClient(asyncio.Protocol):
         return self._transport is not None and not self._transport.is_closing()
 
     async def infer(self, request: pb.ModelInferRequest, seconds_left: float,
-                    facts: ModelFacts | None = None, buffers: list[bytes] | None = None,
-                    placed: Mapping[str, OutputInRegion] | None = None) -> bytes:
+                    facts: ModelFacts | None = None,
+                    buffers: list[bytes | CudaRange] | None = None,
+                    placed: Mapping[str, Placement] | None = None, caller: str = "") -> bytes:
         """Answer a ModelInferRequest through the engine: with others of its
         kind when `facts` (its model's) say it may share a frame, else alone.
         Its raw inputs (`buffers` when they were read elsewhere, such as from
@@ -334,7 +370,8 @@ class FeedClient(asyncio.Protocol):
             buffers = list(request.raw_input_contents)
         del request.raw_input_contents[:]
         placed = placed or {}
-        grouped = facts.group_key(request, buffers, placed) if facts is not None else None
+        grouped = facts.group_key(request, buffers, placed, caller) \
+            if facts is not None else None
         if grouped is None:
             return await self._answer(self._send_one(request, buffers, seconds_left))
         key, rows = grouped
@@ -399,23 +436,31 @@ class FeedClient(asyncio.Protocol):
                 if not future.done():
                     future.set_exception(Unavailable("the agent's engine process is gone"))
             return
-        total = sum(sum(map(len, buffers)) for buffers in group.buffers)
-        block = self.arena.allocate(total)
-        if block is None:  # no room for them together: each travels alone, inline
+        total = sum(len(b) for buffers in group.buffers for b in buffers
+                    if not isinstance(b, CudaRange))
+        block = self.arena.allocate(total) if total else None
+        if total and block is None:  # no room for them together: each travels alone, inline
             for request, buffers, future in zip(group.requests, group.buffers, group.futures):
                 _chain(self._send_one(request, buffers, group.seconds_left), future)
             return
-        model, version, signature, outputs = group.key
-        inputs, position, memory = [], block.start, self.arena.memory
+        model, version, signature, outputs, caller = group.key
+        inputs, position, memory = [], block.start if block else 0, self.arena.memory
         for index, (name, datatype, shape) in enumerate(signature):
+            parts = [buffers[index] for buffers in group.buffers]
+            if isinstance(parts[0], CudaRange):  # the engine copies them on the device
+                inputs.append((name, datatype, [group.total_rows, *shape],
+                               [(r.name, r.offset, r.byte_size) for r in parts]))
+                continue
             inputs.append((name, datatype, [group.total_rows, *shape], position))
-            for buffers in group.buffers:
-                buffer = buffers[index]
+            for buffer in parts:
                 memory[position:position + len(buffer)] = buffer
                 position += len(buffer)
+        on_device = [{name: dict(where.parameters) for name, where in placed.items()
+                      if isinstance(where, OutputOnDevice)} for placed in group.placed]
         self._in_flight[group.key] = self._in_flight.get(group.key, 0) + 1
         self._write(self._call(group, block), group.seconds_left, GROUP,
-                    marshal.dumps((model, version, list(outputs), inputs, group.rows)), [])
+                    marshal.dumps((model, version, list(outputs), inputs, group.rows, caller,
+                                   on_device if caller is not None else None)), [])
 
     def _answered(self, key: tuple) -> None:
         """A frame of `key` came back: the requests gathered meanwhile go."""
@@ -467,7 +512,7 @@ def _answer_group(group: _Group, code: int, header: bytes | None, payload: bytes
 
 
 def _cut(group: _Group, header, payload: bytes) -> list[tuple[int, bytes]]:
-    model, version, outputs = header
+    model, version, outputs, failed = header
     total, cuts, position = group.total_rows, [], 0
     for name, datatype, shape in outputs:
         if not shape or shape[0] != total:
@@ -477,7 +522,13 @@ def _cut(group: _Group, header, payload: bytes) -> list[tuple[int, bytes]]:
         cuts.append((name, datatype, shape[1:], size // total, position))
         position += size
     results, row = [], 0
-    for request, rows, placed in zip(group.requests, group.rows, group.placed):
+    for index, (request, rows, placed) in enumerate(zip(group.requests, group.rows,
+                                                        group.placed)):
+        if index in failed:  # the engine could not write its outputs into its CUDA regions
+            code, message = failed[index]
+            results.append((code, message.encode()))
+            row += rows
+            continue
         response = pb.ModelInferResponse(model_name=model, model_version=version, id=request.id)
         try:
             for name, datatype, shape, row_bytes, start in cuts:
@@ -634,7 +685,7 @@ class _FeedConnection(asyncio.Protocol):
             used = end
             kept = "single" if kind == ONE else "batch"
             self.server.frames[kept] += 1
-            self.server.requests[kept] += 1 if kind == ONE else len(header[-1])
+            self.server.requests[kept] += 1 if kind == ONE else len(header[4])
             serve = self._one(header, rest, seconds_left) if kind == ONE \
                 else self._group(header, seconds_left)
             task = asyncio.get_running_loop().create_task(self._reply(call_id, serve))
@@ -653,20 +704,28 @@ class _FeedConnection(asyncio.Protocol):
                                                           seconds_left)]
 
     async def _group(self, header, seconds_left: float) -> tuple[bytes, list]:
-        model, version, outputs, inputs, rows = header
+        model, version, outputs, inputs, rows, caller, on_device = header
+        regions = self.server.answers.regions(caller) if caller is not None else None
         arrays = {}
-        for name, datatype, shape, offset in inputs:
-            dtype = codec.DATATYPES[datatype]
-            arrays[name] = np.frombuffer(self.arena, dtype, math.prod(shape), offset) \
-                .reshape(shape)
+        for name, datatype, shape, where in inputs:
+            if isinstance(where, int):  # an offset in the arena
+                dtype = codec.DATATYPES[datatype]
+                arrays[name] = np.frombuffer(self.arena, dtype, math.prod(shape), where) \
+                    .reshape(shape)
+            else:  # CUDA ranges, a request's rows each
+                arrays[name] = _joined([
+                    regions.read({REGION: region, OFFSET: offset, BYTE_SIZE: size}, datatype,
+                                 [count, *shape[1:]], f"input {name!r}")
+                    for (region, offset, size), count in zip(where, rows)])
         model, version, results = await self.server.answers.answer_group(
             model, version, arrays, outputs, rows, seconds_left)
+        failed = _write_on_device(regions, on_device, rows, results) if on_device else {}
         described, payload = [], []
         for name, array in results.items():
             datatype, shape, raw = codec.to_raw(array)
             described.append((name, datatype, shape))
             payload.append(raw)
-        return marshal.dumps((model, version, described)), payload
+        return marshal.dumps((model, version, described, failed)), payload
 
     async def _reply(self, call_id: int, serve: Awaitable[tuple[bytes, list]]) -> None:
         try:
@@ -677,3 +736,29 @@ class _FeedConnection(asyncio.Protocol):
             length = REPLY.size - LENGTH.size + len(header) + sum(map(len, payload))
             self.transport.writelines([REPLY.pack(length, call_id, code, len(header)),
                                        header, *payload])
+
+
+def _joined(parts: list) -> np.ndarray | DeviceRows:
+    """Requests' rows read from CUDA regions as one input: left on the device
+    where every part is, else one host array."""
+    if all(isinstance(part, DeviceRows) for part in parts):
+        return DeviceRows.joined(parts)
+    return np.concatenate([np.asarray(part) for part in parts])
+
+
+def _write_on_device(regions: CallerRegions, on_device: Sequence[Mapping[str, Mapping]],
+                     rows: Sequence[int], results: Mapping[str, np.ndarray],
+                     ) -> dict[int, tuple[int, str]]:
+    """Each request's rows of the outputs it asked for in CUDA regions,
+    written there; {request index: (gRPC code, message)} for those whose
+    region could not take them (each fails alone)."""
+    failed, row = {}, 0
+    for index, (wanted, count) in enumerate(zip(on_device, rows)):
+        try:
+            for name, parameters in wanted.items():
+                part = np.ascontiguousarray(results[name][row:row + count])
+                regions.write(parameters, memoryview(part).cast("B"), f"output {name!r}")
+        except (TieredError, RuntimeError) as error:
+            failed[index] = (status_code(error).value[0], describe(error))
+        row += count
+    return failed

@@ -41,8 +41,16 @@ from pathlib import Path
 
 import grpc
 
-from tiered.agent.feed import Arena, FedError, FeedClient, ModelFacts, OutputInRegion
-from tiered.agent.shared_memory import Placed, RegionViews, open_view
+from tiered.agent.feed import (
+    Arena,
+    FedError,
+    FeedClient,
+    ModelFacts,
+    OutputInRegion,
+    OutputOnDevice,
+    Placement,
+)
+from tiered.agent.shared_memory import CudaRange, Placed, RegionViews, open_view
 from tiered.errors import ConfigError, TieredError
 from tiered.protocol import codec, descriptors, drain
 from tiered.protocol import grpc_service_pb2 as pb
@@ -270,73 +278,88 @@ class _Handlers(grpc.GenericRpcHandler):
         return facts
 
     async def _in_regions(self, request: pb.ModelInferRequest, caller: str, facts: ModelFacts,
-                          ) -> tuple[list[bytes] | None, dict[str, OutputInRegion]]:
-        """For a request that may share a frame: its inputs' bytes where
-        every input lies in a system shared-memory region, read here (the
-        regions' parameters taken off the request), and its outputs asked
-        for in such regions, which the frame's answer writes here. (None, {})
-        where that is not so, or not known here: then the request travels
-        alone and the engine reads and writes its regions."""
+                          ) -> tuple[list[bytes | CudaRange] | None, dict[str, Placement]]:
+        """For a request that may share a frame, where every input lies in
+        shared memory: each input's bytes read here from a system region, or
+        the range of a CUDA region the engine copies it from (on the device),
+        the regions' parameters taken off the request; and its outputs asked
+        for in regions, which the frame's answer writes here (system) or the
+        engine writes (CUDA). (None, {}) where that is not so, or not known
+        here: then the request travels alone and the engine reads and writes
+        its regions."""
         alone: tuple[None, dict] = (None, {})
         if not facts.max_batch_size or not request.inputs:
             return alone
         in_region = [codec.SHARED_MEMORY_REGION in t.parameters for t in request.inputs]
-        placed: dict[str, OutputInRegion] = {}
+        placed: dict[str, Placement] = {}
         for output in request.outputs:
             if len(output.parameters):
-                viewed = await self._viewed(output.parameters, caller)
-                if viewed is None or output.name in placed:
+                found = await self._where(output.parameters, caller)
+                if found is None or output.name in placed:
                     return alone
-                placed[output.name] = OutputInRegion(self._regions, caller, viewed[0])
+                parameters, where = found
+                placed[output.name] = OutputInRegion(self._regions, caller, parameters) \
+                    if isinstance(where, Placed) else OutputOnDevice(parameters)
         if not any(in_region):
             return None, placed
         if not all(in_region) or request.raw_input_contents:
             return alone
-        buffers = []
+        buffers: list[bytes | CudaRange] = []
         for tensor in request.inputs:
-            viewed = await self._viewed(tensor.parameters, caller)
+            found = await self._where(tensor.parameters, caller)
             dtype = codec.DATATYPES.get(tensor.datatype)
-            data = viewed[1].read() if viewed is not None else None
-            if dtype is None or dtype.hasobject or data is None \
-                    or len(data) != math.prod(tensor.shape) * dtype.itemsize:
+            if found is None or dtype is None or dtype.hasobject:
                 return alone  # the engine answers what is wrong with it
+            size, where = math.prod(tensor.shape) * dtype.itemsize, found[1]
+            data = where.read() if isinstance(where, Placed) else where
+            if data is None or (len(data) if isinstance(data, bytes) else data.byte_size) != size:
+                return alone
             buffers.append(data)
+        if len({isinstance(b, CudaRange) for b in buffers}) > 1:
+            return alone  # a frame's input lies in one kind of memory
         for tensor in request.inputs:
             tensor.parameters.clear()
         return buffers, placed
 
-    async def _viewed(self, parameters, caller: str,
-                      ) -> tuple[dict[str, object], Placed] | None:
+    async def _where(self, parameters, caller: str,
+                     ) -> tuple[dict[str, object], Placed | CudaRange] | None:
         """A tensor's parameters and the range they name, where that lies in
-        a system region viewed here (looked up from the engine process when
-        new); else None."""
+        a region known here (looked up from the engine process when new);
+        else None."""
         found = codec.parameters_of(parameters)
         name = found.get(codec.SHARED_MEMORY_REGION)
         if not isinstance(name, str) or not set(found) <= _REGION_PARAMETERS:
             return None
-        if self._regions.get(caller, name) is None and not await self._look_up(caller, name):
+        if not self._regions.knows(caller, name) and not await self._look_up(caller, name):
             return None
         placed = self._regions.place(caller, found)
         return None if placed is None else (found, placed)
 
     async def _look_up(self, caller: str, name: str) -> bool:
-        """Ask the engine process where the caller's region lies, and open it here."""
+        """Ask the engine process where the caller's region lies: a system
+        region is opened here, a CUDA region's size kept."""
         generation = self._regions.generation
-        ask = self._engine.unary_unary(
-            _inference("SystemSharedMemoryStatus"),
-            request_serializer=pb.SystemSharedMemoryStatusRequest.SerializeToString,
-            response_deserializer=pb.SystemSharedMemoryStatusResponse.FromString)
-        try:
-            answer = await ask(pb.SystemSharedMemoryStatusRequest(name=name),
-                               metadata=[(CALLER, caller)], timeout=10)
-            if name not in answer.regions:
+        for method, message in (("SystemSharedMemoryStatus", pb.SystemSharedMemoryStatusRequest),
+                                ("CudaSharedMemoryStatus", pb.CudaSharedMemoryStatusRequest)):
+            ask = self._engine.unary_unary(
+                _inference(method), request_serializer=message.SerializeToString,
+                response_deserializer=getattr(pb, method + "Response").FromString)
+            try:
+                answer = await ask(message(name=name), metadata=[(CALLER, caller)], timeout=10)
+                if name not in answer.regions:
+                    continue
+                found = answer.regions[name]
+                if method == "CudaSharedMemoryStatus":
+                    self._regions.keep_cuda(caller, name, found.byte_size, generation)
+                else:
+                    view = open_view(name, found.key, found.offset, found.byte_size)
+                    self._regions.keep(caller, view, generation)
+                break
+            except grpc.aio.AioRpcError:
+                continue  # NOT_FOUND: not a region of this kind
+            except TieredError:
                 return False
-            found = answer.regions[name]
-            view = open_view(name, found.key, found.offset, found.byte_size)
-        except (grpc.aio.AioRpcError, TieredError):
-            return False
-        self._regions.keep(caller, view, generation)
-        return self._regions.get(caller, name) is not None
+        return self._regions.knows(caller, name)
 
     async def _relay(self, request: pb.ModelInferRequest, context):
         """A decoupled model's responses to one request, from the engine
@@ -372,7 +395,8 @@ class _Handlers(grpc.GenericRpcHandler):
             claim(request, caller)
             facts = await self._facts(request)
             buffers, placed = await self._in_regions(request, caller, facts)
-            return await self._feed.infer(request, seconds_left(context), facts, buffers, placed)
+            return await self._feed.infer(request, seconds_left(context), facts, buffers, placed,
+                                          caller)
         except FedError as error:
             await context.abort(_CODES.get(error.code, grpc.StatusCode.UNKNOWN), str(error))
         except Exception as error:  # the front end never dies of a request
@@ -389,7 +413,7 @@ class _Handlers(grpc.GenericRpcHandler):
             buffers, placed = await self._in_regions(request, caller, facts)
             try:
                 answer = await self._feed.infer(request, seconds_left(context), facts, buffers,
-                                                placed)
+                                                placed, caller)
             except FedError as error:
                 raise TieredError(str(error)) from error
             return pb.ModelInferResponse.FromString(answer)

@@ -303,6 +303,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return messages.encode_infer_response(call, model.config.name, model.version, outputs,
                                               regions)
 
+    def regions(self, caller: str) -> CallerRegions:
+        """The regions a front end named for `caller` in a merged frame (`feed.Answers`)."""
+        return self.shared_memory.of(caller)
+
     def _regions(self, request: pb.ModelInferRequest) -> CallerRegions:
         """The shared-memory regions of the request's caller (`claim`), whose
         mark is taken off the request."""

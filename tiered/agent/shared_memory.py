@@ -29,6 +29,7 @@ import logging
 import os
 import stat
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from tiered.engines.base import DeviceRows
 from tiered.errors import AlreadyExists, InvalidArgument, NotFound
 from tiered.protocol import codec
 
@@ -84,6 +86,9 @@ class CudaRegion:
     device_id: int
     byte_size: int
     memory: Any  # a torch uint8 tensor over the opened IPC allocation
+    # What holds the IPC mapping open (`open_cuda_handle`): the region while
+    # registered, and every input read from it until its batch has run.
+    owner: DeviceArray
 
 
 def _shm_path(key: str) -> Path:
@@ -126,8 +131,8 @@ class SharedMemory:
         self.max_per_caller = max_per_caller
         self._system: dict[tuple[str, str], SystemRegion] = {}
         self._cuda: dict[tuple[str, str], CudaRegion] = {}
-        # Told (caller, name) whenever a system region comes or goes ("": all
-        # of the caller's): the front ends' views of the regions forget it.
+        # Told (caller, name) whenever a region comes or goes ("": all of the
+        # caller's): the front ends' views of the regions forget it.
         self.on_change: list[Callable[[str, str], None]] = []
 
     # -- registration ----------------------------------------------------------
@@ -157,8 +162,9 @@ class SharedMemory:
     def register_cuda(self, caller: str, name: str, raw_handle: bytes, device_id: int,
                       byte_size: int) -> None:
         self._check_new(caller, name, byte_size)
-        self._cuda[caller, name] = CudaRegion(
-            name, device_id, byte_size, open_cuda_handle(raw_handle, device_id, byte_size))
+        memory, owner = open_cuda_handle(raw_handle, device_id, byte_size)
+        self._cuda[caller, name] = CudaRegion(name, device_id, byte_size, memory, owner)
+        self._changed(caller, name)
 
     def unregister_system(self, caller: str, name: str) -> None:
         """Empty name: every system region of the caller. An unknown name is not an error."""
@@ -171,8 +177,9 @@ class SharedMemory:
             listener(caller, name)
 
     def unregister_cuda(self, caller: str, name: str) -> None:
-        for region in _take(self._cuda, caller, name):
-            close_cuda_handle(region.memory)
+        # The mapping closes once no queued input reads from it (`open_cuda_handle`).
+        _take(self._cuda, caller, name)
+        self._changed(caller, name)
 
     def system_status(self, caller: str, name: str) -> list[SystemRegion]:
         return self._status(self._system, caller, name)
@@ -235,8 +242,7 @@ class CallerRegions:
         if isinstance(region, SystemRegion):
             return codec.from_raw(region.read(offset, size, field).data, datatype, shape,
                                   field=field)
-        host = region.memory[offset:offset + size].cpu().numpy()  # device to host
-        return codec.from_raw(host.data, datatype, shape, field=field)
+        return device_rows(region, offset, size, datatype, shape, field)
 
     def write(self, parameters: Mapping[str, Any], raw: bytes, field: str) -> bool:
         """Write an output's bytes into the region its parameters name; False if none."""
@@ -253,6 +259,28 @@ class CallerRegions:
         source = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         region.memory[offset:offset + len(raw)].copy_(source)
         return True
+
+
+def device_rows(region: CudaRegion, offset: int, size: int, datatype: str, shape,
+                field: str) -> np.ndarray | DeviceRows:
+    """A tensor in a range of a CUDA region: left on the device as
+    `DeviceRows`, so that no copy to the host holds the event loop and a GPU
+    engine gathers it into its batch there; read back to the host only where
+    it cannot be viewed as its type (BYTES, a misaligned offset)."""
+    memory = region.memory[offset:offset + size]
+    dtype = codec.dtype_of(datatype, field=f"{field}.datatype")
+    count = codec.element_count(shape, field=field)
+    if datatype != "BYTES" and memory.numel() == count * dtype.itemsize:
+        import torch
+
+        try:
+            typed = memory.view(torch.from_numpy(np.empty(0, dtype)).dtype)
+        except (RuntimeError, TypeError):  # misaligned, or a type torch lacks
+            typed = None
+        if typed is not None:
+            return DeviceRows([typed.view(tuple(shape))], dtype, keep=[region.owner])
+    host = memory.cpu().numpy()  # device to host
+    return codec.from_raw(host.data, datatype, shape, field=field)
 
 
 def not_registered(field: str, name: object) -> InvalidArgument:
@@ -305,7 +333,11 @@ class IpcHandle(ctypes.Structure):
 
 
 def open_cuda_handle(raw_handle: bytes, device_id: int, byte_size: int):
-    """The memory a cudaIpcMemHandle_t names, as a torch uint8 tensor."""
+    """The memory a cudaIpcMemHandle_t names, as a torch uint8 tensor, and
+    the object whose life holds the mapping open: it closes once nothing
+    refers to that object (the region, unregistered, and the inputs still
+    queued that were read from it), so an input unregistered while its batch
+    waits is never read from unmapped memory."""
     try:
         import torch
     except ImportError as error:
@@ -332,8 +364,11 @@ def open_cuda_handle(raw_handle: bytes, device_id: int, byte_size: int):
         raise InvalidArgument(
             f"byte_size {byte_size}: the memory the handle names holds "
             + ("a size CUDA would not tell" if held is None else f"{held} bytes"))
-    return torch.as_tensor(DeviceArray(pointer.value, byte_size),
-                           device=f"cuda:{device_id}")
+    owner = DeviceArray(pointer.value, byte_size)
+    closing = weakref.finalize(owner, runtime.cudaIpcCloseMemHandle,
+                               ctypes.c_void_p(pointer.value))
+    closing.atexit = False  # the process's end unmaps it anyway
+    return torch.as_tensor(owner, device=f"cuda:{device_id}"), owner
 
 
 def allocation_bytes(pointer: int) -> int | None:
@@ -343,10 +378,6 @@ def allocation_bytes(pointer: int) -> int | None:
     code = cuda_driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
                                                  ctypes.c_uint64(pointer))
     return None if code != 0 else base.value + size.value - pointer
-
-
-def close_cuda_handle(memory) -> None:
-    cuda_runtime().cudaIpcCloseMemHandle(ctypes.c_void_p(memory.data_ptr()))
 
 
 def preload_cuda() -> bool:
@@ -366,15 +397,28 @@ def preload_cuda() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class CudaRange:
+    """A range of a CUDA region, as a front end names it to the engine process
+    (which alone maps the region) for the rows of a request it merged."""
+
+    name: str
+    offset: int
+    byte_size: int
+
+
 class RegionViews:
-    """A front end's view of the system regions its callers registered with
-    the engine process: each opened here once, so the front end reads a
-    request's inputs itself. The engine says when a region comes or goes
-    (`forget`); a view looked up while that happened is used once, not kept."""
+    """A front end's view of the regions its callers registered with the
+    engine process: each system region opened here once, so the front end
+    reads a request's inputs itself, and each CUDA region's size, so it can
+    name a request's ranges in a merged frame. The engine says when a region
+    comes or goes (`forget`); what was looked up while that happened is used
+    once, not kept."""
 
     def __init__(self, max_regions: int = MAX_REGIONS) -> None:
         self.max_regions = max_regions
         self._views: dict[tuple[str, str], SystemRegion] = {}
+        self._cuda: dict[tuple[str, str], int] = {}  # a CUDA region's byte size
         self.generation = 0  # counts what was forgotten
 
     def get(self, caller: str, name: str) -> SystemRegion | None:
@@ -387,27 +431,41 @@ class RegionViews:
             return
         self._views[caller, region.name] = region
 
+    def knows(self, caller: str, name: str) -> bool:
+        return (caller, name) in self._views or (caller, name) in self._cuda
+
+    def keep_cuda(self, caller: str, name: str, byte_size: int, generation: int) -> None:
+        """Keep a CUDA region's size looked up at `generation`, unless something changed since."""
+        if generation == self.generation and len(self._cuda) < self.max_regions:
+            self._cuda[caller, name] = byte_size
+
     def forget(self, caller: str, name: str) -> None:
         self.generation += 1
         for region in _take(self._views, caller, name):
             os.close(region.fd)
+        _take(self._cuda, caller, name)
 
-    def place(self, caller: str, parameters: Mapping[str, Any]) -> Placed | None:
-        """The range of a viewed region that a tensor's parameters name; None
+    def place(self, caller: str, parameters: Mapping[str, Any]) -> Placed | CudaRange | None:
+        """The range of a known region that a tensor's parameters name; None
         where this view cannot say (unknown here, out of range): then the
         engine reads or writes it, and answers any error."""
-        region = self._views.get((caller, parameters.get(REGION)))
+        key = (caller, parameters.get(REGION))
+        region, cuda_size = self._views.get(key), self._cuda.get(key)
         size, offset = parameters.get(BYTE_SIZE), parameters.get(OFFSET, 0)
-        if region is None or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
-                                 for v in (size, offset)) or offset + size > region.byte_size:
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (size, offset)):
             return None
-        return Placed(region, offset, size)
+        if region is not None and offset + size <= region.byte_size:
+            return Placed(region, offset, size)
+        if cuda_size is not None and offset + size <= cuda_size:
+            return CudaRange(key[1], offset, size)
+        return None
 
     def close(self) -> None:
         self.generation += 1
         for region in self._views.values():
             os.close(region.fd)
         self._views.clear()
+        self._cuda.clear()
 
 
 def open_view(name: str, key: str, offset: int, byte_size: int) -> SystemRegion:

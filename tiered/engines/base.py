@@ -1,6 +1,8 @@
 """The Engine interface: run one model version on arrays.
 
-Engines know numpy arrays and nothing of the wire, the batcher or the agent.
+Engines know numpy arrays and nothing of the wire, the batcher or the agent;
+an input may also be `DeviceRows` (rows already in GPU memory), which reads
+as a numpy array wherever it is not gathered on the device.
 `run` is blocking and may be called from several threads at once when a model
 has more than one instance; each engine documents whether that is safe.
 """
@@ -12,6 +14,53 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+
+class DeviceRows:
+    """An input's rows in GPU memory (ranges of clients' CUDA shared-memory
+    regions, one part per request), with the shape and numpy dtype that
+    checks read. An engine that runs on a GPU copies the parts into its batch
+    device to device (`TorchEngine`); anywhere else they read as one host
+    array (`np.asarray`, or any ndarray attribute), copied back from the
+    device once, where it is first needed."""
+
+    def __init__(self, parts: Sequence, dtype: np.dtype, keep: Sequence[object] = ()) -> None:
+        self.parts = list(parts)  # torch tensors on a CUDA device, [rows, ...] each
+        self.dtype = dtype
+        self.shape = (sum(int(p.shape[0]) for p in self.parts), *self.parts[0].shape[1:])
+        self.keep = tuple(keep)  # what holds that memory open while these rows live
+        self._host: np.ndarray | None = None
+
+    @classmethod
+    def joined(cls, rows: Sequence[DeviceRows]) -> DeviceRows:
+        """Several requests' rows as one input of them all."""
+        return cls([p for r in rows for p in r.parts], rows[0].dtype,
+                   [k for r in rows for k in r.keep])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def host(self) -> np.ndarray:
+        if self._host is None:
+            self._host = np.concatenate([p.cpu().numpy() for p in self.parts])
+        return self._host
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        host = self.host()
+        return host if dtype is None else host.astype(dtype, copy=False)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.host(), name)
 
 
 @dataclass(frozen=True)
@@ -80,9 +129,11 @@ class Engine(ABC):
 
 
 def merge(requests: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Concatenate requests' inputs along the batch dimension."""
+    """Concatenate requests' inputs along the batch dimension (host arrays:
+    rows on a device are read back here)."""
     if len(requests) == 1:
-        return dict(requests[0])
+        return {name: np.asarray(a) if isinstance(a, DeviceRows) else a
+                for name, a in requests[0].items()}
     merged = {}
     for name in requests[0]:
         parts = [np.asarray(r[name]) for r in requests]

@@ -36,6 +36,7 @@ import torch
 
 from tiered import names
 from tiered.engines.base import (
+    DeviceRows,
     Engine,
     TensorSpec,
     bucket_eligibility,
@@ -206,9 +207,24 @@ def _page_locked(array: np.ndarray) -> torch.Tensor | None:
     return tensor if tensor.is_pinned() else None
 
 
+def _on_device_or_host(array, device: str) -> np.ndarray | DeviceRows:
+    """An input as the run takes it: rows already on a GPU stay there when
+    this engine runs on one; anything else is a host array."""
+    return array if device == "cuda" and isinstance(array, DeviceRows) else np.asarray(array)
+
+
+def _copy_sources(part: np.ndarray | DeviceRows) -> list[torch.Tensor]:
+    """A part of a batch that holds rows on the device, as tensors to copy from."""
+    if isinstance(part, DeviceRows):
+        return part.parts  # device to device
+    locked = _page_locked(part)
+    return [locked if locked is not None else torch.from_numpy(np.array(part))]
+
+
 def _copy_rows(target: torch.Tensor, host: torch.Tensor | list[torch.Tensor],
                non_blocking: bool) -> None:
-    """Host rows into the first rows of a device tensor: one copy, or one per part."""
+    """Rows (in host memory, or already on a device) into the first rows of a
+    device tensor: one copy, or one per part."""
     at = 0
     for part in host if isinstance(host, list) else [host]:
         target[at:at + part.shape[0]].copy_(part, non_blocking=non_blocking)
@@ -300,7 +316,7 @@ class TorchEngine(Engine):
         missing = [spec.name for spec in self.inputs if spec.name not in inputs]
         if missing:
             raise InvalidArgument(f"inputs: missing input {missing[0]!r}")
-        arrays = [np.asarray(inputs[spec.name]) for spec in self.inputs]
+        arrays = [_on_device_or_host(inputs[spec.name], self.device) for spec in self.inputs]
         if self.device == "cpu":
             return self._on_cpu(arrays, names)
         lane = self._lanes.get()
@@ -323,13 +339,19 @@ class TorchEngine(Engine):
         them from: left where they are when already page-locked (a front end's
         arena), else concatenated straight into a lane's staging buffers (one
         host copy fewer than merging, then staging)."""
-        if self.device == "cpu" or not self.settings.pinned_memory or len(requests) == 1:
+        if self.device == "cpu" or not self.settings.pinned_memory:
             return super().stage(requests)
+        if len(requests) == 1:
+            return dict(requests[0])  # `run` copies it to the GPU from where it lies
         lane = self._lanes.get()
         try:
             hosts = []
             for spec in self.inputs:
-                parts = [np.asarray(request[spec.name]) for request in requests]
+                parts = [_on_device_or_host(request[spec.name], self.device)
+                         for request in requests]
+                if any(isinstance(part, DeviceRows) for part in parts):
+                    hosts.append([t for part in parts for t in _copy_sources(part)])
+                    continue
                 locked = [_page_locked(part) for part in parts]
                 if all(tensor is not None for tensor in locked):
                     hosts.append(locked)  # each part goes to the GPU from where it lies
@@ -419,6 +441,8 @@ class TorchEngine(Engine):
         return {name: host.numpy().copy() for name, host in staged.items()}
 
     def _to_host_tensor(self, lane: _Lane, name: str, array: np.ndarray) -> torch.Tensor:
+        if isinstance(array, DeviceRows):
+            return array.parts  # copied device to device
         if not self.settings.pinned_memory:
             return torch.from_numpy(array if array.flags.writeable else array.copy())
         locked = _page_locked(array)

@@ -719,7 +719,9 @@ class _FeedConnection(asyncio.Protocol):
                     for (region, offset, size), count in zip(where, rows)])
         model, version, results = await self.server.answers.answer_group(
             model, version, arrays, outputs, rows, seconds_left)
-        failed = _write_on_device(regions, on_device, rows, results) if on_device else {}
+        # Copies to the device, each waited for: off the event loop.
+        failed = await asyncio.to_thread(_write_on_device, regions, on_device, rows, results) \
+            if on_device and any(on_device) else {}
         described, payload = [], []
         for name, array in results.items():
             datatype, shape, raw = codec.to_raw(array)

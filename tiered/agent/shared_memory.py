@@ -256,7 +256,8 @@ class CallerRegions:
         _check_fits(raw, size, field)
         import torch
 
-        source = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        writable = isinstance(raw, memoryview) and not raw.readonly
+        source = torch.frombuffer(raw if writable else bytearray(raw), dtype=torch.uint8)
         region.memory[offset:offset + len(raw)].copy_(source)
         return True
 

@@ -22,8 +22,13 @@ requests where it can.
   a request may also have its inputs, its outputs or both in the client's
   system shared memory (as `perf_analyzer --shared-memory system` sends
   them): the front end reads those inputs and writes those outputs itself.
-- **Any other request** (CUDA shared memory, parameters, BYTES, a model
-  that does not batch) travels alone in a ONE frame: the request without its
+  Inputs and outputs in CUDA shared memory (`perf_analyzer --shared-memory
+  cuda`) merge too, in frames of one caller's requests: the frame names each
+  request's ranges, the engine (which alone maps CUDA regions) copies the
+  rows into its batch device to device and writes those outputs, and a
+  request whose output region cannot take them fails alone.
+- **Any other request** (parameters, BYTES, a model that does not batch,
+  inputs partly in shared memory) travels alone in a ONE frame: the request without its
   raw input bytes, which lie in the arena (or inline when the arena is
   full), and the engine answers the serialized response.
 
@@ -42,16 +47,21 @@ tuples (both ends are one agent's processes):
                       per raw buffer, request bytes); the request without
                       raw_input_contents; inline raw bytes
              GROUP    header (model, version, [outputs wanted],
-                      [(input, datatype, shape, arena offset)], [rows per request])
+                      [(input, datatype, shape, arena offset, or
+                      [(CUDA region, offset, byte size)] per request)],
+                      [rows per request], caller of the CUDA regions or None,
+                      [{output: its CUDA region's parameters}] per request or None)
     reply    <IQHI>   length of the rest, call id, gRPC status code (0: OK),
                       header length; the header; then
              ONE      the serialized response (no header)
-             GROUP    header (model, version, [(output, datatype, shape)]);
-                      the outputs' bytes, one after another
+             GROUP    header (model, version, [(output, datatype, shape)],
+                      {request index: (code, message)} for requests whose
+                      outputs the engine could not write into their CUDA
+                      regions); the outputs' bytes, one after another
              error    the message (no header)
-             notice   call id 0, header (caller, name): a system shared-memory
-                      region came or went ("": all the caller's), which the
-                      front end's view of the regions forgets
+             notice   call id 0, header (caller, name): a shared-memory region
+                      came or went ("": all the caller's), which the front
+                      end's view of the regions forgets
 """
 
 from __future__ import annotations

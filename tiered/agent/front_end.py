@@ -8,7 +8,8 @@ process) and starts N front ends that bind the agent's port together
 answers ModelInfer and ModelStreamInfer through the feed (`feed.py`: it
 checks each request against its model's config, writes the input bytes,
 read from the wire or from the client's system shared memory, into its
-arena, sends the plain requests of a model that came while its earlier
+arena (or names the client's CUDA ranges, which the engine copies on the
+device), sends the plain requests of a model that came while its earlier
 frames were in the engine as one frame, and builds each response) and
 passes every other call, bytes untouched, to the engine process's own gRPC
 server on a unix socket, so each behaves exactly as with one process; a

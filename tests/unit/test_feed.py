@@ -183,9 +183,12 @@ def test_each_request_of_a_frame_gets_its_outputs_in_its_own_region_or_its_own_e
         views.keep("", open_view("out", key, 0, size), views.generation)
         kept = {"shared_memory_region": "out", "shared_memory_byte_size": size}
         gone = {**kept, "shared_memory_region": "gone"}
+        loop = asyncio.new_event_loop()
         group = _Group(("m", "", (), ("y",)), requests=[request(), request()], rows=[1, 1],
                        placed=[{"y": OutputInRegion(views, "", kept)},
-                               {"y": OutputInRegion(views, "", gone)}])
+                               {"y": OutputInRegion(views, "", gone)}],
+                       futures=[loop.create_future(), loop.create_future()])
+        loop.close()
         y = np.arange(2 * 2 * 3, dtype=np.float32).reshape(2, 2, 3)
         (first, answer), (second, error) = _cut(
             group, ("m", "7", [("y", "FP32", [2, 2, 3])], {}), y.tobytes())
@@ -304,13 +307,19 @@ class RegionsOfOneCaller:
         return np.frombuffer(bytes(data[start:start + parameters["shared_memory_byte_size"]]),
                              codec.DATATYPES[datatype]).reshape(shape)
 
-    def write(self, parameters, raw, field):
-        name = parameters["shared_memory_region"]
-        if name not in self.memory:
-            raise not_registered(field, name)
-        start = parameters.get("shared_memory_offset", 0)
-        self.memory[name][start:start + len(raw)] = raw
-        return True
+    def write_rows(self, wanted, rows, outputs):
+        failed, row = {}, 0
+        for index, (names, count) in enumerate(zip(wanted, rows)):
+            for name, parameters in names.items():
+                region = parameters["shared_memory_region"]
+                if region not in self.memory:
+                    failed[index] = not_registered(f"output {name!r}", region)
+                    continue
+                raw, start = outputs[name][row:row + count].tobytes(), \
+                    parameters["shared_memory_offset"]
+                self.memory[region][start:start + len(raw)] = raw
+            row += count
+        return failed
 
 
 def test_requests_in_cuda_regions_merge_as_ranges_the_engine_reads_and_writes(tmp_path):

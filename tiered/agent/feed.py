@@ -170,11 +170,11 @@ class ModelFacts:
             inputs={t.name: (datatype(t), tuple(t.dims)) for t in config.input},
             outputs=frozenset(t.name for t in config.output))
 
-    def group_key(self, request: pb.ModelInferRequest, buffers: Sequence[bytes | CudaRange],
-                  placed: Mapping[str, Placement] | None = None, caller: str = "",
+    def group_key(self, request: pb.ModelInferRequest,
+                  buffers: Sequence[bytes | Placed | CudaRange], placed: Mapping[str, Placement] | None = None, caller: str = "",
                   ) -> tuple[tuple, int] | None:
         """(key, rows) when the request (`buffers`: its raw inputs, or the
-        CUDA ranges they lie in) may share a frame with others of its key:
+        shared-memory ranges they lie in) may share a frame with others of its key:
         inputs the config accepts, no parameters but those of the outputs
         `placed` in shared memory; else None (it travels alone, and the
         engine checks it and answers any error). A frame that names CUDA
@@ -196,7 +196,7 @@ class ModelFacts:
                 return None
             if rows is None:
                 rows = shape[0]
-            size = raw.byte_size if isinstance(raw, CudaRange) else len(raw)
+            size = _size(raw)
             if shape[0] != rows or size != math.prod(shape) * \
                     codec.DATATYPES[tensor.datatype].itemsize:
                 return None
@@ -304,8 +304,8 @@ class _Group:
 
     key: tuple
     requests: list[pb.ModelInferRequest] = field(default_factory=list)
-    # each request's raw inputs, or the CUDA ranges they lie in
-    buffers: list[list[bytes | CudaRange]] = field(default_factory=list)
+    # each request's raw inputs, or the shared-memory ranges they lie in
+    buffers: list[list[bytes | Placed | CudaRange]] = field(default_factory=list)
     placed: list[Mapping[str, Placement]] = field(default_factory=list)  # its outputs'
     rows: list[int] = field(default_factory=list)
     futures: list[asyncio.Future] = field(default_factory=list)
@@ -365,7 +365,7 @@ class FeedClient(asyncio.Protocol):
 
     async def infer(self, request: pb.ModelInferRequest, seconds_left: float,
                     facts: ModelFacts | None = None,
-                    buffers: list[bytes | CudaRange] | None = None,
+                    buffers: list[bytes | Placed | CudaRange] | None = None,
                     placed: Mapping[str, Placement] | None = None, caller: str = "") -> bytes:
         """Answer a ModelInferRequest through the engine: with others of its
         kind when `facts` (its model's) say it may share a frame, else alone.
@@ -422,8 +422,21 @@ class FeedClient(asyncio.Protocol):
         self._transport.writelines([
             REQUEST.pack(length, call_id, seconds_left, kind, len(header)), header, *parts])
 
-    def _send_one(self, request: pb.ModelInferRequest, buffers: list[bytes],
+    def _send_one(self, request: pb.ModelInferRequest, buffers: list[bytes | Placed],
                   seconds_left: float) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        if any(isinstance(b, CudaRange) for b in buffers):  # the engine reads its regions
+            for tensor, where in zip(request.inputs, buffers):
+                for key, value in ((REGION, where.name), (OFFSET, where.offset),
+                                   (BYTE_SIZE, where.byte_size)):
+                    codec.set_parameter(tensor.parameters[key], value)
+            buffers = []
+        try:
+            buffers = [b.read(f"input {t.name!r}") if isinstance(b, Placed) else b
+                       for b, t in zip(buffers, request.inputs)]
+        except TieredError as error:
+            future.set_exception(error)
+            return future
         total = sum(map(len, buffers))
         block = self.arena.allocate(total) if total else None
         spans, position = [], block.start if block else 0
@@ -434,7 +447,6 @@ class FeedClient(asyncio.Protocol):
             position += len(buffer)
         body = request.SerializeToString()
         where = IN_ARENA if block is not None or not buffers else INLINE
-        future = asyncio.get_running_loop().create_future()
         self._write(self._call(future, block), seconds_left, ONE,
                     marshal.dumps((where, spans, len(body))),
                     [body, *(buffers if where == INLINE else [])])
@@ -446,7 +458,7 @@ class FeedClient(asyncio.Protocol):
                 if not future.done():
                     future.set_exception(Unavailable("the agent's engine process is gone"))
             return
-        total = sum(len(b) for buffers in group.buffers for b in buffers
+        total = sum(_size(b) for buffers in group.buffers for b in buffers
                     if not isinstance(b, CudaRange))
         block = self.arena.allocate(total) if total else None
         if total and block is None:  # no room for them together: each travels alone, inline
@@ -462,9 +474,13 @@ class FeedClient(asyncio.Protocol):
                                [(r.name, r.offset, r.byte_size) for r in parts]))
                 continue
             inputs.append((name, datatype, [group.total_rows, *shape], position))
-            for buffer in parts:
-                memory[position:position + len(buffer)] = buffer
-                position += len(buffer)
+            for buffer, future in zip(parts, group.futures):
+                try:
+                    _fill(memory, position, buffer, f"input {name!r}")
+                except TieredError as error:  # its region shrank: it fails alone
+                    if not future.done():
+                        future.set_exception(error)
+                position += _size(buffer)
         on_device = [{name: dict(where.parameters) for name, where in placed.items()
                       if isinstance(where, OutputOnDevice)} for placed in group.placed]
         self._in_flight[group.key] = self._in_flight.get(group.key, 0) + 1
@@ -539,6 +555,10 @@ def _cut(group: _Group, header, payload: bytes) -> list[tuple[int, bytes]]:
             results.append((code, message.encode()))
             row += rows
             continue
+        if group.futures[index].done():  # failed already, as its inputs were read
+            results.append((OK, b""))
+            row += rows
+            continue
         response = pb.ModelInferResponse(model_name=model, model_version=version, id=request.id)
         try:
             for name, datatype, shape, row_bytes, start in cuts:
@@ -557,6 +577,20 @@ def _cut(group: _Group, header, payload: bytes) -> list[tuple[int, bytes]]:
             results.append((status_code(error).value[0], describe(error).encode()))
         row += rows
     return results
+
+
+def _size(buffer: bytes | Placed | CudaRange) -> int:
+    return buffer.byte_size if isinstance(buffer, Placed | CudaRange) else len(buffer)
+
+
+def _fill(memory: mmap.mmap, position: int, buffer: bytes | Placed, field: str) -> None:
+    """An input's bytes into the arena at `position`: a region's range is read
+    straight there (one copy)."""
+    if not isinstance(buffer, Placed):
+        memory[position:position + len(buffer)] = buffer
+        return
+    with memoryview(memory) as view, view[position:position + buffer.byte_size] as target:
+        buffer.read_into(target, field)
 
 
 def _chain(source: asyncio.Future, target: asyncio.Future) -> None:
@@ -729,9 +763,11 @@ class _FeedConnection(asyncio.Protocol):
                     for (region, offset, size), count in zip(where, rows)])
         model, version, results = await self.server.answers.answer_group(
             model, version, arrays, outputs, rows, seconds_left)
-        # Copies to the device, each waited for: off the event loop.
-        failed = await asyncio.to_thread(_write_on_device, regions, on_device, rows, results) \
-            if on_device and any(on_device) else {}
+        failed = {}
+        if on_device and any(on_device):  # copies to the GPU, waited for: off the event loop
+            written = await asyncio.to_thread(regions.write_rows, on_device, rows, results)
+            failed = {index: (status_code(error).value[0], describe(error))
+                      for index, error in written.items()}
         described, payload = [], []
         for name, array in results.items():
             datatype, shape, raw = codec.to_raw(array)
@@ -756,21 +792,3 @@ def _joined(parts: list) -> np.ndarray | DeviceRows:
     if all(isinstance(part, DeviceRows) for part in parts):
         return DeviceRows.joined(parts)
     return np.concatenate([np.asarray(part) for part in parts])
-
-
-def _write_on_device(regions: CallerRegions, on_device: Sequence[Mapping[str, Mapping]],
-                     rows: Sequence[int], results: Mapping[str, np.ndarray],
-                     ) -> dict[int, tuple[int, str]]:
-    """Each request's rows of the outputs it asked for in CUDA regions,
-    written there; {request index: (gRPC code, message)} for those whose
-    region could not take them (each fails alone)."""
-    failed, row = {}, 0
-    for index, (wanted, count) in enumerate(zip(on_device, rows)):
-        try:
-            for name, parameters in wanted.items():
-                part = np.ascontiguousarray(results[name][row:row + count])
-                regions.write(parameters, memoryview(part).cast("B"), f"output {name!r}")
-        except (TieredError, RuntimeError) as error:
-            failed[index] = (status_code(error).value[0], describe(error))
-        row += count
-    return failed

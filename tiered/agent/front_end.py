@@ -279,11 +279,12 @@ class _Handlers(grpc.GenericRpcHandler):
         return facts
 
     async def _in_regions(self, request: pb.ModelInferRequest, caller: str, facts: ModelFacts,
-                          ) -> tuple[list[bytes | CudaRange] | None, dict[str, Placement]]:
+                          ) -> tuple[list[Placed | CudaRange] | None, dict[str, Placement]]:
         """For a request that may share a frame, where every input lies in
-        shared memory: each input's bytes read here from a system region, or
-        the range of a CUDA region the engine copies it from (on the device),
-        the regions' parameters taken off the request; and its outputs asked
+        shared memory: each input's range of a system region, which the feed
+        reads straight into its arena, or of a CUDA region, which the engine
+        copies on the device; the regions' parameters taken off the request;
+        and its outputs asked
         for in regions, which the frame's answer writes here (system) or the
         engine writes (CUDA). (None, {}) where that is not so, or not known
         here: then the request travels alone and the engine reads and writes
@@ -305,17 +306,14 @@ class _Handlers(grpc.GenericRpcHandler):
             return None, placed
         if not all(in_region) or request.raw_input_contents:
             return alone
-        buffers: list[bytes | CudaRange] = []
+        buffers: list[Placed | CudaRange] = []
         for tensor in request.inputs:
             found = await self._where(tensor.parameters, caller)
             dtype = codec.DATATYPES.get(tensor.datatype)
-            if found is None or dtype is None or dtype.hasobject:
+            if found is None or dtype is None or dtype.hasobject \
+                    or found[1].byte_size != math.prod(tensor.shape) * dtype.itemsize:
                 return alone  # the engine answers what is wrong with it
-            size, where = math.prod(tensor.shape) * dtype.itemsize, found[1]
-            data = where.read() if isinstance(where, Placed) else where
-            if data is None or (len(data) if isinstance(data, bytes) else data.byte_size) != size:
-                return alone
-            buffers.append(data)
+            buffers.append(found[1])
         if len({isinstance(b, CudaRange) for b in buffers}) > 1:
             return alone  # a frame's input lies in one kind of memory
         for tensor in request.inputs:

@@ -24,13 +24,14 @@ killed the agent with SIGBUS.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
 import stat
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from tiered.engines.base import DeviceRows
-from tiered.errors import AlreadyExists, InvalidArgument, NotFound
+from tiered.errors import AlreadyExists, InvalidArgument, NotFound, TieredError
 from tiered.protocol import codec
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,18 @@ class SystemRegion:
     def read(self, offset: int, byte_size: int, field: str) -> np.ndarray:
         """Bytes of the region as uint8, copied out of the file."""
         data = np.empty(byte_size, np.uint8)
-        got = os.preadv(self.fd, [data], self.offset + offset) if byte_size else 0
-        if got != byte_size:
-            raise InvalidArgument(f"{field}: region {self.name!r} ({self.key}) holds only "
-                                  f"{got} of bytes {offset}..{offset + byte_size}: its file "
-                                  "shrank after it was registered")
+        self.read_into(offset, data, field)
         return data
+
+    def read_into(self, offset: int, target, field: str) -> None:
+        """Fill `target` (a writable buffer) from the region at `offset`."""
+        with memoryview(target) as view:
+            size = view.nbytes
+            got = os.preadv(self.fd, [view], self.offset + offset) if size else 0
+        if got != size:
+            raise InvalidArgument(f"{field}: region {self.name!r} ({self.key}) holds only "
+                                  f"{got} of bytes {offset}..{offset + size}: its file "
+                                  "shrank after it was registered")
 
     def write(self, offset: int, raw: bytes, field: str) -> None:
         end = self.offset + offset + len(raw)
@@ -89,6 +96,7 @@ class CudaRegion:
     # What holds the IPC mapping open (`open_cuda_handle`): the region while
     # registered, and every input read from it until its batch has run.
     owner: DeviceArray
+    typed: dict = dataclasses.field(default_factory=dict)  # `memory` as each dtype read
 
 
 def _shm_path(key: str) -> Path:
@@ -244,6 +252,50 @@ class CallerRegions:
                                   field=field)
         return device_rows(region, offset, size, datatype, shape, field)
 
+    def write_rows(self, wanted: Sequence[Mapping[str, Mapping[str, Any]]],
+                   rows: Sequence[int], outputs: Mapping[str, np.ndarray],
+                   ) -> dict[int, TieredError | RuntimeError]:
+        """Each request's rows of a merged batch's `outputs` (`rows` each)
+        into the ranges `wanted[i]` names for request i's outputs;
+        {request index: error} for those whose ranges could not take them,
+        each failing alone. An output goes to the GPU once and its ranges in
+        CUDA regions are filled from there on a stream of their own, waited
+        for once."""
+        import torch
+
+        failed: dict[int, TieredError | RuntimeError] = {}
+        on_gpu: dict[tuple[str, Any], Any] = {}  # (output, device): its bytes there
+        row, stream = 0, None
+        for index, (names, count) in enumerate(zip(wanted, rows)):
+            try:
+                for name, parameters in names.items():
+                    array, where = outputs[name], f"output {name!r}"
+                    row_bytes = array.nbytes // array.shape[0] if array.shape[0] else 0
+                    start, size = row * row_bytes, count * row_bytes
+                    whole = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                    found = self.reference(parameters, where)
+                    if found is None:
+                        raise not_registered(where, None)
+                    region, offset, room = found
+                    _check_fits(whole[start:start + size], room, where)
+                    if isinstance(region, SystemRegion):
+                        region.write(offset, whole[start:start + size], where)
+                        continue
+                    device = region.memory.device
+                    stream = stream or _copy_stream(device)
+                    with torch.cuda.stream(stream):
+                        source = on_gpu.get((name, device))
+                        if source is None:
+                            source = on_gpu[name, device] = torch.from_numpy(whole).to(device)
+                        region.memory[offset:offset + size].copy_(source[start:start + size],
+                                                                  non_blocking=True)
+            except (TieredError, RuntimeError) as error:
+                failed[index] = error
+            row += count
+        if stream is not None:
+            stream.synchronize()  # the client reads its outputs once it is answered
+        return failed
+
     def write(self, parameters: Mapping[str, Any], raw: bytes, field: str) -> bool:
         """Write an output's bytes into the region its parameters name; False if none."""
         found = self.reference(parameters, field)
@@ -268,20 +320,44 @@ def device_rows(region: CudaRegion, offset: int, size: int, datatype: str, shape
     `DeviceRows`, so that no copy to the host holds the event loop and a GPU
     engine gathers it into its batch there; read back to the host only where
     it cannot be viewed as its type (BYTES, a misaligned offset)."""
-    memory = region.memory[offset:offset + size]
     dtype = codec.dtype_of(datatype, field=f"{field}.datatype")
     count = codec.element_count(shape, field=field)
-    if datatype != "BYTES" and memory.numel() == count * dtype.itemsize:
+    typed = _typed(region, dtype) if datatype != "BYTES" and offset % dtype.itemsize == 0 \
+        and size == count * dtype.itemsize else None
+    if typed is not None:
+        start = offset // dtype.itemsize
+        return DeviceRows([typed[start:start + count].view(tuple(shape))], dtype,
+                          keep=[region.owner])
+    host = region.memory[offset:offset + size].cpu().numpy()  # device to host
+    return codec.from_raw(host.data, datatype, shape, field=field)
+
+
+def _typed(region: CudaRegion, dtype: np.dtype):
+    """The region's memory as `dtype`'s torch type (viewed once per type), or
+    None where torch has no such type or the region's size is not a whole
+    number of them."""
+    if dtype not in region.typed:
         import torch
 
+        whole = region.byte_size // dtype.itemsize * dtype.itemsize
         try:
-            typed = memory.view(torch.from_numpy(np.empty(0, dtype)).dtype)
-        except (RuntimeError, TypeError):  # misaligned, or a type torch lacks
-            typed = None
-        if typed is not None:
-            return DeviceRows([typed.view(tuple(shape))], dtype, keep=[region.owner])
-    host = memory.cpu().numpy()  # device to host
-    return codec.from_raw(host.data, datatype, shape, field=field)
+            region.typed[dtype] = region.memory[:whole].view(
+                torch.from_numpy(np.empty(0, dtype)).dtype)
+        except (RuntimeError, TypeError):
+            region.typed[dtype] = None
+    return region.typed[dtype]
+
+
+_COPY_STREAMS: dict = {}  # device: the stream outputs are copied into CUDA regions on
+
+
+def _copy_stream(device):
+    import torch
+
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def not_registered(field: str, name: object) -> InvalidArgument:
@@ -302,10 +378,15 @@ class Placed:
     offset: int
     byte_size: int
 
-    def read(self) -> bytes | None:
-        """The range's bytes; None if the region's file shrank since."""
-        data = os.pread(self.region.fd, self.byte_size, self.region.offset + self.offset)
-        return data if len(data) == self.byte_size else None
+    def read(self, field: str) -> bytes:
+        """The range's bytes (an error if the region's file shrank since)."""
+        data = bytearray(self.byte_size)
+        self.region.read_into(self.offset, data, field)
+        return bytes(data)
+
+    def read_into(self, target, field: str) -> None:
+        """The range's bytes into `target`, a writable buffer of its size: one copy."""
+        self.region.read_into(self.offset, target, field)
 
     def write(self, raw: bytes, field: str) -> None:
         """An output's bytes at the range's start (an error if they overflow it)."""

@@ -198,3 +198,75 @@ def vision_pixels(vision, images: np.ndarray) -> np.ndarray:
     from tiered.engines.images import pixel_values
 
     return pixel_values(images, vision.preprocessor)
+
+
+# The build's gate on tinyvlm v1's vision stage: the FP32 decoder's answers
+# from the kept tokens against those from every FP32 token.
+
+@pytest.fixture(scope="module")
+def digit_questions(tinyvlm_models, tmp_path_factory):
+    """24 held-out images, each asked which digit it shows (`questions`, as
+    the vision stage's build reads them)."""
+    with np.load(tinyvlm_models / "tinyvlm-eval.npz") as archive:
+        pixels, asked = archive["pixel_values"][:24], str(archive["question"][0])
+    path = tmp_path_factory.mktemp("eval") / "eval.npz"
+    np.savez(path, pixel_values=pixels, questions=np.array([asked] * len(pixels)))
+    return path
+
+
+def build_stage(tinyvlm_models, digit_questions, tmp_path, vision):
+    import datetime
+
+    from tiered.engines.build import pipeline
+
+    profile = load_profile("regional", None)
+    settings = spec.choose_vision_settings(profile, {
+        "latency_batch_sizes": (1,), "latency_runs": 2, "latency_budget_s": 0.01,
+        "vision": vision})
+    request = spec.BuildRequest(source=tinyvlm_models / "tinyvlm-v1",
+                                repository=tmp_path / "repo", model="vision", version=1,
+                                evaluation=digit_questions, stage="vision")
+    return pipeline.build(request, profile, settings,
+                          now=datetime.datetime(2026, 12, 5, tzinfo=datetime.timezone.utc))
+
+
+def test_the_gate_fails_a_threshold_that_drops_almost_every_token(tinyvlm_models,
+                                                                   digit_questions, tmp_path):
+    outcome = build_stage(tinyvlm_models, digit_questions, tmp_path,
+                          {"prune": {"threshold": 0.99}})
+    decision = outcome.decision
+    assert decision.verdict == "fail" and not decision.accepted and outcome.installed is None
+    assert "answer match below the threshold with the visual tokens pruned by " \
+           "relative_norm < 0.99" in decision.reason
+    assert "lower the prune threshold or raise max_visual_tokens" in decision.reason
+    kept = outcome.report["visual_tokens"]
+    assert kept["tokens_per_image"] == 4 and kept["images"] == 24
+    assert kept["mean_kept"] < 1.5 and kept["min_kept"] == 1
+    assert f"{kept['mean_kept']:.2f} of 4 kept an image on average" in decision.reason
+    assert outcome.report["accuracy"]["answer_match"] < 0.9
+
+
+def test_the_gate_passes_a_threshold_that_keeps_the_answers_and_reports_tokens_kept(
+        tinyvlm_models, digit_questions, tmp_path):
+    outcome = build_stage(tinyvlm_models, digit_questions, tmp_path,
+                          {"prune": {"threshold": 0.5}, "max_visual_tokens": 4})
+    assert outcome.decision.verdict == "pass", outcome.decision.reason
+    kept = outcome.report["visual_tokens"]
+    assert 3.0 <= kept["mean_kept"] <= 4.0 and kept["max_kept"] <= 4
+    assert f"{kept['mean_kept']:.2f} of 4 kept an image" in outcome.decision.reason
+    # Off by default: nothing said of kept tokens.
+    plain = build_stage(tinyvlm_models, digit_questions, tmp_path / "plain", {})
+    assert plain.report["visual_tokens"] is None and "kept" not in plain.decision.reason
+
+
+def test_pruning_without_questions_is_inconclusive_never_a_pass():
+    from tiered.engines.build import gate
+
+    same = np.ones((8, 4, HIDDEN), np.float32)
+    kept = gate.TokensKept.of("at most 2 an image", 4, [2] * 8)
+    decision = gate.judge_visual(gate.compare_visual_tokens(same, same), None,
+                                 min_cosine_mean=0.99, min_cosine_p1=0.95, max_relative_l2=0.15,
+                                 min_answer_match=0.9, min_images=8, kept=kept)
+    assert decision.verdict == "inconclusive" and not decision.accepted
+    assert "only answers can judge it" in decision.reason
+    assert "2.00 of 4 kept an image on average" in decision.reason

@@ -8,10 +8,13 @@ routers over the same agents: one routes whole (each request hinted, strict,
 to one tier), one splits (`split: {vision: edge, decoder: datacenter}`: the
 edge encodes the image, the datacenter answers from its visual tokens).
 
-Three arms, each at several image sizes (the digit upscaled to S x S RGB
+Four arms, each at several image sizes (the digit upscaled to S x S RGB
 uint8, as a camera's frame is larger than the model's input; the agent's
-preprocessing resizes it): whole on the edge, whole on the datacenter, and
-split. Each arm asks "what digit is this?" of held-out images, `--streams`
+preprocessing resizes it): whole on the edge, whole on the datacenter,
+split, and split with the edge's vision stage capped at `CAP` visual tokens
+an image (`generation.vision.max_visual_tokens`, set on a copy of the edge's
+build served by a third agent: the build's gate is not asked here, and the
+row's share of right answers shows what the cap costs). Each arm asks "what digit is this?" of held-out images, `--streams`
 at a time, for `--requests` requests, and reports TTFT and TPOT percentiles
 (client side: the first response, then the gaps between responses), answers
 right, the bytes a request sends upstream (from the edge's site to the
@@ -37,6 +40,7 @@ import argparse
 import json
 import queue
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # bench.common, and tiered from a checkout
@@ -65,7 +70,8 @@ from tiered.telemetry.recorder import SLOT_S  # noqa: E402
 
 MODEL, QUESTION = "tinyvlm", "what digit is this?"
 TIERS = ("edge", "datacenter")
-ARMS = ("whole edge", "whole datacenter", "split")
+ARMS = ("whole edge", "whole datacenter", "split", "split capped")
+CAP = 2  # visual tokens an image the "split capped" arm's edge keeps (of 4)
 SIZES, SMOKE_SIZES = (8, 64, 256, 1024), (8, 256)
 TARGET_TTFT_RATIO = 1.2
 TARGET_BYTES_RATIO = 0.2
@@ -160,16 +166,17 @@ def run_arm(arm: str, router: RouterProcess, headers: dict[str, str] | None,
     seconds = time.perf_counter() - started
     time.sleep(2 * SLOT_S)  # the agents' telemetry slots of this arm close
     joules, sources = 0.0, set()
-    for tier, agent in agents.items():
-        used, cursors[tier], said = version_joules(agent, cursors[tier])
+    for agent in agents.values():  # cursors by agent address
+        used, cursors[agent.address], said = version_joules(agent, cursors[agent.address])
         joules, sources = joules + used, sources | said
     expected = [tinyvlm.NUMBER_WORDS[int(label)] for label in labels]
     ttft = [r[1] for r in results]
     tpot = [gap for r in results for gap in r[2]]
     image_bytes = frames[0].nbytes
     # Split: what the router counted sending on; whole: the image itself, or nothing.
-    upstream = {"whole edge": 0, "whole datacenter": image_bytes,
-                "split": (split_token_bytes(router) - sent_before) / len(results)}[arm]
+    sent = (split_token_bytes(router) - sent_before) / len(results)
+    upstream = {"whole edge": 0, "whole datacenter": image_bytes, "split": sent,
+                "split capped": sent}[arm]
     return {
         "arm": arm, "image_px": size, "requests": len(results), "streams": streams,
         "seconds": seconds, "requests_per_s": len(results) / seconds,
@@ -238,30 +245,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             builds[tier] = build(models, tier, scratch / tier)
         data = np.load(models / tinyvlm.EVAL_FILE)
         images, labels = data["image"][:requests], data["label"][:requests]
+        capped = scratch / "edge-capped"
+        shutil.copytree(scratch / "edge", capped)
+        config = yaml.safe_load((capped / MODEL / "config.yaml").read_text())
+        config["generation"]["vision"]["max_visual_tokens"] = CAP
+        (capped / MODEL / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         agents = {tier: AgentProcess(tier, scratch / tier) for tier in TIERS}
+        capped_agent = AgentProcess("edge", capped)
         addresses = {"whole edge": ("whole", {"tiered-tier": "edge",
                                               "tiered-tier-strict": "true"}),
                      "whole datacenter": ("whole", {"tiered-tier": "datacenter",
                                                     "tiered-tier-strict": "true"}),
-                     "split": ("split", None)}
+                     "split": ("split", None), "split capped": ("split capped", None)}
         rows = []
-        with common.serving(list(agents.values())):
+        with common.serving([*agents.values(), capped_agent]):
             routers = {name: RouterProcess(routing_table(scratch / f"{name}.json", agents,
                                                          split))
                        for name, split in (("whole", None), ("split", SPLIT))}
+            routers["split capped"] = RouterProcess(routing_table(
+                scratch / "split-capped.json", {**agents, "edge": capped_agent}, SPLIT))
             with common.serving(list(routers.values())):
                 cursors = {}
-                for tier, agent in agents.items():  # the cursors start after a warm-up
+                for agent in (*agents.values(), capped_agent):  # cursors after a warm-up
                     ask(agent.address, frame(images[0], 8), None)
                     time.sleep(2 * SLOT_S)
-                    _, cursors[tier], _ = version_joules(agent, 0.0)
+                    _, cursors[agent.address], _ = version_joules(agent, 0.0)
                 for size in sizes:
                     for arm in ARMS:
                         router, headers = addresses[arm]
                         common.progress(f"{arm}, {size} px: {requests} requests, "
                                         f"{args.streams} at a time")
+                        # The capped arm's energy: its own edge agent's, beside the datacenter's.
+                        used = {**agents, "edge": capped_agent} if arm == "split capped" \
+                            else agents
                         rows.append(run_arm(arm, routers[router], headers, images, labels,
-                                            size, args.streams, agents, cursors))
+                                            size, args.streams, used, cursors))
     goals = targets(rows)
     result.update({
         "settings": {"requests": requests, "streams": args.streams, "sizes": list(sizes),
@@ -270,7 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "gate": b["gate"]["verdict"]} for tier, b in builds.items()},
         "rows": rows, "targets": goals, "overall": common.overall(goals),
         "note": "all agents share one machine's cores; energy is each agent's versions' "
-                "active joules from its own telemetry, with its source",
+                "active joules from its own telemetry, with its source; 'split capped' is "
+                f"split with the edge's vision stage keeping {CAP} of 4 visual tokens an "
+                "image (max_visual_tokens on a copy of the edge build, not gated here)",
+        "cap": CAP,
     })
     print(report(rows, goals))
     common.write(result, args.out)

@@ -109,6 +109,12 @@ def test_the_vision_stage_tokens_made_elsewhere_answer_the_same(agent, checkpoin
     served = answer.as_numpy("visual_tokens")
     assert served.shape == (2, *tokens.shape[1:])
     np.testing.assert_allclose(served[0], tokens[0], atol=1e-5)
+    # A pruned stage's tokens: fewer an image, or as many ending in NaN rows
+    # (absent tokens), answer alike.
+    padded = tokens.copy()
+    padded[:, 5:] = np.nan
+    assert ask(agent, question, visual_tokens=np.ascontiguousarray(tokens[:, :5])) == \
+        ask(agent, question, visual_tokens=padded)
 
 
 def test_bad_requests_get_clear_errors_and_the_agent_keeps_serving(agent, images):
@@ -117,8 +123,11 @@ def test_bad_requests_get_clear_errors_and_the_agent_keeps_serving(agent, images
         "marks 2 images": {"image": images[0], "question": "<image> a <image> b"},
         "3 images; this model takes 1 to 2": dict(image=images),
         "expected UINT8 pixels or BYTES": dict(image=images[0].astype(np.float32)),
-        r"expected FP32 \[images, 16, 128\]": dict(visual_tokens=np.zeros((1, 16, 64),
-                                                                        np.float32)),
+        r"expected FP32 \[images, 1\.\.16, 128\]": dict(visual_tokens=np.zeros((1, 16, 64),
+                                                                             np.float32)),
+        "must end an image's tokens": dict(visual_tokens=np.where(
+            np.arange(16)[None, :, None] == 3, np.nan, 1.0).astype(np.float32) * np.ones(
+                (1, 16, 128), np.float32)),
         "cannot decode the image bytes": dict(image=np.array([b"not a png"],
                                                                          dtype=object)),
     }

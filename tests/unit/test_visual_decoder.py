@@ -384,9 +384,12 @@ def test_the_edge_int4_decoder_takes_visual_tokens(genai_builds, reference, engi
     assert int4.visual_facts == engine.visual_facts
     visual = [_visual(reference, images[i:i + 1]) for i in range(len(images))]
     both = np.concatenate(visual[:2])
-    # FP32: the pipeline computes what the torch engine does
+    # FP32: the pipeline computes what the torch engine does, also for an
+    # image pruned to fewer tokens than the stage makes (5 of 16 kept)
+    pruned = visual[1][[0, 3, 7, 8, 15]]
     for ids, rows in ((_prompt(engine, "the quick"), visual[0]),
                       (_prompt(engine, "edge", images=2), both),
+                      (engine.encode(IMAGE * len(pruned) + "edge"), pruned),
                       (engine.encode("the quick brown"), None)):
         np.testing.assert_allclose(fp32.prefix_logits(ids, rows), engine.prefix_logits(ids, rows),
                                    atol=1e-4, rtol=0)

@@ -32,6 +32,7 @@ from typing import Any
 from tiered.agent.sequences import SequenceBatching
 from tiered.engines.base import TensorSpec
 from tiered.engines.generative import GENERATIVE_BACKENDS
+from tiered.engines.visual_tokens import Pruning, TokenSelection
 from tiered.errors import ConfigError, InvalidArgument
 from tiered.profiles import TierProfile
 from tiered.protocol import codec
@@ -92,18 +93,33 @@ class DynamicBatching:
 @dataclass(frozen=True)
 class VisionStageConfig:
     """A vision-language model's vision stage (images to the decoder's visual
-    tokens), served beside its decoder (`vision_language.py`)."""
+    tokens), served beside its decoder (`vision_language.py`).
+
+    `prune` and `max_visual_tokens` (both off by default) choose which of an
+    image's visual tokens the decoder reads (`engines/visual_tokens.py`):
+    `prune: {criterion: relative_norm, threshold: 0.15}` drops each token
+    whose L2 norm is below `threshold` times the largest of its image's
+    (threshold in [0, 1)); then at most `max_visual_tokens` (>= 1) stay, the
+    highest scores; kept tokens keep their order. `tiered build` gates them
+    when its profile's `build.vision` sets them, and writes them here."""
 
     path: str = "vision"  # its directory in the version's: model.onnx, preprocessor_config.json
     backend: str = "onnxruntime"
     engine: Mapping[str, Any] = field(default_factory=dict)  # its engine's settings
     max_images: int = 8  # images one request may carry
+    max_visual_tokens: int | None = None  # kept an image, after pruning (None: all)
+    prune: Pruning | None = None  # None: no pruning
 
     def __post_init__(self) -> None:
         if not self.path or Path(self.path).is_absolute() or ".." in Path(self.path).parts:
             raise ConfigError(f"path: a directory inside the version's, got {self.path!r}")
         if self.max_images < 1:
             raise ConfigError(f"max_images: must be >= 1, got {self.max_images}")
+        self.selection  # noqa: B018 (its checks name the field)
+
+    @property
+    def selection(self) -> TokenSelection:
+        return TokenSelection(self.max_visual_tokens, self.prune)
 
 
 @dataclass(frozen=True)

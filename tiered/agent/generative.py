@@ -163,7 +163,8 @@ class GenerativeVersion:
         with self.admissions.request():
             try:
                 if request.images is not None:  # counted in the first token's time
-                    request = await self._encoded(request)
+                    assert self.vision is not None
+                    request = self.vision.with_visual(request, await self._encoded(request))
                 job = self.scheduler.submit(request, deadline)
                 while not finished:
                     events = [await job.queue.get()]
@@ -199,26 +200,29 @@ class GenerativeVersion:
             # Busy time comes from the steps (batch_ran), not from here.
             self.recorder.request_succeeded(elapsed_ns / 1e9, queue_s, compute_ns / 1e9, 1)
 
-    async def _encoded(self, request: GenerationRequest) -> GenerationRequest:
-        """The request with its images' visual tokens; the vision stage's run
-        counts as an execution and as busy time (what its energy follows)."""
+    async def _encoded(self, request: GenerationRequest) -> list[np.ndarray]:
+        """The request's images' kept visual tokens, one array an image; the
+        vision stage's run counts as an execution and as busy time (what its
+        energy follows)."""
         assert self.vision is not None and request.images is not None
         started = time.perf_counter()
-        encoded = await self.vision.encode(request)
+        per_image = await self.vision.encode(request.images)
         self._stepped(time.perf_counter() - started, request.images.count)
-        return encoded
+        return per_image
 
     async def visual_tokens(self, request: GenerationRequest) -> np.ndarray:
         """Only the vision stage: the request's images as visual tokens, FP32
         [images, tokens, hidden] (what the router's split asks one tier for,
-        to have another decode). Counted as a request of the version."""
+        to have another decode; where pruning or a cap keeps fewer tokens of
+        one image than of another, its row ends in NaN rows). Counted as a
+        request of the version."""
         if self.vision is None or request.images is None:
             raise InvalidArgument(f"outputs: {VISUAL_TOKENS} is the vision stage's; it needs "
                                   f"an {IMAGE} input and a vision-language model")
         started = time.perf_counter_ns()
         with self.admissions.request():
             try:
-                visual = (await self._encoded(request)).visual
+                per_image = await self._encoded(request)
             except TieredError as error:
                 self._failed(time.perf_counter_ns() - started, error)
                 raise
@@ -226,8 +230,7 @@ class GenerativeVersion:
         self.stats.request_succeeded(elapsed_ns, 0, BatchTiming(0, elapsed_ns, 0), _now_ms())
         if self.recorder is not None:
             self.recorder.request_succeeded(elapsed_ns / 1e9, 0.0, elapsed_ns / 1e9, 1)
-        facts = self.vision.facts
-        return visual.reshape(-1, facts.tokens_per_image, facts.hidden_size)
+        return self.vision.as_output(per_image)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests, let running ones finish, then release the engine."""

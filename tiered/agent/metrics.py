@@ -7,7 +7,8 @@ which sum across replicas; and tiered's own: energy per device and its idle
 draw, each with its source, and active joules per inference over the recent
 window; for generative versions, time to first token and time per output
 token as histograms, output tokens, running sequences and joules per output
-token; for ensembles, each step's time and failures (labels `step`, its index,
+token; for vision-language versions, the visual tokens their vision stage
+kept and dropped (pruning and the cap: label `kept`); for ensembles, each step's time and failures (labels `step`, its index,
 and `step_model`). Everything is read on the agent's event loop (the only
 writer) and served from the exposition's HTTP thread.
 """
@@ -101,6 +102,10 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
     sequence_ends = Family("tiered_sequences_total", "counter",
                            "Sequences of a sequence-batched model, by how they went: started, "
                            "ended (by a request's END), expired (idle past the limit)")
+    visual_tokens = Family("tiered_visual_tokens_total", "counter",
+                           "Visual tokens the vision stage made of the images it encoded: "
+                           "kept (read by the decoder) or not (dropped by pruning or the "
+                           "cap, generation.vision)")
     step_seconds = Family("tiered_ensemble_step_duration_seconds", "histogram",
                           "An ensemble's calls of one step, from the step's start to its "
                           "answer (the step model's queue and compute in it)")
@@ -140,6 +145,9 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
             for family, field in token_histograms:
                 family.add_histogram(labels, getattr(served.tokens, field))
             output_tokens.add(labels, served.tokens.output_tokens)
+            if served.vision is not None:
+                visual_tokens.add({**labels, "kept": "true"}, served.vision.kept)
+                visual_tokens.add({**labels, "kept": "false"}, served.vision.dropped)
             running.add(labels, served.running)
             recent = snap.summaries.get((served.config.name, served.version))
             if energy is not None and recent is not None and recent.output_tokens:
@@ -173,7 +181,7 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
     return [success, failure, count, executions, *(f for f, _ in durations), pending,
             *(f for f, _ in histograms), in_flight, per_inference,
             *(f for f, _ in token_histograms), output_tokens, running, per_token, engine_up,
-            restarts, live_sequences, sequence_ends, step_seconds, step_failures, total, idle,
+            restarts, live_sequences, sequence_ends, visual_tokens, step_seconds, step_failures, total, idle,
             *fed]
 
 

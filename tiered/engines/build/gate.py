@@ -183,16 +183,23 @@ def _judge_output(a: Agreement, min_agreement: float, min_samples: int,
 
 
 def judge_answers(answers: AnswerMatch, min_answer_match: float, min_questions: int,
-                  allow_accuracy_drop: bool = False) -> GateDecision:
+                  allow_accuracy_drop: bool = False, kept: TokensKept | None = None
+                  ) -> GateDecision:
     """A whole vision-language build's verdict: the built stages' greedy
-    answers against the FP32 model's, token for token."""
+    answers against the FP32 model's, token for token (the built decoder fed
+    only the kept visual tokens where pruning or a cap is set: `kept`)."""
     numbers = (f"answer match {_fmt(answers.match)} (threshold {min_answer_match:.4f}) over "
                f"{answers.questions} questions, {answers.max_new_tokens} tokens each")
+    if kept is not None:
+        numbers += f"; {kept.describe()}"
     if answers.questions < min_questions or answers.match is None:
         verdict, why = "inconclusive", (f"only {answers.questions} questions (the gate needs "
                                         f"{min_questions})")
     elif answers.match < min_answer_match:
-        verdict, why = "fail", "the built stages answer unlike the FP32 model"
+        verdict, why = "fail", "the built stages answer unlike the FP32 model" + (
+            "" if kept is None else
+            f" with the visual tokens {kept.selection} (the pruning or cap drops answers: "
+            "lower the prune threshold or raise max_visual_tokens)")
     else:
         verdict, why = "pass", "the built stages answer as the FP32 model"
     return _decide(verdict, why, numbers, allow_accuracy_drop)
@@ -404,14 +411,40 @@ def compare_answers(reference: Sequence[Sequence[int]], candidate: Sequence[Sequ
                        agree / positions if positions else None, positions)
 
 
+@dataclass(frozen=True)
+class TokensKept:
+    """What a vision stage's pruning and cap kept of the eval images' visual
+    tokens (engines/visual_tokens.py)."""
+
+    selection: str  # the settings, in words
+    tokens_per_image: int  # what the stage makes
+    images: int
+    mean_kept: float  # per image
+    min_kept: int
+    max_kept: int
+
+    @classmethod
+    def of(cls, selection: str, tokens_per_image: int, counts: Sequence[int]) -> TokensKept:
+        return cls(selection, tokens_per_image, len(counts),
+                   float(np.mean(counts)) if len(counts) else 0.0,
+                   min(counts, default=0), max(counts, default=0))
+
+    def describe(self) -> str:
+        return (f"visual tokens {self.selection}: {self.mean_kept:.2f} of "
+                f"{self.tokens_per_image} kept an image on average (min {self.min_kept}, max "
+                f"{self.max_kept})")
+
+
 def judge_visual(
     agreement: VisualAgreement, answers: AnswerMatch | None, *, min_cosine_mean: float,
     min_cosine_p1: float, max_relative_l2: float, min_answer_match: float, min_images: int,
-    allow_accuracy_drop: bool = False,
+    allow_accuracy_drop: bool = False, kept: TokensKept | None = None,
 ) -> GateDecision:
     """The vision stage's verdict: every token figure within its threshold, and
     the answer match where it was measured (`answers` None: no questions or
-    no decoder, said in the reason; the token figures decide alone)."""
+    no decoder, said in the reason; the token figures decide alone). With
+    pruning or a cap (`kept`), the answers are those from the kept tokens,
+    and without answers the gate cannot judge them: inconclusive."""
     a = agreement
     numbers = (f"visual-token cosine mean {_fmt(a.cosine_mean)} (threshold "
                f"{min_cosine_mean:.4f}), 1st percentile {_fmt(a.cosine_p1)} (threshold "
@@ -424,12 +457,17 @@ def judge_visual(
         numbers += (f"; answer match {_fmt(answers.match)} (threshold {min_answer_match:.4f}) "
                     f"over {answers.questions} questions, {answers.max_new_tokens} tokens each "
                     f"(teacher-forced token agreement {_fmt(answers.token_agreement)})")
+    if kept is not None:
+        numbers += f"; {kept.describe()}"
     if a.images < min_images:
         verdict, why = "inconclusive", f"only {a.images} images (the gate needs {min_images})"
     elif a.cosine_mean is None or a.cosine_p1 is None or a.relative_l2 is None:
         verdict, why = "inconclusive", "the stage gave no visual tokens to compare"
     elif answers is not None and answers.match is None:
         verdict, why = "inconclusive", "no answers to compare"
+    elif kept is not None and answers is None:
+        verdict, why = "inconclusive", ("visual-token pruning or a cap is set, and only "
+                                        "answers can judge it: give eval data with questions")
     elif a.nonfinite:
         verdict, why = "fail", f"{a.nonfinite} NaN/inf values in the build's visual tokens"
     elif a.cosine_mean < min_cosine_mean:
@@ -439,7 +477,10 @@ def judge_visual(
     elif a.relative_l2 > max_relative_l2:
         verdict, why = "fail", "visual-token relative L2 error above the threshold"
     elif answers is not None and answers.match is not None and answers.match < min_answer_match:
-        verdict, why = "fail", "answer match below the threshold"
+        verdict, why = "fail", "answer match below the threshold" + (
+            "" if kept is None else
+            f" with the visual tokens {kept.selection} (the pruning or cap drops answers: "
+            "lower the prune threshold or raise max_visual_tokens)")
     else:
         verdict, why = "pass", "within the thresholds"
     return _decide(verdict, why, numbers, allow_accuracy_drop)

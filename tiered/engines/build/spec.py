@@ -15,6 +15,7 @@ from typing import Any
 from tiered import names
 from tiered.engines import quantize
 from tiered.engines.build.chain import EnsembleChain
+from tiered.engines.visual_tokens import Pruning, TokenSelection
 from tiered.errors import ConfigError
 from tiered.profiles import TierProfile
 from tiered.settings import load_dataclass
@@ -181,6 +182,14 @@ class VisionBuildSettings:
     questions, answer match too: the share of images whose greedy answer
     (the checkpoint's FP32 decoder fed the built stage's tokens) equals the
     answer fed the FP32 stage's tokens, token for token.
+
+    `prune` and `max_visual_tokens` (off by default; engines/visual_tokens.py
+    defines them) make the build keep only some of each image's visual
+    tokens: the answer match is then measured with the built stage's kept
+    tokens alone (the FP32 reference keeps all), the mean kept is reported,
+    and a version the gate accepts serves them (config.yaml's
+    `generation.vision`). Without questions in the eval data they cannot be
+    judged: the gate is inconclusive.
     """
 
     # The vision stage's backend and precision where they differ from the
@@ -193,8 +202,15 @@ class VisionBuildSettings:
     min_answer_match: float = 0.9
     min_eval_images: int = 8  # fewer make the gate inconclusive, never a pass
     max_new_tokens: int = 8  # greedy answer tokens per question
+    max_visual_tokens: int | None = None  # kept an image, after pruning (None: all)
+    prune: Pruning | None = None  # None: no pruning
+
+    @property
+    def selection(self) -> TokenSelection:
+        return TokenSelection(self.max_visual_tokens, self.prune)
 
     def __post_init__(self) -> None:
+        self.selection  # noqa: B018 (its checks name the field)
         for name in ("min_cosine_mean", "min_cosine_p1", "min_answer_match"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name}: must be within 0..1, got {getattr(self, name)}")

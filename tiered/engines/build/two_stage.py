@@ -12,11 +12,15 @@ version, judged on the answers they give together.
    every eval question greedily; the answers must match the FP32 model's
    (transformers, FP32 stage) on at least the vision gate's
    `min_answer_match` of them. Where the eval data holds the expected
-   answers (`answers`), both models' accuracy is reported beside it.
+   answers (`answers`), both models' accuracy is reported beside it. Where
+   `build.vision` sets visual-token pruning or a cap, the built decoder is
+   fed only the tokens they keep (both gates judge them), and the mean kept
+   is reported.
 4. Installed together, or not at all: the version is the decoder's build
    with the vision stage in `vision/` (its model.onnx and the checkpoint's
    preprocessor_config.json) and a config.yaml whose `generation.vision`
-   serves it (`tiered.agent.vision_language`).
+   serves it (`tiered.agent.vision_language`), with the pruning and cap the
+   gate judged.
 """
 
 from __future__ import annotations
@@ -86,17 +90,19 @@ def build_whole(
             vision.close()
         reference = checkpoint.answers(checkpoint.image_features(data.pixels), data.questions,
                                        gate_settings.max_new_tokens)
+        selection = gate_settings.selection
+        kept_tokens, kept = vision_language.kept_tokens(built_tokens, selection)
         built = engines.open_generative(target.backend, version, engine_settings,
                                         f"{profile.tier} build.generative.engine")
         try:
-            answers = greedy_answers(built, built_tokens, data.questions,
+            answers = greedy_answers(built, kept_tokens, data.questions,
                                      gate_settings.max_new_tokens)
         finally:
             built.close()
         match = gate.compare_answers(reference, answers, gate_settings.max_new_tokens)
         decision = gate.judge_answers(match, gate_settings.min_answer_match,
                                       gate_settings.min_eval_images,
-                                      request.allow_accuracy_drop)
+                                      request.allow_accuracy_drop, kept)
         record = {
             "kind": "vision-language", "tier": profile.tier, "model": request.model,
             "version": request.version, "created": now.isoformat(),
@@ -106,6 +112,7 @@ def build_whole(
             "answers": {"questions": match.questions, "match": match.match,
                         "mismatched": list(match.mismatched)[:MAX_LISTED],
                         **_accuracy(data, checkpoint, reference, answers)},
+            "visual_tokens": None if kept is None else dataclasses.asdict(kept),
             "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
                      "reason": decision.reason},
         }
@@ -117,9 +124,14 @@ def build_whole(
                 record["verdict"] = dict(verdict(decision, request.repository / request.model
                                                  / str(request.version)))
             report.write_report(version, record)
-            config: dict[str, Any] = {"backend": target.backend, "generation": {"vision": {
-                "path": STAGE_DIR, "backend": stage_config["backend"],
-                "engine": stage_config.get("engine", {})}}}
+            served: dict[str, Any] = {"path": STAGE_DIR, "backend": stage_config["backend"],
+                                      "engine": stage_config.get("engine", {})}
+            if selection.max_visual_tokens is not None:
+                served["max_visual_tokens"] = selection.max_visual_tokens
+            if selection.prune is not None:
+                served["prune"] = dataclasses.asdict(selection.prune)
+            config: dict[str, Any] = {"backend": target.backend,
+                                      "generation": {"vision": served}}
             if engine_settings:
                 config["engine"] = engine_settings
             installed = install.install_version(version, request.repository, request.model,
@@ -127,11 +139,12 @@ def build_whole(
     return report.BuildOutcome(record, decision, installed)
 
 
-def greedy_answers(engine: GenerativeEngine, visual: np.ndarray, questions: Sequence[str],
-                   max_new_tokens: int) -> list[list[int]]:
-    """The engine's greedy answer ids, one question an image, each prompt its
-    image's tokens then the question (as the agent serves one: the image
-    first when the question does not mark it)."""
+def greedy_answers(engine: GenerativeEngine, visual: Sequence[np.ndarray],
+                   questions: Sequence[str], max_new_tokens: int) -> list[list[int]]:
+    """The engine's greedy answer ids, one question an image (`visual` each
+    image's tokens, as many as it kept), each prompt its image's tokens then
+    the question (as the agent serves one: the image first when the question
+    does not mark it)."""
     sampling = Sampling(max_tokens=max_new_tokens)
     out: list[list[int]] = []
     for question, rows in zip(questions, visual, strict=True):

@@ -21,7 +21,10 @@ the tier (tiered.engines.quantize: edge INT8 static QDQ calibrated on images,
 FP16 elsewhere), runs both on the eval images and judges the built tokens
 against the FP32 ones (tiered.engines.build.gate.judge_visual); with
 questions, the checkpoint's FP32 decoder (transformers, on the CPU) answers
-each greedily from either stage's tokens, and the answers must match. Only a
+each greedily from either stage's tokens, and the answers must match. Where
+`build.vision` sets visual-token pruning or a cap (engines/visual_tokens.py),
+the built stage's answers come from the tokens it keeps, and the report
+says how many it kept. Only a
 version the gate accepts is installed, with a config.yaml that serves it on
 the agent like any other model.
 
@@ -50,6 +53,7 @@ from tiered import names
 from tiered.engines import Engine, open_engine, quantize
 from tiered.engines.build import gate, install, pipeline, report, samples, spec
 from tiered.engines.images import MAX_IMAGES, PREPROCESSOR_FILE, Preprocessor, pixel_values
+from tiered.engines.visual_tokens import TokenSelection, select
 from tiered.errors import ConfigError, EngineError, InvalidArgument
 from tiered.files import sha256_file, sha256_tree
 from tiered.profiles import TierProfile
@@ -219,22 +223,26 @@ class Checkpoint:
         features = out.pooler_output if hasattr(out, "pooler_output") else out
         return torch.stack(list(features)).numpy()
 
-    def prompt_ids(self, question: str) -> list[int]:
+    def prompt_ids(self, question: str, visual: int | None = None) -> list[int]:
         """The prompt as LLaVA's processor expands it: the image token
-        n_visual times, then the question, tokenized as one text with the
-        tokenizer's own special tokens; ConfigError where the tokenizer does
-        not keep the image token whole."""
+        n_visual times (`visual` times: an image's kept tokens), then the
+        question, tokenized as one text with the tokenizer's own special
+        tokens; ConfigError where the tokenizer does not keep the image token
+        whole."""
+        count = self.shape.n_visual if visual is None else visual
         image = self.tokenizer.convert_ids_to_tokens(self.shape.image_token_index)
-        ids = list(self.tokenizer(image * self.shape.n_visual + question).input_ids)
-        if ids.count(self.shape.image_token_index) != self.shape.n_visual:
+        ids = list(self.tokenizer(image * count + question).input_ids)
+        if ids.count(self.shape.image_token_index) != count:
             raise ConfigError(f"image_token_index: the tokenizer encodes {image!r} x "
-                              f"{self.shape.n_visual} as {ids.count(self.shape.image_token_index)}"
+                              f"{count} as {ids.count(self.shape.image_token_index)}"
                               f" image tokens; it must be one special token")
         return ids
 
-    def answers(self, visual_tokens: np.ndarray, questions: Sequence[str],
+    def answers(self, visual_tokens: Sequence[np.ndarray], questions: Sequence[str],
                 max_new_tokens: int) -> list[list[int]]:
-        """Greedy answer ids, one question an image: the prompt's embeddings
+        """Greedy answer ids, one question an image (`visual_tokens` each
+        image's [tokens, hidden]: an array [images, n, hidden], or the kept
+        tokens of a pruned stage, one array an image): the prompt's embeddings
         with the image tokens' rows replaced by the image's visual tokens,
         generated from `inputs_embeds` (the decoder stage's path). Prompts of
         one length run as one batch (no padding, so a batch answers what each
@@ -246,14 +254,15 @@ class Checkpoint:
             for group in _same_length(prompts):
                 ids = torch.tensor([prompts[i] for i in group])
                 generated = self.model.generate(
-                    inputs_embeds=self._embeddings(ids, visual_tokens[group], ids.shape[1]),
+                    inputs_embeds=self._embeddings(ids, [visual_tokens[i] for i in group],
+                                                   ids.shape[1]),
                     attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                     do_sample=False, pad_token_id=self.tokenizer.eos_token_id)
                 for row, index in enumerate(group):
                     out[index] = _until_end(generated[row].tolist(), self.tokenizer.eos_token_id)
         return out
 
-    def forced_top1(self, visual_tokens: np.ndarray, questions: Sequence[str],
+    def forced_top1(self, visual_tokens: Sequence[np.ndarray], questions: Sequence[str],
                     answers: Sequence[Sequence[int]]) -> list[list[int]]:
         """The decoder's top-1 at each position of each answer, fed the prompt
         (with these visual tokens) and the answer's tokens before it."""
@@ -271,7 +280,8 @@ class Checkpoint:
                 if not answers[group[0]]:
                     continue
                 ids = torch.tensor([fed[i] for i in group])
-                embeddings = self._embeddings(ids, visual_tokens[group], keys[group[0]][0])
+                embeddings = self._embeddings(ids, [visual_tokens[i] for i in group],
+                                              keys[group[0]][0])
                 logits = self.model(inputs_embeds=embeddings,
                                     attention_mask=torch.ones_like(ids)).logits
                 for row, index in enumerate(group):
@@ -279,19 +289,25 @@ class Checkpoint:
                     out[index] = logits[row, first:].argmax(dim=-1).tolist()
         return out
 
-    def _prompts(self, visual_tokens: np.ndarray, questions: Sequence[str]) -> list[list[int]]:
-        if visual_tokens.shape[0] != len(questions):
-            raise EngineError(f"answers: {visual_tokens.shape[0]} images for "
+    def _prompts(self, visual_tokens: Sequence[np.ndarray], questions: Sequence[str]
+                 ) -> list[list[int]]:
+        if len(visual_tokens) != len(questions):
+            raise EngineError(f"answers: {len(visual_tokens)} images for "
                               f"{len(questions)} questions")
-        return [self.prompt_ids(question) for question in questions]
+        return [self.prompt_ids(question, len(rows))
+                for question, rows in zip(questions, visual_tokens, strict=True)]
 
-    def _embeddings(self, ids: Any, visual_tokens: np.ndarray, prompt_length: int) -> Any:
+    def _embeddings(self, ids: Any, visual_tokens: Sequence[np.ndarray],
+                    prompt_length: int) -> Any:
         """The sequences' embeddings, the image tokens' rows within their first
-        `prompt_length` positions replaced by the visual tokens (an answer may
-        hold the image token's id, and stays a text token)."""
+        `prompt_length` positions replaced by the visual tokens, each
+        sequence's in turn (an answer may hold the image token's id, and
+        stays a text token)."""
         torch = self._torch
         embeddings = self.model.get_input_embeddings()(ids)
-        tokens = torch.from_numpy(np.ascontiguousarray(visual_tokens, np.float32))
+        tokens = torch.from_numpy(np.ascontiguousarray(np.concatenate(
+            [np.asarray(rows).reshape(-1, embeddings.shape[-1]) for rows in visual_tokens]),
+            np.float32))
         in_prompt = torch.arange(ids.shape[1]) < prompt_length
         embeddings[(ids == self.shape.image_token_index) & in_prompt] = tokens.reshape(
             -1, tokens.shape[-1]).to(embeddings.dtype)
@@ -512,8 +528,9 @@ def build_vision_stage(
             if built is not None:
                 built.close()
         agreement = gate.compare_visual_tokens(ref_tokens, built_tokens)
+        candidate, kept = kept_tokens(built_tokens, gate_settings.selection)
         answers = None if evaluation.questions is None else answer_match(
-            checkpoint, ref_tokens, built_tokens, evaluation.questions,
+            checkpoint, ref_tokens, candidate, evaluation.questions,
             gate_settings.max_new_tokens)
         decision = gate.judge_visual(
             agreement, answers, min_cosine_mean=gate_settings.min_cosine_mean,
@@ -521,11 +538,11 @@ def build_vision_stage(
             max_relative_l2=gate_settings.max_relative_l2,
             min_answer_match=gate_settings.min_answer_match,
             min_images=gate_settings.min_eval_images,
-            allow_accuracy_drop=request.allow_accuracy_drop)
+            allow_accuracy_drop=request.allow_accuracy_drop, kept=kept)
         record = compose_report(request, profile.tier, settings, gate_settings, shape,
                                 engine_settings, fp32, artifact, engine_facts, evaluation,
                                 calibration, calibrator, export_error, agreement, answers,
-                                decision, latency, now)
+                                decision, latency, now, kept)
         installed = None
         if decision.accepted:
             if verdict is not None:
@@ -540,12 +557,25 @@ def build_vision_stage(
     return report.BuildOutcome(record, decision, installed)
 
 
-def answer_match(checkpoint: Checkpoint, reference_tokens: np.ndarray,
-                 candidate_tokens: np.ndarray, questions: Sequence[str],
+def kept_tokens(tokens: np.ndarray, selection: TokenSelection
+                ) -> tuple[Sequence[np.ndarray], gate.TokensKept | None]:
+    """The tokens [images, n, hidden] a stage with `selection` gives the
+    decoder (each image's kept rows), and what it kept; as they are, and
+    None, without pruning or a cap."""
+    if not selection.active:
+        return tokens, None
+    kept = select(tokens, selection)
+    return kept, gate.TokensKept.of(selection.describe(), tokens.shape[1],
+                                    [len(rows) for rows in kept])
+
+
+def answer_match(checkpoint: Checkpoint, reference_tokens: Sequence[np.ndarray],
+                 candidate_tokens: Sequence[np.ndarray], questions: Sequence[str],
                  max_new_tokens: int) -> gate.AnswerMatch:
     """The checkpoint's FP32 greedy answers to `questions` (one an image) from
-    the candidate stage's visual tokens against those from the reference's,
-    and the candidate's top-1 teacher-forced on the reference's answers."""
+    the candidate stage's visual tokens (each image's; a pruned stage's keep
+    fewer) against those from the reference's, and the candidate's top-1
+    teacher-forced on the reference's answers."""
     reference = checkpoint.answers(reference_tokens, questions, max_new_tokens)
     return gate.compare_answers(
         reference, checkpoint.answers(candidate_tokens, questions, max_new_tokens),
@@ -587,7 +617,7 @@ def compose_report(
     evaluation: StageData, calibration: StageData | None, calibrator: Mapping[str, Any],
     export_error: float, agreement: gate.VisualAgreement, answers: gate.AnswerMatch | None,
     decision: gate.GateDecision, latency: Mapping[str, Sequence[gate.LatencySummary]],
-    now: datetime.datetime,
+    now: datetime.datetime, kept: gate.TokensKept | None = None,
 ) -> dict[str, Any]:
     """build.json of a vision stage, whatever the gate decided; the keys of the
     other builds' reports where they mean the same."""
@@ -598,6 +628,10 @@ def compose_report(
                      "pass --eval with images and questions for a meaningful gate")
     if calibration is not None and calibration.origin.startswith("eval"):
         notes.append("INT8 ranges calibrated on the eval images (no --calibration given)")
+    if kept is not None:
+        notes.append("answers judged on the visual tokens pruning and the cap keep; the stage "
+                     "installed alone (a predictive model) answers every token: they apply "
+                     "where generation.vision serves it (a whole vision-language build)")
     if settings.precision == names.Precision.FP16 and engine_facts.get("device") == "cpu":
         notes.append("FP16 measured on CPU: ONNX Runtime runs FP16 nodes it lacks CPU kernels "
                      "for through inserted casts, so this latency says nothing of GPU FP16")
@@ -633,6 +667,7 @@ def compose_report(
         "accuracy": report.finite({**asdict(agreement),
                                    "answer_match": None if answers is None else answers.match,
                                    "answers": None if answers is None else asdict(answers)}),
+        "visual_tokens": None if kept is None else asdict(kept),
         "gate": {"verdict": decision.verdict, "accepted": decision.accepted,
                  "reason": decision.reason,
                  "method": "visual tokens of the build against the FP32 export on the same "

@@ -3,8 +3,9 @@ tinyvlm v1 built whole with the real `tiered build` for the edge (vision
 stage INT8, decoder INT4 on onnxruntime-genai) and the datacenter (vision
 stage FP16, decoder on the torch engine), each served by a real agent, and
 asked about held-out digits with the real tritonclient, directly, through
-a real router, and split: the router has the edge encode each image and the
-datacenter decode from its visual tokens."""
+a real router, and split (asked for with the `tiered-split` hint): the router
+has the edge encode each image and the datacenter decode from its visual
+tokens."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def test_digits_are_answered_in_words_on_each_tier_through_the_router_and_split(
     paths = {tier: (agent.address, None) for tier, agent in agents.items()}
     paths.update({f"router to {tier}": (routers["whole"].address, {
         "tiered-tier": tier, "tiered-tier-strict": "true"}) for tier in agents})
-    paths["split: edge encodes, datacenter decodes"] = (routers["split"].address, None)
+    paths["split: edge encodes, datacenter decodes"] = (routers["split"].address,
+                                                        {"tiered-split": "true"})
     for path, (address, headers) in paths.items():
         said = [ask(address, image, "what digit is this?", headers) for image in images]
         right = sum(a == b for a, b in zip(said, expected, strict=True))

@@ -7,9 +7,11 @@ import math
 
 import pytest
 
+from tiered.errors import InvalidArgument
 from tiered.protocol.routing import SplitRoute, parse_table
 from tiered.router import observations as o
 from tiered.router import policies as p
+from tiered.router.hints import read_hints
 
 EDGE, DC = p.ImagePath("edge", "edge"), p.ImagePath("datacenter", "datacenter")
 SPLIT = p.ImagePath("edge", "datacenter")
@@ -138,3 +140,25 @@ def test_the_observer_keeps_an_ewma_of_each_path_and_forgets_stale_ones():
     assert observer.image_paths("vlm") == {DC: p.PathObservation(0.2, None)}  # started afresh
     observer.keep_models(["other"])
     assert observer.image_paths("vlm") == {}
+
+
+def test_a_split_hint_decides_instead_of_the_figures():
+    route = parse_table({"version": 1, "models": {"vlm": {
+        "split": {"vision": "edge", "decoder": "datacenter"},
+        "tiers": {"edge": {"agents": ["e:1"]}, "datacenter": {"agents": ["d:1"]}}}
+    }}).models["vlm"]
+    ranked = list(reversed(p.candidates_of(route, {"edge": 1, "datacenter": 1})))
+    paths = seen(None, None, None, None)  # nothing measured: unhinted, whole on the edge
+    assert p.image_path_for(route, ranked, p.RouteRequest("vlm"), {}, paths).path == EDGE
+    split = p.image_path_for(route, ranked, p.RouteRequest("vlm", split=True), {}, paths)
+    assert (split.path, split.reason, split.estimates) == (SPLIT, p.HINTED, ())
+    whole = p.image_path_for(route, ranked, p.RouteRequest("vlm", split=False), {}, paths)
+    assert (whole.path, whole.reason) == (DC, p.HINTED)  # the tier policy's first
+
+
+def test_the_split_hint_reads_as_a_boolean_from_metadata_or_parameters():
+    assert read_hints("vlm", {}, [("tiered-split", "true")]).split is True
+    assert read_hints("vlm", {}, [("tiered-split", "0")]).split is False
+    assert read_hints("vlm", {}, None).split is None
+    with pytest.raises(InvalidArgument, match="tiered-split: expected true or false"):
+        read_hints("vlm", {}, [("tiered-split", "maybe")])

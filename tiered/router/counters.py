@@ -179,7 +179,8 @@ class RouterMetrics:
             "tiered_router_split_choices", "Requests with an image of a model whose routing "
             "table allows a split: whether each went split or whole, and why (unmeasured: "
             "that path had no figures yet; meets: the least energy among paths meeting the "
-            "SLO; fastest: none met it)", ["model", "choice", "reason"],
+            "SLO; fastest: none met it; hinted: the request's tiered-split hint)",
+            ["model", "choice", "reason"],
             registry=self.registry)
         self._children: dict[tuple[object, ...], Counter | Histogram] = {}
 

@@ -150,8 +150,9 @@ class Router:
             wanted, choices, _, ranking, seen = self._rank(request, route, metadata)
             candidates, sent, sent_raw = ranking.candidates, request, raw
             path, vision_s = None, None
-            # A live stage's floor has put its tier first: the request goes whole there.
-            if splits(route, request, wanted) and not ranking.floored:
+            # A live stage's floor put its tier first: unless hinted, whole there.
+            if splits(route, request, wanted) and (wanted.split is not None
+                                                   or not ranking.floored):
                 path, candidates = self._image_path(model, route, wanted, ranking, seen)
                 if path.split:
                     encoders = split_encoders(route, choices[path.decoder].version)

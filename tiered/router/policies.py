@@ -48,6 +48,10 @@ class RouteRequest:
     slo_ms: float | None = None  # the tiered-slo-ms hint
     key: str | None = None  # the tiered-key hint
     strict: bool = False  # the tiered-tier-strict hint: the hinted tier or nothing
+    # The tiered-split hint, for an image request of a route that allows a
+    # split: True split, False whole (where the tier policy ranks first);
+    # None the router chooses (`choose_image_path`).
+    split: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -404,12 +408,12 @@ class PathChoice:
     """`choose_image_path`'s decision, with the numbers it used."""
 
     path: ImagePath
-    reason: str  # UNMEASURED, MEETS or FASTEST
-    estimates: tuple[PathEstimate, ...]
+    reason: str  # UNMEASURED, MEETS, FASTEST or HINTED
+    estimates: tuple[PathEstimate, ...]  # none when HINTED: nothing was compared
     energy_incomparable: bool = False
 
 
-UNMEASURED, MEETS, FASTEST = "unmeasured", "meets", "fastest"
+UNMEASURED, MEETS, FASTEST, HINTED = "unmeasured", "meets", "fastest", "hinted"
 
 
 def image_paths(tiers: Sequence[str], split: routing.SplitRoute) -> tuple[ImagePath, ...]:
@@ -483,11 +487,20 @@ def image_path_for(route: routing.ModelRoute, candidates: Sequence[Candidate],
     """`choose_image_path` for a request of a route that allows a split: the
     paths over the tiers that have candidates, each tier's energy from its
     agents' telemetry (`estimate_tier`: its best agent's J/inference), the
-    SLO the request's hint or else the route's."""
+    SLO the request's hint or else the route's. A `tiered-split` hint
+    decides instead: the split, or whole on the tier ranked first
+    (`candidates` are in the tier policy's order)."""
     assert route.split is not None
-    tiers = _by_tier(candidates)  # in the route's order
+    if request.split is not None:
+        tier = candidates[0].tier
+        path = ImagePath(route.split.vision, route.split.decoder) if request.split \
+            else ImagePath(tier, tier)
+        return PathChoice(path, HINTED, ())
+    tiers = _by_tier(candidates)
     energy = {t: estimate_tier(t, agents, observations) for t, agents in tiers.items()}
-    paths = [p for p in image_paths(tuple(tiers), route.split)
+    # Smallest tier first, whatever the ranking: ties and trials go in one fixed order.
+    ordered = tuple(t for t in route.ordered_tiers() if t in tiers)
+    paths = [p for p in image_paths(ordered, route.split)
              if p.vision in tiers and p.decoder in tiers]
     slo_ms = request.slo_ms if request.slo_ms is not None else route.slo_ms
     return choose_image_path(paths, seen, energy, slo_ms / 1000)

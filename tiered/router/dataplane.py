@@ -207,7 +207,7 @@ class Router:
         choice = policies.image_path_for(route, ranking.candidates, wanted, seen,
                                          self.observer.image_paths(model))
         self.metrics.chose_path(model, choice.path.split, choice.reason)
-        if choice.energy_incomparable:
+        if choice.energy_incomparable and not ranking.energy_incomparable:  # once a request
             self.metrics.ranked_without_energy(model)
         tier = choice.path.decoder
         if choice.path.split:

@@ -434,7 +434,9 @@ def estimate_path(path: ImagePath, seen: PathObservation, energy: Mapping[str, T
     requests (each of which includes an encode). Likewise the decoder tier's
     figure includes its own encodes while it also answers whole requests. Both
     errors raise the split's estimate: energy never sends a request split on a
-    guess in the split's favour."""
+    guess in the split's favour. (A whole path's figure errs the other way
+    while its tier answers only split work, say only encodes; its first
+    whole requests correct it.)"""
     if path.split:
         vision, decoder = energy[path.vision], energy[path.decoder]
         joules = vision.joules_per_inference + decoder.joules_per_inference

@@ -177,7 +177,7 @@ class RouterMetrics:
             registry=self.registry)
         self.split_choices = Counter(
             "tiered_router_split_choices", "Requests with an image of a model whose routing "
-            "table allows a split: whether each went split or whole, and why (unmeasured: "
+            "table allows a split: whether the router chose split or whole, and why (unmeasured: "
             "that path had no figures yet; meets: the least energy among paths meeting the "
             "SLO; fastest: none met it; hinted: the request's tiered-split hint)",
             ["model", "choice", "reason"],

@@ -5,8 +5,9 @@ digits) is built by the real `tiered build` for the edge (vision stage INT8,
 decoder INT4 on onnxruntime-genai) and the datacenter (vision stage FP16,
 decoder on the torch engine) and served by one real agent each. Two real
 routers over the same agents: one routes whole (each request hinted, strict,
-to one tier), one splits (`split: {vision: edge, decoder: datacenter}`: the
-edge encodes the image, the datacenter answers from its visual tokens).
+to one tier), one allows the split (`split: {vision: edge, decoder:
+datacenter}`), which the split arm asks for with the `tiered-split` hint: the
+edge encodes the image, the datacenter answers from its visual tokens.
 
 Four arms, each at several image sizes (the digit upscaled to S x S RGB
 uint8, as a camera's frame is larger than the model's input; the agent's
@@ -256,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               "tiered-tier-strict": "true"}),
                      "whole datacenter": ("whole", {"tiered-tier": "datacenter",
                                                     "tiered-tier-strict": "true"}),
-                     "split": ("split", None), "split capped": ("split capped", None)}
+                     "split": ("split", {"tiered-split": "true"}),
+                     "split capped": ("split capped", {"tiered-split": "true"})}
         rows = []
         with common.serving([*agents.values(), capped_agent]):
             routers = {name: RouterProcess(routing_table(scratch / f"{name}.json", agents,

@@ -222,6 +222,33 @@ def tinyvlm_models(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tinyvlm_repositories(tinyvlm_models, tmp_path_factory) -> Path:
+    """tinyvlm v1 built whole by the real `tiered build` for the edge (vision
+    stage INT8, decoder INT4 on onnxruntime-genai) and the datacenter (vision
+    stage FP16, decoder on the torch engine): `<tier>/` is each repository
+    (model `tinyvlm`, version 1), `<tier>.json` the build's report, once per
+    session."""
+    import subprocess
+    import sys
+
+    from tiered.models import tinyvlm
+
+    def make(out: Path) -> None:
+        for tier in ("edge", "datacenter"):
+            done = subprocess.run(
+                [sys.executable, "-m", "tiered", "build", str(tinyvlm_models / "tinyvlm-v1"),
+                 "--tier", tier, "--model", "tinyvlm", "--version", "1",
+                 "--repository", str(out / tier),
+                 "--eval", str(tinyvlm_models / tinyvlm.EVAL_FILE),
+                 "--calibration", str(tinyvlm_models / tinyvlm.CALIBRATION_FILE)],
+                capture_output=True, text=True, timeout=600, check=False)
+            assert done.returncode == 0, done.stderr[-3000:]
+            (out / f"{tier}.json").write_text(done.stdout)
+
+    return made_once(tmp_path_factory, "tinyvlm-repositories", make)
+
+
+@pytest.fixture(scope="session")
 def tinyllama_models(tmp_path_factory) -> Path:
     """The trained tiny Llama checkpoints (v1, v2, v3) and tinyllama-eval.json,
     once per session."""

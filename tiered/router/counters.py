@@ -175,6 +175,13 @@ class RouterMetrics:
             "vision tier took (what = image) and the visual-token bytes sent on to the "
             "decoder tier in their place (what = visual_tokens)", ["model", "what"],
             registry=self.registry)
+        self.split_choices = Counter(
+            "tiered_router_split_choices", "Requests with an image of a model whose routing "
+            "table allows a split: whether the router chose split or whole, and why (unmeasured: "
+            "that path had no figures yet; meets: the least energy among paths meeting the "
+            "SLO; fastest: none met it; hinted: the request's tiered-split hint)",
+            ["model", "choice", "reason"],
+            registry=self.registry)
         self._children: dict[tuple[object, ...], Counter | Histogram] = {}
 
     def _child(self, counter, *labels: str):
@@ -202,6 +209,10 @@ class RouterMetrics:
         self._child(self.split_stage, model, *split).observe(seconds)
         self._child(self.split_bytes, model, "image").inc(image_bytes)
         self._child(self.split_bytes, model, "visual_tokens").inc(token_bytes)
+
+    def chose_path(self, model: str, split: bool, reason: str) -> None:
+        """Count one image request's choice of split or whole (`PathChoice`)."""
+        self._child(self.split_choices, model, "split" if split else "whole", reason).inc()
 
     def failed_over(self, model: str, tier: str, reason: str) -> None:
         self._child(self.failovers, model, tier, reason).inc()

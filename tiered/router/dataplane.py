@@ -76,6 +76,7 @@ class Router:
         self.observer.forget(agents)
         self.health.forget(agents)
         self.decoupled.forget(table.models)
+        self.observer.keep_models(table.models)
         self.metrics.agents.watch(agents_by_tier(table), self.health.down)
         await self.pool.keep_only(agents)
 
@@ -146,15 +147,21 @@ class Router:
             deadline = hints.deadline(request.parameters, time_remaining, table.timeout_s,
                                       started)
             route = await self._awake(request, route, metadata, deadline)
-            wanted, choices, _, ranking = self._rank(request, route, metadata)
+            wanted, choices, _, ranking, seen = self._rank(request, route, metadata)
             candidates, sent, sent_raw = ranking.candidates, request, raw
-            if splits(route, request, wanted):
-                assert route.split is not None
-                decoder = route.split.decoder
-                candidates = [c for c in candidates if c.tier == decoder]
-                encoders = split_encoders(route, choices[decoder].version)
-                if encoders:  # else the vision tier lacks that version: whole on the decoder's
-                    sent, sent_raw = await self._split(request, raw, route, encoders, deadline)
+            path, vision_s = None, None
+            # A live stage's floor put its tier first: unless hinted, whole there.
+            if splits(route, request, wanted) and (wanted.split is not None
+                                                   or not ranking.floored):
+                path, candidates = self._image_path(model, route, wanted, ranking, seen)
+                if path.split:
+                    encoders = split_encoders(route, choices[path.decoder].version)
+                    if encoders:
+                        sent, sent_raw, vision_s = await self._split(request, raw, route,
+                                                                     encoders, deadline)
+                    else:  # the vision tier lacks that version: whole on the decoder's
+                        path = policies.ImagePath(path.decoder, path.decoder)
+            sending = self.clock()
             try:
                 opened = await streams.open_stream(self.forwarder, sent, sent_raw,
                                                    candidates, route, deadline)
@@ -164,6 +171,8 @@ class Router:
                     raise self._strict_error(error, wanted.tier) from None
                 raise
             tier = opened.candidate.tier
+            if path is not None and tier == path.decoder:  # not after failing over elsewhere
+                self.observer.record_image_path(model, path, self.clock() - sending, vision_s)
             shadowed = policies.should_shadow(route.tiers[tier], choices[tier], self.rng)
             async with contextlib.aclosing(streams.relay(opened, self.forwarder)) as responses:
                 async for response in responses:
@@ -187,21 +196,43 @@ class Router:
                 request, raw, lambda: tuple(t for r in relayed for t in forward.token_ids(r)),
                 opened.candidate, route, table.timeout_s)
 
+    def _image_path(self, model: str, route: routing.ModelRoute,
+                    wanted: policies.RouteRequest, ranking: policies.Ranking,
+                    seen: policies.Observations
+                    ) -> tuple[policies.ImagePath, Sequence[policies.Candidate]]:
+        """Split or whole for an image request (`policies.image_path_for`),
+        counted, and the candidates to stream to: a split's decoder tier's
+        agents (the request will carry visual tokens); else the chosen tier's
+        agents that are up, then the ranking's others, for failover."""
+        choice = policies.image_path_for(route, ranking.candidates, wanted, seen,
+                                         self.observer.image_paths(model))
+        self.metrics.chose_path(model, choice.path.split, choice.reason)
+        if choice.energy_incomparable and not ranking.energy_incomparable:  # once a request
+            self.metrics.ranked_without_energy(model)
+        tier = choice.path.decoder
+        if choice.path.split:
+            return choice.path, [c for c in ranking.candidates if c.tier == tier]
+        down = self.health.down
+        first = [c for c in ranking.candidates if c.tier == tier and c.agent not in down]
+        return choice.path, [*first, *(c for c in ranking.candidates if c not in first)]
+
     async def _split(self, request: pb.ModelInferRequest, raw: bytes,
                      route: routing.ModelRoute, encoders: Sequence[policies.Candidate],
-                     deadline: float) -> tuple[pb.ModelInferRequest, bytes]:
+                     deadline: float) -> tuple[pb.ModelInferRequest, bytes, float]:
         """The request to send the decoder tier: the vision tier's agents
         (`encoders`) encode its image (their vision stage alone, a unary call
-        asking for `visual_tokens`), which it then carries in place of the image."""
+        asking for `visual_tokens`), which it then carries in place of the
+        image; and the seconds the vision call took."""
         assert route.split is not None
         started = self.clock()
         answer = await self.forwarder.forward(
             request, asking_visual_tokens(request, raw), encoders, route, deadline)
         tokens, token_bytes = answer.response.outputs[0], answer.response.raw_output_contents[0]
         decoder, image_bytes = with_visual_tokens(request, tokens, token_bytes)
+        seconds = self.clock() - started
         self.metrics.split(request.model_name, (route.split.vision, route.split.decoder),
-                           self.clock() - started, image_bytes, len(token_bytes))
-        return decoder, decoder.SerializeToString()
+                           seconds, image_bytes, len(token_bytes))
+        return decoder, decoder.SerializeToString(), seconds
 
     async def _ask_decoupled(self, model: str) -> bool:
         """Whether the model is decoupled, as the first of its agents to answer
@@ -218,8 +249,9 @@ class Router:
     def _rank(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
               metadata: Sequence[tuple[str, str]] | None
               ) -> tuple[policies.RouteRequest, dict[str, policies.VersionChoice],
-                         policies.Policy, policies.Ranking]:
-        """The request's hints, each tier's version, the policy and its ranking."""
+                         policies.Policy, policies.Ranking, policies.Observations]:
+        """The request's hints, each tier's version, the policy, its ranking
+        and what it was ranked on."""
         model = request.model_name
         wanted = hints.read_hints(model, request.parameters, metadata)
         choices = {tier: policies.pick_version(tier_route, wanted.key, self.rng)
@@ -237,7 +269,7 @@ class Router:
             self.metrics.floored(model, ranking.floored)
         for passed in ranking.passed_over:
             self.metrics.failed_over(model, passed.tier, counters.DOWN)
-        return wanted, choices, policy, ranking
+        return wanted, choices, policy, ranking, seen
 
     async def _awake(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
                      metadata: Sequence[tuple[str, str]] | None, deadline: float
@@ -277,7 +309,7 @@ class Router:
     async def _route(self, request: pb.ModelInferRequest, raw: bytes, route: routing.ModelRoute,
                      metadata: Sequence[tuple[str, str]] | None, deadline: float
                      ) -> tuple[forward.Answer, policies.VersionChoice]:
-        wanted, choices, policy, ranking = self._rank(request, route, metadata)
+        wanted, choices, policy, ranking, _ = self._rank(request, route, metadata)
         send = self.forwarder.cascade if isinstance(policy, policies.Cascade) \
             else self.forwarder.forward
         try:
@@ -320,9 +352,10 @@ class Router:
 
 def splits(route: routing.ModelRoute, request: pb.ModelInferRequest,
            wanted: policies.RouteRequest) -> bool:
-    """Whether a request goes split across the route's tiers: the route
-    splits and both its tiers are up (not asleep), the request carries an
-    image, and no tier hint keeps it whole on one tier."""
+    """Whether a request may go split across the route's tiers (the policy
+    then says whether it does): the route allows a split and both its tiers
+    are up (not asleep), the request carries an image, and no tier hint
+    keeps it whole on one tier."""
     return route.split is not None and wanted.tier is None \
         and route.split.vision in route.tiers and route.split.decoder in route.tiers \
         and any(tensor.name == IMAGE for tensor in request.inputs)

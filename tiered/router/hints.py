@@ -1,8 +1,8 @@
 """What a request tells the router about itself: routing hints and deadline.
 
 Hints travel as request `parameters` or gRPC metadata (`tiered-tier`,
-`tiered-tier-strict`, `tiered-slo-ms`, `tiered-key`), so plain v2 clients
-need none of them. Pure:
+`tiered-tier-strict`, `tiered-slo-ms`, `tiered-key`, `tiered-split`), so
+plain v2 clients need none of them. Pure:
 values in, a `RouteRequest` or a deadline out; the clock's reading is passed
 in. Never forwards, chooses or counts anything.
 """
@@ -16,7 +16,7 @@ from tiered import errors
 from tiered.protocol import codec
 from tiered.router import policies
 
-HINTS = ("tiered-tier", "tiered-tier-strict", "tiered-slo-ms", "tiered-key")
+HINTS = ("tiered-tier", "tiered-tier-strict", "tiered-slo-ms", "tiered-key", "tiered-split")
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -48,8 +48,11 @@ def read_hints(model: str, parameters: Mapping, metadata: Sequence[tuple[str, st
     if strict and tier is None:
         raise errors.InvalidArgument("tiered-tier-strict: needs a tiered-tier hint naming the "
                                      "tier to keep to")
+    split = found.get("tiered-split")
     return policies.RouteRequest(model=model, tier=tier, slo_ms=slo, strict=strict,
-                                 key=None if key in (None, "") else str(key))
+                                 key=None if key in (None, "") else str(key),
+                                 split=None if split in (None, "") else _boolean(
+                                     split, "tiered-split"))
 
 
 def _boolean(value: object, field: str) -> bool:

@@ -6,7 +6,8 @@ counts, which are also the backpressure limit), and each agent's
 `tiered.v1.Telemetry/Stats` (recent P95, queue depth, service time, joules
 per inference and their source; for a generative model also time to first
 token and joules per output token from its `Generation`), read by
-`TelemetryPoller` with a cursor. The clock is
+`TelemetryPoller` with a cursor. For a model split across tiers, the
+router's EWMAs of each image path it took (whole on a tier, or split) too. The clock is
 injected. Figures older than `stale_after_s` are forgotten, so a tier that
 was slow once is tried again rather than shunned forever. This module never
 chooses a route and never imports agent code.
@@ -150,6 +151,8 @@ class Observer:
         self._ewma: dict[tuple[str, str], tuple[float, float]] = {}  # -> (seconds, at)
         self._telemetry: dict[tuple[str, str], AgentTelemetry] = {}
         self._queues: dict[tuple[str, str], int] = {}
+        # model -> path -> (first response EWMA, vision call EWMA or None, at)
+        self._paths: dict[str, dict[policies.ImagePath, tuple[float, float | None, float]]] = {}
         self.in_flight: dict[str, int] = {}
 
     # Backpressure: counted here because the policies rank by the same load.
@@ -171,6 +174,40 @@ class Observer:
             self._ewma[key] = (seconds, now)
         else:
             self._ewma[key] = (previous[0] + self.alpha * (seconds - previous[0]), now)
+
+    def record_image_path(self, model: str, path: policies.ImagePath, first_s: float,
+                          vision_s: float | None = None) -> None:
+        """An image request of `model` took `path`: its stream's first response
+        came `first_s` after it was sent; a split's vision call took `vision_s`."""
+        paths = self._paths.setdefault(model, {})
+        previous = paths.get(path)
+        now = self.clock()
+        if previous is None or now - previous[2] > self.stale_after_s:
+            paths[path] = (first_s, vision_s, now)
+            return
+        first, vision, _ = previous
+
+        def blend(old: float | None, new: float | None) -> float | None:
+            if old is None or new is None:
+                return new if old is None else old
+            return old + self.alpha * (new - old)
+
+        paths[path] = (first + self.alpha * (first_s - first), blend(vision, vision_s), now)
+
+    def image_paths(self, model: str, now: float | None = None
+                    ) -> dict[policies.ImagePath, policies.PathObservation]:
+        """What is known of each image path of `model`, stale figures left out."""
+        if now is None:
+            now = self.clock()
+        return {path: policies.PathObservation(first, vision)
+                for path, (first, vision, at) in self._paths.get(model, {}).items()
+                if now - at <= self.stale_after_s}
+
+    def keep_models(self, models: Iterable[str]) -> None:
+        """Drop the image paths of models that left the routing table."""
+        kept = set(models)
+        for model in [m for m in self._paths if m not in kept]:
+            del self._paths[model]
 
     def record_stats(self, agent: str, response: tpb.StatsResponse) -> None:
         figures, queues = telemetry_of(response, self.clock())

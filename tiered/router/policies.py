@@ -6,8 +6,9 @@ Each policy is one method, `choose(candidates, request, observations, rng)
 up (`healthy_first`). While a rollout stage is live, the policies that route
 requests without a tier hint (slo-energy, cascade) send a share of them to
 the stage's tiers first (`StageFloor`), so a stage is never starved by what
-the policy prefers. The canary split (`pick_version`), the shadow decision
-and the cascade's confidence test (`should_escalate`) live here too. Nothing here
+the policy prefers. The canary split (`pick_version`), the shadow decision,
+the cascade's confidence test (`should_escalate`) and a vision-language
+request's choice of split or whole (`choose_image_path`) live here too. Nothing here
 does I/O, reads a clock or owns randomness: the router passes in what it
 observed and an `random.Random`. Never import gRPC or agent code here.
 """
@@ -47,6 +48,10 @@ class RouteRequest:
     slo_ms: float | None = None  # the tiered-slo-ms hint
     key: str | None = None  # the tiered-key hint
     strict: bool = False  # the tiered-tier-strict hint: the hinted tier or nothing
+    # The tiered-split hint, for an image request of a route that allows a
+    # split: True split, False whole (where the tier policy ranks first);
+    # None the router chooses (`choose_image_path`).
+    split: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -355,6 +360,152 @@ class SloEnergy:
             ranked.extend(order_agents(tiers[estimate.tier], observations, rng))
         return floored(Ranking(tuple(ranked), energy_incomparable=not comparable),
                        self.floor, rng)
+
+
+@dataclass(frozen=True)
+class ImagePath:
+    """Where a vision-language request with an image runs: whole on one tier
+    (`vision == decoder`) or split (the vision tier encodes the image, the
+    decoder tier answers from its visual tokens)."""
+
+    vision: str
+    decoder: str
+
+    @property
+    def split(self) -> bool:
+        return self.vision != self.decoder
+
+
+@dataclass(frozen=True)
+class PathObservation:
+    """The router's own EWMAs of one image path (`Observer.record_image_path`):
+    `first_s`, from sending the stream to its first response (for a split:
+    the decoder tier's, from the visual tokens); `vision_s`, a split's vision
+    call (what `tiered_router_split_vision_seconds` counts)."""
+
+    first_s: float | None = None
+    vision_s: float | None = None
+
+    def ttft_s(self, split: bool) -> float | None:
+        """Expected time to first token; None until every part was measured."""
+        if self.first_s is None or (split and self.vision_s is None):
+            return None
+        return self.first_s + (self.vision_s or 0.0)
+
+
+@dataclass(frozen=True)
+class PathEstimate:
+    """One image path's figures, as the choice compared them."""
+
+    path: ImagePath
+    ttft_s: float | None  # None: not measured yet (or forgotten as stale)
+    joules: float  # per request; inf when a tier's figure is unknown
+    energy_source: str  # "" unknown, MIXED when the split's two tiers differ
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """`choose_image_path`'s decision, with the numbers it used."""
+
+    path: ImagePath
+    reason: str  # UNMEASURED, MEETS, FASTEST or HINTED
+    estimates: tuple[PathEstimate, ...]  # none when HINTED: nothing was compared
+    energy_incomparable: bool = False
+
+
+UNMEASURED, MEETS, FASTEST, HINTED = "unmeasured", "meets", "fastest", "hinted"
+
+
+def image_paths(tiers: Sequence[str], split: routing.SplitRoute) -> tuple[ImagePath, ...]:
+    """The paths an image request may take: whole on each tier (in `tiers`'
+    order), then the split. This order breaks every tie."""
+    return (*(ImagePath(t, t) for t in tiers), ImagePath(split.vision, split.decoder))
+
+
+def estimate_path(path: ImagePath, seen: PathObservation, energy: Mapping[str, TierEstimate]
+                  ) -> PathEstimate:
+    """Energy per request comes from the agents' telemetry, one figure per tier
+    and model (`TierEstimate.joules_per_inference`: active joules over the
+    requests the tier answered). Whole on T: T's figure. Split: the vision
+    tier's figure (for its encode) plus the decoder tier's (for its answer).
+    The agents do not report the vision stage's energy apart, so the vision
+    tier's figure stands for an encode: exact while that tier answers only
+    the split's visual-token calls, an overcount while it also answers whole
+    requests (each of which includes an encode). Likewise the decoder tier's
+    figure includes its own encodes while it also answers whole requests. Both
+    errors raise the split's estimate: energy never sends a request split on a
+    guess in the split's favour. (A whole path's figure errs the other way
+    while its tier answers only split work, say only encodes; its first
+    whole requests correct it.)"""
+    if path.split:
+        vision, decoder = energy[path.vision], energy[path.decoder]
+        joules = vision.joules_per_inference + decoder.joules_per_inference
+        sources = {vision.energy_source, decoder.energy_source}
+        source = "" if joules == math.inf else sources.pop() if len(sources) == 1 else MIXED
+    else:
+        tier = energy[path.vision]
+        joules, source = tier.joules_per_inference, tier.energy_source
+    return PathEstimate(path, seen.ttft_s(path.split), joules, source)
+
+
+def choose_image_path(paths: Sequence[ImagePath], seen: Mapping[ImagePath, PathObservation],
+                      energy: Mapping[str, TierEstimate], slo_s: float) -> PathChoice:
+    """Split or whole, and where, for one image request.
+
+    1. A path with no expected TTFT yet (never taken, or its figures went
+       stale) goes first, the first such in `paths`' order: taking it is how
+       it gets measured. The router measures a path on its first response,
+       so this costs one request per path per staleness window.
+    2. Else, among paths whose expected TTFT (the router's EWMAs: a whole
+       request's time to first response; a split's vision call plus its
+       decoder's time to first response) meets `slo_s`, the lowest joules per
+       request, then the lowest TTFT. Energy ranks only figures of one source
+       (`energy_comparable`'s rule); when they differ the fastest meeting
+       path goes first and the choice says so.
+    3. When none meets it, the fastest.
+    Remaining ties go to the earlier path in `paths` (whole before split)."""
+    estimates = tuple(estimate_path(p, seen.get(p, _NO_PATH), energy) for p in paths)
+    order = {e.path: index for index, e in enumerate(estimates)}
+    unmeasured = [e for e in estimates if e.ttft_s is None]
+    if unmeasured:
+        return PathChoice(unmeasured[0].path, UNMEASURED, estimates)
+    meeting = [e for e in estimates if e.ttft_s is not None and e.ttft_s <= slo_s]
+    if meeting:
+        known = {e.energy_source for e in meeting if e.joules < math.inf}
+        comparable = len(known) <= 1 and MIXED not in known
+        best = min(meeting, key=(lambda e: (e.joules, e.ttft_s, order[e.path])) if comparable
+                   else (lambda e: (e.ttft_s, order[e.path])))
+        return PathChoice(best.path, MEETS, estimates, energy_incomparable=not comparable)
+    best = min(estimates, key=lambda e: (e.ttft_s, order[e.path]))
+    return PathChoice(best.path, FASTEST, estimates)
+
+
+_NO_PATH = PathObservation()
+
+
+def image_path_for(route: routing.ModelRoute, candidates: Sequence[Candidate],
+                   request: RouteRequest, observations: Observations,
+                   seen: Mapping[ImagePath, PathObservation]) -> PathChoice:
+    """`choose_image_path` for a request of a route that allows a split: the
+    paths over the tiers that have candidates, each tier's energy from its
+    agents' telemetry (`estimate_tier`: its best agent's J/inference), the
+    SLO the request's hint or else the route's. A `tiered-split` hint
+    decides instead: the split, or whole on the tier ranked first
+    (`candidates` are in the tier policy's order)."""
+    assert route.split is not None
+    if request.split is not None:
+        tier = candidates[0].tier
+        path = ImagePath(route.split.vision, route.split.decoder) if request.split \
+            else ImagePath(tier, tier)
+        return PathChoice(path, HINTED, ())
+    tiers = _by_tier(candidates)
+    energy = {t: estimate_tier(t, agents, observations) for t, agents in tiers.items()}
+    # Smallest tier first, whatever the ranking: ties and trials go in one fixed order.
+    ordered = tuple(t for t in route.ordered_tiers() if t in tiers)
+    paths = [p for p in image_paths(ordered, route.split)
+             if p.vision in tiers and p.decoder in tiers]
+    slo_ms = request.slo_ms if request.slo_ms is not None else route.slo_ms
+    return choose_image_path(paths, seen, energy, slo_ms / 1000)
 
 
 class Cascade:

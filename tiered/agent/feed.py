@@ -422,7 +422,7 @@ class FeedClient(asyncio.Protocol):
         self._transport.writelines([
             REQUEST.pack(length, call_id, seconds_left, kind, len(header)), header, *parts])
 
-    def _send_one(self, request: pb.ModelInferRequest, buffers: list[bytes | Placed],
+    def _send_one(self, request: pb.ModelInferRequest, buffers: list[bytes | Placed | CudaRange],
                   seconds_left: float) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
         if any(isinstance(b, CudaRange) for b in buffers):  # the engine reads its regions
@@ -756,7 +756,7 @@ class _FeedConnection(asyncio.Protocol):
                 dtype = codec.DATATYPES[datatype]
                 arrays[name] = np.frombuffer(self.arena, dtype, math.prod(shape), where) \
                     .reshape(shape)
-            else:  # CUDA ranges, a request's rows each
+            else:  # CUDA ranges, a request's rows each (one caller's: an error fails them all)
                 arrays[name] = _joined([
                     regions.read({REGION: region, OFFSET: offset, BYTE_SIZE: size}, datatype,
                                  [count, *shape[1:]], f"input {name!r}")

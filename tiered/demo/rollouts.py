@@ -403,6 +403,37 @@ def _vision_language_act(store: StateStore, up: LocalUp, router: str, models: Pa
             terminal.say(f"  an image of a {label}: 'what digit is this?' -> {said!r}")
     check(f"tinyvlm answers {ASKED} held-out digits through the router ({right} right)",
           right >= 0.9 * ASKED)
+    terminal.say("  split (`tiered-split: true`): the edge encodes each image, the "
+                 "datacenter answers from its visual tokens")
+    right, before = 0, _split_bytes(up.router.metrics_url)
+    for index, (image, label) in enumerate(zip(data["image"][ASKED:2 * ASKED],
+                                               data["label"][ASKED:2 * ASKED], strict=True)):
+        said = answer_text(ask_streamed(router, VISION_LANGUAGE, "what digit is this?",
+                                        headers={"tiered-split": "true"},
+                                        image=image.astype(np.uint8)))
+        right += said == tinyvlm.NUMBER_WORDS[int(label)]
+        if index < 2:
+            terminal.say(f"  an image of a {label}, split: 'what digit is this?' -> {said!r}")
+    sent = {what: count - before.get(what, 0.0)
+            for what, count in _split_bytes(up.router.metrics_url).items()}
+    check(f"tinyvlm answers {ASKED} more digits split across edge and datacenter "
+          f"({right} right; {sent.get('image', 0) / ASKED:,.0f} image bytes a request in, "
+          f"{sent.get('visual_tokens', 0) / ASKED:,.0f} visual-token bytes on)",
+          right >= 0.9 * ASKED and sent.get("visual_tokens", 0) > 0)
+
+
+def _split_bytes(metrics_url: str | None) -> dict[str, float]:
+    """The router's `tiered_router_split_bytes_total` for the vision-language
+    model, by what was sent (image, visual_tokens); {} without /metrics."""
+    import re
+    import urllib.request
+
+    if metrics_url is None:
+        return {}
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    return {what: float(value) for what, value in re.findall(
+        r'^tiered_router_split_bytes_total{[^}]*model="' + VISION_LANGUAGE
+        + r'"[^}]*what="(\w+)"[^}]*} (\S+)$', text, re.M)}
 
 
 def ask_streamed(address: str, model: str, question: str, headers=None,

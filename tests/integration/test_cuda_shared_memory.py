@@ -28,7 +28,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.grpc.aio as aioclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from tests.integration.test_front_ends import frames_fed  # noqa: E402
+from tests.integration.test_front_ends import add_sub_in_region, frames_fed  # noqa: E402
 from tiered.agent import shared_memory  # noqa: E402
 from tiered.agent.repository import model_file, write_config  # noqa: E402
 from tiered.local.processes import AgentProcess  # noqa: E402
@@ -132,23 +132,13 @@ def test_requests_in_cuda_regions_merge_and_are_gathered_on_the_device(tmp_path)
         regions.append((f"cuda-{i}", memory, handle))
     torch.cuda.synchronize()
 
-    def request(index: int, a: np.ndarray):
-        name, output_bytes = regions[index][0], a.nbytes - (4 if index == 5 else 0)
-        inputs, outputs = [], []
-        for slot, tensor in enumerate(("INPUT0", "INPUT1")):
-            inputs.append(aioclient.InferInput(tensor, list(a.shape), "FP32"))
-            inputs[-1].set_shared_memory(name, a.nbytes, offset=slot * a.nbytes)
-        for slot, tensor in enumerate(("OUTPUT0", "OUTPUT1"), start=2):
-            outputs.append(aioclient.InferRequestedOutput(tensor))
-            outputs[-1].set_shared_memory(name, output_bytes, offset=slot * a.nbytes)
-        return inputs, outputs
-
     async def send(agent: AgentProcess):
         async with aioclient.InferenceServerClient(agent.address) as client:
             for (name, _, handle), a in zip(regions, rows):
                 await client.register_cuda_shared_memory(name, handle, 0, 4 * a.nbytes)
             before = frames_fed(agent)
-            made = [request(i, a) for i, a in enumerate(rows)]
+            made = [add_sub_in_region(regions[i][0], a, a.nbytes - (4 if i == 5 else 0))
+                    for i, a in enumerate(rows)]
             outcomes = await asyncio.gather(
                 *(client.infer("add_sub", inputs, outputs=outputs) for inputs, outputs in made),
                 return_exceptions=True)

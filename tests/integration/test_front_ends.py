@@ -61,6 +61,19 @@ def add_sub(rows: np.ndarray):
     return inputs
 
 
+def add_sub_in_region(name: str, a: np.ndarray, output_bytes: int):
+    """add_sub's inputs and outputs for rows `a`, all in region `name`, laid
+    out [INPUT0, INPUT1, OUTPUT0, OUTPUT1] (`output_bytes` named for each output)."""
+    inputs, outputs = [], []
+    for slot, tensor in enumerate(("INPUT0", "INPUT1")):
+        inputs.append(aioclient.InferInput(tensor, list(a.shape), "FP32"))
+        inputs[-1].set_shared_memory(name, a.nbytes, offset=slot * a.nbytes)
+    for slot, tensor in enumerate(("OUTPUT0", "OUTPUT1"), start=2):
+        outputs.append(aioclient.InferRequestedOutput(tensor))
+        outputs[-1].set_shared_memory(name, output_bytes, offset=slot * a.nbytes)
+    return inputs, outputs
+
+
 def frames_fed(agent: AgentProcess) -> dict[str, float]:
     """Requests the front ends passed on, by frame, from the agent's /metrics."""
     text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
@@ -163,14 +176,7 @@ def test_requests_in_shared_memory_merge_and_the_front_end_writes_their_outputs(
         handle = shm.create_shared_memory_region(name, f"/{name}", 4 * a.nbytes)
         handles.append(handle)
         shm.set_shared_memory_region(handle, [a, 2 * a])
-        inputs, outputs = [], []
-        for slot, tensor in enumerate(("INPUT0", "INPUT1")):
-            inputs.append(aioclient.InferInput(tensor, list(a.shape), "FP32"))
-            inputs[-1].set_shared_memory(name, a.nbytes, offset=slot * a.nbytes)
-        for slot, tensor in enumerate(("OUTPUT0", "OUTPUT1"), start=2):
-            outputs.append(aioclient.InferRequestedOutput(tensor))
-            outputs[-1].set_shared_memory(name, output_bytes, offset=slot * a.nbytes)
-        return name, handle, inputs, outputs
+        return name, handle, *add_sub_in_region(name, a, output_bytes)
 
     async def send():
         async with aioclient.InferenceServerClient(agent_with_front_ends.address) as client:

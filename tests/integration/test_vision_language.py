@@ -8,6 +8,7 @@ the same pixels; bad requests get clear errors and the agent keeps serving."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,19 +40,24 @@ def images():
     return np.random.default_rng(3).integers(0, 256, (3, 8, 8, 3), dtype=np.uint8)
 
 
-@pytest.fixture(scope="module")
-def agent(checkpoint, tmp_path_factory):
-    """A repository with one version: the decoder at its root (with
-    visual.json), the vision stage in vision/."""
-    root = tmp_path_factory.mktemp("repository")
-    version = root / MODEL / "1"
+def fp32_repository(checkpoint: Path, root: Path, vision: dict, model: str = MODEL) -> Path:
+    """A repository with one version of `checkpoint` as `model`, FP32 on the
+    CPU: the decoder at its root (with visual.json), the vision stage in
+    vision/, `generation.vision` set to `vision`."""
+    version = root / model / "1"
     decoder_checkpoint(checkpoint, version)
     export_vision_stage(checkpoint, version / "vision" / "model.onnx")
     shutil.copy(checkpoint / PREPROCESSOR_FILE, version / "vision" / PREPROCESSOR_FILE)
-    write_config(root, MODEL, {
+    write_config(root, model, {
         "backend": "torch-generative",
         "engine": {"device": "cpu", "precision": "fp32", "max_sequences": 4},
-        "generation": {"engine_core": "thread", "vision": {"max_images": 2}}})
+        "generation": {"engine_core": "thread", "vision": vision}})
+    return root
+
+
+@pytest.fixture(scope="module")
+def agent(checkpoint, tmp_path_factory):
+    root = fp32_repository(checkpoint, tmp_path_factory.mktemp("repository"), {"max_images": 2})
     with AgentProcess("edge", root) as process:
         yield process
 

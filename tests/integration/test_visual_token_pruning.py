@@ -7,7 +7,6 @@ its vision stage keeps (as transformers answers from the same two), and its
 from __future__ import annotations
 
 import re
-import shutil
 import urllib.request
 
 import numpy as np
@@ -16,10 +15,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tritonclient.grpc")
 
-from tiered.agent.repository import write_config  # noqa: E402
+from tests.integration.test_vision_language import fp32_repository  # noqa: E402
 from tiered.demo.rollouts import answer_text, ask_streamed  # noqa: E402
-from tiered.engines.build.vision_language import Checkpoint, export_vision_stage  # noqa: E402
-from tiered.engines.generative.visual import decoder_checkpoint  # noqa: E402
+from tiered.engines.build.vision_language import Checkpoint  # noqa: E402
 from tiered.engines.images import PREPROCESSOR_FILE, Preprocessor, pixel_values  # noqa: E402
 from tiered.engines.visual_tokens import TokenSelection, select  # noqa: E402
 from tiered.local.processes import AgentProcess  # noqa: E402
@@ -29,16 +27,8 @@ MODEL, CAP, ASKED = "tinyvlm", 2, 4
 
 @pytest.fixture(scope="module")
 def agent(tinyvlm_models, tmp_path_factory):
-    checkpoint = tinyvlm_models / "tinyvlm-v1"
-    root = tmp_path_factory.mktemp("repository")
-    version = root / MODEL / "1"
-    decoder_checkpoint(checkpoint, version)
-    export_vision_stage(checkpoint, version / "vision" / "model.onnx")
-    shutil.copy(checkpoint / PREPROCESSOR_FILE, version / "vision" / PREPROCESSOR_FILE)
-    write_config(root, MODEL, {
-        "backend": "torch-generative",
-        "engine": {"device": "cpu", "precision": "fp32", "max_sequences": 4},
-        "generation": {"engine_core": "thread", "vision": {"max_visual_tokens": CAP}}})
+    root = fp32_repository(tinyvlm_models / "tinyvlm-v1", tmp_path_factory.mktemp("repository"),
+                           {"max_visual_tokens": CAP}, MODEL)
     with AgentProcess("edge", root) as process:
         yield process
 

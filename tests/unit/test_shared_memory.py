@@ -78,3 +78,25 @@ def _points_to(link: Path, target: str) -> bool:
         return os.readlink(link) == target
     except OSError:
         return False
+
+
+def test_a_batch_s_rows_go_to_each_request_s_range_and_a_range_too_small_fails_alone(key):
+    """`write_rows` (the engine's writes for a frame of merged requests): each
+    request's rows of each output land at its own range; one whose range is
+    too small fails alone. (Its CUDA branch runs in the GPU tests.)"""
+    registry = SharedMemory()
+    registry.register_system("", "out", key, 0, 64)
+    y = np.arange(6 * 2, dtype=np.float32).reshape(6, 2)  # three requests of 1, 3 and 2 rows
+
+    def at(offset: int, rows: int) -> dict:
+        return {"y": {"shared_memory_region": "out", "shared_memory_offset": offset,
+                      "shared_memory_byte_size": rows * 8}}
+
+    too_small = {"y": {**at(8, 3)["y"], "shared_memory_byte_size": 8}}
+    failed = registry.of("").write_rows([at(0, 1), too_small, at(16, 2)], [1, 3, 2], {"y": y})
+    assert list(failed) == [1] and "more than the 8" in str(failed[1])
+    written = np.frombuffer((SHM_DIR / key[1:]).read_bytes(), np.float32).reshape(8, 2)
+    np.testing.assert_array_equal(written[0], y[0])
+    np.testing.assert_array_equal(written[2:4], y[4:6])
+    np.testing.assert_array_equal(written[1], [2, 3])  # untouched: the file's own values
+    registry.unregister_system("", "")

@@ -96,7 +96,8 @@ class CudaRegion:
     # What holds the IPC mapping open (`open_cuda_handle`): the region while
     # registered, and every input read from it until its batch has run.
     owner: DeviceArray
-    typed: dict = dataclasses.field(default_factory=dict)  # `memory` as each dtype read
+    # `memory` viewed as each dtype read from it (`_typed`)
+    typed: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def _shm_path(key: str) -> Path:
@@ -261,11 +262,9 @@ class CallerRegions:
         each failing alone. An output goes to the GPU once and its ranges in
         CUDA regions are filled from there on a stream of their own, waited
         for once."""
-        import torch
-
         failed: dict[int, TieredError | RuntimeError] = {}
         on_gpu: dict[tuple[str, Any], Any] = {}  # (output, device): its bytes there
-        row, stream = 0, None
+        row, streams = 0, {}  # device: its copy stream
         for index, (names, count) in enumerate(zip(wanted, rows)):
             try:
                 for name, parameters in names.items():
@@ -281,9 +280,12 @@ class CallerRegions:
                     if isinstance(region, SystemRegion):
                         region.write(offset, whole[start:start + size], where)
                         continue
+                    import torch
+
                     device = region.memory.device
-                    stream = stream or _copy_stream(device)
-                    with torch.cuda.stream(stream):
+                    if device not in streams:
+                        streams[device] = _copy_stream(device)
+                    with torch.cuda.stream(streams[device]):
                         source = on_gpu.get((name, device))
                         if source is None:
                             source = on_gpu[name, device] = torch.from_numpy(whole).to(device)
@@ -292,7 +294,7 @@ class CallerRegions:
             except (TieredError, RuntimeError) as error:
                 failed[index] = error
             row += count
-        if stream is not None:
+        for stream in streams.values():
             stream.synchronize()  # the client reads its outputs once it is answered
         return failed
 

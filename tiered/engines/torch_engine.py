@@ -337,7 +337,7 @@ class TorchEngine(Engine):
     def stage(self, requests: Sequence[Mapping[str, np.ndarray]]) -> Mapping[str, np.ndarray]:
         """On CUDA with pinned memory, the requests' inputs where the GPU copies
         them from: left where they are when already page-locked (a front end's
-        arena), else concatenated straight into a lane's staging buffers (one
+        arena) or on the GPU (`DeviceRows`, copied device to device), else concatenated straight into a lane's staging buffers (one
         host copy fewer than merging, then staging)."""
         if self.device == "cpu" or not self.settings.pinned_memory:
             return super().stage(requests)

@@ -523,7 +523,9 @@ def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
             "tiered-routing", namespace).data or {}
         if render.ROUTING_KEY not in data:
             return False
-        tiers = yaml.safe_load(data[render.ROUTING_KEY])["models"]["digits"]["tiers"]
+        models = yaml.safe_load(data[render.ROUTING_KEY])["models"]
+        assert "digits" in models, f"a table without the model: {data}, status {state()}"
+        tiers = models["digits"]["tiers"]
         phase, _, _, index = state()
         weights = stage_weights[index] if phase == "Progressing" else {}
         return all(round(route.get("canary_weight", 0.0) * 100, 6) == weights.get(tier, 0)

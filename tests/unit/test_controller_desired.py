@@ -16,6 +16,7 @@ from tiered.controller.desired import (
     explain_starvation,
     follow_spec,
     live,
+    next_table,
     routing_table,
     same_agents,
     served_versions,
@@ -24,12 +25,14 @@ from tiered.controller.desired import (
     version_of,
     wanted_versions,
 )
+from tiered.controller.reconciler import Stored, routed
 from tiered.errors import ConfigError
 from tiered.protocol import routing
 from tiered.protocol.routing import DEFAULT_STAGE_FLOOR, dump_table, parse_table
 from tiered.rollout import engine
 from tiered.rollout.spec import Artifact, load_tiered_model
-from tiered.rollout.status import RolloutStatus
+from tiered.rollout.status import RolloutStatus, TieredModelStatus
+from tiered.rollout.wire import to_plain
 
 SHA_A, SHA_B, SHA_C = "aa" * 32, "bb" * 32, "cc" * 32
 NOW = 1000.0
@@ -445,3 +448,35 @@ def test_a_vision_language_split_reaches_the_table_while_both_its_tiers_are_ther
         vlm(split, kind="generative")
     with pytest.raises(ConfigError, match="routing.split.decoder: tier 'regional' is not"):
         vlm({"vision": "edge", "decoder": "regional"})
+
+
+# --- the table across a model that cannot be read ----------------------------
+
+
+def stored_model(name: str, spec: dict, rollout: RolloutStatus) -> Stored:
+    return Stored(name, {"name": name, **spec}, to_plain(TieredModelStatus(rollout=rollout)), 1)
+
+
+def test_a_model_that_cannot_be_read_keeps_its_routes_and_a_deleted_one_loses_them():
+    """A spec edited into one the controller refuses (or a status it cannot
+    read) must not take the model off the routers: its routes stay as the
+    last table had them, while the other models' routes follow their rollouts."""
+    spec = {"artifact": {"uri": "digits.onnx", "sha256": SHA_A},
+            "tiers": {"edge": {}, "regional": {}}, "rollout": {"stages": STAGES}}
+    good = [stored_model("digits", spec, status()), stored_model("other", spec, status())]
+    agents = same_agents(ALL_AGENTS)
+    first = next_table(None, routed(good).models, agents)
+    assert set(first.models) == {"digits", "other"}
+
+    refused = {**spec, "tiers": {"edge": {"replicas": -1}}}  # a field the loader refuses
+    moved = dataclasses.replace(status(), stage_index=1)
+    now = routed([stored_model("digits", refused, status()), stored_model("other", spec, moved)])
+    assert now.unreadable == {"digits"} and [s.name for s, _ in now.models] == ["other"]
+    second = next_table(first, now.models, agents, now.unreadable)
+    assert second.version == first.version + 1
+    assert second.models["digits"] == first.models["digits"]
+    assert second.models["other"] != first.models["other"]  # its stage moved
+
+    gone = routed([stored_model("other", spec, moved)])  # digits deleted
+    third = next_table(second, gone.models, agents, gone.unreadable)
+    assert set(third.models) == {"other"}

@@ -8,7 +8,7 @@ processes, Kubernetes) turn their results into builds, loads and files.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiered import names
@@ -312,11 +312,16 @@ def _split(spec: TieredModel, tiers: Mapping[str, routing.TierRoute],
 
 def next_table(previous: routing.RoutingTable | None,
                models: Sequence[tuple[TieredModel, RolloutStatus]],
-               agents_of: AgentsOf) -> routing.RoutingTable | None:
+               agents_of: AgentsOf, keep: Collection[str] = ()
+               ) -> routing.RoutingTable | None:
     """The table to write after `previous`, numbered one on; None when its
-    routes are the same (no write, no new version)."""
+    routes are the same (no write, no new version). The models in `keep`
+    (unreadable now) keep the routes `previous` gave them."""
     version = previous.version if previous is not None else 0
     table = routing_table(version + 1, models, agents_of)
-    if previous is not None and table.models == previous.models:
-        return None
+    if previous is not None:
+        kept = {name: route for name, route in previous.models.items() if name in keep}
+        table = dataclasses.replace(table, models={**table.models, **kept})
+        if table.models == previous.models:
+            return None
     return table

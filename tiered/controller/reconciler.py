@@ -76,21 +76,32 @@ def readable_status(stored: Stored) -> TieredModelStatus:
         return TieredModelStatus(message=f"status unreadable, rebuilt: {error}")
 
 
-def routed(models: Iterable[Stored]) -> list[tuple[TieredModel, RolloutStatus]]:
-    """The models the routing table names: those serving a version (a model
-    whose spec or status cannot be read keeps no route)."""
-    routes = []
+@dataclass(frozen=True)
+class Routed:
+    """What the routing table is made from: each model serving a version with
+    its rollout, and the models whose spec or status cannot be read now (a
+    spec edited into one the controller refuses, a status being rewritten):
+    those keep the routes the last table gave them."""
+    models: list[tuple[TieredModel, RolloutStatus]]
+    unreadable: frozenset[str]
+
+
+def routed(models: Iterable[Stored]) -> Routed:
+    """The models the routing table names: those serving a version."""
+    routes, unreadable = [], set()
     for stored in models:
         if stored.deleting:
             continue
         try:
             spec = load_tiered_model(stored.document, stored.name)
             rollout = decode_status(stored.name, stored.status).rollout
-        except ConfigError:
+        except ConfigError as error:
+            log.warning("%s keeps its routes until it reads again: %s", stored.name, error)
+            unreadable.add(stored.name)
             continue
         if rollout is not None:
             routes.append((spec, rollout))
-    return routes
+    return Routed(routes, frozenset(unreadable))
 
 
 def autoscaled(spec: TieredModel) -> bool:

@@ -213,7 +213,8 @@ class HostBackend:
             previous = routing.load_table(path) if path.is_file() else None
         except ConfigError:
             previous = None  # a table we cannot read is replaced
-        table = desired.next_table(previous, models, desired.same_agents(self.system.agents))
+        table = desired.next_table(previous, models.models,
+                                   desired.same_agents(self.system.agents), models.unreadable)
         if table is not None:
             write_atomically(path, routing.dump_table(table))
 

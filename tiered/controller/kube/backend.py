@@ -206,7 +206,8 @@ class KubeBackend:
             previous = routing.parse_table(yaml.safe_load(current)) if current else None
         except (ConfigError, yaml.YAMLError):
             previous = None  # a table we cannot read is replaced
-        table = desired.next_table(previous, models, self._routable_agents)
+        table = desired.next_table(previous, models.models, self._routable_agents,
+                                   models.unreadable)
         if table is None:
             return  # unchanged: no write, no new version
         wanted = render.routing_configmap(table, self.settings)

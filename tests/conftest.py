@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tiered import names
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentProcess
 from tiered.models import zoo
@@ -224,8 +225,9 @@ def tinyvlm_models(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tinyvlm_repositories(tinyvlm_models, tmp_path_factory) -> Path:
     """tinyvlm v1 built whole by the real `tiered build` for the edge (vision
-    stage INT8, decoder INT4 on onnxruntime-genai) and the datacenter (vision
-    stage FP16, decoder on the torch engine): `<tier>/` is each repository
+    stage INT8, decoder INT4 on onnxruntime-genai), the regional tier (vision
+    stage FP16, decoder on onnxruntime-genai: FP32 on a CPU) and the
+    datacenter (vision stage FP16, decoder on the torch engine): `<tier>/` is each repository
     (model `tinyvlm`, version 1), `<tier>.json` the build's report, once per
     session."""
     import subprocess
@@ -234,7 +236,7 @@ def tinyvlm_repositories(tinyvlm_models, tmp_path_factory) -> Path:
     from tiered.models import tinyvlm
 
     def make(out: Path) -> None:
-        for tier in ("edge", "datacenter"):
+        for tier in names.TIERS:
             done = subprocess.run(
                 [sys.executable, "-m", "tiered", "build", str(tinyvlm_models / "tinyvlm-v1"),
                  "--tier", tier, "--model", "tinyvlm", "--version", "1",

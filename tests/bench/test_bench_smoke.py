@@ -385,27 +385,36 @@ def test_autoscale_bench_runs_both_arms_and_wakes_a_sleeping_tier_without_errors
     assert_header(stdout, "target", "what", "value", "needs", "verdict")
 
 
-def test_vlm_bench_answers_whole_on_each_tier_and_split_at_each_image_size(tmp_path,
-                                                                          tinyvlm_models):
+def test_vlm_bench_answers_whole_on_each_tier_and_split_at_each_image_size(
+        tmp_path, tinyvlm_models, tinyvlm_repositories):
+    """On the session's builds of each tier (the same `tiered build` the bench
+    runs without `--builds`)."""
     result, stdout = run_smoke("vlm", tmp_path, "--models", str(tinyvlm_models),
-                               timeout_s=480)
+                               "--builds", str(tinyvlm_repositories), timeout_s=480)
     rows = result["rows"]
+    arms = ("whole edge", "whole regional", "whole datacenter", "split", "split capped")
     assert {(r["arm"], r["image_px"]) for r in rows} == {
-        (arm, size) for arm in ("whole edge", "whole datacenter", "split", "split capped")
-        for size in (8, 256)}
+        (arm, size) for arm in arms for size in (8, 256)}
     for row in rows:
         # 8 held-out digits; two visual tokens of four answer fewer right
         assert row["right"] >= (0.25 if row["arm"] == "split capped" else 0.75), row
         assert positive(row["ttft_ms"]["p50_ms"]) and positive(row["tpot_ms"]["p50_ms"]), row
         assert row["energy_source"] in {"nvml", "rapl", "model"}, row
+        assert set(row["j_per_request_by_tier"]) == {"edge", "regional", "datacenter"}, row
+        # Split, the vision stage is the router's call to the edge, within the TTFT.
+        if row["arm"].startswith("split"):
+            assert 0 < row["vision_stage_ms"] < row["ttft_ms"]["p95_ms"], row
+        else:
+            assert row["vision_stage_ms"] is None, row
     upstream = {(r["arm"], r["image_px"]): r["upstream_bytes_per_request"] for r in rows}
-    assert upstream[("whole datacenter", 256)] == 256 * 256 * 3
+    assert upstream[("whole datacenter", 256)] == upstream[("whole regional", 256)] \
+        == 256 * 256 * 3
     assert upstream[("split", 256)] < upstream[("whole datacenter", 256)]
     # The capped edge sends 2 of its 4 visual tokens an image.
     assert upstream[("split capped", 256)] == upstream[("split", 256)] / 2 == 2 * 128 * 4
     assert upstream[("whole edge", 8)] == 0
     assert {b: result["builds"][b]["gate"] for b in result["builds"]} == {
-        "edge": "pass", "datacenter": "pass"}
+        "edge": "pass", "regional": "pass", "datacenter": "pass"}
     assert_targets(result["targets"], {"split TTFT 8 px", "split TTFT 256 px",
                                        "split upstream bytes 256 px"})
     assert_header(stdout, "arm", "image", "px", "req/s")

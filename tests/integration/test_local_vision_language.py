@@ -40,9 +40,15 @@ MODEL, QUESTION = "tinyvlm", "what digit is this?"
 
 
 def spec(checkpoint: Path, models: Path) -> dict:
-    """examples/tinyvlm.yaml (its stages and analysis as users get them),
-    pointing at `checkpoint` and the session's data files."""
+    """examples/tinyvlm.yaml (its stages and analysis as users get them) on
+    the edge and the datacenter, pointing at `checkpoint` and the session's
+    data files."""
     document = yaml.safe_load(EXAMPLE.read_text())
+    # Two of its three tiers (the regional tier serves as the edge does, in
+    # FP32 on a CPU: `make demo` asks it), so that each version builds twice.
+    del document["spec"]["tiers"]["regional"]
+    for stage in document["spec"]["rollout"]["stages"]:
+        stage["weights"].pop("regional", None)
     document["spec"]["artifact"] = {"uri": str(checkpoint),
                                     "eval": str(models / tinyvlm.EVAL_FILE),
                                     "calibration": str(models / tinyvlm.CALIBRATION_FILE)}

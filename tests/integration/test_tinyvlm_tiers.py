@@ -1,7 +1,8 @@
-"""The small vision-language model on two tiers, end to end: the trained
+"""The small vision-language model on three tiers, end to end: the trained
 tinyvlm v1 built whole with the real `tiered build` for the edge (vision
-stage INT8, decoder INT4 on onnxruntime-genai) and the datacenter (vision
-stage FP16, decoder on the torch engine), each served by a real agent, and
+stage INT8, decoder INT4 on onnxruntime-genai), the regional tier (vision
+stage FP16, decoder on onnxruntime-genai, FP32 on a CPU) and the datacenter
+(vision stage FP16, decoder on the torch engine), each served by a real agent, and
 asked about held-out digits with the real tritonclient, directly, through
 a real router, and split (asked for with the `tiered-split` hint): the router
 has the edge encode each image and the datacenter decode from its visual
@@ -20,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime_genai")
 pytest.importorskip("tritonclient.grpc")
 
+from tiered import names
 from tiered.demo.rollouts import answer_text, ask_streamed  # noqa: E402
 from tiered.local.processes import AgentProcess, RouterProcess  # noqa: E402
 from tiered.models import tinyvlm  # noqa: E402
@@ -33,7 +35,7 @@ def repositories(tinyvlm_repositories):
     the verdict its report (the build's stdout) gave."""
     return {tier: (tinyvlm_repositories / tier, json.loads(
         (tinyvlm_repositories / f"{tier}.json").read_text())["verdict"])
-        for tier in ("edge", "datacenter")}
+        for tier in names.TIERS}
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,11 @@ digits v1 and built in the background; once it serves on three tiers,
 token) rolled back, judged on time to first token and per output token.
 
 Last, the vision-language act: examples/tinyvlm.yaml (a small LLaVA-style
-checkpoint trained once on the digits into build/models) is built for the
-edge and the datacenter, both its stages a version, and once it serves it
-answers questions about held-out digits, sent with their images through
-the router, in words.
+checkpoint trained once on the digits into build/models) is built for
+each tier, both its stages a version, and once it serves it answers
+questions about held-out digits, sent with their images through the
+router, in words: kept to each tier in turn, then split (the edge encodes,
+the datacenter answers from the visual tokens).
 
 Each controller decision and each judged window prints as it happens; at the
 end a report (HTML with plots, and JSON) is written, and the demo checks the
@@ -32,6 +33,7 @@ outcomes and that no client request failed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import signal
 import sys
@@ -64,6 +66,7 @@ from tiered.local.supervisor import (
 from tiered.rollout import snapshot
 from tiered.rollout.progress import hold_key, progress_line
 from tiered.rollout.status import RolloutStatus
+from tiered.router.forward import SERVED_TIER
 
 # The examples of the source tree: the demo runs from a checkout.
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -363,7 +366,7 @@ def _digits_rollouts(store: StateStore, up: LocalUp, last: int, terminal: LiveLi
 
 
 VISION_LANGUAGE = "tinyvlm"
-ASKED = 20  # held-out digits the vision-language act asks about
+PER_TIER, SPLIT_ASKED = 10, 20  # held-out digits the vision-language act asks about
 
 
 def prepare_tinyvlm(models: Path, say: Callable[[str], None]) -> None:
@@ -379,8 +382,9 @@ def prepare_tinyvlm(models: Path, say: Callable[[str], None]) -> None:
 
 def _vision_language_act(store: StateStore, up: LocalUp, router: str, models: Path,
                          terminal: LiveLines, check: Callable[[str, bool], None]) -> None:
-    """examples/tinyvlm.yaml on the edge and the datacenter; once it serves,
-    questions about held-out digits through the router, answered in words."""
+    """examples/tinyvlm.yaml on three tiers; once it serves, questions about
+    held-out digits through the router, answered in words: kept to each tier
+    in turn (`tiered-tier-strict`), then split across edge and datacenter."""
     from tiered.models import tinyvlm
 
     def served(status) -> bool:
@@ -389,37 +393,44 @@ def _vision_language_act(store: StateStore, up: LocalUp, router: str, models: Pa
                 VISION_LANGUAGE).status).conditions if c.type == "Ready"), False)
 
     terminal.say("7. tiered apply -f examples/tinyvlm.yaml: a small vision-language model "
-                 "(both stages built for the edge and the datacenter)")
+                 "(both stages built for each tier)")
     apply_file(store, EXAMPLES / "tinyvlm.yaml")
     _follow(store, up, served, 0, SERVED_TIMEOUT_S, terminal, "  ", VISION_LANGUAGE)
     data = np.load(models / tinyvlm.EVAL_FILE)
-    right = 0
-    for index, (image, label) in enumerate(zip(data["image"][:ASKED], data["label"][:ASKED],
-                                               strict=True)):
-        said = answer_text(ask_streamed(router, VISION_LANGUAGE, "what digit is this?",
-                                        image=image.astype(np.uint8)))
-        right += said == tinyvlm.NUMBER_WORDS[int(label)]
-        if index < 3:
-            terminal.say(f"  an image of a {label}: 'what digit is this?' -> {said!r}")
-    check(f"tinyvlm answers {ASKED} held-out digits through the router ({right} right)",
-          right >= 0.9 * ASKED)
+    asked = iter(zip(data["image"], data["label"], strict=True))
+
+    def ask(count: int, headers: dict[str, str], shown: str) -> tuple[int, set[str]]:
+        """`count` held-out digits asked with `headers`: how many were answered
+        right, and the tiers that answered."""
+        right, tiers = 0, set()
+        for index, (image, label) in enumerate(itertools.islice(asked, count)):
+            responses = ask_streamed(router, VISION_LANGUAGE, "what digit is this?", headers,
+                                     image=image.astype(np.uint8))
+            said = answer_text(responses)
+            right += said == tinyvlm.NUMBER_WORDS[int(label)]
+            tiers |= {r.get_response().parameters[SERVED_TIER].string_param
+                      for r in responses}
+            if index < 2:
+                terminal.say(f"  an image of a {label}{shown}: 'what digit is this?' -> {said!r}")
+        return right, tiers
+
+    for tier in names.TIERS:
+        right, tiers = ask(PER_TIER, {"tiered-tier": tier, "tiered-tier-strict": "true"},
+                           f", on {tier}")
+        check(f"tinyvlm answers {PER_TIER} held-out digits on {tier} through the router "
+              f"({right} right; answered by {', '.join(sorted(tiers))})",
+              right >= 0.9 * PER_TIER and tiers == {tier})
     terminal.say("  split (`tiered-split: true`): the edge encodes each image, the "
                  "datacenter answers from its visual tokens")
-    right, before = 0, _split_bytes(up.router.metrics_url)
-    for index, (image, label) in enumerate(zip(data["image"][ASKED:2 * ASKED],
-                                               data["label"][ASKED:2 * ASKED], strict=True)):
-        said = answer_text(ask_streamed(router, VISION_LANGUAGE, "what digit is this?",
-                                        headers={"tiered-split": "true"},
-                                        image=image.astype(np.uint8)))
-        right += said == tinyvlm.NUMBER_WORDS[int(label)]
-        if index < 2:
-            terminal.say(f"  an image of a {label}, split: 'what digit is this?' -> {said!r}")
+    before = _split_bytes(up.router.metrics_url)
+    right, tiers = ask(SPLIT_ASKED, {"tiered-split": "true"}, ", split")
     sent = {what: count - before.get(what, 0.0)
             for what, count in _split_bytes(up.router.metrics_url).items()}
-    check(f"tinyvlm answers {ASKED} more digits split across edge and datacenter "
-          f"({right} right; {sent.get('image', 0) / ASKED:,.0f} image bytes a request in, "
-          f"{sent.get('visual_tokens', 0) / ASKED:,.0f} visual-token bytes on)",
-          right >= 0.9 * ASKED and sent.get("visual_tokens", 0) > 0)
+    check(f"tinyvlm answers {SPLIT_ASKED} more digits split across edge and datacenter "
+          f"({right} right; {sent.get('image', 0) / SPLIT_ASKED:,.0f} image bytes a request in, "
+          f"{sent.get('visual_tokens', 0) / SPLIT_ASKED:,.0f} visual-token bytes on)",
+          right >= 0.9 * SPLIT_ASKED and sent.get("visual_tokens", 0) > 0
+          and tiers == {"datacenter"})
 
 
 def _split_bytes(metrics_url: str | None) -> dict[str, float]:

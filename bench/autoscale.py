@@ -66,6 +66,7 @@ from tiered.controller.plan import SCALE_INTERVAL_S
 from tiered.controller.reconciler import decode_status
 from tiered.controller.store import StateStore
 from tiered.controller.verbs import apply_file
+from tiered.errors import NotFound
 from tiered.local.processes import AgentProcess
 from tiered.local.supervisor import (
     ControllerSettings,
@@ -266,8 +267,11 @@ class Watch(Poller):
                 self._look()
 
     def _read_status(self, store: StateStore) -> None:
-        record = store.get(MODEL)
-        if record is None or not record.status:
+        try:
+            record = store.get(MODEL)
+        except NotFound:  # not applied yet: this thread starts first
+            return
+        if not record.status:
             return
         edge = decode_status(MODEL, record.status).scaling.get("edge")
         if edge is not None:

@@ -303,12 +303,25 @@ def pytest_xdist_make_scheduler(config, log):
     return ByScope(config, log)
 
 
+# The session's models, made once a run (`made_once`): the first test to ask
+# for one, or one waiting on its lock while another worker makes it, spends
+# its setup on the making (minutes on two busy cores), which pytest-timeout
+# counts. Such tests get MAKING_TIMEOUT_S unless they set their own.
+SESSION_MADE = frozenset({"digits_models", "tinyllama_models", "tinyvlm_models",
+                          "tinyvlm_repositories"})
+MAKING_TIMEOUT_S = 900
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     first = (*(name for row in zip_longest(*LOCAL_SYSTEMS) for name in row if name),
              *SPREAD_FILES,
              *LONG_FILES)  # the longest start first
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first
                else len(first))  # a stable sort: each file's order is kept
+    for item in items:
+        if item.get_closest_marker("timeout") is None \
+                and SESSION_MADE.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.timeout(MAKING_TIMEOUT_S))
 
 
 def engine_processes(agent) -> dict[str, list[int]]:

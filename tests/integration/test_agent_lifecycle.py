@@ -3,7 +3,12 @@ size limits and draining on shutdown."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from importlib import resources
@@ -280,3 +285,48 @@ def test_a_symlink_out_of_the_repository_is_refused(tmp_path):
         assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert "leads out of the repository" in caught.value.message()
         assert client.infer("mlp", mlp_inputs()).get_response().model_version == "1"
+
+
+PARENT_SCRIPT = """
+import sys
+from pathlib import Path
+from tiered.local.processes import AgentProcess, RouterProcess
+agent = AgentProcess("edge", Path(sys.argv[1])).start()
+table = Path(sys.argv[2])
+table.write_text('{"version": 1, "models": {"mlp": {"tiers": {"edge": {"agents": ["%s"]}}}}}'
+                 % agent.address)
+router = RouterProcess(table).start()
+print(agent.pid, router.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_servers_whose_parent_is_killed_outright_stop_and_leave_nothing_behind(tmp_path):
+    """A process that started an agent and a router is SIGKILLed (as a test's
+    timeout or an OOM kill does to `tiered up`): no handler of its runs, yet
+    both servers notice they were orphaned, drain and exit."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_SCRIPT, str(mlp_repository(tmp_path / "repository")),
+         str(tmp_path / "table.json")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    servers: list[int] = []
+    try:
+        servers = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(servers) == 2, servers
+        parent.kill()
+        parent.wait(10)
+
+        def gone(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            # Reparented and exited but not yet reaped (a zombie) counts as gone.
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+        wait_for(lambda: all(gone(pid) for pid in servers), timeout_s=30)
+    finally:
+        parent.kill()
+        for pid in servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from tiered.cli import agent, build, controller, demo, load, models, router, tieredmodels
-from tiered.local.processes import take_sigint
+from tiered.local.processes import follow_parent, take_sigint
 
 __all__ = ["build_parser", "kubectl_main", "main"]
 
@@ -72,6 +72,7 @@ def quiet_idle_threads(environ=os.environ) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     quiet_idle_threads()
     take_sigint()
+    follow_parent()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level,

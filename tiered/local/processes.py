@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +45,29 @@ def take_sigint() -> None:
     if os.environ.pop(INTERRUPTIBLE, None) == "1":
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+PARENT = "TIERED_PARENT_PID"  # in a server's environment: see `follow_parent`
+PARENT_POLL_S = 1.0
+
+
+def follow_parent() -> None:
+    """In a `tiered` command a ServerProcess started: once the process that
+    started it is gone, send this one SIGTERM (it drains and stops), so a
+    parent killed outright (SIGKILL, a test's timeout) leaves no server
+    serving behind it. Not PR_SET_PDEATHSIG: that fires when the *thread*
+    that started the child ends, and servers are started from threads that
+    end (a supervisor's restart, a pool). Not passed on."""
+    parent = os.environ.pop(PARENT, "")
+    if not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
 
 
 class AgentError(RuntimeError):
@@ -86,7 +110,8 @@ class ServerProcess:
         return self._process.pid
 
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {}),
+               PARENT: str(os.getpid())}
         # A restart appends to the same log; only what this run wrote counts.
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:

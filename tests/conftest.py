@@ -227,9 +227,9 @@ def tinyvlm_repositories(tinyvlm_models, tmp_path_factory) -> Path:
     """tinyvlm v1 built whole by the real `tiered build` for the edge (vision
     stage INT8, decoder INT4 on onnxruntime-genai), the regional tier (vision
     stage FP16, decoder on onnxruntime-genai: FP32 on a CPU) and the
-    datacenter (vision stage FP16, decoder on the torch engine): `<tier>/` is each repository
-    (model `tinyvlm`, version 1), `<tier>.json` the build's report, once per
-    session."""
+    datacenter (vision stage FP16, decoder on the torch engine): `<tier>/` is
+    each repository (model `tinyvlm`, version 1), `<tier>.json` the build's
+    report, once per session."""
     import subprocess
     import sys
 

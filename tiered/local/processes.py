@@ -58,12 +58,13 @@ def follow_parent() -> None:
     serving behind it. Not PR_SET_PDEATHSIG: that fires when the *thread*
     that started the child ends, and servers are started from threads that
     end (a supervisor's restart, a pool). Not passed on."""
-    parent = os.environ.pop(PARENT, "")
-    if not parent.isdigit():
+    given = os.environ.pop(PARENT, "")
+    if not given.isdigit():
         return
+    parent = int(given)
 
     def watch() -> None:
-        while os.getppid() == int(parent):
+        while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
         os.kill(os.getpid(), signal.SIGTERM)
 

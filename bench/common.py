@@ -907,10 +907,11 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
-def write(result: Mapping[str, Any], path: Path) -> None:
+def write(result: Mapping[str, Any], path: Path, quiet: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
-    progress(f"wrote {path}")
+    if not quiet:
+        progress(f"wrote {path}")
 
 
 def malformed(rows: Sequence[Mapping[str, Any]], fields: Sequence[str]) -> list[str]:

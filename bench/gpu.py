@@ -565,7 +565,10 @@ def perf_analyzer_point(setup: str, agent: ServerProcess, memory: str, concurren
 # --------------------------------------------------------------------------- the run
 
 
-def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
+def run(settings: RunSettings, smoke: bool, out: Path | None = None) -> dict[str, Any]:
+    """The whole bench. With `out`, the rows measured so far are written there
+    after each served row (`partial` says so), so that a run cut short by a
+    machine's time limit still leaves them; the finished result replaces them."""
     energy = EnergyMeter(settings.device)
     result = common.record("gpu", smoke, with_gpu=settings.device == "cuda")
     if settings.device != "cuda":
@@ -592,6 +595,13 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
         served: list[dict[str, Any]] = []
         top = max(settings.concurrency)
 
+        def keep(row: dict[str, Any]) -> None:
+            served.append(row)
+            if out is not None:
+                common.write({**result, "served": served, "inprocess": rows, "partial":
+                              "cut short: the rows measured so far, no comparison or targets"},
+                             out, quiet=True)
+
         # A setup measured: (name, load levels, diagnostic, shared memory, images a request).
         Point = tuple[str, Sequence[int], bool, bool, int]
 
@@ -616,7 +626,7 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
                                 f"p50 {cell(row['p50_ms'])} ms, batch "
                                 f"{cell(row['formed_batch'])}, server cpu "
                                 f"{cell(row['server_cpu_cores'])}, errors {row['errors']}")
-                            served.append(row)
+                            keep(row)
                     finally:
                         result.setdefault("server_log_tails", {})[setup] = [
                             s.log_tail(8) for s in started]
@@ -670,7 +680,7 @@ def run(settings: RunSettings, smoke: bool) -> dict[str, Any]:
                                                   images, channel_per_slot)
                         common.progress(f"  {row.get('throughput', row.get('error'))} img/s, "
                                         f"p50 {cell(row.get('p50_ms'))} ms")
-                        served.append(row)
+                        keep(row)
         else:
             result["perf_analyzer"] = f"not run: {PERF_ANALYZER} is not on PATH"
         if settings.diagnostics:
@@ -895,7 +905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings, args = parse_args(argv)
     if args.devices:
         return devices_main(settings, args)
-    result = run(settings, args.smoke)
+    result = run(settings, args.smoke, args.out)
     print(report(result))
     common.write(result, args.out)
     if args.smoke:

@@ -205,9 +205,9 @@ def digits_models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tinyvlm_models(tmp_path_factory) -> Path:
-    """The trained tiny vision-language checkpoints v1 and v2 (questions about
-    digits), their eval and calibration files, and `made.json` (what
-    `write_tinyvlm` measured of each), once per session."""
+    """The trained tiny vision-language checkpoint v1 (questions about
+    digits), its eval and calibration files, and `made.json` (what
+    `write_tinyvlm` measured of it), once per session."""
     pytest.importorskip("transformers")
     import dataclasses
     import json
@@ -215,8 +215,7 @@ def tinyvlm_models(tmp_path_factory) -> Path:
     from tiered.models import tinyvlm
 
     def make(out: Path) -> None:
-        made = {variant: dataclasses.asdict(tinyvlm.write_tinyvlm(out, variant))
-                for variant in ("v1", "v2")}
+        made = {"v1": dataclasses.asdict(tinyvlm.write_tinyvlm(out, "v1"))}
         (out / "made.json").write_text(json.dumps(made, default=str))
 
     return made_once(tmp_path_factory, "tinyvlm-models", make)

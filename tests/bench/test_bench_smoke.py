@@ -356,8 +356,12 @@ def test_abuse_bench_answers_every_input_with_a_client_error_and_keeps_the_serve
     assert_header(stdout, "target", "what", "value", "needs", "verdict")
 
 
-def test_autoscale_bench_runs_both_arms_and_wakes_a_sleeping_tier_without_errors(tmp_path):
-    result, stdout = run_smoke("autoscale", tmp_path, timeout_s=480)
+def test_autoscale_bench_runs_both_arms_and_wakes_a_sleeping_tier_without_errors(
+        tmp_path, digits_models):
+    """On the session's digits models (without `--models` the bench trains
+    its own into build/models)."""
+    result, stdout = run_smoke("autoscale", tmp_path, "--models", str(digits_models),
+                               timeout_s=480)
     for arm in ("autoscaled", "fixed"):
         figures = result[arm]
         assert [p["phase"] for p in figures["phases"]] == ["low", "burst", "low again"]

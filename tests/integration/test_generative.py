@@ -128,7 +128,15 @@ def test_a_stream_that_falls_behind_gets_the_ready_tokens_in_one_response(agent,
     with grpc.insecure_channel(agent.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         requests = [stream_request("chunks", f"c{i}", 400) for i in range(8)]
         responses = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests))
-        time.sleep(2.0)
+        # Unread until the engine has generated every token: a fixed sleep
+        # let a busy machine's reader catch up with a slow engine.
+        seen_running, give_up = False, time.monotonic() + 60
+        while time.monotonic() < give_up:
+            running = gauge(agent, "tiered_running_sequences", "chunks")
+            if seen_running and running == 0:
+                break
+            seen_running |= running > 0
+            time.sleep(0.005)
         by_id: dict[str, list] = {}
         for answer in responses:
             assert not answer.error_message, answer.error_message

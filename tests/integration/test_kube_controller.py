@@ -517,11 +517,16 @@ def test_a_controller_restarted_at_every_step_resumes_and_keeps_the_weights(
     def table_matches_status() -> bool:
         # The controller writes the status, then the table: a read between
         # the two sees the table before it, which may not name the model yet
-        # (the first table, written before v1 served, does not). Such a read
-        # is polled again, as any other that does not match yet (a table
-        # that never comes times out).
-        data = client.CoreV1Api(kube).read_namespaced_config_map(
-            "tiered-routing", namespace).data or {}
+        # (the first table, written before v1 served, does not), or find
+        # no table at all. Such a read is polled again, as any other that
+        # does not match yet (a table that never comes times out).
+        try:
+            data = client.CoreV1Api(kube).read_namespaced_config_map(
+                "tiered-routing", namespace).data or {}
+        except client.exceptions.ApiException as error:
+            if error.status == 404:
+                return False
+            raise
         models = yaml.safe_load(data.get(render.ROUTING_KEY, "{}")).get("models") or {}
         if "digits" not in models:
             return False

@@ -1,8 +1,8 @@
 """The tiny vision-language checkpoints: LLaVA's layout as transformers reads
-it, answers right on held-out digits, a v2 that differs in weights and not
-much in answers, a bench shape that writes fast, and the CLI's variants.
+it, answers right on held-out digits, a v2 that is v1's recipe from another
+seed, a bench shape that writes fast, and the CLI's variants.
 
-v1 and v2 are trained once per test run (the session's `tinyvlm_models`).
+v1 is trained once per test run (the session's `tinyvlm_models`).
 """
 
 from __future__ import annotations
@@ -40,11 +40,6 @@ def made(models: Path, variant: str) -> tinyvlm.TinyVlmModel:
 @pytest.fixture(scope="module")
 def v1(tinyvlm_models) -> tinyvlm.TinyVlmModel:
     return made(tinyvlm_models, "v1")
-
-
-@pytest.fixture(scope="module")
-def v2(tinyvlm_models) -> tinyvlm.TinyVlmModel:
-    return made(tinyvlm_models, "v2")
 
 
 def test_checkpoint_loads_as_llava_with_the_image_token_in_its_tokenizer(v1) -> None:
@@ -118,19 +113,19 @@ def test_eval_file_holds_each_images_right_answers(v1) -> None:
     assert list(answers[seven]) == ["seven", "odd", "yes"]
 
 
-def test_v2_differs_in_weights_and_agrees_on_most_answers(v1, v2) -> None:
-    first = load_file(v1.checkpoint / "model.safetensors")
-    second = load_file(v2.checkpoint / "model.safetensors")
-    assert first.keys() == second.keys()
-    assert not all(torch.equal(first[name], second[name]) for name in first)
-    for question, share in v2.accuracy.items():
-        assert share >= MIN_ACCURACY, (question, share)
-    with np.load(v1.eval_path) as data:
-        images = data["image"]
-    question = "what digit is this?"
-    agreement = np.mean(np.array(tinyvlm.answer(v1.checkpoint, images, question))
-                        == np.array(tinyvlm.answer(v2.checkpoint, images, question)))
-    assert 0.9 <= agreement
+def test_v2_is_v1_trained_from_another_seed_and_its_weights_differ(tmp_path) -> None:
+    """v2 is v1's recipe with another seed, so v1's training (accuracy above)
+    stands for it; a few steps of each show that the seed moves the weights.
+    (Training v2 whole for the suite cost 70-90 s of CPU, for this test alone.)"""
+    v1, v2 = tinyvlm.VARIANTS["v1"], tinyvlm.VARIANTS["v2"]
+    assert v2 == dataclasses.replace(v1, seed=v2.seed) and v2.seed != v1.seed
+    weights = {}
+    for variant, shape in (("v1", v1), ("v2", v2)):
+        made = tinyvlm.write_tinyvlm(tmp_path, variant, dataclasses.replace(shape, train_steps=2))
+        weights[variant] = load_file(made.checkpoint / "model.safetensors")
+    assert weights["v1"].keys() == weights["v2"].keys()
+    assert not any(torch.equal(weights["v1"][name], weights["v2"][name])
+                   for name in weights["v1"] if weights["v1"][name].ndim >= 2)
 
 
 def test_bench_shape_cut_down_writes_random_fp16_weights_fast(tmp_path) -> None:

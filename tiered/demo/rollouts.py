@@ -358,7 +358,8 @@ def _digits_rollouts(store: StateStore, up: LocalUp, last: int, terminal: LiveLi
     check(f"version 3 rolled back automatically{said}",
           final.phase == names.Phase.ROLLED_BACK and final.stable_version == 2)
     # On evidence, whichever stage found it: the heavy network costs edge's
-    # INT8 about 1.4 ms a request more than v2, which the first stage shows.
+    # INT8 several times v2's whole serving path a request, which the first
+    # stage shows.
     failed = (final.last_analysis.with_outcome(names.Outcome.FAILED)
               if final.last_analysis is not None else ())
     check(f"on a failed analysis ({', '.join(sorted({m.label for m in failed})) or 'none'}) "

@@ -437,8 +437,11 @@ def test_token_telemetry_in_stats_and_metrics(agent, client):
     assert version.success == 2
     ttft = telemetry_messages.histogram_quantile(generation.time_to_first_token, 0.5)
     tpot = telemetry_messages.histogram_quantile(generation.time_per_output_token, 0.5)
-    assert 0 < tpot < ttft < 5
+    # Both plausible; not ordered: a tiny model's prefill is about one decode
+    # step, and on a busy machine a later token can wait longer than the first.
+    assert 0 < tpot < 5 and 0 < ttft < 5
     assert sum(generation.time_to_first_token.count) == 2
+    assert sum(generation.time_per_output_token.count) == streamed - 2
     assert generation.tokens_per_s > 0 and generation.max_sequences == 8
     assert version.has_energy and version.energy.source in ("nvml", "rapl", "model")
     assert generation.joules_per_output_token > 0

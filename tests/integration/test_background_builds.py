@@ -4,7 +4,9 @@ The local controller (`HostController`, in a thread, as `tiered controller`
 runs it) over a state directory whose agents are small gRPC servers that
 answer RepositoryModelLoad; the builds are real `tiered build` processes.
 The slow artifact is a ResNet-18 at 48x48 built INT8 for the edge tier
-(calibration and evaluation take it about 10 s on an idle core); the fast
+(calibration and evaluation take it about 10 s on an idle core); the tests
+that wait for a build to end build it at 32x32 (under half of that: at 48x48
+such a test took 193 s of its 300 beside the suite's other work); the fast
 one a small MLP built FP16 for the regional tier (about a second).
 
 - While a build runs, the model's status says so ("edge (building, N s)"),
@@ -58,6 +60,7 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
     garbage = root / "garbage.onnx"
     garbage.write_bytes(b"these bytes are no ONNX model\n" * 100)
     return {"slow": zoo.resnet18(root / "slow.onnx", image_size=48, num_classes=10),
+            "medium": zoo.resnet18(root / "medium.onnx", image_size=32, num_classes=10),
             "fast": zoo.mlp(root / "fast.onnx", seed=1),
             "fast2": zoo.mlp(root / "fast2.onnx", seed=2), "garbage": garbage}
 
@@ -266,7 +269,7 @@ def test_failed_builds_end_refused_with_why_and_are_not_tried_again(system, arti
 
 def test_a_restarted_controller_waits_for_a_build_that_runs_on(system, artifacts):
     first = system.controller()
-    system.apply("digits", artifacts["slow"], "edge")
+    system.apply("digits", artifacts["medium"], "edge")
     system.wait("the build running", lambda: building(system.message("digits"), "edge"))
     pid = system.build_pid("digits", 1, "edge")
     first.crash()
@@ -286,7 +289,7 @@ def test_a_restarted_controller_waits_for_a_build_that_runs_on(system, artifacts
 def test_a_restarted_controller_builds_again_what_was_killed_with_its_predecessor(
         system, artifacts):
     first = system.controller()
-    system.apply("digits", artifacts["slow"], "edge")
+    system.apply("digits", artifacts["medium"], "edge")
     system.wait("the build running", lambda: building(system.message("digits"), "edge"))
     pid = system.build_pid("digits", 1, "edge")
     first.crash()
@@ -296,7 +299,7 @@ def test_a_restarted_controller_builds_again_what_was_killed_with_its_predecesso
     model_dir = system.layout.repository("edge") / "digits"
     half = model_dir / f".1.partial-{pid}"
     half.mkdir(parents=True)
-    (half / "model.onnx").write_bytes(artifacts["slow"].read_bytes()[:1000])
+    (half / "model.onnx").write_bytes(artifacts["medium"].read_bytes()[:1000])
     system.wait("the killed build to let its lock go", lambda: not alive(pid) or _reap(pid))
 
     second = system.controller()

@@ -152,7 +152,7 @@ VARIANTS: dict[str, DigitsVariant] = {
         # Trained, about 17x the multiply-accumulates of v1 (two more convs
         # after the pool, three times the channels; a deeper network without
         # BatchNorm wants a lower peak learning rate). Served, 12 identity
-        # convs make it about 70x: on a slow day of the 2-core VM, where a
+        # convs make it about 205x: on a slow day of the 2-core VM, where a
         # Python loop of 3M additions takes 0.7 s of CPU, INT8 at batch 1
         # costs it about 4 ms of CPU against v1's 0.08 (0.9 ms without
         # them, which a busy demo once promoted), a cost a latency and an

@@ -128,15 +128,10 @@ def test_a_stream_that_falls_behind_gets_the_ready_tokens_in_one_response(agent,
     with grpc.insecure_channel(agent.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         requests = [stream_request("chunks", f"c{i}", 400) for i in range(8)]
         responses = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter(requests))
-        # Unread until the engine has generated every token: a fixed sleep
-        # let a busy machine's reader catch up with a slow engine.
-        seen_running, give_up = False, time.monotonic() + 60
-        while time.monotonic() < give_up:
-            running = gauge(agent, "tiered_running_sequences", "chunks")
-            if seen_running and running == 0:
-                break
-            seen_running |= running > 0
-            time.sleep(0.005)
+        # Unread until the engine has generated every token (all 8 ran, then
+        # none): a fixed sleep let a busy machine's reader catch up.
+        for running in (8, 0):
+            wait_for_gauge(agent, "tiered_running_sequences", "chunks", running, timeout_s=60)
         by_id: dict[str, list] = {}
         for answer in responses:
             assert not answer.error_message, answer.error_message
@@ -217,8 +212,9 @@ def gauge(agent, family: str, model: str) -> float:
     raise AssertionError(f"no {family} in /metrics")
 
 
-def wait_for_gauge(agent, family: str, model: str, value: float, why=dict) -> None:
-    give_up = time.monotonic() + 30
+def wait_for_gauge(agent, family: str, model: str, value: float, why=dict,
+                   timeout_s: float = 30) -> None:
+    give_up = time.monotonic() + timeout_s
     while gauge(agent, family, model) != value:
         assert time.monotonic() < give_up, f"{family} of {model} never reached {value}: {why()}"
         time.sleep(0.01)

@@ -121,8 +121,9 @@ def test_v2_is_v1_trained_from_another_seed_and_its_weights_differ(tmp_path) -> 
     assert v2 == dataclasses.replace(v1, seed=v2.seed) and v2.seed != v1.seed
     weights = {}
     for variant, shape in (("v1", v1), ("v2", v2)):
-        made = tinyvlm.write_tinyvlm(tmp_path, variant, dataclasses.replace(shape, train_steps=2))
-        weights[variant] = load_file(made.checkpoint / "model.safetensors")
+        written = tinyvlm.write_tinyvlm(tmp_path, variant,
+                                        dataclasses.replace(shape, train_steps=2))
+        weights[variant] = load_file(written.checkpoint / "model.safetensors")
     assert weights["v1"].keys() == weights["v2"].keys()
     assert not any(torch.equal(weights["v1"][name], weights["v2"][name])
                    for name in weights["v1"] if weights["v1"][name].ndim >= 2)

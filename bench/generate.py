@@ -403,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine-core", default="auto", choices=("auto", "process", "thread"),
                         help="the agent's generation.engine_core: the engine in a process of "
                         "its own, or on a thread of the agent's (auto: a process on a GPU)")
+    parser.add_argument("--front-ends", type=int, default=None,
+                        help="the agent's front-end processes (default: the tier profile's; "
+                        "none on a machine of fewer than 4 cores)")
     args = parser.parse_args(argv)
     streams = (1, 8) if args.smoke else (1, 8, 64)
     max_tokens = 8 if args.smoke else args.max_tokens
@@ -421,7 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         engine = open_generative(config["backend"], version, config.get("engine") or {})
         text_prompts = tinyllama.eval_prompts()
-        with common.agent(args.tier, repository) as agent:
+        front_ends = [] if args.front_ends is None else ["--front-ends", str(args.front_ends)]
+        with common.agent(args.tier, repository, extra_args=front_ends) as agent:
             cores = common.children_running(agent.pid, CORE_MODULE)
             engine_pid = cores[0] if cores else agent.pid
             table = Path(tmp) / "routing.json"
@@ -447,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {"tier": args.tier, "device": args.device, "backend": config["backend"],
                    "model": args.model, "parameters": size, "weight_bytes": weight_bytes,
                    "engine_core": args.engine_core,
+                   "front_ends": "the profile's" if args.front_ends is None else args.front_ends,
                    "engine_process": "engine core" if cores else "agent",
                    "precision": precision,
                    "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 
 # The test processes' own torch (training, engines in-process) and every
 # process they start wait as `tiered` does (tiered.cli.quiet_idle_threads).
@@ -321,6 +322,13 @@ def pytest_collection_modifyitems(config, items) -> None:
         if item.get_closest_marker("timeout") is None \
                 and SESSION_MADE.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.timeout(MAKING_TIMEOUT_S))
+
+
+def frames_fed(agent: AgentProcess) -> dict[str, float]:
+    """Requests an agent's front ends passed on, by frame, from its /metrics."""
+    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
+    return {kind: float(value) for kind, value in re.findall(
+        r'^tiered_front_end_requests_total{frame="(\w+)".*} (\S+)$', text, re.M)}
 
 
 def engine_processes(agent) -> dict[str, list[int]]:

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -25,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import sigterm_with_calls_in_flight
+from tests.conftest import frames_fed, sigterm_with_calls_in_flight
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentError, AgentProcess
 from tiered.models import zoo
@@ -90,13 +89,6 @@ def answered_in_region(index: int, a: np.ndarray, name: str, answer) -> bool:
     assert answer.get_output("OUTPUT0").parameters["shared_memory_region"].string_param == name
     assert answer.get_response().raw_output_contents[0] == b""  # no bytes on the wire
     return True
-
-
-def frames_fed(agent: AgentProcess) -> dict[str, float]:
-    """Requests the front ends passed on, by frame, from the agent's /metrics."""
-    text = urllib.request.urlopen(agent.metrics_url, timeout=10).read().decode()
-    return {kind: float(value) for kind, value in re.findall(
-        r'^tiered_front_end_requests_total{frame="(\w+)".*} (\S+)$', text, re.M)}
 
 
 def test_connections_spread_over_front_ends_and_batch_together(agent_with_front_ends):
@@ -225,7 +217,7 @@ def test_requests_in_shared_memory_merge_and_the_front_end_writes_their_outputs(
             shm.destroy_shared_memory_region(handle)
     # Every one took the front end's path: none was handed to the engine whole.
     assert {kind: after[kind] - before[kind] for kind in after} == \
-        {"batch": count, "single": 0}, (before, after)
+        {"batch": count, "single": 0, "stream": 0}, (before, after)
 
 
 def test_a_request_flagged_as_perf_analyzer_flags_it_takes_the_batch_path(agent_with_front_ends):
@@ -253,7 +245,7 @@ def test_a_request_flagged_as_perf_analyzer_flags_it_takes_the_batch_path(agent_
         total = np.frombuffer(answer.raw_output_contents[0], np.float32)
         np.testing.assert_allclose(total, 2 * row, rtol=1e-6)
     assert {kind: after[kind] - before[kind] for kind in after} == \
-        {"batch": len(rows), "single": 0}, (before, after)
+        {"batch": len(rows), "single": 0, "stream": 0}, (before, after)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
-from tests.conftest import add_generative, engine_processes, environ_of
+from tests.conftest import add_generative, engine_processes, environ_of, frames_fed
 from tests.generation import (
     PROMPT,
     Stream,
@@ -45,17 +45,19 @@ WAIT_MS = 600  # model "one": how long a request waits for its single slot (4000
 # within it, so no test needs a clock to show a slot was freed at once
 
 
-# Every test runs against both layouts: the engine on a worker thread of the
-# agent, and in an engine core process of its own (`engine_core.py`).
-@pytest.fixture(scope="module", params=["thread", "process"])
+# Every test runs against each layout: the engine on a worker thread of the
+# agent, in an engine core process of its own (`engine_core.py`), and in an
+# engine core behind front-end processes, which build the streams' responses
+# from the chunks of tokens the agent sends them (the datacenter's on a GPU).
+@pytest.fixture(scope="module", params=["thread", "process", "front ends"])
 def layout(request) -> str:
     return request.param
 
 
 @pytest.fixture(scope="module")
 def repository(layout, generative_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"generative-repository-{layout}")
-    core = {"engine_core": layout}
+    root = tmp_path_factory.mktemp(f"generative-repository-{layout.replace(' ', '-')}")
+    core = {"engine_core": "thread" if layout == "thread" else "process"}
     add_generative(root, "tiny", generative_model, {
         "engine": {"max_sequences": 4}, "generation": core})
     add_generative(root, "meter", generative_model, {"generation": core})  # the telemetry test's
@@ -69,8 +71,9 @@ def repository(layout, generative_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def agent(repository):
-    with AgentProcess("edge", repository) as process:
+def agent(repository, layout):
+    front_ends = ["--front-ends", "2"] if layout == "front ends" else []
+    with AgentProcess("edge", repository, extra_args=front_ends) as process:
         yield process
         assert process.alive(), f"the agent died:\n{process.log_tail()}"
 
@@ -371,7 +374,12 @@ def test_rest_generate_errors_name_what_is_wrong(agent, path, body, code, named)
     assert named in json.loads(answer)["error"]
 
 
-def test_front_end_processes_relay_streams_and_cancellation(repository, client):
+def test_front_ends_answer_streams_from_the_agents_chunks_and_cancel_them(
+        repository, client, layout):
+    """This layout's engine behind front ends: the same tokens and flags, the
+    streams fed as chunks, and a client that goes away frees its sequence."""
+    if layout == "front ends":
+        pytest.skip("the module's own agent runs front ends in this layout")
     expected = [int(i) for i in generate(client, max_tokens=10).as_numpy("token_ids")]
     with AgentProcess("edge", repository, extra_args=["--front-ends", "2"]) as process, \
             grpcclient.InferenceServerClient(process.address) as fronted:
@@ -381,12 +389,16 @@ def test_front_end_processes_relay_streams_and_cancellation(repository, client):
             results = stream.until_final()
             assert [int(r.as_numpy("token_ids")[0]) for r in results] == expected
             assert [is_final(r) for r in results] == [False] * 9 + [True]
+            assert {r.get_response().id for r in results} == {"f"}
+            assert {r.get_response().model_version for r in results} == {"1"}
+            assert frames_fed(process)["stream"] == 1
             stream.send("one", max_tokens=4000)
             stream.next()
         finally:
             fronted.stop_stream(cancel_requests=True)
         # Refused after WAIT_MS if the cancelled stream still held the slot.
         assert len(generate(fronted, "one", max_tokens=3).as_numpy("token_ids")) == 3
+        assert frames_fed(process)["stream"] == 2  # ModelInfer's whole text is not one
         assert process.alive(), process.log_tail()
 
 
@@ -487,8 +499,9 @@ def device_shares(agent, model: str) -> dict[str, tpb.DeviceShare]:
 
 def test_a_core_per_device_takes_its_share_and_a_lost_one_leaves_the_other_serving(
         repository, layout):
-    if layout == "thread":
-        pytest.skip("the engine runs in the agent's process here")
+    if layout != "process":
+        pytest.skip("the engine runs in the agent's process here" if layout == "thread"
+                    else "the process layout's test starts the same agent")
     with AgentProcess("edge", repository, extra_args=["--devices", "cpu,cpu"]) as process, \
             grpcclient.InferenceServerClient(process.address) as client:
         cores = engine_processes(process)["tiny"]

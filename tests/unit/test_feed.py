@@ -377,3 +377,98 @@ def test_requests_in_cuda_regions_merge_as_ranges_the_engine_reads_and_writes(tm
         written = bytes(memory["out"][start:start + 6 * 4 * rows[index]])
         np.testing.assert_array_equal(np.frombuffer(written, np.float32),
                                       2 * np.frombuffer(sent[index], np.float32))
+
+
+class Counting:
+    """A generative engine's side of STREAM frames: `tokens` chunks of one
+    token each (the text says which), an error after `fail_after` of them
+    where set; records each stream's end (done, or cancelled)."""
+
+    def __init__(self, tokens: int, fail_after: int | None = None) -> None:
+        self.tokens, self.fail_after = tokens, fail_after
+        self.ended: list[str] = []
+        self.more = asyncio.Event()  # the first chunk is sent alone, the rest once set
+        self.sent = asyncio.Event()  # every chunk has been sent
+
+    async def answer_generation(self, body, seconds_left):
+        request = pb.ModelInferRequest.FromString(body)
+        try:
+            for token in range(self.tokens):
+                if token == self.fail_after:
+                    raise Unavailable("the engine core exited")
+                last = token == self.tokens - 1
+                yield (3, f"<{request.id}:{token}>", [token], 5, "length" if last else "", last,
+                       4)
+                await self.more.wait()
+                await asyncio.sleep(0)  # a set event does not yield to the loop
+            self.sent.set()
+            self.ended.append("done")
+        except asyncio.CancelledError:
+            self.ended.append("cancelled")
+            raise
+
+
+def test_a_stream_comes_in_chunks_merged_while_unread_and_its_error_ends_it(tmp_path):
+    async def main():
+        engine = Counting(tokens=10)
+        server = FeedServer(str(tmp_path / "feed.sock"), engine, 1 << 20)
+        arena = Arena(1 << 16)
+        client = await FeedClient.connect(server.path, arena)
+        stream = client.generate(pb.ModelInferRequest(model_name="m", id="s"), 5.0)
+        first = await anext(stream)
+        engine.more.set()
+        await engine.sent.wait()  # the other nine arrive while nobody reads
+        await asyncio.sleep(0.05)
+        rest = [chunk async for chunk in stream]
+        failing = Counting(tokens=10, fail_after=2)
+        failing.more.set()
+        server.answers = failing
+        got = []
+        try:
+            async for chunk in client.generate(pb.ModelInferRequest(id="f"), 5.0):
+                got.append(chunk[1])
+        except FedError as error:
+            failed = error
+        await server.close()
+        arena.close()
+        return first, rest, engine.ended, got, failed
+
+    first, rest, ended, got, failed = asyncio.run(main())
+    assert first == (3, "<s:0>", [0], 5, "", False, 4)
+    # Up to 4 tokens a chunk once merged (the most a response carries), in order.
+    assert [chunk[2] for chunk in rest] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
+    assert "".join(chunk[1] for chunk in rest) == "".join(f"<s:{t}>" for t in range(1, 10))
+    assert [chunk[4:6] for chunk in rest] == [("", False), ("", False), ("length", True)]
+    assert ended == ["done"]
+    assert "".join(got) == "<f:0><f:1>"  # what came before the error is not lost
+    assert failed.code == grpc.StatusCode.UNAVAILABLE.value[0] and "core exited" in str(failed)
+
+
+def test_a_stream_closed_early_is_cancelled_in_the_engine_and_so_is_a_lost_front_end(tmp_path):
+    async def ended_with(engine: Counting, count: int) -> None:
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(engine.ended) < count and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+
+    async def main():
+        engine = Counting(tokens=1 << 30)  # runs until cancelled
+        engine.more.set()
+        server = FeedServer(str(tmp_path / "feed.sock"), engine, 1 << 20)
+        arena = Arena(1 << 16)
+        client = await FeedClient.connect(server.path, arena)
+        stream = client.generate(pb.ModelInferRequest(id="a"), 5.0)
+        await anext(stream)
+        await stream.aclose()  # the client went away: a CANCEL frame
+        await ended_with(engine, 1)
+        after_cancel = list(engine.ended)
+        other = await FeedClient.connect(server.path, Arena(1 << 16))
+        await anext(other.generate(pb.ModelInferRequest(id="b"), 5.0))
+        other._transport.close()  # a front end lost: its streams end with it
+        await ended_with(engine, 2)
+        await server.close()
+        arena.close()
+        return after_cancel, engine.ended
+
+    after_cancel, ended = asyncio.run(main())
+    assert after_cancel == ["cancelled"]
+    assert ended == ["cancelled", "cancelled"]

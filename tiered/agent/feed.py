@@ -27,13 +27,21 @@ requests where it can.
   request's ranges, the engine (which alone maps CUDA regions) copies the
   rows into its batch device to device and writes those outputs, and a
   request whose output region cannot take them fails alone.
+- **A streamed request to a generative model** (its text and token ids
+  asked for, nothing in shared memory) goes in a STREAM frame. The engine
+  answers a reply per chunk of tokens as they come (the version, the
+  chunk's text and token ids, the prompt's tokens, why it finished, whether
+  it is the last, and the most tokens a response may carry); the front end
+  builds each response, merging the chunks its client has not yet read up
+  to that most, and sends a CANCEL frame when its client goes away. So the
+  engine's event loop does no per-token protobuf or gRPC work.
 - **Any other request** (parameters, BYTES, a model that does not batch,
   inputs partly in shared memory) travels alone in a ONE frame: the request without its
   raw input bytes, which lie in the arena (or inline when the arena is
   full), and the engine answers the serialized response.
 
 The engine counts the requests and frames of each kind; the agent's
-/metrics shows them (`tiered_front_end_requests_total{frame="batch"|"single"}`).
+/metrics shows them (`tiered_front_end_requests_total{frame="batch"|"single"|"stream"}`).
 
 A block of the arena is reused only once the engine has answered the frame
 that used it.
@@ -51,6 +59,8 @@ tuples (both ends are one agent's processes):
                       [(CUDA region, offset, byte size)] per request)],
                       [rows per request], caller of the CUDA regions or None,
                       [{output: its CUDA region's parameters}] per request or None)
+             STREAM   header (); the request, raw inputs and all
+             CANCEL   header (); the call id is the stream's
     reply    <IQHI>   length of the rest, call id, gRPC status code (0: OK),
                       header length; the header; then
              ONE      the serialized response (no header)
@@ -58,7 +68,9 @@ tuples (both ends are one agent's processes):
                       {request index: (code, message)} for requests whose
                       outputs the engine could not write into their CUDA
                       regions); the outputs' bytes, one after another
-             error    the message (no header)
+             STREAM   header (version, text, [token id], prompt tokens, finish
+                      reason, last, most tokens a response), one reply a chunk
+             error    the message (no header); it ends a stream
              notice   call id 0, header (caller, name): a shared-memory region
                       came or went ("": all the caller's), which the front
                       end's view of the regions forgets
@@ -76,7 +88,7 @@ import os
 import socket
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -105,7 +117,8 @@ log = logging.getLogger(__name__)
 REQUEST = struct.Struct("<IQdBI")
 REPLY = struct.Struct("<IQHI")
 LENGTH = struct.Struct("<I")
-ONE, GROUP = 0, 1
+ONE, GROUP, STREAM, CANCEL = 0, 1, 2, 3
+KINDS = {ONE: "single", GROUP: "batch", STREAM: "stream"}  # as /metrics counts them
 NOTICE = 0  # the call id of a reply that answers no call
 IN_ARENA, INLINE = 0, 1
 OK = 0
@@ -115,6 +128,9 @@ HELLO_BYTES = 64  # the hello message that carries the arena's descriptor
 MIN_FRAMES_AHEAD = 2
 
 Output = tuple[str, str, list[int]]  # name, datatype, shape
+# A STREAM reply: version, text, token ids, prompt tokens, finish reason,
+# whether it is the last, the most tokens a response may carry.
+Chunk = tuple[int, str, list[int], int, str, bool, int]
 
 
 class Answers(Protocol):
@@ -127,6 +143,9 @@ class Answers(Protocol):
                            outputs: Sequence[str], rows: Sequence[int], seconds_left: float,
                            ) -> tuple[str, str, dict[str, np.ndarray]]:
         """Requests merged row-wise -> (model, version, outputs by name)."""
+
+    def answer_generation(self, body: bytes, seconds_left: float) -> AsyncIterator[Chunk]:
+        """A streamed request's bytes -> its tokens, a chunk at a time."""
 
     def regions(self, caller: str) -> CallerRegions:
         """The shared-memory regions `caller` names in its tensors."""
@@ -144,6 +163,7 @@ class ModelFacts:
     """What a front end knows of a model from its ModelConfig."""
 
     decoupled: bool = False
+    generates_text: bool = False  # a generative model: its streams go in STREAM frames
     max_batch_size: int = 0  # 0: requests never share a frame
     # Frames of one kind a front end keeps in the engine: as many batches as
     # the model runs at once (instances on each of its devices), at least
@@ -163,12 +183,15 @@ class ModelFacts:
             name = mc.DataType.Name(tensor.data_type).removeprefix("TYPE_")
             return "BYTES" if name == "STRING" else name
 
+        outputs = frozenset(t.name for t in config.output)
+        decoupled = config.model_transaction_policy.decoupled
         return cls(
-            decoupled=config.model_transaction_policy.decoupled,
+            decoupled=decoupled,
+            generates_text=decoupled and {messages.TEXT_OUTPUT, messages.TOKEN_IDS} <= outputs,
             max_batch_size=config.max_batch_size if batches else 0,
             frames_ahead=max(MIN_FRAMES_AHEAD, instances * devices),
             inputs={t.name: (datatype(t), tuple(t.dims)) for t in config.input},
-            outputs=frozenset(t.name for t in config.output))
+            outputs=outputs)
 
     def group_key(self, request: pb.ModelInferRequest,
                   buffers: Sequence[bytes | Placed | CudaRange], placed: Mapping[str, Placement] | None = None, caller: str = "",
@@ -326,8 +349,10 @@ class FeedClient(asyncio.Protocol):
         self.closed = asyncio.Event()
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        # call id -> (the group's requests and futures, or one future; its block)
-        self._calls: dict[int, tuple[_Group | asyncio.Future, Block | None]] = {}
+        # call id -> (the group's requests and futures, one future, or a
+        # stream's queue of replies; its block)
+        self._calls: dict[int, tuple[_Group | asyncio.Future | asyncio.Queue,
+                                     Block | None]] = {}
         self._next_id = 0
         self._in_flight: dict[tuple, int] = {}  # GROUP frames unanswered, by key
         self._gathering: dict[tuple, _Group] = {}  # the next frame of a key with enough
@@ -352,6 +377,9 @@ class FeedClient(asyncio.Protocol):
         gone = Unavailable("the agent's engine process is gone")
         waiting = [w for w, _ in self._calls.values()] + list(self._gathering.values())
         for each in waiting:
+            if isinstance(each, asyncio.Queue):
+                each.put_nowait((status_code(gone).value[0], None, str(gone).encode()))
+                continue
             for future in each.futures if isinstance(each, _Group) else [each]:
                 if not future.done():
                     future.set_exception(gone)
@@ -403,6 +431,34 @@ class FeedClient(asyncio.Protocol):
         if key not in self._gathering:
             self._send_group(group)
         return await self._answer(future)
+
+    async def generate(self, request: pb.ModelInferRequest, seconds_left: float,
+                       ) -> AsyncIterator[Chunk]:
+        """A streamed request to a generative model, answered by the engine a
+        chunk of tokens at a time; the chunks that came while the caller was
+        not reading are merged, up to the most a response may carry. Closing
+        this early cancels the request in the engine."""
+        if not self._open:
+            raise Unavailable("the agent's engine process is gone")
+        replies: asyncio.Queue = asyncio.Queue()
+        call_id = self._call(replies, None)
+        self._write(call_id, seconds_left, STREAM, _NO_HEADER, [request.SerializeToString()])
+        last, error = False, None  # an error that came after a chunk: raised after it
+        try:
+            while not last:
+                chunk = _chunk(*(error or await replies.get()))
+                while not chunk[5] and not replies.empty() and len(chunk[2]) < chunk[6]:
+                    reply = replies.get_nowait()
+                    if reply[0] != OK:
+                        error = reply
+                        break
+                    chunk = _merged(chunk, _chunk(*reply))
+                last = chunk[5]
+                yield chunk
+        finally:
+            self._calls.pop(call_id, None)
+            if not last and self._open:
+                self._write(call_id, 0.0, CANCEL, _NO_HEADER, [])
 
     @staticmethod
     async def _answer(future: asyncio.Future) -> bytes:
@@ -512,6 +568,10 @@ class FeedClient(asyncio.Protocol):
             if call_id == NOTICE:
                 self.on_forget(*marshal.loads(header))
                 continue
+            stream, _ = self._calls.get(call_id, (None, None))
+            if isinstance(stream, asyncio.Queue):  # the stream's reader ends it
+                stream.put_nowait((code, header, payload))
+                continue
             waiting, block = self._calls.pop(call_id, (None, None))
             if block is not None:
                 self.arena.free(block)
@@ -521,6 +581,21 @@ class FeedClient(asyncio.Protocol):
             elif waiting is not None and not waiting.done():
                 waiting.set_result((code, payload))
         del buffer[:used]
+
+
+_NO_HEADER = marshal.dumps(())
+
+
+def _chunk(code: int, header: bytes | None, payload: bytes) -> Chunk:
+    """A STREAM reply's chunk; its error raised."""
+    if code != OK or header is None:
+        raise FedError(code, payload.decode(errors="replace"))
+    return marshal.loads(header)
+
+
+def _merged(first: Chunk, then: Chunk) -> Chunk:
+    """Two chunks of one stream as one: their text and tokens, the later's facts."""
+    return (then[0], first[1] + then[1], first[2] + then[2], *then[3:])
 
 
 def _answer_group(group: _Group, code: int, header: bytes | None, payload: bytes) -> None:
@@ -627,9 +702,10 @@ class FeedServer:
         self.connected = asyncio.Condition()
         self.connections: set[_FeedConnection] = set()
         # Requests and frames taken in, by kind: "batch" (GROUP frames: the
-        # front ends' path) or "single" (ONE frames: the engine's).
-        self.requests = {"batch": 0, "single": 0}
-        self.frames = {"batch": 0, "single": 0}
+        # front ends' path), "single" (ONE frames: the engine's) or "stream"
+        # (a generative model's streamed requests).
+        self.requests = dict.fromkeys(KINDS.values(), 0)
+        self.frames = dict.fromkeys(KINDS.values(), 0)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(path)
         self._listener.listen(64)
@@ -692,6 +768,7 @@ class _FeedConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._tasks: set[asyncio.Task] = set()
+        self._streams: dict[int, asyncio.Task] = {}  # call id -> the stream's task
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -704,6 +781,8 @@ class _FeedConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
+        for stream in list(self._streams.values()):  # nobody is left to read them
+            stream.cancel()
         with contextlib.suppress(BufferError):  # a request still reads it: closes with it
             self.arena.release()
             if self._unpin is not None:
@@ -727,12 +806,20 @@ class _FeedConnection(asyncio.Protocol):
             header = marshal.loads(memoryview(buffer)[start:start + header_length])
             rest = bytes(memoryview(buffer)[start + header_length:end])
             used = end
-            kept = "single" if kind == ONE else "batch"
-            self.server.frames[kept] += 1
-            self.server.requests[kept] += 1 if kind == ONE else len(header[4])
-            serve = self._one(header, rest, seconds_left) if kind == ONE \
-                else self._group(header, seconds_left)
-            task = asyncio.get_running_loop().create_task(self._reply(call_id, serve))
+            if kind == CANCEL:
+                stream = self._streams.pop(call_id, None)
+                if stream is not None:
+                    stream.cancel()
+                continue
+            self.server.frames[KINDS[kind]] += 1
+            self.server.requests[KINDS[kind]] += len(header[4]) if kind == GROUP else 1
+            if kind == STREAM:
+                task = self._streams[call_id] = asyncio.get_running_loop().create_task(
+                    self._stream(call_id, rest, seconds_left))
+            else:
+                serve = self._one(header, rest, seconds_left) if kind == ONE \
+                    else self._group(header, seconds_left)
+                task = asyncio.get_running_loop().create_task(self._reply(call_id, serve))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         del buffer[:used]
@@ -780,6 +867,20 @@ class _FeedConnection(asyncio.Protocol):
             (header, payload), code = await serve, OK
         except Exception as error:  # answered to the client; the engine goes on
             header, payload, code = b"", [describe(error).encode()], status_code(error).value[0]
+        self._send(call_id, code, header, payload)
+
+    async def _stream(self, call_id: int, body: bytes, seconds_left: float) -> None:
+        """A generative request's tokens, a reply a chunk as they come; an
+        error ends it. A CANCEL frame (its client went away) cancels it."""
+        try:
+            async for chunk in self.server.answers.answer_generation(body, seconds_left):
+                self._send(call_id, OK, marshal.dumps(chunk), ())
+        except Exception as error:  # answered to the client; the engine goes on
+            self._send(call_id, status_code(error).value[0], b"", [describe(error).encode()])
+        finally:
+            self._streams.pop(call_id, None)
+
+    def _send(self, call_id: int, code: int, header: bytes, payload: Sequence[bytes]) -> None:
         if not self.transport.is_closing():
             length = REPLY.size - LENGTH.size + len(header) + sum(map(len, payload))
             self.transport.writelines([REPLY.pack(length, call_id, code, len(header)),

@@ -12,10 +12,12 @@ arena (or names the client's CUDA ranges, which the engine copies on the
 device), sends the plain requests of a model that came while its earlier
 frames were in the engine as one frame, and builds each response) and
 passes every other call, bytes untouched, to the engine process's own gRPC
-server on a unix socket, so each behaves exactly as with one process; a
-streamed request to a decoupled (generative) model goes there too, on a
-stream of its own, so its responses come back one by one and its
-cancellation reaches the engine process. A front end checks who may call
+server on a unix socket, so each behaves exactly as with one process. A
+streamed request to a generative model goes through the feed too: the
+engine sends its tokens a chunk at a time and the front end builds and
+writes each response (and cancels the request there when its client goes
+away); one to any other decoupled model is relayed on a stream of its own,
+so its responses come back one by one. A front end checks who may call
 what (it alone sees the client's token and certificate); the engine's
 socket lives in a private directory and trusts its front ends.
 
@@ -53,7 +55,7 @@ from tiered.agent.feed import (
 )
 from tiered.agent.shared_memory import CudaRange, Placed, RegionViews, open_view
 from tiered.errors import ConfigError, TieredError
-from tiered.protocol import codec, descriptors, drain
+from tiered.protocol import codec, descriptors, drain, messages
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol.handlers import SERVER_OPTIONS, seconds_left
 from tiered.protocol.security import CALLER, Authorizer, TransportSecurity, add_port, claim
@@ -228,6 +230,16 @@ def _forwarded(context, authorizer: Authorizer) -> list[tuple[str, str | bytes]]
         + [(CALLER, authorizer.caller(context))]
 
 
+def _builds_here(request: pb.ModelInferRequest) -> bool:
+    """Whether a front end builds the responses to a streamed request to a
+    generative model: its text or token ids asked for, nothing in shared
+    memory. The engine answers any other (and what is wrong with it)."""
+    return all(output.name in (messages.TEXT_OUTPUT, messages.TOKEN_IDS)
+               and not len(output.parameters) for output in request.outputs) \
+        and not any(codec.SHARED_MEMORY_REGION in tensor.parameters
+                    for tensor in request.inputs)
+
+
 class _Handlers(grpc.GenericRpcHandler):
     """Every method of the agent's services: inference through the feed,
     the rest passed to the engine process's gRPC server."""
@@ -373,11 +385,34 @@ class _Handlers(grpc.GenericRpcHandler):
             async for answer in call:
                 if answer.error_message:
                     raise TieredError(answer.error_message)
-                yield answer.infer_response
+                yield answer
         except grpc.aio.AioRpcError as error:
             raise TieredError(error.details() or str(error.code())) from error
         finally:
             call.cancel()
+
+    async def _generated(self, request: pb.ModelInferRequest, seconds_left: float,
+                         ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """A generative model's responses to one streamed request, built here
+        from the chunks of tokens the engine sends (feed STREAM), each in
+        its stream message; closing this cancels the request there."""
+        outputs = tuple(output.name for output in request.outputs)
+        flag = request.parameters.get(messages.EMPTY_FINAL_RESPONSE)
+        empty_final = flag is not None and flag.bool_param  # the engine checks its type
+        version = 0
+        try:
+            async for version, text, ids, prompt_tokens, finish, last, _ in \
+                    self._feed.generate(request, seconds_left):
+                message = pb.ModelStreamInferResponse()
+                messages.stream_response(messages.text_response(
+                    message.infer_response, request.model_name, version, request.id, outputs,
+                    text.encode(), ids, prompt_tokens, finish), last and not empty_final)
+                yield message
+        except FedError as error:
+            raise TieredError(str(error)) from error
+        if empty_final:
+            yield pb.ModelStreamInferResponse(infer_response=messages.empty_final_response(
+                request.model_name, version, request.id))
 
     def _check(self, path: str, context) -> None:
         if path in _NEEDS_INFERENCE:
@@ -405,9 +440,12 @@ class _Handlers(grpc.GenericRpcHandler):
         async def infer(request):
             self._authorizer.require_inference(context)  # refused in the stream, per request
             facts = await self._facts(request)
+            caller = self._authorizer.caller(context)
+            if facts.generates_text and _builds_here(request):
+                claim(request, caller)
+                return self._generated(request, seconds_left(context))
             if facts.decoupled:
                 return self._relay(request, context)
-            caller = self._authorizer.caller(context)
             claim(request, caller)
             buffers, placed = await self._in_regions(request, caller, facts)
             try:

@@ -26,8 +26,8 @@ from tiered.engines.generative.chat import ChatTemplate, read_messages
 from tiered.errors import InvalidArgument
 from tiered.protocol import error_text, messages
 
-TEXT_INPUT, TEXT_OUTPUT = "text_input", "text_output"
-TOKEN_IDS = messages.TOKEN_IDS  # the router reads it too
+TEXT_INPUT = "text_input"
+TEXT_OUTPUT, TOKEN_IDS = messages.TEXT_OUTPUT, messages.TOKEN_IDS  # the router reads them too
 # Request parameters (or optional input tensors) a generative model reads.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed")
 STOP = "stop"

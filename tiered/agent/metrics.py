@@ -170,11 +170,12 @@ async def families(hub: TelemetryHub, feed: FeedServer | None = None) -> list[Fa
         requests = Family("tiered_front_end_requests_total", "counter",
                           "Inference requests the front ends passed to the engine process, "
                           "by frame: batch (checked, placed and answered in the front end, "
-                          "the engine sees only the batch's bytes) or single (the engine "
-                          "handles the request)")
+                          "the engine sees only the batch's bytes), single (the engine "
+                          "handles the request) or stream (a generative model's: the "
+                          "engine sends its tokens, the front end builds the responses)")
         frames = Family("tiered_front_end_frames_total", "counter",
                         "Frames the front ends sent the engine process, by kind")
-        for kind in ("batch", "single"):
+        for kind in feed.requests:
             requests.add({"frame": kind, "tier": tier}, feed.requests[kind])
             frames.add({"frame": kind, "tier": tier}, feed.frames[kind])
         fed = [requests, frames]

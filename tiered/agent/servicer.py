@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -24,6 +25,7 @@ from opentelemetry import trace
 
 import tiered
 from tiered.agent.config import ENSEMBLE
+from tiered.agent.feed import Chunk
 from tiered.agent.generation import TEXT_OUTPUT, TOKEN_IDS, GenerationRequest
 from tiered.agent.generative import GenerativeVersion
 from tiered.agent.model import ModelVersion, response_rows
@@ -140,12 +142,48 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         call, generation = self._generation(model, request)
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
         responses = self._token_responses(model, call, generation, deadline)
-        return responses if self.tracer is None else self._traced(responses, request, metadata)
+        return responses if self.tracer is None else self._traced(
+            responses, request, metadata, lambda message: messages.token_count(
+                message.infer_response))
 
-    async def _traced(self, responses, request: pb.ModelInferRequest, metadata):
-        """A streamed generation's responses inside a span of their own (not
-        made current: the responses are read across tasks), which counts its
-        tokens and records when the first came."""
+    async def answer_generation(self, body: bytes, seconds_left: float
+                                ) -> AsyncIterator[Chunk]:
+        """A front end's streamed request to a generative model (`feed.Answers`):
+        its tokens a chunk at a time, from which the front end builds the
+        responses; authorized by the front end."""
+        try:
+            request = pb.ModelInferRequest.FromString(body)
+        except DecodeError as error:
+            raise InvalidArgument(f"the request does not parse: {error}") from error
+        model = self.repository.get(request.model_name, request.model_version)
+        if not isinstance(model, GenerativeVersion):
+            raise InvalidArgument(f"model {request.model_name!r} does not generate text")
+        call, generation = self._generation(model, request)
+        deadline = time.monotonic() + min(call.timeout_s, seconds_left)
+        most = model.config.generation.max_tokens_per_response
+        chunks = self._chunks(model, generation, deadline, most)
+        if self.tracer is not None:
+            chunks = self._traced(chunks, request, (), lambda chunk: len(chunk[2]))
+        async with contextlib.aclosing(chunks) as answers:
+            async for chunk in answers:
+                yield chunk
+
+    @staticmethod
+    async def _chunks(model: GenerativeVersion, generation: GenerationRequest,
+                      deadline: float, most: int) -> AsyncIterator[Chunk]:
+        async with contextlib.aclosing(model.generate(generation, deadline, most)) as pieces:
+            async for ready in pieces:
+                last = ready[-1]
+                yield (model.version, "".join(p.text for p in ready),
+                       [p.token_id for p in ready], last.prompt_tokens, last.finish, last.last,
+                       most)
+
+    async def _traced(self, answers: AsyncIterator, request: pb.ModelInferRequest, metadata,
+                      tokens_in: Callable[[Any], int]) -> AsyncIterator:
+        """A streamed generation's answers (responses, or a front end's
+        chunks) inside a span of their own (not made current: they are read
+        across tasks), which counts its tokens and records when the first
+        came."""
         assert self.tracer is not None
         span = self.tracer.start_span(
             "ModelStreamInfer", context=context_from_metadata(metadata),
@@ -154,12 +192,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         "tiered.tier": self.repository.profile.tier})
         tokens = 0
         try:
-            async with contextlib.aclosing(responses) as answers:
-                async for response in answers:
+            async with contextlib.aclosing(answers) as each:
+                async for answer in each:
                     if not tokens:
                         span.add_event("first token")
-                    tokens += messages.token_count(response)
-                    yield response
+                    tokens += tokens_in(answer)
+                    yield answer
         except Exception as error:
             span.record_exception(error)
             span.set_status(trace.Status(trace.StatusCode.ERROR, describe(error)))
@@ -191,29 +229,31 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return call, model.parse(call.inputs, call.parameters)
 
     def _text_response(self, call: messages.InferCall, model: GenerativeVersion,
-                       pieces: list[Piece]) -> pb.ModelInferResponse:
-        outputs = {TEXT_OUTPUT: np.array(["".join(p.text for p in pieces).encode()],
-                                         dtype=object),
-                   TOKEN_IDS: np.array([p.token_id for p in pieces], dtype=np.int64)}
-        wanted = call.outputs or tuple(outputs)
-        response = messages.encode_infer_response(
-            call, model.config.name, model.version, {name: outputs[name] for name in wanted})
-        if pieces:
-            response.parameters[messages.PROMPT_TOKENS].int64_param = pieces[-1].prompt_tokens
-            if pieces[-1].finish:
-                response.parameters[messages.FINISH_REASON].string_param = pieces[-1].finish
-        return response
+                       pieces: list[Piece], response: pb.ModelInferResponse | None = None,
+                       ) -> pb.ModelInferResponse:
+        """The pieces' text and token ids as the call asked for them, in
+        `response` where given (a stream message's, built in place)."""
+        return messages.text_response(
+            pb.ModelInferResponse() if response is None else response, model.config.name,
+            model.version, call.id, call.outputs, "".join(p.text for p in pieces).encode(),
+            [p.token_id for p in pieces], pieces[-1].prompt_tokens, pieces[-1].finish)
 
     async def _token_responses(self, model: GenerativeVersion, call: messages.InferCall,
                                generation: GenerationRequest, deadline: float):
+        """The stream's messages, one per chunk of tokens, each built where it
+        is sent (a stream message's response is not copied into it)."""
         empty_final = generation.empty_final_response
         most = model.config.generation.max_tokens_per_response
         async with contextlib.aclosing(model.generate(generation, deadline, most)) as chunks:
             async for pieces in chunks:
-                response = self._text_response(call, model, pieces)
-                yield messages.stream_response(response, pieces[-1].last and not empty_final)
+                message = pb.ModelStreamInferResponse()
+                messages.stream_response(
+                    self._text_response(call, model, pieces, message.infer_response),
+                    pieces[-1].last and not empty_final)
+                yield message
         if empty_final:
-            yield messages.empty_final_response(model.config.name, model.version, call.id)
+            yield pb.ModelStreamInferResponse(infer_response=messages.empty_final_response(
+                model.config.name, model.version, call.id))
 
     async def _row_responses(self, model: ModelVersion, request: pb.ModelInferRequest,
                              seconds_left: float):

@@ -114,14 +114,16 @@ def element_count(shape: Sequence[int], *, field: str) -> int:
     return count
 
 
+def bytes_element(data: bytes) -> bytes:
+    """One BYTES element as the wire holds it: its length, then its bytes."""
+    return _LENGTH.pack(len(data)) + data
+
+
 def serialize_bytes(array: np.ndarray) -> bytes:
     """BYTES tensor -> length-prefixed elements in row-major order."""
-    parts = []
-    for item in np.asarray(array, dtype=object).reshape(-1):
-        data = item.encode("utf-8") if isinstance(item, str) else bytes(item)
-        parts.append(_LENGTH.pack(len(data)))
-        parts.append(data)
-    return b"".join(parts)
+    return b"".join(
+        bytes_element(item.encode("utf-8") if isinstance(item, str) else bytes(item))
+        for item in np.asarray(array, dtype=object).reshape(-1))
 
 
 def deserialize_bytes(buffer: bytes, count: int, *, field: str) -> np.ndarray:

@@ -28,6 +28,7 @@ FINAL_RESPONSE = "triton_final_response"
 # whole-text (ModelInfer) answer the mean natural-log probability of those
 # tokens under the model (a response parameter; the router's cascade reads it).
 TOKEN_IDS = "token_ids"
+TEXT_OUTPUT = "text_output"
 # A vision-language model's inputs: an image, or its vision stage's output
 # (the router's split sends the one tier's in place of the other's image).
 IMAGE, VISUAL_TOKENS = "image", "visual_tokens"
@@ -116,6 +117,32 @@ def encode_infer_response(
                     codec.set_parameter(tensor.parameters[key], region[key])
             raw = b""
         response.raw_output_contents.append(raw)
+    return response
+
+
+def text_response(response: pb.ModelInferResponse, model_name: str, version: int,
+                  request_id: str, outputs: Sequence[str], text: bytes,
+                  token_ids: Sequence[int], prompt_tokens: int, finish: str = "",
+                  ) -> pb.ModelInferResponse:
+    """A generative model's answer, built in `response` (a fresh message, or
+    one inside a stream message): the `outputs` asked for (none: both) of
+    its text (one BYTES element) and token ids (INT64), the prompt's length
+    in tokens and, on the last, why it finished. Made for every token a
+    stream answers, so it fills the message directly, not through arrays."""
+    response.model_name, response.model_version, response.id = \
+        model_name, str(version), request_id
+    for name in outputs or (TEXT_OUTPUT, TOKEN_IDS):
+        if name == TEXT_OUTPUT:
+            response.outputs.add(name=name, datatype="BYTES", shape=(1,))
+            response.raw_output_contents.append(codec.bytes_element(text))
+        elif name == TOKEN_IDS:
+            response.outputs.add(name=name, datatype="INT64", shape=(len(token_ids),))
+            response.raw_output_contents.append(np.asarray(token_ids, "<i8").tobytes())
+        else:
+            raise InvalidArgument(f"outputs: {name!r} is not a generative model's output")
+    response.parameters[PROMPT_TOKENS].int64_param = prompt_tokens
+    if finish:
+        response.parameters[FINISH_REASON].string_param = finish
     return response
 
 

@@ -21,8 +21,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol.status import describe
 
+# A decoupled model's responses may come wrapped already (a generative
+# model's are built inside their stream message, saving a copy each).
 Infer = Callable[[pb.ModelInferRequest],
-                 Awaitable[pb.ModelInferResponse | AsyncIterator[pb.ModelInferResponse]]]
+                 Awaitable[pb.ModelInferResponse | AsyncIterator[pb.ModelInferResponse]
+                           | AsyncIterator[pb.ModelStreamInferResponse]]]
 
 MAX_IN_FLIGHT = 256  # requests of one stream answered at once; more wait to be read
 # Answers waiting for a client that does not read them: beyond this, the
@@ -49,7 +52,9 @@ async def answer_stream(
             else:
                 async with contextlib.aclosing(answered):
                     async for response in answered:
-                        await answers.put(pb.ModelStreamInferResponse(infer_response=response))
+                        await answers.put(
+                            response if isinstance(response, pb.ModelStreamInferResponse)
+                            else pb.ModelStreamInferResponse(infer_response=response))
         except Exception as error:  # reported in the stream; the stream goes on
             await answers.put(pb.ModelStreamInferResponse(
                 error_message=describe(error),

@@ -122,6 +122,8 @@ class Round:
         self.active_j: float | None = None  # the meter's joules over the round, less idle
         self.metered_s = 0.0  # how long the meter's two readings lie apart
         self.engine_cpu_s: float | None = None  # the engine's process, over an agent round
+        # the agent's own process (its text side), where the engine is a core
+        self.agent_cpu_s: float | None = None
         self.steps: int | None = None  # the agent's engine steps over the round
 
     def figures(self) -> dict[str, Any]:
@@ -133,7 +135,7 @@ class Round:
         return {"tokens": count, "seconds": span, "ttft_s": ttft, "tpot_s": tpot,
                 "errors": len(self.errors), "active_j": self.active_j,
                 "metered_s": self.metered_s, "engine_cpu_s": self.engine_cpu_s,
-                "steps": self.steps}
+                "agent_cpu_s": self.agent_cpu_s, "steps": self.steps}
 
 
 def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: int) -> Round:
@@ -205,12 +207,15 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
         summary["engine_cpu_us_per_step"] = sum(cpu) / sum(steps) * 1e6
         summary["engine_cpu_us_per_token"] = sum(cpu) / tokens * 1e6 if tokens else None
         summary["steps"] = sum(steps)
+    text_side = [f["agent_cpu_s"] for f in figures]
+    if text_side and None not in text_side and tokens:
+        summary["agent_cpu_us_per_token"] = sum(text_side) / tokens * 1e6
     return summary
 
 
 def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], streams: int,
-            max_tokens: int, rounds: int, meter: Meter, engine_pid: int | None = None
-            ) -> dict[str, Any]:
+            max_tokens: int, rounds: int, meter: Meter, engine_pid: int | None = None,
+            agent_pid: int | None = None) -> dict[str, Any]:
     prompts = [engine.encode(p) for p in text_prompts]
     recorded: dict[str, list[Round]] = {arm: [] for arm in ARMS}
     for arm in ARMS:  # a warm-up round each, not counted
@@ -218,7 +223,7 @@ def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], stre
     for _ in range(rounds):
         for arm in ARMS:
             recorded[arm].append(run_arm(arm, engine, addresses, prompts, text_prompts,
-                                         streams, max_tokens, meter, engine_pid))
+                                         streams, max_tokens, meter, engine_pid, agent_pid))
     row: dict[str, Any] = {"streams": streams, "max_tokens": max_tokens, "rounds": rounds}
     for arm in ARMS:
         row[arm] = summarize(recorded[arm])
@@ -281,17 +286,24 @@ def j_per_token(figures: Sequence[dict[str, Any]], tokens: int) -> float | None:
 
 
 def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens,
-            meter: Meter, engine_pid: int | None = None) -> Round:
+            meter: Meter, engine_pid: int | None = None, agent_pid: int | None = None
+            ) -> Round:
+    """One round of an arm; an agent round also reads the CPU of the engine's
+    process and, where that is an engine core, of the agent's own."""
     if arm == "in-process":
         return meter.around(lambda: in_process(engine, prompts, streams, max_tokens))
     if arm != "agent" or engine_pid is None:
         return meter.around(lambda: asyncio.run(
             served(addresses[arm], text_prompts, streams, max_tokens)))
-    cpu, steps = common.process_cpu_s(engine_pid, children=False), executions(addresses[arm])
+    pids = [engine_pid] + ([agent_pid] if agent_pid not in (None, engine_pid) else [])
+    before, steps = [common.process_cpu_s(p, children=False) for p in pids], \
+        executions(addresses[arm])
     record = meter.around(lambda: asyncio.run(
         served(addresses[arm], text_prompts, streams, max_tokens)))
-    after = common.process_cpu_s(engine_pid, children=False)
-    record.engine_cpu_s = None if cpu is None or after is None else after - cpu
+    spent = [None if a is None or b is None else b - a for a, b in
+             zip(before, [common.process_cpu_s(p, children=False) for p in pids])]
+    record.engine_cpu_s = spent[0]
+    record.agent_cpu_s = spent[1] if len(spent) > 1 else None
     record.steps = executions(addresses[arm]) - steps
     return record
 
@@ -343,6 +355,7 @@ def report(result: dict[str, Any]) -> str:
                          number(figures.get("j_per_token") and figures["j_per_token"] * 1e3, 3),
                          number(figures.get("effective_gb_s"), 0),
                          number(figures.get("engine_cpu_us_per_step"), 0),
+                         number(figures.get("agent_cpu_us_per_token"), 0),
                          figures["errors"]])
     config = result["config"]
     head = (f"generate: {config['model']} ({config['parameters'] / 1e6:.1f} M parameters), "
@@ -352,10 +365,12 @@ def report(result: dict[str, Any]) -> str:
             f"{config['rounds']} rounds; the agent's engine in "
             f"{config.get('engine_process', 'the agent')}; energy: " + _energy_said(config)
             + "\nGB/s: weight bytes x tok/s at one stream; eng us/step: CPU of the engine's "
-            "process (the engine core, else the whole agent) per engine step, agent rounds")
+            "process (the engine core, else the whole agent) per engine step, agent rounds; "
+            "agent us/tok: the agent process's own CPU (its text side: tokens to responses) "
+            "per output token, where the engine is a core (front ends not counted)")
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
                           "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
-                          "eng us/step", "errors"], rows)
+                          "eng us/step", "agent us/tok", "errors"], rows)
     checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
                           [[c["name"], number(c["value"], 2)] for c in result["targets"]],
                           [c["verdict"] for c in result["targets"]])
@@ -436,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 addresses = {"agent": agent.address, "router": router.address}
                 meter = Meter(args.device, 0.5 if args.smoke else IDLE_S)
                 rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds, meter,
-                                engine_pid) for n in streams]
+                                engine_pid, agent.pid) for n in streams]
     precision = ((config.get("engine") or {}).get("precision") or facts.get("precision")
                  or facts.get("build", {}).get("precision"))
     # The engine's own count where it has one (fp8 keeps embeddings and lm_head wide)

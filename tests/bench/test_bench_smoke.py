@@ -256,7 +256,9 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
         agent = row["agent"]
         # CPU time moves in clock ticks (10 ms): a smoke round may read none
         assert agent["steps"] >= 8 and agent["engine_cpu_us_per_step"] >= 0, agent
+        assert agent["agent_cpu_us_per_token"] >= 0, agent  # the text side's, read apart
         assert "engine_cpu_us_per_step" not in row["router"]  # its rounds are not the core's alone
+        assert "agent_cpu_us_per_token" not in row["router"]
     for row in result["rows"]:
         for arm in ("in-process", "agent", "router"):
             figures = row[arm]

@@ -384,8 +384,8 @@ class Counting:
     token each (the text says which), an error after `fail_after` of them
     where set; records each stream's end (done, or cancelled)."""
 
-    def __init__(self, tokens: int, fail_after: int | None = None) -> None:
-        self.tokens, self.fail_after = tokens, fail_after
+    def __init__(self, tokens: int, fail_after: int | None = None, per_chunk: int = 1) -> None:
+        self.tokens, self.fail_after, self.per_chunk = tokens, fail_after, per_chunk
         self.ended: list[str] = []
         self.more = asyncio.Event()  # the first chunk is sent alone, the rest once set
         self.sent = asyncio.Event()  # every chunk has been sent
@@ -393,12 +393,16 @@ class Counting:
     async def answer_generation(self, body, seconds_left):
         request = pb.ModelInferRequest.FromString(body)
         try:
-            for token in range(self.tokens):
+            token = 0
+            while token < self.tokens:
                 if token == self.fail_after:
                     raise Unavailable("the engine core exited")
-                last = token == self.tokens - 1
-                yield (3, f"<{request.id}:{token}>", [token], 5, "length" if last else "", last,
-                       4)
+                ids = list(range(token, min(token + (self.per_chunk if token else 1),
+                                            self.tokens)))
+                token = ids[-1] + 1
+                last = token == self.tokens
+                yield (3, "".join(f"<{request.id}:{t}>" for t in ids), ids, 5,
+                       "length" if last else "", last, 4)
                 await self.more.wait()
                 await asyncio.sleep(0)  # a set event does not yield to the loop
             self.sent.set()
@@ -429,11 +433,20 @@ def test_a_stream_comes_in_chunks_merged_while_unread_and_its_error_ends_it(tmp_
                 got.append(chunk[1])
         except FedError as error:
             failed = error
+        # Chunks of 3 from the engine: two would pass the most, so none merge.
+        server.answers = threes = Counting(tokens=10, per_chunk=3)
+        stream = client.generate(pb.ModelInferRequest(id="t"), 5.0)
+        await anext(stream)
+        threes.more.set()
+        await threes.sent.wait()
+        await asyncio.sleep(0.05)
+        in_threes = [chunk[2] async for chunk in stream]
         await server.close()
         arena.close()
-        return first, rest, engine.ended, got, failed
+        return first, rest, engine.ended, got, failed, in_threes
 
-    first, rest, ended, got, failed = asyncio.run(main())
+    first, rest, ended, got, failed, in_threes = asyncio.run(main())
+    assert in_threes == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     assert first == (3, "<s:0>", [0], 5, "", False, 4)
     # Up to 4 tokens a chunk once merged (the most a response carries), in order.
     assert [chunk[2] for chunk in rest] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]

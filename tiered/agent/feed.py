@@ -443,16 +443,20 @@ class FeedClient(asyncio.Protocol):
         replies: asyncio.Queue = asyncio.Queue()
         call_id = self._call(replies, None)
         self._write(call_id, seconds_left, STREAM, _NO_HEADER, [request.SerializeToString()])
-        last, error = False, None  # an error that came after a chunk: raised after it
+        # A reply taken but left for the next chunk: an error, which goes
+        # after what came before it, or a chunk that would make this one too long.
+        last, held = False, None
         try:
             while not last:
-                chunk = _chunk(*(error or await replies.get()))
-                while not chunk[5] and not replies.empty() and len(chunk[2]) < chunk[6]:
+                reply, held = held or await replies.get(), None
+                chunk = _chunk(*reply)
+                while not chunk[5] and not replies.empty():
                     reply = replies.get_nowait()
-                    if reply[0] != OK:
-                        error = reply
+                    following = _chunk(*reply) if reply[0] == OK else None
+                    if following is None or len(chunk[2]) + len(following[2]) > chunk[6]:
+                        held = reply
                         break
-                    chunk = _merged(chunk, _chunk(*reply))
+                    chunk = _merged(chunk, following)
                 last = chunk[5]
                 yield chunk
         finally:

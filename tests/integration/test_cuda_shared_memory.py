@@ -162,4 +162,4 @@ def test_requests_in_cuda_regions_merge_and_are_gathered_on_the_device(tmp_path)
         np.testing.assert_allclose(written[0], 3 * a, rtol=2e-3, atol=2e-3)  # computed in FP16
         np.testing.assert_allclose(written[1], -a, rtol=2e-3, atol=2e-3)
     assert {kind: after[kind] - before[kind] for kind in after} == \
-        {"batch": count, "single": 0}, (before, after)
+        {"batch": count, "single": 0, "stream": 0}, (before, after)

@@ -259,12 +259,13 @@ class CallerRegions:
         """Each request's rows of a merged batch's `outputs` (`rows` each)
         into the ranges `wanted[i]` names for request i's outputs;
         {request index: error} for those whose ranges could not take them,
-        each failing alone. An output goes to the GPU once and its ranges in
-        CUDA regions are filled from there on a stream of their own, waited
-        for once."""
+        each failing alone. An output goes to the GPU once, and all its
+        ranges in one device's CUDA regions are filled from there in one
+        grouped copy (`_grouped_copy`), waited for once."""
         failed: dict[int, TieredError | RuntimeError] = {}
         on_gpu: dict[tuple[str, Any], Any] = {}  # (output, device): its bytes there
-        row, streams = 0, {}  # device: its copy stream
+        copies: dict[Any, _Copies] = {}  # device: what goes into its regions
+        row = 0
         for index, (names, count) in enumerate(zip(wanted, rows)):
             try:
                 for name, parameters in names.items():
@@ -280,22 +281,20 @@ class CallerRegions:
                     if isinstance(region, SystemRegion):
                         region.write(offset, whole[start:start + size], where)
                         continue
-                    import torch
-
                     device = region.memory.device
-                    if device not in streams:
-                        streams[device] = _copy_stream(device)
-                    with torch.cuda.stream(streams[device]):
-                        source = on_gpu.get((name, device))
-                        if source is None:
-                            source = on_gpu[name, device] = torch.from_numpy(whole).to(device)
-                        region.memory[offset:offset + size].copy_(source[start:start + size],
-                                                                  non_blocking=True)
+                    group = copies.get(device) or copies.setdefault(device, _Copies(device))
+                    source = on_gpu.get((name, device))
+                    if source is None:
+                        source = on_gpu[name, device] = group.upload(whole)
+                    group.add(index, region.memory[offset:offset + size],
+                              source[start:start + size])
             except (TieredError, RuntimeError) as error:
                 failed[index] = error
             row += count
-        for stream in streams.values():
-            stream.synchronize()  # the client reads its outputs once it is answered
+        for group in copies.values():  # the client reads its outputs once it is answered
+            error = group.run()
+            if error is not None:
+                failed.update(dict.fromkeys(group.requests, error))
         return failed
 
     def write(self, parameters: Mapping[str, Any], raw: bytes, field: str) -> bool:
@@ -353,13 +352,44 @@ def _typed(region: CudaRegion, dtype: np.dtype):
 _COPY_STREAMS: dict = {}  # device: the stream outputs are copied into CUDA regions on
 
 
-def _copy_stream(device):
-    import torch
+class _Copies:
+    """The ranges of one device's CUDA regions a batch's outputs go to, filled
+    together on a stream of their own: one grouped copy (`_foreach_copy_`,
+    one kernel where the ranges allow) rather than a call per range."""
 
-    stream = _COPY_STREAMS.get(device)
-    if stream is None:
-        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
+    def __init__(self, device) -> None:
+        import torch
+
+        self.stream = _COPY_STREAMS.get(device)
+        if self.stream is None:
+            self.stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)
+        self.requests: list[int] = []  # the request each copy answers
+        self.targets: list = []
+        self.sources: list = []
+
+    def upload(self, whole: np.ndarray):
+        """An output's bytes on this device, to copy ranges of."""
+        import torch
+
+        with torch.cuda.stream(self.stream):
+            return torch.from_numpy(whole).to(self.stream.device)
+
+    def add(self, request: int, target, source) -> None:
+        self.requests.append(request)
+        self.targets.append(target)
+        self.sources.append(source)
+
+    def run(self) -> RuntimeError | None:
+        """Make the copies and wait for them; the error that failed them, if any."""
+        import torch
+
+        try:
+            with torch.cuda.stream(self.stream):
+                torch._foreach_copy_(self.targets, self.sources, non_blocking=True)
+            self.stream.synchronize()
+        except RuntimeError as error:
+            return error
+        return None
 
 
 def not_registered(field: str, name: object) -> InvalidArgument:

@@ -224,11 +224,16 @@ def _copy_sources(part: np.ndarray | DeviceRows) -> list[torch.Tensor]:
 def _copy_rows(target: torch.Tensor, host: torch.Tensor | list[torch.Tensor],
                non_blocking: bool) -> None:
     """Rows (in host memory, or already on a device) into the first rows of a
-    device tensor: one copy, or one per part."""
-    at = 0
-    for part in host if isinstance(host, list) else [host]:
-        target[at:at + part.shape[0]].copy_(part, non_blocking=non_blocking)
+    device tensor: one copy, or one grouped copy of its parts (a single
+    kernel for parts on the device, rather than a call per request)."""
+    if not isinstance(host, list):
+        target[:host.shape[0]].copy_(host, non_blocking=non_blocking)
+        return
+    targets, at = [], 0
+    for part in host:
+        targets.append(target[at:at + part.shape[0]])
         at += part.shape[0]
+    torch._foreach_copy_(targets, host, non_blocking=non_blocking)
 
 
 @dataclass

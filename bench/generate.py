@@ -10,7 +10,9 @@ sequences, greedy, one prompt each from tinyllama-eval.json:
 - in-process: the built version's engine alone (`open_generative`), the
   sequences started together and stepped until all end;
 - agent: a real `tiered agent` serving that version, one tritonclient gRPC
-  stream per sequence (ModelStreamInfer, a response per token);
+  stream per sequence (ModelStreamInfer, a response per token), from a
+  client process for every 16 streams (`--streams-per-client`): one Python
+  client reading 64 token streams can be the slowest part of the run;
 - router: the same through a real `tiered router` whose table names the agent.
 
 Per row: output tokens/s over the round (first start to last token), TTFT
@@ -125,6 +127,21 @@ class Round:
         # the agent's own process (its text side), where the engine is a core
         self.agent_cpu_s: float | None = None
         self.steps: int | None = None  # the agent's engine steps over the round
+        # a request's mean wait in the agent from its arrival to its admission
+        # into the engine's batch (its sequence started), over an agent round
+        self.queue_s: float | None = None
+        self.client_cpu_s: float | None = None  # the client processes', served arms
+
+    @classmethod
+    def merged(cls, rounds: Sequence[Round]) -> Round:
+        """Client processes' shares of one round (their sequences numbered apart)."""
+        whole = cls()
+        for part in rounds:
+            whole.starts.update(part.starts)
+            whole.tokens.update(part.tokens)
+            whole.errors += part.errors
+        whole.client_cpu_s = sum(part.client_cpu_s or 0.0 for part in rounds)
+        return whole
 
     def figures(self) -> dict[str, Any]:
         ended = [t[-1] for t in self.tokens.values() if t]
@@ -135,7 +152,8 @@ class Round:
         return {"tokens": count, "seconds": span, "ttft_s": ttft, "tpot_s": tpot,
                 "errors": len(self.errors), "active_j": self.active_j,
                 "metered_s": self.metered_s, "engine_cpu_s": self.engine_cpu_s,
-                "agent_cpu_s": self.agent_cpu_s, "steps": self.steps}
+                "agent_cpu_s": self.agent_cpu_s, "steps": self.steps, "queue_s": self.queue_s,
+                "client_cpu_s": self.client_cpu_s}
 
 
 def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: int) -> Round:
@@ -154,13 +172,15 @@ def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: i
     return record
 
 
-async def served(address: str, prompts: Sequence[str], streams: int, max_tokens: int
-                 ) -> Round:
-    """`streams` sequences at once, each on a tritonclient stream of its own."""
+async def served(address: str, prompts: Sequence[str], streams: int, max_tokens: int,
+                 first: int = 0) -> Round:
+    """`streams` sequences at once, each on a tritonclient stream of its own
+    (numbered from `first`), and this process's CPU over them."""
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as aioclient
 
     record = Round()
+    cpu_before = time.process_time()
 
     async def one(index: int, client) -> None:
         text = grpcclient.InferInput("text_input", [1], "BYTES")
@@ -186,8 +206,50 @@ async def served(address: str, prompts: Sequence[str], streams: int, max_tokens:
                 return
 
     async with aioclient.InferenceServerClient(address) as client:
-        await asyncio.gather(*(one(i, client) for i in range(streams)))
+        await asyncio.gather(*(one(first + i, client) for i in range(streams)))
+    record.client_cpu_s = time.process_time() - cpu_before
     return record
+
+
+def _served_share(address: str, prompts: Sequence[str], first: int, streams: int,
+                  max_tokens: int) -> Round:
+    """A client process's share of a round (`Clients`)."""
+    return asyncio.run(served(address, prompts, streams, max_tokens, first))
+
+
+class Clients:
+    """The served arms' client: a process for each `per_process` streams, so
+    that no one interpreter's gRPC work limits what is measured. Their clocks
+    agree (perf_counter is the system's monotonic clock), so their rounds
+    merge into one."""
+
+    def __init__(self, per_process: int, most_streams: int) -> None:
+        self.per_process = per_process
+        processes = -(-most_streams // per_process)
+        self._pool = None
+        if processes > 1:
+            import concurrent.futures
+            import multiprocessing
+
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                processes, mp_context=multiprocessing.get_context("spawn"))
+
+    def processes(self, streams: int) -> int:
+        return 1 if self._pool is None else -(-streams // self.per_process)
+
+    def run(self, address: str, prompts: Sequence[str], streams: int, max_tokens: int
+            ) -> Round:
+        count = self.processes(streams)
+        if count == 1:
+            return asyncio.run(served(address, prompts, streams, max_tokens))
+        firsts = [streams * n // count for n in range(count + 1)]
+        shares = [self._pool.submit(_served_share, address, prompts, a, b - a, max_tokens)
+                  for a, b in zip(firsts, firsts[1:])]
+        return Round.merged([share.result() for share in shares])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
 def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
@@ -207,6 +269,12 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
         summary["engine_cpu_us_per_step"] = sum(cpu) / sum(steps) * 1e6
         summary["engine_cpu_us_per_token"] = sum(cpu) / tokens * 1e6 if tokens else None
         summary["steps"] = sum(steps)
+    queued = [f["queue_s"] for f in figures]
+    if queued and None not in queued:
+        summary["admission_wait_ms"] = sum(queued) / len(queued) * 1e3
+    client = [f["client_cpu_s"] for f in figures]
+    if client and None not in client and tokens:
+        summary["client_cpu_us_per_token"] = sum(client) / tokens * 1e6
     text_side = [f["agent_cpu_s"] for f in figures]
     if text_side and None not in text_side and tokens:
         summary["agent_cpu_us_per_token"] = sum(text_side) / tokens * 1e6
@@ -214,16 +282,18 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
 
 
 def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], streams: int,
-            max_tokens: int, rounds: int, meter: Meter, engine_pid: int | None = None,
-            agent_pid: int | None = None) -> dict[str, Any]:
+            max_tokens: int, rounds: int, meter: Meter, clients: Clients,
+            engine_pid: int | None = None, agent_pid: int | None = None) -> dict[str, Any]:
     prompts = [engine.encode(p) for p in text_prompts]
     recorded: dict[str, list[Round]] = {arm: [] for arm in ARMS}
     for arm in ARMS:  # a warm-up round each, not counted
-        run_arm(arm, engine, addresses, prompts, text_prompts, streams, max_tokens, meter)
+        run_arm(arm, engine, addresses, prompts, text_prompts, streams, max_tokens, meter,
+                clients)
     for _ in range(rounds):
         for arm in ARMS:
             recorded[arm].append(run_arm(arm, engine, addresses, prompts, text_prompts,
-                                         streams, max_tokens, meter, engine_pid, agent_pid))
+                                         streams, max_tokens, meter, clients, engine_pid,
+                                         agent_pid))
     row: dict[str, Any] = {"streams": streams, "max_tokens": max_tokens, "rounds": rounds}
     for arm in ARMS:
         row[arm] = summarize(recorded[arm])
@@ -286,35 +356,40 @@ def j_per_token(figures: Sequence[dict[str, Any]], tokens: int) -> float | None:
 
 
 def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens,
-            meter: Meter, engine_pid: int | None = None, agent_pid: int | None = None
+            meter: Meter, clients: Clients, engine_pid: int | None = None, agent_pid: int | None = None
             ) -> Round:
     """One round of an arm; an agent round also reads the CPU of the engine's
     process and, where that is an engine core, of the agent's own."""
     if arm == "in-process":
         return meter.around(lambda: in_process(engine, prompts, streams, max_tokens))
     if arm != "agent" or engine_pid is None:
-        return meter.around(lambda: asyncio.run(
-            served(addresses[arm], text_prompts, streams, max_tokens)))
+        return meter.around(lambda: clients.run(addresses[arm], text_prompts, streams,
+                                                max_tokens))
     pids = [engine_pid] + ([agent_pid] if agent_pid not in (None, engine_pid) else [])
-    before, steps = [common.process_cpu_s(p, children=False) for p in pids], \
-        executions(addresses[arm])
-    record = meter.around(lambda: asyncio.run(
-        served(addresses[arm], text_prompts, streams, max_tokens)))
+    before, counted = [common.process_cpu_s(p, children=False) for p in pids], \
+        counts(addresses[arm])
+    record = meter.around(lambda: clients.run(addresses[arm], text_prompts, streams,
+                                              max_tokens))
     spent = [None if a is None or b is None else b - a for a, b in
              zip(before, [common.process_cpu_s(p, children=False) for p in pids])]
     record.engine_cpu_s = spent[0]
     record.agent_cpu_s = spent[1] if len(spent) > 1 else None
-    record.steps = executions(addresses[arm]) - steps
+    steps, requests, queue_ns = (b - a for a, b in zip(counted, counts(addresses[arm])))
+    record.steps = steps
+    record.queue_s = queue_ns / 1e9 / requests if requests else None
     return record
 
 
-def executions(address: str) -> int:
-    """The agent's engine steps of the model so far (Triton's execution count)."""
+def counts(address: str) -> tuple[int, int, int]:
+    """The agent's engine steps of the model so far (Triton's execution count),
+    its requests answered and their time waiting to be admitted, ns."""
     import tritonclient.grpc as grpcclient
 
     with grpcclient.InferenceServerClient(address) as client:
-        stats = client.get_inference_statistics(MODEL, as_json=True)
-    return int(stats["model_stats"][0].get("execution_count", 0))
+        stats = client.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
+    queue = stats.get("inference_stats", {}).get("queue", {})
+    return (int(stats.get("execution_count", 0)), int(queue.get("count", 0)),
+            int(queue.get("ns", 0)))
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -350,12 +425,14 @@ def report(result: dict[str, Any]) -> str:
             rows.append([row["streams"], arm, number(figures["tokens_per_s"]),
                          number(figures.get("tokens_ratio"), 2),
                          number(figures["ttft_p50_ms"], 2), number(figures["ttft_p95_ms"], 2),
+                         number(figures.get("admission_wait_ms"), 2),
                          number(figures["tpot_p50_ms"], 2), number(figures["tpot_p95_ms"], 2),
                          number(figures.get("tpot_p50_ratio"), 2),
                          number(figures.get("j_per_token") and figures["j_per_token"] * 1e3, 3),
                          number(figures.get("effective_gb_s"), 0),
                          number(figures.get("engine_cpu_us_per_step"), 0),
                          number(figures.get("agent_cpu_us_per_token"), 0),
+                         number(figures.get("client_cpu_us_per_token"), 0),
                          figures["errors"]])
     config = result["config"]
     head = (f"generate: {config['model']} ({config['parameters'] / 1e6:.1f} M parameters), "
@@ -367,10 +444,14 @@ def report(result: dict[str, Any]) -> str:
             + "\nGB/s: weight bytes x tok/s at one stream; eng us/step: CPU of the engine's "
             "process (the engine core, else the whole agent) per engine step, agent rounds; "
             "agent us/tok: the agent process's own CPU (its text side: tokens to responses) "
-            "per output token, where the engine is a core (front ends not counted)")
+            "per output token, where the engine is a core (front ends not counted); "
+            "admit ms: a request's mean wait in the agent from arrival to its sequence's "
+            "start (agent rounds); "
+            f"client us/tok: the client processes' CPU per output token (up to "
+            f"{config.get('streams_per_client', 'all')} streams a process)")
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
-                          "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
-                          "eng us/step", "agent us/tok", "errors"], rows)
+                          "admit ms", "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
+                          "eng us/step", "agent us/tok", "client us/tok", "errors"], rows)
     checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
                           [[c["name"], number(c["value"], 2)] for c in result["targets"]],
                           [c["verdict"] for c in result["targets"]])
@@ -394,6 +475,16 @@ def parameters(checkpoint: Path) -> int:
         count += sum(int(np.prod(t["shape"])) for name, t in header.items()
                      if name != "__metadata__")
     return count
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"want counts >= 1 separated by commas, got {text!r}")
+    return counts
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -421,8 +512,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--front-ends", type=int, default=None,
                         help="the agent's front-end processes (default: the tier profile's; "
                         "none on a machine of fewer than 4 cores)")
+    parser.add_argument("--streams", type=_counts, default=(1, 8, 64),
+                        help="concurrent streams to measure, comma-separated (default 1,8,64)")
+    parser.add_argument("--streams-per-client", type=int, default=16,
+                        help="the served arms' streams in each client process (default 16: "
+                        "4 processes at 64 streams, so that no one client's gRPC work limits "
+                        "the figures)")
     args = parser.parse_args(argv)
-    streams = (1, 8) if args.smoke else (1, 8, 64)
+    if args.streams_per_client < 1:
+        parser.error("--streams-per-client: want 1 or more")
+    streams = (1, 8) if args.smoke else args.streams
     max_tokens = 8 if args.smoke else args.max_tokens
     rounds = 1 if args.smoke else args.rounds
     result = common.record("generate", args.smoke, with_gpu=args.device == "cuda")
@@ -450,8 +549,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             with common.serving([router]):
                 addresses = {"agent": agent.address, "router": router.address}
                 meter = Meter(args.device, 0.5 if args.smoke else IDLE_S)
-                rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds, meter,
-                                engine_pid, agent.pid) for n in streams]
+                clients = Clients(args.streams_per_client, max(streams))
+                try:
+                    rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds,
+                                    meter, clients, engine_pid, agent.pid) for n in streams]
+                finally:
+                    clients.close()
     precision = ((config.get("engine") or {}).get("precision") or facts.get("precision")
                  or facts.get("build", {}).get("precision"))
     # The engine's own count where it has one (fp8 keeps embeddings and lm_head wide)
@@ -471,8 +574,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "precision": precision,
                    "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),
                    "tokens_per_response": args.tokens_per_response,
+                   "streams_per_client": args.streams_per_client,
                    "energy_source": meter.source, "idle_watts": meter.idle_w,
-                   "note": "client, router, agent and the in-process engine share this "
+                   "note": "clients, router, agent and the in-process engine share this "
                    "machine's cores; tokens/s from each round's first start to its last "
                    "token"},
         "rows": rows,

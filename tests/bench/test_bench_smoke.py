@@ -248,8 +248,10 @@ def test_energy_bench_aligns_agent_and_direct_energy_on_a_cpu(tmp_path):
 
 def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_path):
     pytest.importorskip("onnxruntime_genai")
-    # The engine in a core process of its own (its CPU per step read apart from the agent's)
-    result, stdout = run_smoke("generate", tmp_path, "--engine-core", "process")
+    # The engine in a core process of its own (its CPU per step read apart from
+    # the agent's); 8 streams from two client processes, their rounds merged
+    result, stdout = run_smoke("generate", tmp_path, "--engine-core", "process",
+                               "--streams-per-client", "4")
     assert result["config"]["engine_process"] == "engine core"
     assert [r["streams"] for r in result["rows"]] == [1, 8]
     for row in result["rows"]:
@@ -259,6 +261,9 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
         assert agent["agent_cpu_us_per_token"] >= 0, agent  # the text side's, read apart
         assert "engine_cpu_us_per_step" not in row["router"]  # its rounds are not the core's alone
         assert "agent_cpu_us_per_token" not in row["router"]
+        for arm in ("agent", "router"):
+            assert positive(row[arm]["client_cpu_us_per_token"]), row[arm]
+        assert "client_cpu_us_per_token" not in row["in-process"]
     for row in result["rows"]:
         for arm in ("in-process", "agent", "router"):
             figures = row[arm]
@@ -267,6 +272,7 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
             assert positive(figures["tokens_per_s"]) and positive(figures["ttft_p50_ms"])
             assert figures["tpot_p50_ms"] <= figures["tpot_p95_ms"], figures
         assert positive(row["agent"]["tokens_ratio"]) and positive(row["router"]["tokens_ratio"])
+        assert row["agent"]["admission_wait_ms"] >= 0 and "admission_wait_ms" not in row["router"]
     assert {t["name"] for t in result["targets"]} == {
         "agent TPOT P50 within 10% of in-process at 1 stream",
         "router TPOT P50 within 10% of in-process at 1 stream"}

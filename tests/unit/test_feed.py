@@ -27,7 +27,7 @@ from tiered.agent.feed import (
 )
 from tiered.agent.front_end import front_end_count
 from tiered.agent.shared_memory import CudaRange, RegionViews, not_registered, open_view
-from tiered.errors import Unavailable
+from tiered.errors import TieredError, Unavailable
 from tiered.protocol import codec
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
@@ -390,8 +390,16 @@ class Counting:
         self.more = asyncio.Event()  # the first chunk is sent alone, the rest once set
         self.sent = asyncio.Event()  # every chunk has been sent
 
-    async def answer_generation(self, body, seconds_left):
-        request = pb.ModelInferRequest.FromString(body)
+    def start_generation(self, body, seconds_left, deliver):
+        async def run():
+            try:
+                async for chunk in self._chunks(pb.ModelInferRequest.FromString(body)):
+                    deliver(chunk)
+            except TieredError as error:
+                deliver(error)
+        return asyncio.get_running_loop().create_task(run()).cancel
+
+    async def _chunks(self, request):
         try:
             token = 0
             while token < self.tokens:

@@ -426,16 +426,18 @@ def test_a_generation_request_carries_its_visual_tokens_to_the_engine(reference,
     async def answers() -> list[str | Exception]:
         scheduler = Scheduler(engine, SchedulerLimits(), asyncio.get_running_loop())
         try:
-            jobs = [scheduler.submit(GenerationRequest(
-                IMAGE * TOKENS_PER_IMAGE, Sampling(max_tokens=20),
-                visual=_visual(reference, images[i:i + 1])), math.inf) for i in (2, 3)]
-            jobs.append(scheduler.submit(GenerationRequest(
-                IMAGE * TOKENS_PER_IMAGE, Sampling(max_tokens=20)), math.inf))
+            queues = [asyncio.Queue() for _ in range(3)]
+            for i, ready in zip((2, 3), queues):
+                scheduler.submit(GenerationRequest(
+                    IMAGE * TOKENS_PER_IMAGE, Sampling(max_tokens=20),
+                    visual=_visual(reference, images[i:i + 1])), math.inf, ready.put_nowait)
+            scheduler.submit(GenerationRequest(IMAGE * TOKENS_PER_IMAGE, Sampling(max_tokens=20)),
+                             math.inf, queues[2].put_nowait)
             out: list[str | Exception] = []
-            for job in jobs:
+            for ready in queues:
                 text = ""
                 while True:
-                    event = await asyncio.wait_for(job.queue.get(), 30)
+                    event = await asyncio.wait_for(ready.get(), 30)
                     if not isinstance(event, Piece):
                         text = event
                         break

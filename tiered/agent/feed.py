@@ -34,7 +34,10 @@ requests where it can.
   it is the last, and the most tokens a response may carry); the front end
   builds each response, merging the chunks its client has not yet read up
   to that most, and sends a CANCEL frame when its client goes away. So the
-  engine's event loop does no per-token protobuf or gRPC work.
+  engine's event loop does no per-token protobuf or gRPC work: the
+  scheduler hands it a step's tokens of every stream in one call, each goes
+  to its front end's connection, and each connection writes the replies of
+  one loop turn together.
 - **Any other request** (parameters, BYTES, a model that does not batch,
   inputs partly in shared memory) travels alone in a ONE frame: the request without its
   raw input bytes, which lie in the arena (or inline when the arena is
@@ -144,8 +147,11 @@ class Answers(Protocol):
                            ) -> tuple[str, str, dict[str, np.ndarray]]:
         """Requests merged row-wise -> (model, version, outputs by name)."""
 
-    def answer_generation(self, body: bytes, seconds_left: float) -> AsyncIterator[Chunk]:
-        """A streamed request's bytes -> its tokens, a chunk at a time."""
+    def start_generation(self, body: bytes, seconds_left: float,
+                         deliver: Callable[[Chunk | TieredError], None]) -> Callable[[], None]:
+        """A streamed request's bytes -> its tokens, a chunk at a time to
+        `deliver` on the event loop, then or else the error that ends it;
+        returns what stops it early. Refusals are raised."""
 
     def regions(self, caller: str) -> CallerRegions:
         """The shared-memory regions `caller` names in its tensors."""
@@ -744,8 +750,7 @@ class FeedServer:
         header = marshal.dumps((caller, name))
         notice = REPLY.pack(REPLY.size - LENGTH.size + len(header), NOTICE, OK, len(header))
         for connection in self.connections:
-            if not connection.transport.is_closing():
-                connection.transport.writelines([notice, header])
+            connection.write([notice, header])
 
     async def wait_for(self, count: int, timeout_s: float) -> None:
         async with self.connected:
@@ -772,7 +777,9 @@ class _FeedConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._tasks: set[asyncio.Task] = set()
-        self._streams: dict[int, asyncio.Task] = {}  # call id -> the stream's task
+        self._streams: dict[int, Callable[[], None]] = {}  # call id -> what stops the stream
+        self._unsent: list[bytes] = []  # replies of this loop turn, written together
+        self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -785,8 +792,9 @@ class _FeedConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
-        for stream in list(self._streams.values()):  # nobody is left to read them
-            stream.cancel()
+        streams, self._streams = list(self._streams.values()), {}
+        for stop in streams:  # nobody is left to read them
+            stop()
         with contextlib.suppress(BufferError):  # a request still reads it: closes with it
             self.arena.release()
             if self._unpin is not None:
@@ -811,19 +819,18 @@ class _FeedConnection(asyncio.Protocol):
             rest = bytes(memoryview(buffer)[start + header_length:end])
             used = end
             if kind == CANCEL:
-                stream = self._streams.pop(call_id, None)
-                if stream is not None:
-                    stream.cancel()
+                stop = self._streams.pop(call_id, None)
+                if stop is not None:
+                    stop()
                 continue
             self.server.frames[KINDS[kind]] += 1
             self.server.requests[KINDS[kind]] += len(header[4]) if kind == GROUP else 1
             if kind == STREAM:
-                task = self._streams[call_id] = asyncio.get_running_loop().create_task(
-                    self._stream(call_id, rest, seconds_left))
-            else:
-                serve = self._one(header, rest, seconds_left) if kind == ONE \
-                    else self._group(header, seconds_left)
-                task = asyncio.get_running_loop().create_task(self._reply(call_id, serve))
+                self._stream(call_id, rest, seconds_left)
+                continue
+            serve = self._one(header, rest, seconds_left) if kind == ONE \
+                else self._group(header, seconds_left)
+            task = asyncio.get_running_loop().create_task(self._reply(call_id, serve))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         del buffer[:used]
@@ -873,22 +880,41 @@ class _FeedConnection(asyncio.Protocol):
             header, payload, code = b"", [describe(error).encode()], status_code(error).value[0]
         self._send(call_id, code, header, payload)
 
-    async def _stream(self, call_id: int, body: bytes, seconds_left: float) -> None:
-        """A generative request's tokens, a reply a chunk as they come; an
-        error ends it. A CANCEL frame (its client went away) cancels it."""
+    def _stream(self, call_id: int, body: bytes, seconds_left: float) -> None:
+        """A generative request: a reply a chunk of tokens as they come (all
+        the streams' of one step go in one write); an error ends it. A CANCEL
+        frame (its client went away) stops it."""
+        def deliver(event: Chunk | TieredError) -> None:
+            if isinstance(event, TieredError):
+                self._streams.pop(call_id, None)
+                self._send(call_id, status_code(event).value[0], b"", [describe(event).encode()])
+                return
+            if event[5]:  # the last
+                self._streams.pop(call_id, None)
+            self._send(call_id, OK, marshal.dumps(event), ())
+
         try:
-            async for chunk in self.server.answers.answer_generation(body, seconds_left):
-                self._send(call_id, OK, marshal.dumps(chunk), ())
+            self._streams[call_id] = self.server.answers.start_generation(
+                body, seconds_left, deliver)
         except Exception as error:  # answered to the client; the engine goes on
             self._send(call_id, status_code(error).value[0], b"", [describe(error).encode()])
-        finally:
-            self._streams.pop(call_id, None)
 
     def _send(self, call_id: int, code: int, header: bytes, payload: Sequence[bytes]) -> None:
+        length = REPLY.size - LENGTH.size + len(header) + sum(map(len, payload))
+        self.write([REPLY.pack(length, call_id, code, len(header)), header, *payload])
+
+    def write(self, parts: Sequence[bytes]) -> None:
+        """Bytes for the front end, written at the end of this loop turn with
+        the turn's other replies: one system call for a step's tokens of
+        every stream, not one a stream."""
+        if not self._unsent:
+            self._loop.call_soon(self._flush)
+        self._unsent += parts
+
+    def _flush(self) -> None:
+        unsent, self._unsent = self._unsent, []
         if not self.transport.is_closing():
-            length = REPLY.size - LENGTH.size + len(header) + sum(map(len, payload))
-            self.transport.writelines([REPLY.pack(length, call_id, code, len(header)),
-                                       header, *payload])
+            self.transport.writelines(unsent)
 
 
 def _joined(parts: list) -> np.ndarray | DeviceRows:

@@ -5,8 +5,10 @@
 The agent's counterpart of `model.ModelVersion` for decoupled models: the
 repository, servicer, telemetry and metrics read the same attributes
 (`config`, `version`, `engine`, `stats`, `recorder`, `queue_depth`,
-`in_flight`, `drain`). A request becomes a stream of `Piece`s, one per token;
-leaving the stream early (the client went away) frees its sequence. A
+`in_flight`, `drain`). A request becomes a stream of `Piece`s, one per token,
+handed to its reader as they come (`start`, `Generation`) or read as an
+async iterator (`generate`); leaving early (the client went away) frees its
+sequence. A
 vision-language version also holds its vision stage (`vision_language.py`):
 a request's images become visual tokens before it joins the scheduler, and
 a unary call asking for `visual_tokens` alone runs only that stage.
@@ -18,7 +20,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Hashable, Mapping
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -35,7 +37,7 @@ from tiered.agent.generation import (
     parse_request,
 )
 from tiered.agent.model import Admissions, record_failure
-from tiered.agent.scheduler import Piece, Scheduler, SchedulerLimits
+from tiered.agent.scheduler import Job, Piece, Scheduler, SchedulerLimits, domain_error
 from tiered.agent.vision_language import VisionStage
 from tiered.engines.generative.base import GenerativeEngine
 from tiered.engines.generative.chat import ChatTemplate
@@ -153,52 +155,48 @@ class GenerativeVersion:
         if self.recorder is not None:
             self.recorder.batch_ran(seconds, device or self.devices[0], sequences)
 
+    def start(self, request: GenerationRequest, deadline: float,
+              deliver: Callable[[Piece | TieredError], None]) -> Generation:
+        """Answer a request as its pieces come: `deliver` gets each on the
+        event loop, then or else the error that ends it (see `Generation`).
+        A refusal that comes at once (the version unloading, its queue full)
+        is raised; a request's images become visual tokens first."""
+        generation = Generation(self, deliver)
+        if request.images is None:
+            try:
+                generation.job = self.scheduler.submit(request, deadline, generation.take)
+            except TieredError as error:
+                generation.fail(error)
+                raise
+        else:
+            generation.encoding = asyncio.get_running_loop().create_task(
+                generation.encoded_first(request, deadline))
+        return generation
+
     async def generate(self, request: GenerationRequest, deadline: float = math.inf,
                        most: int = 1) -> AsyncIterator[list[Piece]]:
         """The request's tokens as they come, up to `most` at a time (those
         ready: never waiting for more); the last is flagged. Closing the
         iterator early stops its sequence."""
-        started = time.perf_counter_ns()
-        job, finished, previous = None, False, 0.0
-        with self.admissions.request():
-            try:
-                if request.images is not None:  # counted in the first token's time
-                    assert self.vision is not None
-                    request = self.vision.with_visual(request, await self._encoded(request))
-                job = self.scheduler.submit(request, deadline)
-                while not finished:
-                    events = [await job.queue.get()]
-                    while len(events) < most and not job.queue.empty():
-                        events.append(job.queue.get_nowait())
-                    pieces = []
-                    for event in events:
-                        if isinstance(event, TieredError):
-                            if pieces:  # what came before it goes out first
-                                yield pieces
-                            raise event
-                        first = previous == 0.0
-                        gap = event.at - (job.arrived if first else previous)
-                        previous, finished = event.at, event.last
-                        self.tokens.token(gap, first)
-                        if self.recorder is not None:
-                            self.recorder.token(gap, first)
-                        pieces.append(event)
-                    yield pieces
-            except TieredError as error:
-                self._failed(time.perf_counter_ns() - started, error)
-                raise
-            finally:
-                if job is not None and not finished:
-                    self.scheduler.cancel(job)
-        assert job is not None and job.admitted is not None
-        elapsed_ns = time.perf_counter_ns() - started
-        queue_s = job.admitted - job.arrived
-        compute_ns = int((previous - job.admitted) * 1e9)
-        self.stats.request_succeeded(elapsed_ns, int(queue_s * 1e9),
-                                     BatchTiming(0, compute_ns, 0), _now_ms())
-        if self.recorder is not None:
-            # Busy time comes from the steps (batch_ran), not from here.
-            self.recorder.request_succeeded(elapsed_ns / 1e9, queue_s, compute_ns / 1e9, 1)
+        ready: asyncio.Queue = asyncio.Queue()
+        generation = self.start(request, deadline, ready.put_nowait)
+        try:
+            finished = False
+            while not finished:
+                events = [await ready.get()]
+                while len(events) < most and not ready.empty():
+                    events.append(ready.get_nowait())
+                pieces = []
+                for event in events:
+                    if isinstance(event, TieredError):
+                        if pieces:  # what came before it goes out first
+                            yield pieces
+                        raise event
+                    finished = event.last
+                    pieces.append(event)
+                yield pieces
+        finally:
+            generation.close()
 
     async def _encoded(self, request: GenerationRequest) -> list[np.ndarray]:
         """The request's images' kept visual tokens, one array an image; the
@@ -239,6 +237,85 @@ class GenerativeVersion:
         self.engine.close()
         if self.vision is not None:
             self.vision.close()
+
+
+class Generation:
+    """One request of a version as its pieces come (`GenerativeVersion.start`),
+    counted as they pass: each token's gap in the token telemetry, the
+    request's end (its last piece, or an error) in the version's statistics;
+    then handed to `deliver`. `close` ends it early and frees its sequence
+    (its client went away). It holds one of the version's admissions until
+    it ends."""
+
+    def __init__(self, version: GenerativeVersion,
+                 deliver: Callable[[Piece | TieredError], None]) -> None:
+        version.admissions.enter()
+        self.version = version
+        self.deliver = deliver
+        self.started = time.perf_counter_ns()
+        self.job: Job | None = None
+        self.encoding: asyncio.Task | None = None  # its images to visual tokens, first
+        self.ended = False  # its last piece or an error came, or it was closed
+        self._previous = 0.0  # when its last token's step ended
+
+    async def encoded_first(self, request: GenerationRequest, deadline: float) -> None:
+        version = self.version
+        assert version.vision is not None and request.images is not None
+        try:  # the vision stage's time counts in the first token's
+            request = version.vision.with_visual(request, await version._encoded(request))
+            if not self.ended:
+                self.job = version.scheduler.submit(request, deadline, self.take)
+        except Exception as error:  # noqa: BLE001 -- told to its reader
+            self.take(domain_error(error, "encoding the images"))
+
+    def take(self, event: Piece | TieredError) -> None:
+        """A piece or the error that ends it (the scheduler's `deliver`)."""
+        if self.ended:
+            return
+        if isinstance(event, TieredError):
+            self.fail(event)
+        else:
+            assert self.job is not None
+            first = self._previous == 0.0
+            gap = event.at - (self.job.arrived if first else self._previous)
+            self._previous = event.at
+            self.version.tokens.token(gap, first)
+            if self.version.recorder is not None:
+                self.version.recorder.token(gap, first)
+            if event.last:
+                self._succeeded()
+        self.deliver(event)
+
+    def fail(self, error: TieredError) -> None:
+        if not self.ended:
+            self.ended = True
+            self.version._failed(time.perf_counter_ns() - self.started, error)
+            self.version.admissions.leave()
+
+    def close(self) -> None:
+        """Stop it where it is, if it has not ended."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.encoding is not None:
+            self.encoding.cancel()
+        if self.job is not None:
+            self.version.scheduler.cancel(self.job)
+        self.version.admissions.leave()
+
+    def _succeeded(self) -> None:
+        self.ended = True
+        version, job = self.version, self.job
+        assert job is not None and job.admitted is not None
+        elapsed_ns = time.perf_counter_ns() - self.started
+        queue_s = job.admitted - job.arrived
+        compute_ns = int((self._previous - job.admitted) * 1e9)
+        version.stats.request_succeeded(elapsed_ns, int(queue_s * 1e9),
+                                        BatchTiming(0, compute_ns, 0), _now_ms())
+        if version.recorder is not None:
+            # Busy time comes from the steps (batch_ran), not from here.
+            version.recorder.request_succeeded(elapsed_ns / 1e9, queue_s, compute_ns / 1e9, 1)
+        version.admissions.leave()
 
 
 def _now_ms() -> int:

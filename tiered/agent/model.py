@@ -140,16 +140,24 @@ class Admissions:
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
         """One request, from admission to its answer; Unavailable once unloading."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def enter(self) -> None:
+        """A request begins (`request`, or a stream answered as its tokens
+        come, which calls `leave` once it ends)."""
         if self.closing:
             raise Unavailable(f"model {self.name!r} version {self.version} is unloading")
         self.count += 1
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self.count -= 1
-            if not self.count:
-                self._idle.set()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if not self.count:
+            self._idle.set()
 
     async def close(self, timeout_s: float) -> None:
         """Refuse new requests and wait up to `timeout_s` for those running."""

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -227,16 +227,16 @@ class Piece:
 
 @dataclass(eq=False)
 class Job:
-    """One request on the text side. `queue` is read on the event loop; the
-    rest belongs to the worker thread once submitted."""
+    """One request on the text side. `deliver` is called on the event loop;
+    the rest belongs to the worker thread once submitted."""
 
     request: GenerationRequest
     arrived: float
     deadline: float  # the request's own (monotonic; inf: none)
     admit_by: float  # when waiting for a slot ends
+    deliver: Callable[[Piece | TieredError], None]  # each piece, then or else an error
     key: int = 0
     lane: int = 0  # which engine core runs it, where there are several
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Piece | TieredError
     admitted: float | None = None
     tokens: int = 0
     prompt_tokens: int = 0
@@ -283,9 +283,14 @@ class Scheduler:
 
     # -- the event loop's side ------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, deadline: float) -> Job:
+    def submit(self, request: GenerationRequest, deadline: float,
+               deliver: Callable[[Piece | TieredError], None]) -> Job:
+        """Queue a request; `deliver` gets its pieces on the event loop, each
+        step's for all requests in one call of the loop's, until the last
+        piece or an error."""
         now = self._clock()
-        job = Job(request, now, deadline, min(deadline, now + self.limits.max_queue_wait_s))
+        job = Job(request, now, deadline, min(deadline, now + self.limits.max_queue_wait_s),
+                  deliver)
         with self._lock:
             if self._closed:
                 raise Unavailable(UNLOADING)
@@ -463,7 +468,10 @@ class Scheduler:
             for step in steps:
                 self._on_step(*step)
         for job, event in events:
-            job.queue.put_nowait(event)
+            try:
+                job.deliver(event)
+            except Exception:  # noqa: BLE001 -- one reader's fault stops no other's tokens
+                log.exception("delivering a piece of a generation failed")
 
 
 def domain_error(error: Exception, doing: str) -> TieredError:

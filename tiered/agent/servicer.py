@@ -146,11 +146,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             responses, request, metadata, lambda message: messages.token_count(
                 message.infer_response))
 
-    async def answer_generation(self, body: bytes, seconds_left: float
-                                ) -> AsyncIterator[Chunk]:
-        """A front end's streamed request to a generative model (`feed.Answers`):
-        its tokens a chunk at a time, from which the front end builds the
-        responses; authorized by the front end."""
+    def start_generation(self, body: bytes, seconds_left: float,
+                         deliver: Callable[[Chunk | TieredError], None]) -> Callable[[], None]:
+        """A front end's streamed request to a generative model (`feed.Answers`),
+        authorized by the front end: `deliver` gets each token as a chunk, from
+        which the front end builds the responses, then or else the error that
+        ends it; returns what stops it early. Refusals are raised."""
         try:
             request = pb.ModelInferRequest.FromString(body)
         except DecodeError as error:
@@ -160,50 +161,51 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise InvalidArgument(f"model {request.model_name!r} does not generate text")
         call, generation = self._generation(model, request)
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
-        most = model.config.generation.max_tokens_per_response
-        chunks = self._chunks(model, generation, deadline, most)
-        if self.tracer is not None:
-            chunks = self._traced(chunks, request, (), lambda chunk: len(chunk[2]))
-        async with contextlib.aclosing(chunks) as answers:
-            async for chunk in answers:
-                yield chunk
+        most, version = model.config.generation.max_tokens_per_response, model.version
+        span = None if self.tracer is None else _StreamSpan(
+            self.tracer, request, (), self.repository.profile.tier)
 
-    @staticmethod
-    async def _chunks(model: GenerativeVersion, generation: GenerationRequest,
-                      deadline: float, most: int) -> AsyncIterator[Chunk]:
-        async with contextlib.aclosing(model.generate(generation, deadline, most)) as pieces:
-            async for ready in pieces:
-                last = ready[-1]
-                yield (model.version, "".join(p.text for p in ready),
-                       [p.token_id for p in ready], last.prompt_tokens, last.finish, last.last,
-                       most)
+        def each(event: Piece | TieredError) -> None:
+            if isinstance(event, TieredError):
+                if span is not None:
+                    span.end(event)
+                deliver(event)
+                return
+            if span is not None:
+                span.counted(1)
+                if event.last:
+                    span.end()
+            deliver((version, event.text, [event.token_id], event.prompt_tokens, event.finish,
+                     event.last, most))
+
+        try:
+            started = model.start(generation, deadline, each)
+        except TieredError as error:
+            if span is not None:
+                span.end(error)
+            raise
+
+        def stop() -> None:
+            started.close()
+            if span is not None:
+                span.end()
+        return stop
 
     async def _traced(self, answers: AsyncIterator, request: pb.ModelInferRequest, metadata,
                       tokens_in: Callable[[Any], int]) -> AsyncIterator:
-        """A streamed generation's answers (responses, or a front end's
-        chunks) inside a span of their own (not made current: they are read
-        across tasks), which counts its tokens and records when the first
-        came."""
+        """A streamed generation's responses inside a span of their own
+        (`_StreamSpan`)."""
         assert self.tracer is not None
-        span = self.tracer.start_span(
-            "ModelStreamInfer", context=context_from_metadata(metadata),
-            kind=trace.SpanKind.SERVER,
-            attributes={"tiered.model": request.model_name,
-                        "tiered.tier": self.repository.profile.tier})
-        tokens = 0
+        span = _StreamSpan(self.tracer, request, metadata, self.repository.profile.tier)
         try:
             async with contextlib.aclosing(answers) as each:
                 async for answer in each:
-                    if not tokens:
-                        span.add_event("first token")
-                    tokens += tokens_in(answer)
+                    span.counted(tokens_in(answer))
                     yield answer
         except Exception as error:
-            span.record_exception(error)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, describe(error)))
+            span.end(error)
             raise
         finally:
-            span.set_attribute("tiered.output_tokens", tokens)
             span.end()
 
     def _generation(self, model: GenerativeVersion, request: pb.ModelInferRequest,
@@ -448,3 +450,32 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self.authorizer.require_shared_memory(context)
         self.shared_memory.unregister_cuda(self.authorizer.caller(context), request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
+
+
+class _StreamSpan:
+    """A streamed generation's span (not made current: its tokens come across
+    tasks), which counts its tokens and records when the first came; ended
+    once, with the error that ended the stream if any."""
+
+    def __init__(self, tracer, request: pb.ModelInferRequest, metadata, tier: str) -> None:
+        self._span = tracer.start_span(
+            "ModelStreamInfer", context=context_from_metadata(metadata),
+            kind=trace.SpanKind.SERVER,
+            attributes={"tiered.model": request.model_name, "tiered.tier": tier})
+        self._tokens = 0
+        self._ended = False
+
+    def counted(self, tokens: int) -> None:
+        if not self._tokens:
+            self._span.add_event("first token")
+        self._tokens += tokens
+
+    def end(self, error: Exception | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if error is not None:
+            self._span.record_exception(error)
+            self._span.set_status(trace.Status(trace.StatusCode.ERROR, describe(error)))
+        self._span.set_attribute("tiered.output_tokens", self._tokens)
+        self._span.end()

@@ -107,7 +107,10 @@ def test_load_scales_edge_up_then_down_to_zero_and_no_request_fails(system, digi
     wait_for(local, lambda: len(edge_agents(state)) == 0, 90, "edge to go to zero", store)
     status = status_of(store)
     assert status.scaling["edge"].replicas == 0
-    assert "going to zero" in status.scaling["edge"].reason
+    # idle, it went to zero; a later evaluation (on a slow machine, before
+    # this read) says so in its own words
+    reason = status.scaling["edge"].reason
+    assert "going to zero" in reason or reason == "at zero: no unmet demand", reason
     assert any("leaves the routing table" in line for line in lines)
     assert json.loads(StateLayout(state).scale.read_text()) == {"edge": 0}
     wait_for(local, lambda: not local.leaving, 30, "the edge agents to stop")

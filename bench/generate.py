@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,7 @@ class Round:
         # into the engine's batch (its sequence started), over an agent round
         self.queue_s: float | None = None
         self.client_cpu_s: float | None = None  # the client processes', served arms
+        self.router_cpu_s: float | None = None  # the router's process, over a router round
 
     @classmethod
     def merged(cls, rounds: Sequence[Round]) -> Round:
@@ -153,7 +154,7 @@ class Round:
                 "errors": len(self.errors), "active_j": self.active_j,
                 "metered_s": self.metered_s, "engine_cpu_s": self.engine_cpu_s,
                 "agent_cpu_s": self.agent_cpu_s, "steps": self.steps, "queue_s": self.queue_s,
-                "client_cpu_s": self.client_cpu_s}
+                "client_cpu_s": self.client_cpu_s, "router_cpu_s": self.router_cpu_s}
 
 
 def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: int) -> Round:
@@ -275,6 +276,9 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
     client = [f["client_cpu_s"] for f in figures]
     if client and None not in client and tokens:
         summary["client_cpu_us_per_token"] = sum(client) / tokens * 1e6
+    relaying = [f["router_cpu_s"] for f in figures]
+    if relaying and None not in relaying and tokens:
+        summary["router_cpu_us_per_token"] = sum(relaying) / tokens * 1e6
     text_side = [f["agent_cpu_s"] for f in figures]
     if text_side and None not in text_side and tokens:
         summary["agent_cpu_us_per_token"] = sum(text_side) / tokens * 1e6
@@ -283,7 +287,7 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
 
 def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], streams: int,
             max_tokens: int, rounds: int, meter: Meter, clients: Clients,
-            engine_pid: int | None = None, agent_pid: int | None = None) -> dict[str, Any]:
+            pids: Mapping[str, int] | None = None) -> dict[str, Any]:
     prompts = [engine.encode(p) for p in text_prompts]
     recorded: dict[str, list[Round]] = {arm: [] for arm in ARMS}
     for arm in ARMS:  # a warm-up round each, not counted
@@ -292,8 +296,7 @@ def measure(engine, addresses: dict[str, str], text_prompts: Sequence[str], stre
     for _ in range(rounds):
         for arm in ARMS:
             recorded[arm].append(run_arm(arm, engine, addresses, prompts, text_prompts,
-                                         streams, max_tokens, meter, clients, engine_pid,
-                                         agent_pid))
+                                         streams, max_tokens, meter, clients, pids))
     row: dict[str, Any] = {"streams": streams, "max_tokens": max_tokens, "rounds": rounds}
     for arm in ARMS:
         row[arm] = summarize(recorded[arm])
@@ -356,22 +359,33 @@ def j_per_token(figures: Sequence[dict[str, Any]], tokens: int) -> float | None:
 
 
 def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens,
-            meter: Meter, clients: Clients, engine_pid: int | None = None, agent_pid: int | None = None
-            ) -> Round:
-    """One round of an arm; an agent round also reads the CPU of the engine's
-    process and, where that is an engine core, of the agent's own."""
+            meter: Meter, clients: Clients, pids: Mapping[str, int] | None = None) -> Round:
+    """One round of an arm. With `pids` ("engine", "agent", "router": their
+    processes), an agent round also reads the CPU of the engine's process
+    and, where that is an engine core, of the agent's own, and a router
+    round the router's."""
     if arm == "in-process":
         return meter.around(lambda: in_process(engine, prompts, streams, max_tokens))
-    if arm != "agent" or engine_pid is None:
+
+    def served() -> Round:
         return meter.around(lambda: clients.run(addresses[arm], text_prompts, streams,
                                                 max_tokens))
-    pids = [engine_pid] + ([agent_pid] if agent_pid not in (None, engine_pid) else [])
-    before, counted = [common.process_cpu_s(p, children=False) for p in pids], \
+
+    if pids is None:
+        return served()
+    if arm == "router":
+        before = common.process_cpu_s(pids["router"], children=False)
+        record = served()
+        after = common.process_cpu_s(pids["router"], children=False)
+        record.router_cpu_s = None if None in (before, after) else after - before
+        return record
+    engine_pid, agent_pid = pids["engine"], pids["agent"]
+    watched = [engine_pid] + ([agent_pid] if agent_pid != engine_pid else [])
+    before, counted = [common.process_cpu_s(p, children=False) for p in watched], \
         counts(addresses[arm])
-    record = meter.around(lambda: clients.run(addresses[arm], text_prompts, streams,
-                                              max_tokens))
+    record = served()
     spent = [None if a is None or b is None else b - a for a, b in
-             zip(before, [common.process_cpu_s(p, children=False) for p in pids])]
+             zip(before, [common.process_cpu_s(p, children=False) for p in watched])]
     record.engine_cpu_s = spent[0]
     record.agent_cpu_s = spent[1] if len(spent) > 1 else None
     steps, requests, queue_ns = (b - a for a, b in zip(counted, counts(addresses[arm])))
@@ -431,7 +445,8 @@ def report(result: dict[str, Any]) -> str:
                          number(figures.get("j_per_token") and figures["j_per_token"] * 1e3, 3),
                          number(figures.get("effective_gb_s"), 0),
                          number(figures.get("engine_cpu_us_per_step"), 0),
-                         number(figures.get("agent_cpu_us_per_token"), 0),
+                         number(figures.get("agent_cpu_us_per_token")
+                                or figures.get("router_cpu_us_per_token"), 0),
                          number(figures.get("client_cpu_us_per_token"), 0),
                          figures["errors"]])
     config = result["config"]
@@ -443,15 +458,16 @@ def report(result: dict[str, Any]) -> str:
             f"{config.get('engine_process', 'the agent')}; energy: " + _energy_said(config)
             + "\nGB/s: weight bytes x tok/s at one stream; eng us/step: CPU of the engine's "
             "process (the engine core, else the whole agent) per engine step, agent rounds; "
-            "agent us/tok: the agent process's own CPU (its text side: tokens to responses) "
-            "per output token, where the engine is a core (front ends not counted); "
+            "serve us/tok: per output token, the agent process's own CPU (its text side: "
+            "tokens to responses) where the engine is a core (front ends not counted), the "
+            "router process's in router rounds; "
             "admit ms: a request's mean wait in the agent from arrival to its sequence's "
             "start (agent rounds); "
             f"client us/tok: the client processes' CPU per output token (up to "
             f"{config.get('streams_per_client', 'all')} streams a process)")
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
                           "admit ms", "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
-                          "eng us/step", "agent us/tok", "client us/tok", "errors"], rows)
+                          "eng us/step", "serve us/tok", "client us/tok", "errors"], rows)
     checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
                           [[c["name"], number(c["value"], 2)] for c in result["targets"]],
                           [c["verdict"] for c in result["targets"]])
@@ -551,8 +567,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 meter = Meter(args.device, 0.5 if args.smoke else IDLE_S)
                 clients = Clients(args.streams_per_client, max(streams))
                 try:
+                    pids = {"engine": engine_pid, "agent": agent.pid, "router": router.pid}
                     rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds,
-                                    meter, clients, engine_pid, agent.pid) for n in streams]
+                                    meter, clients, pids) for n in streams]
                 finally:
                     clients.close()
     precision = ((config.get("engine") or {}).get("precision") or facts.get("precision")

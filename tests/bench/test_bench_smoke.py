@@ -261,6 +261,7 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
         assert agent["agent_cpu_us_per_token"] >= 0, agent  # the text side's, read apart
         assert "engine_cpu_us_per_step" not in row["router"]  # its rounds are not the core's alone
         assert "agent_cpu_us_per_token" not in row["router"]
+        assert row["router"]["router_cpu_us_per_token"] >= 0, row["router"]  # its own process
         for arm in ("agent", "router"):
             assert positive(row[arm]["client_cpu_us_per_token"]), row[arm]
         assert "client_cpu_us_per_token" not in row["in-process"]

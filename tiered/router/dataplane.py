@@ -128,7 +128,7 @@ class Router:
 
     async def stream(self, request: pb.ModelInferRequest, raw: bytes,
                      metadata: Sequence[tuple[str, str]] | None, time_remaining: float | None
-                     ) -> AsyncIterator[pb.ModelInferResponse]:
+                     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """A decoupled model's streamed request: ranked as `infer` ranks it,
         sent on a stream to one agent (failover before its first response
         only, `streams`), every response relayed in order. Counted once, when
@@ -174,15 +174,15 @@ class Router:
             if path is not None and tier == path.decoder:  # not after failing over elsewhere
                 self.observer.record_image_path(model, path, self.clock() - sending, vision_s)
             shadowed = policies.should_shadow(route.tiers[tier], choices[tier], self.rng)
-            async with contextlib.aclosing(streams.relay(opened, self.forwarder)) as responses:
-                async for response in responses:
+            async with contextlib.aclosing(streams.relay(opened, self.forwarder)) as answers:
+                async for message in answers:
                     if first is None:
-                        first = response
-                        self.metrics.first_response(model, tier, response.model_version,
+                        first = message.infer_response
+                        self.metrics.first_response(model, tier, first.model_version,
                                                     self.clock() - started)
                     if shadowed:
-                        relayed.append(response)
-                    yield response
+                        relayed.append(message.infer_response)
+                    yield message
         except Exception:  # a client that went away is counted nowhere
             now = self.clock()
             self.statistics.failed(model, now - started, now)

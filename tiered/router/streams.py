@@ -127,10 +127,11 @@ async def open_stream(forwarder: forward.Forwarder, request: pb.ModelInferReques
 
 
 async def relay(opened: Opened, forwarder: forward.Forwarder
-                ) -> AsyncIterator[pb.ModelInferResponse]:
-    """The agent's responses in order, each naming the tier that served it,
-    until the final one; an error the agent sent for the request is raised
-    as it is. Closing this early cancels the agent's stream."""
+                ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """The agent's responses in order, in the stream messages they came in
+    (passed on as they are, not copied), each naming the tier that served
+    it, until the final one; an error the agent sent for the request is
+    raised as it is. Closing this early cancels the agent's stream."""
     candidate = opened.candidate
     agent = candidate.agent
     message, relayed, decoupled = opened.first, 0, False
@@ -142,7 +143,7 @@ async def relay(opened: Opened, forwarder: forward.Forwarder
             final = response.parameters.get(FINAL_RESPONSE)
             decoupled = decoupled or final is not None
             response.parameters[forward.SERVED_TIER].string_param = candidate.tier
-            yield response
+            yield message
             relayed += 1
             if final is not None and final.bool_param:
                 return

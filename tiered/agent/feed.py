@@ -885,13 +885,13 @@ class _FeedConnection(asyncio.Protocol):
         the streams' of one step go in one write); an error ends it. A CANCEL
         frame (its client went away) stops it."""
         def deliver(event: Chunk | TieredError) -> None:
-            if isinstance(event, TieredError):
+            failed = isinstance(event, TieredError)
+            if failed or event[5]:  # an error, or the last chunk: it has ended
                 self._streams.pop(call_id, None)
+            if failed:
                 self._send(call_id, status_code(event).value[0], b"", [describe(event).encode()])
-                return
-            if event[5]:  # the last
-                self._streams.pop(call_id, None)
-            self._send(call_id, OK, marshal.dumps(event), ())
+            else:
+                self._send(call_id, OK, marshal.dumps(event), ())
 
         try:
             self._streams[call_id] = self.server.answers.start_generation(

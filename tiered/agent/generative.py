@@ -164,7 +164,7 @@ class GenerativeVersion:
         generation = Generation(self, deliver)
         if request.images is None:
             try:
-                generation.job = self.scheduler.submit(request, deadline, generation.take)
+                generation.submit(request, deadline)
             except TieredError as error:
                 generation.fail(error)
                 raise
@@ -264,9 +264,12 @@ class Generation:
         try:  # the vision stage's time counts in the first token's
             request = version.vision.with_visual(request, await version._encoded(request))
             if not self.ended:
-                self.job = version.scheduler.submit(request, deadline, self.take)
+                self.submit(request, deadline)
         except Exception as error:  # noqa: BLE001 -- told to its reader
             self.take(domain_error(error, "encoding the images"))
+
+    def submit(self, request: GenerationRequest, deadline: float) -> None:
+        self.job = self.version.scheduler.submit(request, deadline, self.take)
 
     def take(self, event: Piece | TieredError) -> None:
         """A piece or the error that ends it (the scheduler's `deliver`)."""
@@ -288,23 +291,25 @@ class Generation:
 
     def fail(self, error: TieredError) -> None:
         if not self.ended:
-            self.ended = True
+            self._end()
             self.version._failed(time.perf_counter_ns() - self.started, error)
-            self.version.admissions.leave()
 
     def close(self) -> None:
         """Stop it where it is, if it has not ended."""
         if self.ended:
             return
-        self.ended = True
+        self._end()
         if self.encoding is not None:
             self.encoding.cancel()
         if self.job is not None:
             self.version.scheduler.cancel(self.job)
+
+    def _end(self) -> None:
+        self.ended = True
         self.version.admissions.leave()
 
     def _succeeded(self) -> None:
-        self.ended = True
+        self._end()
         version, job = self.version, self.job
         assert job is not None and job.admitted is not None
         elapsed_ns = time.perf_counter_ns() - self.started
@@ -315,7 +320,6 @@ class Generation:
         if version.recorder is not None:
             # Busy time comes from the steps (batch_ran), not from here.
             version.recorder.request_succeeded(elapsed_ns / 1e9, queue_s, compute_ns / 1e9, 1)
-        version.admissions.leave()
 
 
 def _now_ms() -> int:

@@ -226,14 +226,12 @@ def _copy_rows(target: torch.Tensor, host: torch.Tensor | list[torch.Tensor],
     """Rows (in host memory, or already on a device) into the first rows of a
     device tensor: one copy, or one grouped copy of its parts (a single
     kernel for parts on the device, rather than a call per request)."""
-    if not isinstance(host, list):
-        target[:host.shape[0]].copy_(host, non_blocking=non_blocking)
-        return
+    parts = host if isinstance(host, list) else [host]
     targets, at = [], 0
-    for part in host:
+    for part in parts:
         targets.append(target[at:at + part.shape[0]])
         at += part.shape[0]
-    torch._foreach_copy_(targets, host, non_blocking=non_blocking)
+    torch._foreach_copy_(targets, parts, non_blocking=non_blocking)
 
 
 @dataclass

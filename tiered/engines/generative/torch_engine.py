@@ -235,10 +235,12 @@ class TorchGenerativeEngine(GenerativeEngine):
 
     def _warm_up(self) -> None:
         """Compile as the engine loads, not at the first requests: prefill
-        and decode of one sequence, then of several, each at two sizes."""
+        and decode of one sequence, then of several, each at two sizes; then
+        a short prefill and a decode of each bucket (each shape's first run
+        and each graph's capture)."""
         sampling = Sampling(max_tokens=3)
         started = time.perf_counter()
-        for lengths in ((2,), (5,), (2, 3), (4, 5, 6)):
+        for lengths in ((2,), (5,), (2, 3), (4, 5, 6), *((4,) * b for b in self._buckets)):
             sequences = [self.start([0] * n, sampling) for n in lengths[:self.max_sequences]]
             self.step(), self.step()
             for sequence in sequences:
@@ -332,15 +334,25 @@ class TorchGenerativeEngine(GenerativeEngine):
     def _prefill(self, states: list[_Sequence]) -> tuple[torch.Tensor, None]:
         """The logits after each of `states`' prompts, in one forward. Shorter
         prompts are padded: the pads' cache writes lie past the prompt, where
-        each decode writes before any query reads."""
+        each decode writes before any query reads. On CUDA the batch is padded
+        to a decode bucket (rows of no sequence, written to the scratch slot)
+        and the length to `_prefill_length`: a shape the forward has not met
+        costs tens of milliseconds (the kernels' per-shape setup), so joining
+        sequences, a few at a time, must meet few shapes."""
         lengths = [len(s.prompt or ()) for s in states]
-        longest = max(lengths)
-        tokens = torch.tensor([[*(s.prompt or ()), *[0] * (longest - n)]
-                               for s, n in zip(states, lengths, strict=True)],
+        longest, rows = max(lengths), len(states)
+        if self.device == "cuda":
+            longest = self._prefill_length(longest)
+            rows = next((b for b in self._buckets if b >= rows), rows)
+        lengths += [0] * (rows - len(states))
+        tokens = torch.tensor([[*(s.prompt or ()), *[0] * (longest - len(s.prompt or ()))]
+                               for s in states] + [[0] * longest] * (rows - len(states)),
                               device=self.device)
-        positions = self._positions[:longest].expand(len(states), longest)
-        slots = torch.tensor([s.slot for s in states], device=self.device)
-        visual = self._visual_at(tokens, lengths, [s.visual for s in states])
+        positions = self._positions[:longest].expand(rows, longest)
+        slots = torch.tensor([s.slot for s in states]
+                             + [self.max_sequences] * (rows - len(states)), device=self.device)
+        visual = self._visual_at(tokens, lengths,
+                                 [s.visual for s in states] + [None] * (rows - len(states)))
         compiled = self._compiled()
         try:  # compiled: far fewer launches, the step's other sequences wait less
             hidden = self._forward(tokens, positions, slots, longest, compiled, visual)
@@ -349,10 +361,16 @@ class TorchGenerativeEngine(GenerativeEngine):
                 raise
             self._compile_failed(error)  # the writes are the same: run it again eager
             hidden = self._forward(tokens, positions, slots, longest, visual=visual)
-        for state, length in zip(states, lengths, strict=True):
+        for state, length in zip(states, lengths, strict=False):
             state.prompt, state.length, state.visual = None, length, None
-        ends = torch.tensor(lengths, device=self.device) - 1
+        ends = torch.tensor(lengths[:len(states)], device=self.device) - 1
         return self._head(hidden[torch.arange(len(states), device=self.device), ends]), None
+
+    def _prefill_length(self, longest: int) -> int:
+        """The length a CUDA prefill of prompts up to `longest` runs at: a power
+        of two from 8, a multiple of 512 beyond 512 (at most the cache's)."""
+        step = 512 if longest > 512 else max(8, 1 << (longest - 1).bit_length())
+        return min(self.max_context, -(-longest // step) * step)
 
     def _visual_at(self, tokens: torch.Tensor, lengths: list[int],
                    visual: list[np.ndarray | None]) -> _Visual | None:

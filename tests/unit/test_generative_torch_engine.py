@@ -15,6 +15,7 @@ from tiered.engines.generative.torch_engine import (  # noqa: E402
     TorchGenerativeEngine,
     TorchGenerativeSettings,
     has_fp8_tensor_cores,
+    prefill_length,
 )
 from tiered.errors import ConfigError, InvalidArgument, ResourceExhausted  # noqa: E402
 from tiered.models import tinyllama  # noqa: E402
@@ -303,3 +304,12 @@ def test_cuda_graph_buckets_stop_at_the_cache_slots(v1):
     buckets = {bucket for bucket, _ in graphs._graphs}  # the load's warm-up took 1 and 4
     assert max(buckets) == 5 and buckets <= {1, 2, 4, 5}
     assert graphs.result == eager.result
+
+
+def test_a_cuda_prefill_runs_at_few_lengths():
+    lengths = {n: prefill_length(n, 4096) for n in range(1, 4097)}
+    assert [lengths[n] for n in (1, 8, 9, 16, 17, 300, 512, 513, 1024, 1025, 4096)] == \
+        [8, 8, 16, 16, 32, 512, 512, 1024, 1024, 1536, 4096]
+    assert all(n <= length for n, length in lengths.items())  # room for every prompt
+    assert len(set(lengths.values())) == 14  # 8 to 512 by doubling, 1024 to 4096 by 512
+    assert prefill_length(100, 96) == 96  # never past the cache

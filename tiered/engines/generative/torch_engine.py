@@ -336,13 +336,13 @@ class TorchGenerativeEngine(GenerativeEngine):
         prompts are padded: the pads' cache writes lie past the prompt, where
         each decode writes before any query reads. On CUDA the batch is padded
         to a decode bucket (rows of no sequence, written to the scratch slot)
-        and the length to `_prefill_length`: a shape the forward has not met
+        and the length to `prefill_length`: a shape the forward has not met
         costs tens of milliseconds (the kernels' per-shape setup), so joining
         sequences, a few at a time, must meet few shapes."""
         lengths = [len(s.prompt or ()) for s in states]
         longest, rows = max(lengths), len(states)
         if self.device == "cuda":
-            longest = self._prefill_length(longest)
+            longest = prefill_length(longest, self.max_context)
             rows = next((b for b in self._buckets if b >= rows), rows)
         lengths += [0] * (rows - len(states))
         tokens = torch.tensor([[*(s.prompt or ()), *[0] * (longest - len(s.prompt or ()))]
@@ -365,12 +365,6 @@ class TorchGenerativeEngine(GenerativeEngine):
             state.prompt, state.length, state.visual = None, length, None
         ends = torch.tensor(lengths[:len(states)], device=self.device) - 1
         return self._head(hidden[torch.arange(len(states), device=self.device), ends]), None
-
-    def _prefill_length(self, longest: int) -> int:
-        """The length a CUDA prefill of prompts up to `longest` runs at: a power
-        of two from 8, a multiple of 512 beyond 512 (at most the cache's)."""
-        step = 512 if longest > 512 else max(8, 1 << (longest - 1).bit_length())
-        return min(self.max_context, -(-longest // step) * step)
 
     def _visual_at(self, tokens: torch.Tensor, lengths: list[int],
                    visual: list[np.ndarray | None]) -> _Visual | None:
@@ -497,6 +491,13 @@ class _Visual:
 
     at: torch.Tensor
     rows: torch.Tensor
+
+
+def prefill_length(longest: int, max_context: int) -> int:
+    """The length a CUDA prefill of prompts up to `longest` runs at: a power
+    of two from 8, a multiple of 512 beyond 512, at most `max_context`."""
+    step = 512 if longest > 512 else max(8, 1 << (longest - 1).bit_length())
+    return min(max_context, -(-longest // step) * step)
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

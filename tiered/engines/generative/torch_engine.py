@@ -337,8 +337,8 @@ class TorchGenerativeEngine(GenerativeEngine):
         each decode writes before any query reads. On CUDA the batch is padded
         to a decode bucket (rows of no sequence, written to the scratch slot)
         and the length to `prefill_length`: a shape the forward has not met
-        costs tens of milliseconds (the kernels' per-shape setup), so joining
-        sequences, a few at a time, must meet few shapes."""
+        costs tens of milliseconds of CPU, so joining sequences, a few at a
+        time, must meet few shapes."""
         lengths = [len(s.prompt or ()) for s in states]
         longest, rows = max(lengths), len(states)
         if self.device == "cuda":

@@ -12,9 +12,11 @@ fused RMSNorm and attention kernels, and rotary in three.
 The KV cache is preallocated: one slot of `max_context` positions per
 sequence that may run (`max_sequences`), plus one scratch slot that
 teacher-forced scoring writes into. The sequences new at a step are
-prefilled together (their prompts padded to the longest, in one forward);
-every sequence already prefilled advances in one batched decode forward, so sequences join and
-leave between steps (in-flight batching). Stale keys a slot's previous
+prefilled together (their prompts padded to the longest, in one forward; on
+CUDA to few shapes, rows to a decode bucket and the length to a power of
+two, since a shape not met before costs tens of milliseconds); every
+sequence already prefilled advances in one batched decode forward, so
+sequences join and leave between steps (in-flight batching). Stale keys a slot's previous
 sequence left are never read: a query attends only to positions up to its
 own.
 

@@ -131,7 +131,8 @@ class Round:
         # into the engine's batch (its sequence started), over an agent round
         self.queue_s: float | None = None
         self.client_cpu_s: float | None = None  # the client processes', served arms
-        self.router_cpu_s: float | None = None  # the router's process, over a router round
+        # the router's processes (its workers too), over a router round
+        self.router_cpu_s: float | None = None
 
     @classmethod
     def merged(cls, rounds: Sequence[Round]) -> Round:
@@ -374,9 +375,9 @@ def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tok
     if pids is None:
         return served()
     if arm == "router":
-        before = common.process_cpu_s(pids["router"], children=False)
+        before = common.process_cpu_s(pids["router"])  # with its workers
         record = served()
-        after = common.process_cpu_s(pids["router"], children=False)
+        after = common.process_cpu_s(pids["router"])
         record.router_cpu_s = None if None in (before, after) else after - before
         return record
     engine_pid, agent_pid = pids["engine"], pids["agent"]
@@ -460,7 +461,7 @@ def report(result: dict[str, Any]) -> str:
             "process (the engine core, else the whole agent) per engine step, agent rounds; "
             "serve us/tok: per output token, the agent process's own CPU (its text side: "
             "tokens to responses) where the engine is a core (front ends not counted), the "
-            "router process's in router rounds; "
+            "router's (with its workers) in router rounds; "
             "admit ms: a request's mean wait in the agent from arrival to its sequence's "
             "start (agent rounds); "
             f"client us/tok: the client processes' CPU per output token (up to "
@@ -534,9 +535,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the served arms' streams in each client process (default 16: "
                         "4 processes at 64 streams, so that no one client's gRPC work limits "
                         "the figures)")
+    parser.add_argument("--router-workers", type=int, default=1,
+                        help="the router's --workers: processes sharing its port, over which "
+                        "the kernel spreads the client processes' connections (one each)")
     args = parser.parse_args(argv)
-    if args.streams_per_client < 1:
-        parser.error("--streams-per-client: want 1 or more")
+    if args.streams_per_client < 1 or args.router_workers < 1:
+        parser.error("--streams-per-client, --router-workers: want 1 or more")
     streams = (1, 8) if args.smoke else args.streams
     max_tokens = 8 if args.smoke else args.max_tokens
     rounds = 1 if args.smoke else args.rounds
@@ -561,7 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = Path(tmp) / "routing.json"
             table.write_text(json.dumps({"version": 1, "models": {MODEL: {
                 "max_in_flight": 1024, "tiers": {args.tier: {"agents": [agent.address]}}}}}))
-            router = RouterProcess(table, metrics_port=None)
+            router = RouterProcess(table, metrics_port=None,
+                                   extra_args=["--workers", str(args.router_workers)])
             with common.serving([router]):
                 addresses = {"agent": agent.address, "router": router.address}
                 meter = Meter(args.device, 0.5 if args.smoke else IDLE_S)
@@ -592,6 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),
                    "tokens_per_response": args.tokens_per_response,
                    "streams_per_client": args.streams_per_client,
+                   "router_workers": args.router_workers,
                    "energy_source": meter.source, "idle_watts": meter.idle_w,
                    "note": "clients, router, agent and the in-process engine share this "
                    "machine's cores; tokens/s from each round's first start to its last "

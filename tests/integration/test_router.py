@@ -632,3 +632,80 @@ def test_sigterm_answers_every_call_the_router_has_taken_in(tmp_path):
     failed = [str(o) for o in outcomes if isinstance(o, Exception)]
     assert not failed, f"{len(failed)} of {in_flight} calls in flight failed: {failed[:3]}"
     assert code == 0, router.log_tail()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started, from any of its threads."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # exited, not yet reaped by whoever started it
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_workers_share_the_ports_and_each_answers_its_share(agents, tmp_path):
+    path = tmp_path / "routing.yaml"
+    write_table(path, table(agents, version=1))
+    with RouterCommand(path, extra_args=["--workers", "2"]) as router:
+        found = re.search(r"tiered router worker 1 of 2 on 127\.0\.0\.1:(\d+); REST on "
+                          r"http://127\.0\.0\.1:(\d+); metrics on (\S+)", router.log())
+        assert found, router.log_tail()
+        assert (int(found.group(1)), int(found.group(2))) == (router.port, router.http_port)
+        urls = [router.metrics_url, found.group(3)]
+        assert urls[0] != urls[1]
+        for n in range(24):  # each on a connection of its own, gRPC and REST in turn
+            if n % 2:
+                with grpcclient.InferenceServerClient(router.address) as client:
+                    client.infer("digits", inputs_of(images()))
+            else:
+                body = json.dumps({"inputs": [{"name": "input", "shape": [1, 1, 8, 8],
+                                               "datatype": "FP32",
+                                               "data": images().ravel().tolist()}]}).encode()
+                request = urllib.request.Request(
+                    f"http://{router.http_address}/v2/models/digits/infer", data=body,
+                    headers={"Content-Type": "application/json", "Connection": "close"})
+                assert urllib.request.urlopen(request, timeout=30).status == 200
+
+        def answered(url: str) -> float:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("tiered_router_requests_total"))
+
+        shares = [answered(url) for url in urls]
+        assert sum(shares) == 24 and min(shares) > 0, shares  # all on one: odds of 2 in 2^24
+        worker = _children(router.pid)
+        assert len(worker) == 1
+        assert router.stop() == 0
+    assert _gone(worker[0], 5), "stopping the first router left its worker running"
+
+
+def test_a_worker_stops_when_its_first_router_is_killed(agents, tmp_path):
+    path = tmp_path / "routing.yaml"
+    write_table(path, table(agents, version=1))
+    router = RouterCommand(path, extra_args=["--workers", "2"]).start()
+    worker = _children(router.pid)
+    os.kill(router.pid, 9)
+    router.stop()
+    assert len(worker) == 1 and _gone(worker[0], 15), "a killed router's worker lives on"
+
+
+def test_workers_must_be_at_least_one(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "routing.yaml"
+    write_table(path, {"version": 1, "models": {}})
+    done = subprocess.run([sys.executable, "-m", "tiered", "router", "--routing-table",
+                           str(path), "--insecure", "--workers", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--workers: at least 1, got 0" in done.stderr

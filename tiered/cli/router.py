@@ -37,6 +37,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     router.add_argument("--no-http", action="store_true", help="serve no REST, gRPC only")
     router.add_argument("--seed", type=int, default=None,
                         help="seed of the split for requests without a tiered-key")
+    router.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="router processes sharing the gRPC and REST ports (default 1): "
+                        "the kernel spreads client connections over them, so that one "
+                        "interpreter's per-message work does not cap the router. Each is a "
+                        "whole router with its own health, observations and statistics, as "
+                        "separate routers are; each serves its own /metrics, on "
+                        "--metrics-port plus its index (or a free port with 0). Stopping "
+                        "this process stops them all")
     limits = router.add_argument_group("limits")
     limits.add_argument("--max-message-bytes", type=_positive, metavar="BYTES",
                         help="largest request or response, gRPC message or REST body "
@@ -71,21 +79,21 @@ def _run_router(args: argparse.Namespace) -> int:
     from tiered.protocol.security import Authorizer, read_token, read_tokens
     from tiered.router import server as router_server
 
+    limits = {name: value for name in ("max_message_bytes", "max_json_bytes")
+              if (value := getattr(args, name)) is not None}  # else the router's defaults
     try:
         transport = flags.security_from_args(args)
         tokens = read_tokens(args.inference_token_file, "--inference-token-file")
         agent_token = (read_token(args.agent_token_file, "--agent-token-file")
                        if args.agent_token_file else None)
+        settings = router_server.RouterSettings(
+            routing_table=args.routing_table, host=args.host, port=args.port,
+            metrics_port=None if args.no_metrics else args.metrics_port,
+            http_port=None if args.no_http else args.http_port, seed=args.seed,
+            security=transport, authorizer=Authorizer(inference_tokens=tokens or None),
+            agent_token=agent_token, workers=args.workers, **limits)
     except ConfigError as error:
         print(f"tiered router: {error}", file=sys.stderr)
         return 2
     transport.warn_if_plaintext("tiered router")
-    limits = {name: value for name in ("max_message_bytes", "max_json_bytes")
-              if (value := getattr(args, name)) is not None}  # else the router's defaults
-    return router_server.run(router_server.RouterSettings(
-        routing_table=args.routing_table, host=args.host, port=args.port,
-        metrics_port=None if args.no_metrics else args.metrics_port,
-        http_port=None if args.no_http else args.http_port, seed=args.seed,
-        security=transport, authorizer=Authorizer(inference_tokens=tokens or None),
-        agent_token=agent_token, **limits,
-    ))
+    return router_server.run(settings)

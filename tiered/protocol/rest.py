@@ -537,12 +537,13 @@ class RestServer:
 
 
 async def serve(door: RestFrontDoor, host: str, port: int, ssl_context: ssl.SSLContext | None,
-                drain_timeout_s: float) -> RestServer:
-    """Listen on host:port (0: a free port); HTTPS with `ssl_context`."""
+                drain_timeout_s: float, reuse_port: bool = False) -> RestServer:
+    """Listen on host:port (0: a free port); HTTPS with `ssl_context`; with
+    `reuse_port`, a port other processes of ours listen on too."""
     runner = web.AppRunner(door.application(), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context,
-                       shutdown_timeout=drain_timeout_s, reuse_port=False)
+                       shutdown_timeout=drain_timeout_s, reuse_port=reuse_port)
     try:
         await site.start()
     except OSError as error:

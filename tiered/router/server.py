@@ -11,13 +11,18 @@ must never import agent or controller modules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import pickle
 import random
+import select
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -53,6 +58,26 @@ class RouterSettings:
     agent_token: str | None = None  # presented to agents that require a token
     max_message_bytes: int = forward.MAX_MESSAGE_BYTES  # gRPC messages and REST bodies
     max_json_bytes: int = rest_json.MAX_JSON_BYTES  # a REST body's JSON part
+    # Router processes sharing the gRPC and REST ports (SO_REUSEPORT: the
+    # kernel spreads connections over them), each a whole router with its own
+    # health, observations, statistics and /metrics; this one is `worker` 0,
+    # which starts the others and stops them with itself.
+    workers: int = 1
+    worker: int = 0
+    first_pid: int = 0  # a worker's first router, without which it stops
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise errors.ConfigError(f"--workers: at least 1, got {self.workers}")
+
+    def of_worker(self, worker: int, port: int, http_port: int | None) -> RouterSettings:
+        """Worker `worker`'s settings, on the ports the first one listens on;
+        its /metrics on the next port up (or a free one, or none)."""
+        metrics = self.metrics_port
+        if metrics:
+            metrics += worker
+        return replace(self, port=port, http_port=http_port, metrics_port=metrics, worker=worker,
+                       first_pid=os.getpid())
 
 
 async def watch_table(router: dataplane.Router, path: Path, seen: tuple[int, int] | None,
@@ -128,7 +153,7 @@ async def _serve(settings: RouterSettings, own: str) -> None:
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(settings.workers > 1)),
         *SERVER_OPTIONS,
     ], maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
     inference = servicer.RouterServicer(router, settings.authorizer)
@@ -157,7 +182,8 @@ async def _serve(settings: RouterSettings, own: str) -> None:
                                   authorizer=settings.authorizer, roles=("inference",))
         try:
             rest_server = await rest.serve(door, settings.host, settings.http_port,
-                                           settings.security.server_ssl_context(), DRAIN_S)
+                                           settings.security.server_ssl_context(), DRAIN_S,
+                                           reuse_port=settings.workers > 1)
         except errors.ConfigError:
             await server.stop(0)
             raise
@@ -173,6 +199,16 @@ async def _serve(settings: RouterSettings, own: str) -> None:
             raise errors.ConfigError(f"cannot serve /metrics on port {settings.metrics_port}: "
                                      f"{error}") from error
         metrics = f"; metrics on http://{settings.host}:{http.server_port}/metrics"
+    workers: list[Worker] = []
+    if not settings.worker:
+        try:
+            workers = await asyncio.to_thread(
+                start_workers, settings, port, rest_server.port if rest_server else None)
+        except errors.ConfigError:
+            if rest_server is not None:
+                await rest_server.stop()
+            await server.stop(0)
+            raise
     if rest_server is not None:
         metrics = f"; REST on {rest_server.scheme}://{settings.host}:{rest_server.port}{metrics}"
     poller = observations.TelemetryPoller(router.observer, router.pool.dial,
@@ -182,22 +218,83 @@ async def _serve(settings: RouterSettings, own: str) -> None:
                   asyncio.create_task(log_statistics(router))]
     for service in ("", descriptors.INFERENCE_SERVICE, descriptors.TELEMETRY_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    print(f"tiered router listening on {settings.host}:{port}; routing table version "
-          f"{table.version} ({len(table.models)} models){metrics}", flush=True)
-
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if settings.worker:
+        background.append(asyncio.create_task(_stop_without(settings.first_pid, stop)))
+        print(f"tiered router worker {settings.worker} of {settings.workers} on "
+              f"{settings.host}:{port}{metrics}", flush=True)
+    else:
+        print(f"tiered router listening on {settings.host}:{port}; routing table version "
+              f"{table.version} ({len(table.models)} models){metrics}"
+              + "".join(f"\n  {worker.said}" for worker in workers), flush=True)
     await stop.wait()
     inference.serving = False
     await health_servicer.enter_graceful_shutdown()
     await asyncio.gather(drain.stop(server, own, DRAIN_S),
-                         *([rest_server.stop()] if rest_server else []))
+                         *([rest_server.stop()] if rest_server else []),
+                         asyncio.to_thread(stop_workers, workers))
     for task in background:
         task.cancel()
     await poller.close()
     await router.close()
+
+
+# -- worker processes --------------------------------------------------------------------
+
+WORKER_START_S = 60.0
+ORPHAN_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Worker:
+    process: subprocess.Popen
+    said: str  # its first line: where it listens and serves /metrics
+
+
+def start_workers(settings: RouterSettings, port: int, http_port: int | None) -> list[Worker]:
+    """Workers 1.. of `settings.workers`, each on the first one's ports, each
+    started when it has said where it listens (its settings pickled on stdin,
+    `python -m tiered.router.server`); a ConfigError, with the others
+    stopped, when one does not start."""
+    workers: list[Worker] = []
+    for index in range(1, settings.workers):
+        process = subprocess.Popen([sys.executable, "-m", "tiered.router.server"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(pickle.dumps(settings.of_worker(index, port, http_port)))
+        process.stdin.close()
+        ready, _, _ = select.select([process.stdout], [], [], WORKER_START_S)
+        said = process.stdout.readline().decode(errors="replace").strip() if ready else ""
+        process.stdout.close()  # "" above: it exited, or said nothing in time
+        if not said.startswith("tiered router worker"):
+            stop_workers([*workers, Worker(process, said)])
+            raise errors.ConfigError(f"router worker {index} did not start (its log is above)")
+        workers.append(Worker(process, said))
+    return workers
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    """Ask each to drain and stop (SIGTERM), and wait for it."""
+    for worker in workers:
+        with contextlib.suppress(ProcessLookupError):
+            worker.process.terminate()
+    for worker in workers:
+        try:
+            worker.process.wait(DRAIN_S + 5)
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait()
+
+
+async def _stop_without(first: int, stop: asyncio.Event) -> None:
+    """A worker whose first router is gone (killed, not stopped) stops too."""
+    while os.getppid() == first:
+        await asyncio.sleep(ORPHAN_POLL_S)
+    log.error("the first router process is gone; this worker stops")
+    stop.set()
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -217,3 +314,16 @@ def run(settings: RouterSettings) -> int:
         print(f"tiered router: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _worker() -> int:
+    """A worker (`start_workers`): its settings from stdin, then a router."""
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s router worker %(levelname)s %(message)s")
+    return run(pickle.load(sys.stdin.buffer))
+
+
+if __name__ == "__main__":
+    from tiered.router import server  # what it unpickles must name this module
+
+    sys.exit(server._worker())

@@ -4,8 +4,10 @@ reflection) with KServe v2 REST over the same servicer and its /metrics
 endpoint.
 
 Everything per request lives below it (`servicer`, `dataplane`, `forward`).
-The one place that reads the table file and starts and stops the process; it
-must never import agent or controller modules.
+The one place that reads the table file and starts and stops the process
+(and, with `workers`, the router processes that share its ports: `python -m
+tiered.router.server`, their settings pickled on stdin); it must never
+import agent or controller modules.
 """
 
 from __future__ import annotations

@@ -331,19 +331,39 @@ def frames_fed(agent: AgentProcess) -> dict[str, float]:
         r'^tiered_front_end_requests_total{frame="(\w+)".*} (\S+)$', text, re.M)}
 
 
+def children(pid: int) -> set[int]:
+    """The live processes whose parent is `pid` (started by any of its threads)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def exited(pid: int) -> bool:
+    """Gone, or exited and not yet reaped (a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def engine_processes(agent) -> dict[str, list[int]]:
     """The agent's engine processes (of devices and engine cores), by the
     model they run."""
     found: dict[str, list[int]] = {}
-    for entry in Path("/proc").iterdir():
+    for pid in children(agent.pid):
         try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != agent.pid:
-                continue
-            model = environ_of(int(entry.name)).get("TIERED_ENGINE", "").split(" v")[0]
-        except (OSError, ValueError):
+            model = environ_of(pid).get("TIERED_ENGINE", "").split(" v")[0]
+        except OSError:
             continue
         if model:
-            found.setdefault(model, []).append(int(entry.name))
+            found.setdefault(model, []).append(pid)
     return found
 
 

@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import wait_until_held
+from tests.conftest import exited, wait_until_held
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentError, AgentProcess
 from tiered.models import zoo
@@ -316,15 +316,8 @@ def test_servers_whose_parent_is_killed_outright_stop_and_leave_nothing_behind(t
         parent.kill()
         parent.wait(10)
 
-        def gone(pid: int) -> bool:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-            # Reparented and exited but not yet reaped (a zombie) counts as gone.
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-
-        wait_for(lambda: all(gone(pid) for pid in servers), timeout_s=30)
+        # reparented and exited but not yet reaped (a zombie) counts as gone
+        wait_for(lambda: all(exited(pid) for pid in servers), timeout_s=30)
     finally:
         parent.kill()
         for pid in servers:

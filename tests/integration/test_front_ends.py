@@ -24,26 +24,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import frames_fed, sigterm_with_calls_in_flight
+from tests.conftest import children, frames_fed, sigterm_with_calls_in_flight
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentError, AgentProcess
 from tiered.models import zoo
 from tiered.protocol import grpc_service_pb2 as pb
 
 rng = np.random.default_rng(7)
-
-
-def children(pid: int) -> set[int]:
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.add(int(entry.name))
-    return found
 
 
 def sockets(pid: int) -> int:

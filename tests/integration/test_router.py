@@ -30,7 +30,7 @@ import tritonclient.grpc.aio as aioclient
 from onnx import TensorProto, helper, numpy_helper
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import sigterm_with_calls_in_flight
+from tests.conftest import children, exited, sigterm_with_calls_in_flight
 from tiered.agent.repository import model_file, write_config
 from tiered.local.processes import AgentProcess
 from tiered.local.processes import RouterProcess as RouterCommand
@@ -634,23 +634,13 @@ def test_sigterm_answers_every_call_the_router_has_taken_in(tmp_path):
     assert code == 0, router.log_tail()
 
 
-def _children(pid: int) -> list[int]:
-    """The processes `pid` started, from any of its threads."""
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
-
-
-def _gone(pid: int, timeout_s: float) -> bool:
+def _exits(pid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-        except FileNotFoundError:
-            return True
-        if state == "Z":  # exited, not yet reaped by whoever started it
-            return True
+    while not exited(pid):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
-    return False
+    return True
 
 
 def test_workers_share_the_ports_and_each_answers_its_share(agents, tmp_path):
@@ -683,20 +673,20 @@ def test_workers_share_the_ports_and_each_answers_its_share(agents, tmp_path):
 
         shares = [answered(url) for url in urls]
         assert sum(shares) == 24 and min(shares) > 0, shares  # all on one: odds of 2 in 2^24
-        worker = _children(router.pid)
+        worker = sorted(children(router.pid))
         assert len(worker) == 1
         assert router.stop() == 0
-    assert _gone(worker[0], 5), "stopping the first router left its worker running"
+    assert _exits(worker[0], 5), "stopping the first router left its worker running"
 
 
 def test_a_worker_stops_when_its_first_router_is_killed(agents, tmp_path):
     path = tmp_path / "routing.yaml"
     write_table(path, table(agents, version=1))
     router = RouterCommand(path, extra_args=["--workers", "2"]).start()
-    worker = _children(router.pid)
+    worker = sorted(children(router.pid))
     os.kill(router.pid, 9)
     router.stop()
-    assert len(worker) == 1 and _gone(worker[0], 30), "a killed router's worker lives on"
+    assert len(worker) == 1 and _exits(worker[0], 30), "a killed router's worker lives on"
 
 
 def test_workers_must_be_at_least_one(tmp_path):

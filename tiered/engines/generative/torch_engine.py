@@ -16,9 +16,9 @@ prefilled together (their prompts padded to the longest, in one forward; on
 CUDA to few shapes, rows to a decode bucket and the length to a power of
 two, since a shape not met before costs tens of milliseconds); every
 sequence already prefilled advances in one batched decode forward, so
-sequences join and leave between steps (in-flight batching). Stale keys a slot's previous
-sequence left are never read: a query attends only to positions up to its
-own.
+sequences join and leave between steps (in-flight batching). Stale keys a
+slot's previous sequence left are never read: a query attends only to
+positions up to its own.
 
 Decode has static shapes on CUDA, so it is captured as CUDA graphs and
 replayed: one graph for each bucket of `cuda_graph_batch_sizes` slots and
@@ -341,20 +341,20 @@ class TorchGenerativeEngine(GenerativeEngine):
         and the length to `prefill_length`: a shape the forward has not met
         costs tens of milliseconds of CPU, so joining sequences, a few at a
         time, must meet few shapes."""
-        lengths = [len(s.prompt or ()) for s in states]
+        prompts = [s.prompt or [] for s in states]
+        lengths = [len(prompt) for prompt in prompts]
         longest, rows = max(lengths), len(states)
         if self.device == "cuda":
             longest = prefill_length(longest, self.max_context)
             rows = next((b for b in self._buckets if b >= rows), rows)
-        lengths += [0] * (rows - len(states))
-        tokens = torch.tensor([[*(s.prompt or ()), *[0] * (longest - len(s.prompt or ()))]
-                               for s in states] + [[0] * longest] * (rows - len(states)),
-                              device=self.device)
+        pad = rows - len(states)  # rows of no sequence
+        tokens = torch.tensor([[*prompt, *[0] * (longest - len(prompt))] for prompt in prompts]
+                              + [[0] * longest] * pad, device=self.device)
         positions = self._positions[:longest].expand(rows, longest)
-        slots = torch.tensor([s.slot for s in states]
-                             + [self.max_sequences] * (rows - len(states)), device=self.device)
-        visual = self._visual_at(tokens, lengths,
-                                 [s.visual for s in states] + [None] * (rows - len(states)))
+        slots = torch.tensor([s.slot for s in states] + [self.max_sequences] * pad,
+                             device=self.device)
+        visual = self._visual_at(tokens, lengths + [0] * pad,
+                                 [s.visual for s in states] + [None] * pad)
         compiled = self._compiled()
         try:  # compiled: far fewer launches, the step's other sequences wait less
             hidden = self._forward(tokens, positions, slots, longest, compiled, visual)
@@ -363,9 +363,9 @@ class TorchGenerativeEngine(GenerativeEngine):
                 raise
             self._compile_failed(error)  # the writes are the same: run it again eager
             hidden = self._forward(tokens, positions, slots, longest, visual=visual)
-        for state, length in zip(states, lengths, strict=False):
+        for state, length in zip(states, lengths, strict=True):
             state.prompt, state.length, state.visual = None, length, None
-        ends = torch.tensor(lengths[:len(states)], device=self.device) - 1
+        ends = torch.tensor(lengths, device=self.device) - 1
         return self._head(hidden[torch.arange(len(states), device=self.device), ends]), None
 
     def _visual_at(self, tokens: torch.Tensor, lengths: list[int],

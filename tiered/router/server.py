@@ -202,7 +202,7 @@ async def _serve(settings: RouterSettings, own: str) -> None:
                                      f"{error}") from error
         metrics = f"; metrics on http://{settings.host}:{http.server_port}/metrics"
     workers: list[Worker] = []
-    if not settings.worker:
+    if settings.workers > 1 and not settings.worker:
         try:
             workers = await asyncio.to_thread(
                 start_workers, settings, port, rest_server.port if rest_server else None)
@@ -237,7 +237,7 @@ async def _serve(settings: RouterSettings, own: str) -> None:
     await health_servicer.enter_graceful_shutdown()
     await asyncio.gather(drain.stop(server, own, DRAIN_S),
                          *([rest_server.stop()] if rest_server else []),
-                         asyncio.to_thread(stop_workers, workers))
+                         *([asyncio.to_thread(stop_workers, workers)] if workers else []))
     for task in background:
         task.cancel()
     await poller.close()

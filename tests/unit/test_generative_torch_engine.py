@@ -278,6 +278,10 @@ def test_cuda_graph_decode_follows_sequences_into_freed_slots(v1):
     eager = _engine(v1, device="cuda", precision="fp16", cuda_graphs=False)
     assert _staggered(graphs) == _staggered(eager)
     assert _staggered(graphs) == _staggered(_engine(v1))  # and FP32 on the CPU
+    # joining prompts were prefilled by graphs of few shapes: rows a bucket, length from 8
+    assert graphs._prefill_graphs and not eager._prefill_graphs
+    assert all(rows in graphs._buckets and length >= 8 and length & (length - 1) == 0
+               for rows, length in graphs._prefill_graphs)
 
 
 def test_staggered_sequences_answer_as_each_alone(v1):

@@ -28,10 +28,15 @@ values attention reads in place over the window (no gather); a new sequence
 takes the lowest free slot, so the running ones stay in the smallest bucket,
 and short sequences read a short window. Rows of idle slots write at their
 position 0, which a sequence's prefill, after the decode of its step, writes
-over. The layers of the graphs and of prefill are one function compiled by
-torch.compile (fused elementwise kernels; a one-row matmul becomes a tuned
-reduction), eager where it cannot compile; the engine compiles it as it
-loads, so that no request waits for the compiler. On the CPU the batch is
+over. A prefill is padded to few shapes (rows to a bucket, the length to a
+power of two), since each new shape costs tens of milliseconds; one of at
+most `PREFILL_GRAPH_POSITIONS` is a CUDA graph of its shape too, so that
+sequences joining a few at a time hold the running ones' next step for
+little more than their own compute. The layers of the graphs and of
+prefill are one function compiled by torch.compile (fused elementwise
+kernels; a one-row matmul becomes a tuned reduction), eager where it cannot
+compile; the engine compiles it as it loads, so that no request waits for
+the compiler. On the CPU the batch is
 the running sequences' slots, gathered, and attention reads only the
 positions written so far.
 
@@ -76,6 +81,11 @@ DTYPES = {names.Precision.FP32: torch.float32, names.Precision.FP16: torch.float
 PRECISIONS = (*DTYPES, names.Precision.FP8)
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 RECOMPILE_LIMIT = 32  # the layer's compiles: about 8 seen (prefill, decode, one row)
+# A prefill of at most this many positions (rows x length, padded) replays a
+# CUDA graph of its shape: a small prefill is its kernels' launches, which
+# the running sequences' next step waits for. Larger ones run the compiled
+# layers as they are (their launches are a small part of their time).
+PREFILL_GRAPH_POSITIONS = 2048
 
 
 @dataclass(frozen=True)
@@ -219,7 +229,8 @@ class TorchGenerativeEngine(GenerativeEngine):
         self._free = list(range(self.max_sequences))  # a heap: the lowest is taken
         self._sequences: dict[int, _Sequence] = {}
         self._ids = itertools.count(1)
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}  # (bucket, window)
+        self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}  # (rows, length)
         self._use_graphs = self.device == "cuda" and settings.cuda_graphs
         # A bucket is a number of slots: none beyond the cache's.
         self._buckets = sorted({min(b, self.max_sequences)
@@ -314,6 +325,7 @@ class TorchGenerativeEngine(GenerativeEngine):
     def close(self) -> None:
         self._sequences.clear()
         self._graphs.clear()
+        self._prefill_graphs.clear()
 
     def prefix_logits(self, ids: Sequence[int], visual: np.ndarray | None = None
                       ) -> np.ndarray:
@@ -333,14 +345,14 @@ class TorchGenerativeEngine(GenerativeEngine):
 
     # -- the forward ---------------------------------------------------------
 
-    def _prefill(self, states: list[_Sequence]) -> tuple[torch.Tensor, None]:
+    def _prefill(self, states: list[_Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits after each of `states`' prompts, in one forward. Shorter
         prompts are padded: the pads' cache writes lie past the prompt, where
         each decode writes before any query reads. On CUDA the batch is padded
         to a decode bucket (rows of no sequence, written to the scratch slot)
         and the length to `prefill_length`: a shape the forward has not met
         costs tens of milliseconds of CPU, so joining sequences, a few at a
-        time, must meet few shapes."""
+        time, must meet few shapes; a small one replays its shape's CUDA graph."""
         prompts = [s.prompt or [] for s in states]
         lengths = [len(prompt) for prompt in prompts]
         longest, rows = max(lengths), len(states)
@@ -355,18 +367,28 @@ class TorchGenerativeEngine(GenerativeEngine):
                              device=self.device)
         visual = self._visual_at(tokens, lengths + [0] * pad,
                                  [s.visual for s in states] + [None] * pad)
-        compiled = self._compiled()
-        try:  # compiled: far fewer launches, the step's other sequences wait less
-            hidden = self._forward(tokens, positions, slots, longest, compiled, visual)
-        except Exception as error:
-            if compiled is None:
-                raise
-            self._compile_failed(error)  # the writes are the same: run it again eager
-            hidden = self._forward(tokens, positions, slots, longest, visual=visual)
+        if self._use_graphs and visual is None and rows * longest <= PREFILL_GRAPH_POSITIONS:
+            graph = self._prefill_graphs.get((rows, longest))
+            if graph is None:
+                graph = self._prefill_graphs[rows, longest] = self._capture(
+                    lambda layer_of: _PrefillGraph(self, rows, longest, layer_of))
+            logits, greedy = graph.run(tokens, slots, [n - 1 for n in lengths] + [0] * pad,
+                                       len(states))
+        else:
+            compiled = self._compiled()
+            try:  # compiled: far fewer launches, the step's other sequences wait less
+                hidden = self._forward(tokens, positions, slots, longest, compiled, visual)
+            except Exception as error:
+                if compiled is None:
+                    raise
+                self._compile_failed(error)  # the writes are the same: run it again eager
+                hidden = self._forward(tokens, positions, slots, longest, visual=visual)
+            ends = torch.tensor(lengths, device=self.device) - 1
+            logits = self._head(hidden[torch.arange(len(states), device=self.device), ends])
+            greedy = None
         for state, length in zip(states, lengths, strict=True):
             state.prompt, state.length, state.visual = None, length, None
-        ends = torch.tensor(lengths, device=self.device) - 1
-        return self._head(hidden[torch.arange(len(states), device=self.device), ends]), None
+        return logits, greedy
 
     def _visual_at(self, tokens: torch.Tensor, lengths: list[int],
                    visual: list[np.ndarray | None]) -> _Visual | None:
@@ -402,21 +424,22 @@ class TorchGenerativeEngine(GenerativeEngine):
         window = next(w for w in self._windows if w > max(positions))
         graph = self._graphs.get((bucket, window))
         if graph is None:
-            graph = self._graphs[bucket, window] = self._capture(bucket, window)
+            graph = self._graphs[bucket, window] = self._capture(
+                lambda layer_of: _DecodeGraph(self, bucket, window, layer_of), bucket == 1)
         return graph.run(tokens, positions, slots)
 
-    def _capture(self, bucket: int, window: int) -> _DecodeGraph:
-        """The decode of `bucket` slots over `window` positions as a CUDA
-        graph: its layers compiled where torch.compile works here, else eager."""
+    def _capture(self, graph_of: Callable[[Any], Any], one_row: bool = False) -> Any:
+        """`graph_of(layer_of)`, a CUDA graph made with the layers compiled by
+        torch.compile where that works here, else eager."""
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        compiled = self._compiled(one_row=bucket == 1)
+        compiled = self._compiled(one_row)
         if compiled is not None:
             try:
-                return _DecodeGraph(self, bucket, window, compiled)
+                return graph_of(compiled)
             except Exception as error:
                 self._compile_failed(error)
-        return _DecodeGraph(self, bucket, window, self._layer)
+        return graph_of(self._layer)
 
     def _compiled(self, one_row: bool = False) -> Any:
         """The layer compiled by torch.compile (made on first use), or None
@@ -526,16 +549,7 @@ class _DecodeGraph:
             return engine._head(engine._forward(self.tokens, self.positions, None, window,
                                                 layer_of)[:, -1])
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph, as capture asks
-                decode()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=engine._graph_pool):
-            self.logits = decode()
-            self.greedy = _greedy(self.logits)
+        self.graph, self.logits, self.greedy = _captured(decode, engine._graph_pool)
         log.info("captured the decode of %d slots over %d positions as a CUDA graph",
                  bucket, window)
 
@@ -549,6 +563,55 @@ class _DecodeGraph:
         self.graph.replay()
         rows = torch.tensor(slots, device=self.logits.device)
         return self.logits[rows], self.greedy[:, rows]
+
+
+class _PrefillGraph:
+    """A prefill of one shape (rows x length, padded), captured as a CUDA
+    graph over static inputs: the prompts' tokens, their slots, and where
+    each prompt ends (whose logits it gives)."""
+
+    def __init__(self, engine: TorchGenerativeEngine, rows: int, length: int,
+                 layer_of: Any) -> None:
+        device = engine.device
+        self.tokens = torch.zeros((rows, length), dtype=torch.int64, device=device)
+        self.slots = torch.full((rows,), engine.max_sequences, dtype=torch.int64, device=device)
+        self.ends = torch.zeros((rows,), dtype=torch.int64, device=device)
+        positions = engine._positions[:length].expand(rows, length)
+        every = torch.arange(rows, device=device)
+
+        def prefill() -> torch.Tensor:
+            hidden = engine._forward(self.tokens, positions, self.slots, length, layer_of)
+            return engine._head(hidden[every, self.ends])
+
+        self.graph, self.logits, self.greedy = _captured(prefill, engine._graph_pool)
+        log.info("captured the prefill of %d prompts of %d positions as a CUDA graph",
+                 rows, length)
+
+    def run(self, tokens: torch.Tensor, slots: torch.Tensor, ends: list[int], count: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of the first `count` rows and their greedy picks."""
+        self.tokens.copy_(tokens)
+        self.slots.copy_(slots)
+        self.ends.copy_(torch.tensor(ends), non_blocking=True)
+        self.graph.replay()
+        return self.logits[:count], self.greedy[:, :count]
+
+
+def _captured(forward: Callable[[], torch.Tensor], pool: Any
+              ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """`forward` captured as a CUDA graph in `pool`, with the logits it
+    gives and their greedy picks (`_greedy`), both static outputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the graph, as capture asks
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = forward()
+        greedy = _greedy(logits)
+    return graph, logits, greedy
 
 
 def _layer_of(shape: LlamaShape) -> Callable[..., torch.Tensor]:

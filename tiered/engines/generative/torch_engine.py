@@ -576,12 +576,13 @@ class _PrefillGraph:
         self.tokens = torch.zeros((rows, length), dtype=torch.int64, device=device)
         self.slots = torch.full((rows,), engine.max_sequences, dtype=torch.int64, device=device)
         self.ends = torch.zeros((rows,), dtype=torch.int64, device=device)
-        positions = engine._positions[:length].expand(rows, length)
-        every = torch.arange(rows, device=device)
+        # What the graph reads lives as long as it: attributes, not locals.
+        self.positions = engine._positions[:length].expand(rows, length)
+        self.rows = torch.arange(rows, device=device)
 
         def prefill() -> torch.Tensor:
-            hidden = engine._forward(self.tokens, positions, self.slots, length, layer_of)
-            return engine._head(hidden[every, self.ends])
+            hidden = engine._forward(self.tokens, self.positions, self.slots, length, layer_of)
+            return engine._head(hidden[self.rows, self.ends])
 
         self.graph, self.logits, self.greedy = _captured(prefill, engine._graph_pool)
         log.info("captured the prefill of %d prompts of %d positions as a CUDA graph",

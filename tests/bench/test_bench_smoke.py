@@ -276,7 +276,7 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
         assert row["agent"]["admission_wait_ms"] >= 0 and "admission_wait_ms" not in row["router"]
     assert {t["name"] for t in result["targets"]} == {
         "agent TPOT P50 within 10% of in-process at 1 stream",
-        "router TPOT P50 within 10% of in-process at 1 stream"}
+        "router TPOT P50 within 15% of in-process at 1 stream"}
     assert all(t["verdict"] in {"PASS", "MISS"} for t in result["targets"])
     assert_header(stdout, "streams", "arm", "tok/s")
     assert "mJ/tok" in stdout and "eng us/step" in stdout

@@ -30,9 +30,8 @@ Targets (the issue's, for a datacenter torch run on an H200): at 64 streams
 the agent's tokens/s >= 85% of in-process, the router's >= 80%, and each
 one's TTFT P50 <= 2x in-process; at 1 stream TPOT P50 within 10% of
 in-process through the agent, 15% through the router. PASS / MISS are
-printed as measured here; the exit
-code does not depend on them (a `--smoke` run's is 1 when its rows are not
-well-formed).
+printed as measured here; the exit code does not depend on them (a
+`--smoke` run's is 1 when its rows are not well-formed).
 
 Run: `.venv/bin/python bench/generate.py` (a few minutes on 2 cores);
 `--tier datacenter --device cuda --model 300m` on a GPU; `--smoke` for a short

@@ -362,7 +362,6 @@ class TorchGenerativeEngine(GenerativeEngine):
         pad = rows - len(states)  # rows of no sequence
         tokens = torch.tensor([[*prompt, *[0] * (longest - len(prompt))] for prompt in prompts]
                               + [[0] * longest] * pad, device=self.device)
-        positions = self._positions[:longest].expand(rows, longest)
         slots = torch.tensor([s.slot for s in states] + [self.max_sequences] * pad,
                              device=self.device)
         visual = self._visual_at(tokens, lengths + [0] * pad,
@@ -375,6 +374,7 @@ class TorchGenerativeEngine(GenerativeEngine):
             logits, greedy = graph.run(tokens, slots, [n - 1 for n in lengths] + [0] * pad,
                                        len(states))
         else:
+            positions = self._positions[:longest].expand(rows, longest)
             compiled = self._compiled()
             try:  # compiled: far fewer launches, the step's other sequences wait less
                 hidden = self._forward(tokens, positions, slots, longest, compiled, visual)

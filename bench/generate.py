@@ -12,7 +12,10 @@ sequences, greedy, one prompt each from tinyllama-eval.json:
 - agent: a real `tiered agent` serving that version, one tritonclient gRPC
   stream per sequence (ModelStreamInfer, a response per token), from a
   client process for every 16 streams (`--streams-per-client`): one Python
-  client reading 64 token streams can be the slowest part of the run;
+  client reading 64 token streams can be the slowest part of the run. Each
+  client process connects first and all start their streams at one agreed
+  instant, as the in-process arm starts its sequences together: a round
+  measures serving, not a channel's connect or a pool's hand-out of work;
 - router: the same through a real `tiered router` whose table names the agent.
 
 Per row: output tokens/s over the round (first start to last token), TTFT
@@ -70,6 +73,9 @@ TARGETS = {"agent": {"tokens": 0.85, "tpot": 1.10, "ttft": 2.0},
            "router": {"tokens": 0.80, "tpot": 1.15, "ttft": 2.0}}
 ARMS = ("in-process", "agent", "router")
 IDLE_S = 3.0  # the idle draw is measured over this long, before the first row
+# A round's client processes, warm after the first round, each connect and
+# then start their streams this long after the round is handed out
+SHARES_START_IN_S = 0.1
 # --model: the trained tiny v1, or a Llama of about 300 million parameters with
 # random weights (the issue's datacenter model; its vocabulary stays tiny)
 MODELS: dict[str, str | tinyllama.TinyLlama] = {
@@ -178,14 +184,15 @@ def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: i
 
 
 async def served(address: str, prompts: Sequence[str], streams: int, max_tokens: int,
-                 first: int = 0) -> Round:
+                 first: int = 0, start_at: float | None = None) -> Round:
     """`streams` sequences at once, each on a tritonclient stream of its own
-    (numbered from `first`), and this process's CPU over them."""
+    (numbered from `first`), and this process's CPU over them. The channel
+    connects before they start; with `start_at` (a perf_counter time, which
+    every process on the machine shares) they start then, not sooner."""
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as aioclient
 
     record = Round()
-    cpu_before = time.process_time()
 
     async def one(index: int, client) -> None:
         text = grpcclient.InferInput("text_input", [1], "BYTES")
@@ -211,15 +218,19 @@ async def served(address: str, prompts: Sequence[str], streams: int, max_tokens:
                 return
 
     async with aioclient.InferenceServerClient(address) as client:
+        await client.is_server_live()  # connected, as a client that keeps its channel is
+        if start_at is not None:
+            time.sleep(max(0.0, start_at - time.perf_counter()))
+        cpu_before = time.process_time()
         await asyncio.gather(*(one(first + i, client) for i in range(streams)))
     record.client_cpu_s = time.process_time() - cpu_before
     return record
 
 
 def _served_share(address: str, prompts: Sequence[str], first: int, streams: int,
-                  max_tokens: int) -> Round:
+                  max_tokens: int, start_at: float) -> Round:
     """A client process's share of a round (`Clients`)."""
-    return asyncio.run(served(address, prompts, streams, max_tokens, first))
+    return asyncio.run(served(address, prompts, streams, max_tokens, first, start_at))
 
 
 class Clients:
@@ -248,7 +259,9 @@ class Clients:
         if count == 1:
             return asyncio.run(served(address, prompts, streams, max_tokens))
         firsts = [streams * n // count for n in range(count + 1)]
-        shares = [self._pool.submit(_served_share, address, prompts, a, b - a, max_tokens)
+        start_at = time.perf_counter() + SHARES_START_IN_S
+        shares = [self._pool.submit(_served_share, address, prompts, a, b - a, max_tokens,
+                                    start_at)
                   for a, b in zip(firsts, firsts[1:])]
         return Round.merged([share.result() for share in shares])
 

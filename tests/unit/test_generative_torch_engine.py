@@ -16,6 +16,7 @@ from tiered.engines.generative.torch_engine import (  # noqa: E402
     TorchGenerativeSettings,
     has_fp8_tensor_cores,
     prefill_length,
+    prefill_shapes,
 )
 from tiered.errors import ConfigError, InvalidArgument, ResourceExhausted  # noqa: E402
 from tiered.models import tinyllama  # noqa: E402
@@ -305,9 +306,21 @@ def test_cuda_graph_buckets_stop_at_the_cache_slots(v1):
             for token in engine.step():
                 out[token.sequence].append(token.id)
         engine.result = [out[i] for i in ids]
-    buckets = {bucket for bucket, _ in graphs._graphs}  # the load's warm-up took 1 and 4
-    assert max(buckets) == 5 and buckets <= {1, 2, 4, 5}
+    assert {bucket for bucket, _ in graphs._graphs} == {1, 2, 4, 5}
     assert graphs.result == eager.result
+
+
+@cuda
+def test_every_cuda_graph_is_captured_as_the_engine_loads(v1):
+    # A capture compiles and tunes new shapes (seconds, which running
+    # sequences would wait for) and writes the first slots' caches: none may
+    # happen once sequences run.
+    graphs = _engine(v1, device="cuda", precision="fp16", max_sequences=5)
+    assert set(graphs._graphs) == {(b, w) for b in (1, 2, 4, 5) for w in graphs._windows}
+    assert set(graphs._prefill_graphs) == set(prefill_shapes((1, 2, 4, 5), graphs.max_context))
+    loaded = (dict(graphs._graphs), dict(graphs._prefill_graphs))
+    assert _staggered(graphs) == _staggered(_engine(v1))
+    assert (graphs._graphs, graphs._prefill_graphs) == loaded
 
 
 def test_a_cuda_prefill_runs_at_few_lengths():
@@ -317,3 +330,12 @@ def test_a_cuda_prefill_runs_at_few_lengths():
     assert all(n <= length for n, length in lengths.items())  # room for every prompt
     assert len(set(lengths.values())) == 14  # 8 to 512 by doubling, 1024 to 4096 by 512
     assert prefill_length(100, 96) == 96  # never past the cache
+
+
+def test_the_prefill_graphs_cover_each_bucket_and_length_up_to_their_positions():
+    shapes = prefill_shapes((1, 2, 4, 8, 16, 32, 64), 512)
+    assert len(shapes) == len(set(shapes)) == 39
+    assert all(rows * length <= 2048 for rows, length in shapes)
+    assert {length for rows, length in shapes if rows == 1} == \
+        {prefill_length(n, 512) for n in range(1, 513)}  # one row: every length
+    assert {length for rows, length in shapes if rows == 64} == {8, 16, 32}

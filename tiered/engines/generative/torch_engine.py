@@ -35,8 +35,11 @@ sequences joining a few at a time hold the running ones' next step for
 little more than their own compute. The layers of the graphs and of
 prefill are one function compiled by torch.compile (fused elementwise
 kernels; a one-row matmul becomes a tuned reduction), eager where it cannot
-compile; the engine compiles it as it loads, so that no request waits for
-the compiler. On the CPU the batch is
+compile. The engine captures every graph a step may replay as it loads:
+a capture meets the compiler's new shapes (and tunes their kernels, up to
+seconds, which every running sequence would wait for), and its warm-up
+runs write the first slots' position 0, which only an empty cache may
+take. On the CPU the batch is
 the running sequences' slots, gathered, and attention reads only the
 positions written so far.
 
@@ -243,22 +246,25 @@ class TorchGenerativeEngine(GenerativeEngine):
         self._compiled_layers: dict[bool, Any] = {}  # one row or not: the layer compiled
         self._compile = self._use_graphs and settings.compile
         self._graph_pool: Any = None  # one memory pool the graphs share
-        if self._compile and self.max_context > 8:
-            self._warm_up()
+        if self._use_graphs:
+            self._capture_all()
 
-    def _warm_up(self) -> None:
-        """Compile as the engine loads, not at the first requests: prefill
-        and decode of one sequence, then of several, each at two sizes; then
-        a short prefill and a decode of each bucket (each shape's first run
-        and each graph's capture)."""
-        sampling = Sampling(max_tokens=3)
+    def _capture_all(self) -> None:
+        """Capture every graph a step may replay (see the module's note):
+        each bucket's decode over each window, and each prefill shape of at
+        most PREFILL_GRAPH_POSITIONS, compiling the layers as they come."""
         started = time.perf_counter()
-        for lengths in ((2,), (5,), (2, 3), (4, 5, 6), *((4,) * b for b in self._buckets)):
-            sequences = [self.start([0] * n, sampling) for n in lengths[:self.max_sequences]]
-            self.step(), self.step()
-            for sequence in sequences:
-                self.stop(sequence)
-        log.info("compiled the layers in %.1f s", time.perf_counter() - started)
+        for bucket in self._buckets:
+            for window in self._windows:
+                self._graphs[bucket, window] = self._capture(
+                    lambda layer_of, b=bucket, w=window: _DecodeGraph(self, b, w, layer_of),
+                    bucket == 1)
+        for rows, length in prefill_shapes(self._buckets, self.max_context):
+            self._prefill_graphs[rows, length] = self._capture(
+                lambda layer_of, r=rows, n=length: _PrefillGraph(self, r, n, layer_of))
+        log.info("captured %d decode and %d prefill CUDA graphs in %.1f s%s",
+                 len(self._graphs), len(self._prefill_graphs), time.perf_counter() - started,
+                 ", the layers compiled" if self._compile else "")
 
     # -- the interface -------------------------------------------------------
 
@@ -366,11 +372,8 @@ class TorchGenerativeEngine(GenerativeEngine):
                              device=self.device)
         visual = self._visual_at(tokens, lengths + [0] * pad,
                                  [s.visual for s in states] + [None] * pad)
-        if self._use_graphs and visual is None and rows * longest <= PREFILL_GRAPH_POSITIONS:
-            graph = self._prefill_graphs.get((rows, longest))
-            if graph is None:
-                graph = self._prefill_graphs[rows, longest] = self._capture(
-                    lambda layer_of: _PrefillGraph(self, rows, longest, layer_of))
+        graph = self._prefill_graphs.get((rows, longest)) if visual is None else None
+        if graph is not None:
             logits, greedy = graph.run(tokens, slots, [n - 1 for n in lengths] + [0] * pad,
                                        len(states))
         else:
@@ -422,11 +425,7 @@ class TorchGenerativeEngine(GenerativeEngine):
                 torch.tensor(positions, device=self.device).unsqueeze(1),
                 torch.tensor(slots, device=self.device), max(positions) + 1)[:, -1]), None
         window = next(w for w in self._windows if w > max(positions))
-        graph = self._graphs.get((bucket, window))
-        if graph is None:
-            graph = self._graphs[bucket, window] = self._capture(
-                lambda layer_of: _DecodeGraph(self, bucket, window, layer_of), bucket == 1)
-        return graph.run(tokens, positions, slots)
+        return self._graphs[bucket, window].run(tokens, positions, slots)
 
     def _capture(self, graph_of: Callable[[Any], Any], one_row: bool = False) -> Any:
         """`graph_of(layer_of)`, a CUDA graph made with the layers compiled by
@@ -523,6 +522,15 @@ def prefill_length(longest: int, max_context: int) -> int:
     of two from 8, a multiple of 512 beyond 512, at most `max_context`."""
     step = 512 if longest > 512 else max(8, 1 << (longest - 1).bit_length())
     return min(max_context, -(-longest // step) * step)
+
+
+def prefill_shapes(buckets: Sequence[int], max_context: int) -> list[tuple[int, int]]:
+    """The (rows, length) shapes of the prefills a CUDA graph runs: rows a
+    bucket, the length a `prefill_length`, at most PREFILL_GRAPH_POSITIONS
+    positions in all."""
+    lengths = sorted({prefill_length(n, max_context) for n in range(1, max_context + 1)})
+    return [(rows, length) for rows in buckets for length in lengths
+            if rows * length <= PREFILL_GRAPH_POSITIONS]
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -161,7 +161,9 @@ class Round:
         span = max(ended) - min(self.starts.values()) if ended else None
         ttft = [t[0] - self.starts[s] for s, t in self.tokens.items() if t]
         tpot = [b - a for t in self.tokens.values() for a, b in zip(t, t[1:])]
+        starts = list(self.starts.values())
         return {"tokens": count, "seconds": span, "ttft_s": ttft, "tpot_s": tpot,
+                "start_spread_s": max(starts) - min(starts) if starts else None,
                 "errors": len(self.errors), "active_j": self.active_j,
                 "metered_s": self.metered_s, "engine_cpu_s": self.engine_cpu_s,
                 "agent_cpu_s": self.agent_cpu_s, "steps": self.steps, "step_s": self.step_s,
@@ -287,6 +289,9 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
                "tpot_p50_ms": tpot["p50_ms"], "tpot_p95_ms": tpot["p95_ms"],
                "j_per_token": j_per_token(figures, tokens),
                "errors": sum(f["errors"] for f in figures)}
+    spreads = [f["start_spread_s"] for f in figures if f["start_spread_s"] is not None]
+    if spreads:  # a round's first to last stream start: clients that start apart
+        summary["start_spread_ms"] = sum(spreads) / len(spreads) * 1e3
     cpu = [f["engine_cpu_s"] for f in figures]
     steps = [f["steps"] for f in figures]
     stepping = [f["step_s"] for f in figures]
@@ -476,6 +481,7 @@ def report(result: dict[str, Any]) -> str:
             figures = row[arm]
             rows.append([row["streams"], arm, number(figures["tokens_per_s"]),
                          number(figures.get("tokens_ratio"), 2),
+                         number(figures.get("start_spread_ms"), 2),
                          number(figures["ttft_p50_ms"], 2), number(figures["ttft_p95_ms"], 2),
                          number(figures.get("admission_wait_ms"), 2),
                          number(figures["tpot_p50_ms"], 2), number(figures["tpot_p95_ms"], 2),
@@ -496,7 +502,8 @@ def report(result: dict[str, Any]) -> str:
             f"{config.get('tokens_per_response', 1)} a response, "
             f"{config['rounds']} rounds; the agent's engine in "
             f"{config.get('engine_process', 'the agent')}; energy: " + _energy_said(config)
-            + "\nGB/s: weight bytes x tok/s at one stream; steps: the engine's steps "
+            + "\nstarts ms: a round's first to last stream start, mean over rounds; "
+            "GB/s: weight bytes x tok/s at one stream; steps: the engine's steps "
             "over the rounds, step ms their mean time in the engine, busy the share of "
             "the rounds' time they took; eng us/step: CPU of the engine's "
             "process (the engine core, else the whole agent) per engine step, agent rounds; "
@@ -507,7 +514,7 @@ def report(result: dict[str, Any]) -> str:
             "start (agent rounds); "
             f"client us/tok: the client processes' CPU per output token (up to "
             f"{config.get('streams_per_client', 'all')} streams a process)")
-    table = common.table(["streams", "arm", "tok/s", "x in-proc", "ttft p50", "ttft p95",
+    table = common.table(["streams", "arm", "tok/s", "x in-proc", "starts ms", "ttft p50", "ttft p95",
                           "admit ms", "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
                           "steps", "step ms", "busy",
                           "eng us/step", "serve us/tok", "client us/tok", "errors"], rows)

@@ -13,9 +13,10 @@ sequences, greedy, one prompt each from tinyllama-eval.json:
   stream per sequence (ModelStreamInfer, a response per token), from a
   client process for every 16 streams (`--streams-per-client`): one Python
   client reading 64 token streams can be the slowest part of the run. Each
-  client process connects first and all start their streams at one agreed
-  instant, as the in-process arm starts its sequences together: a round
-  measures serving, not a channel's connect or a pool's hand-out of work;
+  client process connects first and all start their streams once every one
+  has (a barrier), as the in-process arm starts its sequences together: a
+  round measures serving, not a channel's connect or a pool's hand-out of
+  work;
 - router: the same through a real `tiered router` whose table names the agent.
 
 Per row: output tokens/s over the round (first start to last token), TTFT
@@ -45,10 +46,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -73,9 +76,8 @@ TARGETS = {"agent": {"tokens": 0.85, "tpot": 1.10, "ttft": 2.0},
            "router": {"tokens": 0.80, "tpot": 1.15, "ttft": 2.0}}
 ARMS = ("in-process", "agent", "router")
 IDLE_S = 3.0  # the idle draw is measured over this long, before the first row
-# A round's client processes, warm after the first round, each connect and
-# then start their streams this long after the round is handed out
-SHARES_START_IN_S = 0.1
+# The longest a round's client process waits for the others to connect
+CONNECT_TIMEOUT_S = 30.0
 # --model: the trained tiny v1, or a Llama of about 300 million parameters with
 # random weights (the issue's datacenter model; its vocabulary stays tiny)
 MODELS: dict[str, str | tinyllama.TinyLlama] = {
@@ -192,11 +194,11 @@ def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: i
 
 
 async def served(address: str, prompts: Sequence[str], streams: int, max_tokens: int,
-                 first: int = 0, start_at: float | None = None) -> Round:
+                 first: int = 0, together: Any = None) -> Round:
     """`streams` sequences at once, each on a tritonclient stream of its own
     (numbered from `first`), and this process's CPU over them. The channel
-    connects before they start; with `start_at` (a perf_counter time, which
-    every process on the machine shares) they start then, not sooner."""
+    connects before they start; with `together` (a barrier of the round's
+    client processes) they start once every process has connected."""
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as aioclient
 
@@ -227,8 +229,9 @@ async def served(address: str, prompts: Sequence[str], streams: int, max_tokens:
 
     async with aioclient.InferenceServerClient(address) as client:
         await client.is_server_live()  # connected, as a client that keeps its channel is
-        if start_at is not None:
-            time.sleep(max(0.0, start_at - time.perf_counter()))
+        if together is not None:
+            with contextlib.suppress(threading.BrokenBarrierError):  # one failed: go on
+                together.wait(CONNECT_TIMEOUT_S)
         cpu_before = time.process_time()
         await asyncio.gather(*(one(first + i, client) for i in range(streams)))
     record.client_cpu_s = time.process_time() - cpu_before
@@ -236,9 +239,9 @@ async def served(address: str, prompts: Sequence[str], streams: int, max_tokens:
 
 
 def _served_share(address: str, prompts: Sequence[str], first: int, streams: int,
-                  max_tokens: int, start_at: float) -> Round:
+                  max_tokens: int, together: Any) -> Round:
     """A client process's share of a round (`Clients`)."""
-    return asyncio.run(served(address, prompts, streams, max_tokens, first, start_at))
+    return asyncio.run(served(address, prompts, streams, max_tokens, first, together))
 
 
 class Clients:
@@ -250,13 +253,14 @@ class Clients:
     def __init__(self, per_process: int, most_streams: int) -> None:
         self.per_process = per_process
         processes = -(-most_streams // per_process)
-        self._pool = None
+        self._pool = self._manager = None
         if processes > 1:
             import concurrent.futures
             import multiprocessing
 
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                processes, mp_context=multiprocessing.get_context("spawn"))
+            spawn = multiprocessing.get_context("spawn")
+            self._pool = concurrent.futures.ProcessPoolExecutor(processes, mp_context=spawn)
+            self._manager = spawn.Manager()  # the rounds' barriers
 
     def processes(self, streams: int) -> int:
         return 1 if self._pool is None else -(-streams // self.per_process)
@@ -267,15 +271,16 @@ class Clients:
         if count == 1:
             return asyncio.run(served(address, prompts, streams, max_tokens))
         firsts = [streams * n // count for n in range(count + 1)]
-        start_at = time.perf_counter() + SHARES_START_IN_S
+        together = self._manager.Barrier(count)
         shares = [self._pool.submit(_served_share, address, prompts, a, b - a, max_tokens,
-                                    start_at)
+                                    together)
                   for a, b in zip(firsts, firsts[1:])]
         return Round.merged([share.result() for share in shares])
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+            self._manager.shutdown()
 
 
 def summarize(rounds: Sequence[Round]) -> dict[str, Any]:

@@ -274,6 +274,14 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
             assert figures["tpot_p50_ms"] <= figures["tpot_p95_ms"], figures
         assert positive(row["agent"]["tokens_ratio"]) and positive(row["router"]["tokens_ratio"])
         assert row["agent"]["admission_wait_ms"] >= 0 and "admission_wait_ms" not in row["router"]
+        # the engine's steps where they are counted: in-process and in the agent
+        for arm in ("in-process", "agent"):
+            figures = row[arm]
+            assert figures["steps"] >= 8 and positive(figures["step_ms"]), figures
+            assert 0 < figures["engine_busy_share"] <= 1, figures  # steps lie in the round
+        assert "steps" not in row["router"]
+        for arm in ("in-process", "agent", "router"):
+            assert row[arm]["start_spread_ms"] >= 0, row[arm]
     assert {t["name"] for t in result["targets"]} == {
         "agent TPOT P50 within 10% of in-process at 1 stream",
         "router TPOT P50 within 15% of in-process at 1 stream"}

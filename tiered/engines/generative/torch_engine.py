@@ -558,7 +558,7 @@ class _DecodeGraph:
                                                 layer_of)[:, -1])
 
         self.graph, self.logits, self.greedy = _captured(decode, engine._graph_pool)
-        log.info("captured the decode of %d slots over %d positions as a CUDA graph",
+        log.debug("captured the decode of %d slots over %d positions as a CUDA graph",
                  bucket, window)
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int]
@@ -593,7 +593,7 @@ class _PrefillGraph:
             return engine._head(hidden[self.rows, self.ends])
 
         self.graph, self.logits, self.greedy = _captured(prefill, engine._graph_pool)
-        log.info("captured the prefill of %d prompts of %d positions as a CUDA graph",
+        log.debug("captured the prefill of %d prompts of %d positions as a CUDA graph",
                  rows, length)
 
     def run(self, tokens: torch.Tensor, slots: torch.Tensor, ends: list[int], count: int

@@ -559,7 +559,7 @@ class _DecodeGraph:
 
         self.graph, self.logits, self.greedy = _captured(decode, engine._graph_pool)
         log.debug("captured the decode of %d slots over %d positions as a CUDA graph",
-                 bucket, window)
+                  bucket, window)
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int]
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -594,7 +594,7 @@ class _PrefillGraph:
 
         self.graph, self.logits, self.greedy = _captured(prefill, engine._graph_pool)
         log.debug("captured the prefill of %d prompts of %d positions as a CUDA graph",
-                 rows, length)
+                  rows, length)
 
     def run(self, tokens: torch.Tensor, slots: torch.Tensor, ends: list[int], count: int
             ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,6 +52,16 @@ def status_code(caught) -> str:
     return caught.value.status()
 
 
+def add_sub_from_region(client, name: str) -> np.ndarray:
+    """add_sub's OUTPUT0 for INPUT0 and INPUT1 read one after the other from region `name`."""
+    inputs = []
+    for index, input_name in enumerate(("INPUT0", "INPUT1")):
+        tensor = grpcclient.InferInput(input_name, [1, 16], "FP32")
+        tensor.set_shared_memory(name, BYTES, offset=index * BYTES)
+        inputs.append(tensor)
+    return client.infer("add_sub", inputs).as_numpy("OUTPUT0")
+
+
 def add_sub_request(client, regions, offset: int = 0):
     """INPUT0 and OUTPUT0 in shared memory, INPUT1 and OUTPUT1 on the wire."""
     a, b = np.arange(16, dtype=np.float32)[None], np.full((1, 16), 2, np.float32)
@@ -147,14 +157,7 @@ def test_inputs_are_read_from_a_region_as_it_is_now_and_from_the_region_now_regi
     """Every input in shared memory (with front ends, read there): new
     contents are seen at once, and a name registered again for another
     object is read from that object."""
-    def send(client, name):
-        inputs = []
-        for index, input_name in enumerate(("INPUT0", "INPUT1")):
-            tensor = grpcclient.InferInput(input_name, [1, 16], "FP32")
-            tensor.set_shared_memory(name, BYTES, offset=index * BYTES)
-            inputs.append(tensor)
-        return client.infer("add_sub", inputs).as_numpy("OUTPUT0")
-
+    send = add_sub_from_region
     with grpcclient.InferenceServerClient(agent.address) as client:
         client.unregister_system_shared_memory()
         first, first_handle = regions()
@@ -173,6 +176,30 @@ def test_inputs_are_read_from_a_region_as_it_is_now_and_from_the_region_now_regi
         with pytest.raises(InferenceServerException) as caught:
             send(client, "inputs")
         assert "no shared-memory region 'inputs' is registered" in caught.value.message()
+
+
+def test_a_region_unregistered_is_not_read_by_the_request_right_after(agent, regions):
+    """Register, infer, unregister, infer at once, 100 times on one
+    connection: every request after the unregister is refused. With front
+    ends, the engine's notice that the region went can reach the front end
+    after its answer to the unregister did (beside a busy loop, one round in
+    three once read the old view), so the front end forgets the region as
+    it passes the answer on."""
+    name, handle = regions()
+    shm.set_shared_memory_region(handle, [np.ones((1, 16), np.float32)] * 2)
+    with grpcclient.InferenceServerClient(agent.address) as client:
+        client.unregister_system_shared_memory()
+        refused = 0
+        for _ in range(100):
+            client.register_system_shared_memory("inputs", f"/{name}", 2 * BYTES)
+            np.testing.assert_array_equal(add_sub_from_region(client, "inputs"),
+                                          np.full((1, 16), 2, np.float32))
+            client.unregister_system_shared_memory()
+            try:
+                add_sub_from_region(client, "inputs")
+            except InferenceServerException as error:
+                refused += "no shared-memory region 'inputs' is registered" in error.message()
+        assert refused == 100
 
 
 def test_a_region_whose_file_shrank_is_an_error_for_its_request_not_a_crash(agent, regions):

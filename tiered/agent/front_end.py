@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from tiered.agent.feed import (
     Arena,
@@ -91,6 +92,13 @@ _NEEDS_SHARED_MEMORY = frozenset(map(_inference, (
 _REGION_PARAMETERS = frozenset((codec.SHARED_MEMORY_REGION, codec.SHARED_MEMORY_BYTE_SIZE,
                                 codec.SHARED_MEMORY_OFFSET))
 _NEEDS_ADMIN = frozenset(map(_inference, ("RepositoryModelLoad", "RepositoryModelUnload")))
+# Calls that make a region come or go: once the engine has answered one, this
+# front end's view forgets the region before the caller hears back, so the
+# caller's next request here cannot meet the old view (the engine's notice on
+# the feed may come later than its answer).
+_CHANGES_A_REGION = {_inference(method): getattr(pb, method + "Request") for method in (
+    "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister")}
 
 
 @dataclass(frozen=True)
@@ -228,6 +236,16 @@ def _forwarded(context, authorizer: Authorizer) -> list[tuple[str, str | bytes]]
     return [(key, value) for key, value in context.invocation_metadata() or ()
             if not key.startswith((":", "grpc-")) and key not in ("user-agent", CALLER)] \
         + [(CALLER, authorizer.caller(context))]
+
+
+def _forget_the_region(regions: RegionViews, caller: str, message_type, request: bytes) -> None:
+    """Forget the region a (un)register call names ("": all of the caller's);
+    a request that does not parse names none (the engine refused it)."""
+    try:
+        name = message_type.FromString(request).name
+    except DecodeError:
+        return
+    regions.forget(caller, name)
 
 
 def _builds_here(request: pb.ModelInferRequest) -> bool:
@@ -459,7 +477,9 @@ class _Handlers(grpc.GenericRpcHandler):
             yield response
 
     def _forwarder(self, path: str, client_streaming: bool, server_streaming: bool):
-        engine, check, authorizer = self._engine, self._check, self._authorizer
+        engine, check, authorizer, regions = self._engine, self._check, self._authorizer, \
+            self._regions
+        changes_a_region = _CHANGES_A_REGION.get(path)
 
         async def abort_with(error: Exception, context) -> None:
             if isinstance(error, grpc.aio.AioRpcError):
@@ -475,7 +495,12 @@ class _Handlers(grpc.GenericRpcHandler):
             async def unary(request: bytes, context) -> bytes:
                 try:
                     check(path, context)
-                    return await engine.unary_unary(path)(request, **call_options(context))
+                    try:
+                        return await engine.unary_unary(path)(request, **call_options(context))
+                    finally:
+                        if changes_a_region is not None:
+                            _forget_the_region(regions, authorizer.caller(context),
+                                               changes_a_region, request)
                 except Exception as error:
                     await abort_with(error, context)
             return grpc.unary_unary_rpc_method_handler(unary)

@@ -12,7 +12,9 @@ sequences, greedy, one prompt each from tinyllama-eval.json:
 - agent: a real `tiered agent` serving that version, one tritonclient gRPC
   stream per sequence (ModelStreamInfer, a response per token), from a
   client process for every 16 streams (`--streams-per-client`): one Python
-  client reading 64 token streams can be the slowest part of the run. Each
+  client reading 64 token streams can be the slowest part of the run; a
+  process's streams share one connection, as one tritonclient's do, or
+  each has its own (`--channel-per-stream`, as separate users' would). Each
   client process connects first and all start their streams once every one
   has (a barrier), as the in-process arm starts its sequences together: a
   round measures serving, not a channel's connect or a pool's hand-out of
@@ -194,11 +196,14 @@ def in_process(engine, prompts: Sequence[list[int]], streams: int, max_tokens: i
 
 
 async def served(address: str, prompts: Sequence[str], streams: int, max_tokens: int,
-                 first: int = 0, together: Any = None) -> Round:
+                 first: int = 0, together: Any = None, channel_per_stream: bool = False
+                 ) -> Round:
     """`streams` sequences at once, each on a tritonclient stream of its own
-    (numbered from `first`), and this process's CPU over them. The channel
-    connects before they start; with `together` (a barrier of the round's
-    client processes) they start once every process has connected."""
+    (numbered from `first`), and this process's CPU over them; the streams
+    share one channel (one connection), or with `channel_per_stream` each
+    has its own. The channels connect before the streams start; with
+    `together` (a barrier of the round's client processes) they start once
+    every process has connected."""
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as aioclient
 
@@ -227,21 +232,32 @@ async def served(address: str, prompts: Sequence[str], streams: int, max_tokens:
             if final is not None and final.bool_param:
                 return
 
-    async with aioclient.InferenceServerClient(address) as client:
-        await client.is_server_live()  # connected, as a client that keeps its channel is
+    # gRPC shares one connection among a process's channels to one address
+    # unless each keeps its own subchannels.
+    apart = [("grpc.max_send_message_length", 2**31 - 1),
+             ("grpc.max_receive_message_length", 2**31 - 1),
+             ("grpc.use_local_subchannel_pool", 1)] if channel_per_stream else None
+    clients = [aioclient.InferenceServerClient(address, channel_args=apart)
+               for _ in range(streams if channel_per_stream else 1)]
+    try:  # connected, as a client that keeps its channel is
+        await asyncio.gather(*(client.is_server_live() for client in clients))
         if together is not None:
             with contextlib.suppress(threading.BrokenBarrierError):  # one failed: go on
                 together.wait(CONNECT_TIMEOUT_S)
         cpu_before = time.process_time()
-        await asyncio.gather(*(one(first + i, client) for i in range(streams)))
-    record.client_cpu_s = time.process_time() - cpu_before
+        await asyncio.gather(*(one(first + i, clients[i % len(clients)])
+                               for i in range(streams)))
+        record.client_cpu_s = time.process_time() - cpu_before
+    finally:
+        await asyncio.gather(*(client.close() for client in clients))
     return record
 
 
 def _served_share(address: str, prompts: Sequence[str], first: int, streams: int,
-                  max_tokens: int, together: Any) -> Round:
+                  max_tokens: int, together: Any, channel_per_stream: bool) -> Round:
     """A client process's share of a round (`Clients`)."""
-    return asyncio.run(served(address, prompts, streams, max_tokens, first, together))
+    return asyncio.run(served(address, prompts, streams, max_tokens, first, together,
+                              channel_per_stream))
 
 
 class Clients:
@@ -250,8 +266,10 @@ class Clients:
     agree (perf_counter is the system's monotonic clock), so their rounds
     merge into one."""
 
-    def __init__(self, per_process: int, most_streams: int) -> None:
+    def __init__(self, per_process: int, most_streams: int,
+                 channel_per_stream: bool = False) -> None:
         self.per_process = per_process
+        self.channel_per_stream = channel_per_stream
         processes = -(-most_streams // per_process)
         self._pool = self._manager = None
         if processes > 1:
@@ -269,11 +287,12 @@ class Clients:
             ) -> Round:
         count = self.processes(streams)
         if count == 1:
-            return asyncio.run(served(address, prompts, streams, max_tokens))
+            return asyncio.run(served(address, prompts, streams, max_tokens,
+                                      channel_per_stream=self.channel_per_stream))
         firsts = [streams * n // count for n in range(count + 1)]
         together = self._manager.Barrier(count)
         shares = [self._pool.submit(_served_share, address, prompts, a, b - a, max_tokens,
-                                    together)
+                                    together, self.channel_per_stream)
                   for a, b in zip(firsts, firsts[1:])]
         return Round.merged([share.result() for share in shares])
 
@@ -589,9 +608,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the served arms' streams in each client process (default 16: "
                         "4 processes at 64 streams, so that no one client's gRPC work limits "
                         "the figures)")
+    parser.add_argument("--channel-per-stream", action="store_true",
+                        help="each served stream on a gRPC channel (a connection) of its own, "
+                        "as separate users' would be; by default a client process's streams "
+                        "share one, as one tritonclient's do. The kernel spreads connections, "
+                        "not streams, over front ends and router workers")
     parser.add_argument("--router-workers", type=int, default=1,
                         help="the router's --workers: processes sharing its port, over which "
-                        "the kernel spreads the client processes' connections (one each)")
+                        "the kernel spreads the clients' connections")
     args = parser.parse_args(argv)
     if args.streams_per_client < 1 or args.router_workers < 1:
         parser.error("--streams-per-client, --router-workers: want 1 or more")
@@ -624,7 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with common.serving([router]):
                 addresses = {"agent": agent.address, "router": router.address}
                 meter = Meter(args.device, 0.5 if args.smoke else IDLE_S)
-                clients = Clients(args.streams_per_client, max(streams))
+                clients = Clients(args.streams_per_client, max(streams),
+                                  args.channel_per_stream)
                 try:
                     pids = {"engine": engine_pid, "agent": agent.pid, "router": router.pid}
                     rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds,
@@ -651,6 +676,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "max_tokens": max_tokens, "rounds": rounds, "streams": list(streams),
                    "tokens_per_response": args.tokens_per_response,
                    "streams_per_client": args.streams_per_client,
+                   "connections": "one a stream" if args.channel_per_stream
+                   else "one a client process",
                    "router_workers": args.router_workers,
                    "energy_source": meter.source, "idle_watts": meter.idle_w,
                    "note": "clients, router, agent and the in-process engine share this "

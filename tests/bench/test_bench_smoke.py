@@ -249,10 +249,12 @@ def test_energy_bench_aligns_agent_and_direct_energy_on_a_cpu(tmp_path):
 def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_path):
     pytest.importorskip("onnxruntime_genai")
     # The engine in a core process of its own (its CPU per step read apart from
-    # the agent's); 8 streams from two client processes, their rounds merged
+    # the agent's); 8 streams from two client processes, their rounds merged,
+    # each stream on a connection of its own (one stream is one either way)
     result, stdout = run_smoke("generate", tmp_path, "--engine-core", "process",
-                               "--streams-per-client", "4")
+                               "--streams-per-client", "4", "--channel-per-stream")
     assert result["config"]["engine_process"] == "engine core"
+    assert result["config"]["connections"] == "one a stream"
     assert [r["streams"] for r in result["rows"]] == [1, 8]
     for row in result["rows"]:
         agent = row["agent"]

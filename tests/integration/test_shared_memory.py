@@ -157,7 +157,6 @@ def test_inputs_are_read_from_a_region_as_it_is_now_and_from_the_region_now_regi
     """Every input in shared memory (with front ends, read there): new
     contents are seen at once, and a name registered again for another
     object is read from that object."""
-    send = add_sub_from_region
     with grpcclient.InferenceServerClient(agent.address) as client:
         client.unregister_system_shared_memory()
         first, first_handle = regions()
@@ -166,15 +165,15 @@ def test_inputs_are_read_from_a_region_as_it_is_now_and_from_the_region_now_regi
         shm.set_shared_memory_region(first_handle, [a, b])
         shm.set_shared_memory_region(second_handle, [10 * a, b])
         client.register_system_shared_memory("inputs", f"/{first}", 2 * BYTES)
-        np.testing.assert_array_equal(send(client, "inputs"), a + b)
+        np.testing.assert_array_equal(add_sub_from_region(client, "inputs"), a + b)
         shm.set_shared_memory_region(first_handle, [3 * a])
-        np.testing.assert_array_equal(send(client, "inputs"), 3 * a + b)
+        np.testing.assert_array_equal(add_sub_from_region(client, "inputs"), 3 * a + b)
         client.unregister_system_shared_memory("inputs")
         client.register_system_shared_memory("inputs", f"/{second}", 2 * BYTES)
-        np.testing.assert_array_equal(send(client, "inputs"), 10 * a + b)
+        np.testing.assert_array_equal(add_sub_from_region(client, "inputs"), 10 * a + b)
         client.unregister_system_shared_memory()
         with pytest.raises(InferenceServerException) as caught:
-            send(client, "inputs")
+            add_sub_from_region(client, "inputs")
         assert "no shared-memory region 'inputs' is registered" in caught.value.message()
 
 

@@ -477,9 +477,8 @@ class _Handlers(grpc.GenericRpcHandler):
             yield response
 
     def _forwarder(self, path: str, client_streaming: bool, server_streaming: bool):
-        engine, check, authorizer, regions = self._engine, self._check, self._authorizer, \
-            self._regions
-        changes_a_region = _CHANGES_A_REGION.get(path)
+        engine, check, authorizer = self._engine, self._check, self._authorizer
+        regions, changes_a_region = self._regions, _CHANGES_A_REGION.get(path)
 
         async def abort_with(error: Exception, context) -> None:
             if isinstance(error, grpc.aio.AioRpcError):
@@ -495,14 +494,13 @@ class _Handlers(grpc.GenericRpcHandler):
             async def unary(request: bytes, context) -> bytes:
                 try:
                     check(path, context)
-                    try:
-                        return await engine.unary_unary(path)(request, **call_options(context))
-                    finally:
-                        if changes_a_region is not None:
-                            _forget_the_region(regions, authorizer.caller(context),
-                                               changes_a_region, request)
+                    return await engine.unary_unary(path)(request, **call_options(context))
                 except Exception as error:
                     await abort_with(error, context)
+                finally:  # before the caller hears back, whatever the answer
+                    if changes_a_region is not None:
+                        _forget_the_region(regions, authorizer.caller(context),
+                                           changes_a_region, request)
             return grpc.unary_unary_rpc_method_handler(unary)
 
         if client_streaming and not server_streaming:

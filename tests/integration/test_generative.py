@@ -172,6 +172,10 @@ def test_empty_final_response_when_the_client_asks_for_it(client):
     assert not any(is_final(r) for r in results[:-1])
 
 
+def successes(client, model: str = "tiny") -> int:
+    return client.get_inference_statistics(model).model_stats[0].inference_stats.success.count
+
+
 def test_stop_string_ends_the_text_before_it(client):
     whole = text_of(generate(client, max_tokens=40))
     stop = whole[5:8]
@@ -179,6 +183,25 @@ def test_stop_string_ends_the_text_before_it(client):
     cut = generate(client, max_tokens=40, stop=stop)
     assert text_of(cut) == whole[:whole.find(stop)]
     assert len(cut.as_numpy("token_ids")) < 40
+    # Streamed (where front ends run, they make the text and apply the stop
+    # string): the same text, the last response says why, and the request
+    # ends as a success, not as a client gone away (room for 4000 tokens: the
+    # engine would not end it first).
+    before = successes(client)
+    stream = Stream(client)
+    try:
+        stream.send(max_tokens=4000, stop=stop)
+        results = stream.until_final()
+    finally:
+        client.stop_stream()
+    assert "".join(text_of(r) for r in results) == whole[:whole.find(stop)]
+    assert sum(len(r.as_numpy("token_ids")) for r in results) < 40
+    finish = results[-1].get_response().parameters["finish_reason"].string_param
+    assert finish == "stop"
+    deadline = time.monotonic() + 10  # the engine hears of the stop string after the client
+    while successes(client) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert successes(client) == before + 1
 
 
 def test_concurrent_streams_run_in_one_batch(client):

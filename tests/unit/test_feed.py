@@ -11,6 +11,7 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import tritonclient.utils.shared_memory as shm
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,7 @@ from tiered.agent.feed import (
     _Group,
 )
 from tiered.agent.front_end import front_end_count
+from tiered.agent.scheduler import Piece
 from tiered.agent.shared_memory import CudaRange, RegionViews, not_registered, open_view
 from tiered.errors import TieredError, Unavailable
 from tiered.protocol import codec
@@ -379,50 +381,65 @@ def test_requests_in_cuda_regions_merge_as_ranges_the_engine_reads_and_writes(tm
                                       2 * np.frombuffer(sent[index], np.float32))
 
 
-class Counting:
-    """A generative engine's side of STREAM frames: `tokens` chunks of one
-    token each (the text says which), an error after `fail_after` of them
-    where set; records each stream's end (done, or cancelled)."""
+WORDS = 64  # the test tokenizer's: token t is "w{t}"
 
-    def __init__(self, tokens: int, fail_after: int | None = None, per_chunk: int = 1) -> None:
-        self.tokens, self.fail_after, self.per_chunk = tokens, fail_after, per_chunk
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A real tokenizer.json whose token t decodes to "w{t}", words spaced."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{t}": t for t in range(WORDS)},
+                                           unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    directory = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+class Counting:
+    """A generative engine's side of STREAM frames: `tokens` token ids, one
+    a loop turn (the first alone, the rest once `more` is set), an error
+    after `fail_after` of them where set; records each stream's end (done,
+    cancelled, or finished by its stop string)."""
+
+    def __init__(self, tokenizer_dir, tokens: int, fail_after: int | None = None,
+                 stops: tuple[str, ...] = ()) -> None:
+        self.head = (3, 4, "torch-generative", str(tokenizer_dir), stops)
+        self.tokens, self.fail_after = tokens, fail_after
         self.ended: list[str] = []
-        self.more = asyncio.Event()  # the first chunk is sent alone, the rest once set
-        self.sent = asyncio.Event()  # every chunk has been sent
+        self.more = asyncio.Event()
+        self.sent = asyncio.Event()  # every token has been sent
 
     def start_generation(self, body, seconds_left, deliver):
-        async def run():
-            try:
-                async for chunk in self._chunks(pb.ModelInferRequest.FromString(body)):
-                    deliver(chunk)
-            except TieredError as error:
-                deliver(error)
-        return asyncio.get_running_loop().create_task(run()).cancel
+        pb.ModelInferRequest.FromString(body)
+        task = asyncio.get_running_loop().create_task(self._run(deliver))
 
-    async def _chunks(self, request):
-        try:
-            token = 0
-            while token < self.tokens:
-                if token == self.fail_after:
-                    raise Unavailable("the engine core exited")
-                ids = list(range(token, min(token + (self.per_chunk if token else 1),
-                                            self.tokens)))
-                token = ids[-1] + 1
-                last = token == self.tokens
-                yield (3, "".join(f"<{request.id}:{t}>" for t in ids), ids, 5,
-                       "length" if last else "", last, 4)
+        def stop(done: bool = False) -> None:
+            self.ended.append("finished" if done else "cancelled")
+            task.cancel()
+        return self.head, stop
+
+    async def _run(self, deliver) -> None:
+        await asyncio.sleep(0)  # never before the head
+        for token in range(self.tokens):
+            if token == self.fail_after:
+                deliver(Unavailable("the engine core exited"))
+                return
+            last = token == self.tokens - 1
+            deliver(Piece("", token % WORDS, last, 0.0, prompt_tokens=5,
+                          finish="length" if last else ""))
+            if token == 0:
                 await self.more.wait()
-                await asyncio.sleep(0)  # a set event does not yield to the loop
-            self.sent.set()
-            self.ended.append("done")
-        except asyncio.CancelledError:
-            self.ended.append("cancelled")
-            raise
+            await asyncio.sleep(0)
+        self.sent.set()
+        self.ended.append("done")
 
 
-def test_a_stream_comes_in_chunks_merged_while_unread_and_its_error_ends_it(tmp_path):
+def test_a_stream_comes_as_text_made_here_merged_while_unread_and_its_error_ends_it(
+        tmp_path, tokenizer_dir):
     async def main():
-        engine = Counting(tokens=10)
+        engine = Counting(tokenizer_dir, tokens=10)
         server = FeedServer(str(tmp_path / "feed.sock"), engine, 1 << 20)
         arena = Arena(1 << 16)
         client = await FeedClient.connect(server.path, arena)
@@ -432,7 +449,7 @@ def test_a_stream_comes_in_chunks_merged_while_unread_and_its_error_ends_it(tmp_
         await engine.sent.wait()  # the other nine arrive while nobody reads
         await asyncio.sleep(0.05)
         rest = [chunk async for chunk in stream]
-        failing = Counting(tokens=10, fail_after=2)
+        failing = Counting(tokenizer_dir, tokens=10, fail_after=2)
         failing.more.set()
         server.answers = failing
         got = []
@@ -441,38 +458,74 @@ def test_a_stream_comes_in_chunks_merged_while_unread_and_its_error_ends_it(tmp_
                 got.append(chunk[1])
         except FedError as error:
             failed = error
-        # Chunks of 3 from the engine: two would pass the most, so none merge.
-        server.answers = threes = Counting(tokens=10, per_chunk=3)
-        stream = client.generate(pb.ModelInferRequest(id="t"), 5.0)
-        await anext(stream)
-        threes.more.set()
-        await threes.sent.wait()
-        await asyncio.sleep(0.05)
-        in_threes = [chunk[2] async for chunk in stream]
         await server.close()
         arena.close()
-        return first, rest, engine.ended, got, failed, in_threes
+        return first, rest, engine.ended, got, failed
 
-    first, rest, ended, got, failed, in_threes = asyncio.run(main())
-    assert in_threes == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    assert first == (3, "<s:0>", [0], 5, "", False, 4)
+    first, rest, ended, got, failed = asyncio.run(main())
+    assert first == (3, "w0", [0], 5, "", False)
     # Up to 4 tokens a chunk once merged (the most a response carries), in order.
     assert [chunk[2] for chunk in rest] == [[1, 2, 3, 4], [5, 6, 7, 8], [9]]
-    assert "".join(chunk[1] for chunk in rest) == "".join(f"<s:{t}>" for t in range(1, 10))
+    assert "".join(chunk[1] for chunk in rest) == "".join(f" w{t}" for t in range(1, 10))
     assert [chunk[4:6] for chunk in rest] == [("", False), ("", False), ("length", True)]
     assert ended == ["done"]
-    assert "".join(got) == "<f:0><f:1>"  # what came before the error is not lost
+    assert "".join(got) == "w0 w1"  # what came before the error is not lost
     assert failed.code == grpc.StatusCode.UNAVAILABLE.value[0] and "core exited" in str(failed)
 
 
-def test_a_stream_closed_early_is_cancelled_in_the_engine_and_so_is_a_lost_front_end(tmp_path):
+def test_a_stop_string_ends_the_text_here_and_the_request_there_as_done(
+        tmp_path, tokenizer_dir):
+    async def main():
+        engine = Counting(tokenizer_dir, tokens=1 << 30, stops=(" w4",))  # runs until ended
+        engine.more.set()
+        server = FeedServer(str(tmp_path / "feed.sock"), engine, 1 << 20)
+        arena = Arena(1 << 16)
+        client = await FeedClient.connect(server.path, arena)
+        chunks = [chunk async for chunk in client.generate(pb.ModelInferRequest(id="s"), 5.0)]
+        deadline = asyncio.get_running_loop().time() + 10
+        while not engine.ended and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        await server.close()
+        arena.close()
+        return chunks, engine.ended
+
+    chunks, ended = asyncio.run(main())
+    assert "".join(chunk[1] for chunk in chunks) == "w0 w1 w2 w3"
+    assert chunks[-1][4:6] == ("stop", True)
+    assert [len(chunk[2]) for chunk in chunks] <= [4] * len(chunks)
+    assert ended == ["finished"]  # a FINISH frame, not a CANCEL
+
+
+def test_a_tokenizer_the_front_end_cannot_open_fails_the_stream_and_cancels_it(tmp_path):
+    async def main():
+        engine = Counting(tmp_path / "no-such-version", tokens=1 << 30)
+        engine.more.set()
+        server = FeedServer(str(tmp_path / "feed.sock"), engine, 1 << 20)
+        arena = Arena(1 << 16)
+        client = await FeedClient.connect(server.path, arena)
+        with pytest.raises(Unavailable) as caught:
+            await anext(client.generate(pb.ModelInferRequest(id="s"), 5.0))
+        deadline = asyncio.get_running_loop().time() + 10
+        while not engine.ended and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        await server.close()
+        arena.close()
+        return str(caught.value), engine.ended
+
+    message, ended = asyncio.run(main())
+    assert "cannot open the model's tokenizer" in message and "tokenizer.json" in message
+    assert ended == ["cancelled"]
+
+
+def test_a_stream_closed_early_is_cancelled_in_the_engine_and_so_is_a_lost_front_end(
+        tmp_path, tokenizer_dir):
     async def ended_with(engine: Counting, count: int) -> None:
         deadline = asyncio.get_running_loop().time() + 10
         while len(engine.ended) < count and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.005)
 
     async def main():
-        engine = Counting(tokens=1 << 30)  # runs until cancelled
+        engine = Counting(tokenizer_dir, tokens=1 << 30)  # runs until cancelled
         engine.more.set()
         server = FeedServer(str(tmp_path / "feed.sock"), engine, 1 << 20)
         arena = Arena(1 << 16)

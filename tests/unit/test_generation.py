@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiered.agent.generation import Detokenizer, StopText, parse_request
+from tiered.agent.generation import Detokenizer, StopText, TextSide, parse_request
 from tiered.errors import InvalidArgument
 
 PROMPT = {"text_input": np.array([b"hello"], dtype=object)}
@@ -82,3 +82,14 @@ def test_text_held_for_a_stop_string_comes_out_at_the_end():
     text = StopText(["xyz"])
     assert text.add("abx") == "ab"
     assert text.flush() == "x"
+
+
+def test_a_sequences_text_side_ends_at_its_stop_string_or_gives_all_on_its_last_token():
+    tokens = list("ab€x".encode())  # "€" is three tokens; "x" the last
+    stopped = TextSide(decode, ["€"])
+    assert [stopped.add(t, False) for t in tokens[:4]] == [
+        ("a", False), ("b", False), ("", False), ("", False)]
+    assert stopped.add(tokens[4], False) == ("", True) and stopped.stopped
+    whole = TextSide(decode, ["yz"])
+    out = [whole.add(t, i == len(tokens) - 1) for i, t in enumerate(tokens)]
+    assert "".join(text for text, _ in out) == "ab€x" and out[-1][1] and not whole.stopped

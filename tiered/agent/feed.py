@@ -29,15 +29,17 @@ requests where it can.
   request whose output region cannot take them fails alone.
 - **A streamed request to a generative model** (its text and token ids
   asked for, nothing in shared memory) goes in a STREAM frame. The engine
-  answers a reply per chunk of tokens as they come (the version, the
-  chunk's text and token ids, the prompt's tokens, why it finished, whether
-  it is the last, and the most tokens a response may carry); the front end
-  builds each response, merging the chunks its client has not yet read up
-  to that most, and sends a CANCEL frame when its client goes away. So the
-  engine's event loop does no per-token protobuf or gRPC work: the
-  scheduler hands it a step's tokens of every stream in one call, each goes
-  to its front end's connection, and each connection writes the replies of
-  one loop turn together.
+  answers first with what the text needs (the version, the most tokens a
+  response may carry, where the version's tokenizer lies, the stop strings),
+  then sends the stream's token ids as they come, all its streams' of one
+  loop turn in one TOKENS notice. The front end makes the text (it
+  detokenizes and applies the stop strings, with the tokenizer it opened
+  once), builds each response, merging the tokens its client has not yet
+  read up to that most, and sends a CANCEL frame when its client goes away
+  (FINISH when a stop string ended the text: the engine ends it as done).
+  So the engine's event loop does no per-token text, protobuf or gRPC work:
+  the scheduler hands it a step's tokens of every stream in one call, and
+  each front end's connection writes them in one frame.
 - **Any other request** (parameters, BYTES, a model that does not batch,
   inputs partly in shared memory) travels alone in a ONE frame: the request without its
   raw input bytes, which lie in the arena (or inline when the arena is
@@ -64,6 +66,7 @@ tuples (both ends are one agent's processes):
                       [{output: its CUDA region's parameters}] per request or None)
              STREAM   header (); the request, raw inputs and all
              CANCEL   header (); the call id is the stream's
+             FINISH   header (); as CANCEL, but a stop string ended its text
     reply    <IQHI>   length of the rest, call id, gRPC status code (0: OK),
                       header length; the header; then
              ONE      the serialized response (no header)
@@ -71,12 +74,15 @@ tuples (both ends are one agent's processes):
                       {request index: (code, message)} for requests whose
                       outputs the engine could not write into their CUDA
                       regions); the outputs' bytes, one after another
-             STREAM   header (version, text, [token id], prompt tokens, finish
-                      reason, last, most tokens a response), one reply a chunk
+             STREAM   header (version, most tokens a response, tokenizer backend,
+                      its path, (stop string, ...)); its tokens come in notices
              error    the message (no header); it ends a stream
-             notice   call id 0, header (caller, name): a shared-memory region
-                      came or went ("": all the caller's), which the front
-                      end's view of the regions forgets
+             notice   call id 0, header (what, news):
+                      FORGET  (caller, name): a shared-memory region came or
+                              went ("": all the caller's), which the front
+                              end's view of the regions forgets
+                      TOKENS  [(stream's call id, token id, prompt tokens,
+                              finish reason: "" but on its last), ...]
 """
 
 from __future__ import annotations
@@ -93,10 +99,12 @@ import struct
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from tiered.agent.generation import TextSide
 from tiered.agent.shared_memory import (
     BYTE_SIZE,
     OFFSET,
@@ -108,6 +116,7 @@ from tiered.agent.shared_memory import (
     not_registered,
 )
 from tiered.engines.base import DeviceRows
+from tiered.engines.generative.text import Tokenizer, open_tokenizer
 from tiered.errors import EngineError, TieredError, Unavailable
 from tiered.protocol import codec, messages
 from tiered.protocol import grpc_service_pb2 as pb
@@ -115,25 +124,33 @@ from tiered.protocol import model_config_pb2 as mc
 from tiered.protocol.security import CALLER
 from tiered.protocol.status import describe, status_code
 
+if TYPE_CHECKING:
+    from tiered.agent.scheduler import Piece
+
 log = logging.getLogger(__name__)
 
 REQUEST = struct.Struct("<IQdBI")
 REPLY = struct.Struct("<IQHI")
 LENGTH = struct.Struct("<I")
-ONE, GROUP, STREAM, CANCEL = 0, 1, 2, 3
+ONE, GROUP, STREAM, CANCEL, FINISH = 0, 1, 2, 3, 4
 KINDS = {ONE: "single", GROUP: "batch", STREAM: "stream"}  # as /metrics counts them
 NOTICE = 0  # the call id of a reply that answers no call
+FORGET, TOKENS = 0, 1  # what a notice tells
 IN_ARENA, INLINE = 0, 1
 OK = 0
 HELLO_BYTES = 64  # the hello message that carries the arena's descriptor
 # The fewest frames of one key (model, inputs, outputs) a front end keeps in
 # the engine at once; the requests that come meanwhile gather into the next.
 MIN_FRAMES_AHEAD = 2
+TOKENIZERS_KEPT = 16  # a front end's open tokenizers, the newest versions'
 
 Output = tuple[str, str, list[int]]  # name, datatype, shape
-# A STREAM reply: version, text, token ids, prompt tokens, finish reason,
-# whether it is the last, the most tokens a response may carry.
-Chunk = tuple[int, str, list[int], int, str, bool, int]
+# A STREAM call's first reply: the version answering, the most tokens a
+# response may carry, its tokenizer's backend and path, its stop strings.
+StreamHead = tuple[int, int, str, str, tuple[str, ...]]
+# What `FeedClient.generate` yields: version, text, token ids, prompt tokens,
+# finish reason, whether it is the last.
+Chunk = tuple[int, str, list[int], int, str, bool]
 
 
 class Answers(Protocol):
@@ -148,10 +165,12 @@ class Answers(Protocol):
         """Requests merged row-wise -> (model, version, outputs by name)."""
 
     def start_generation(self, body: bytes, seconds_left: float,
-                         deliver: Callable[[Chunk | TieredError], None]) -> Callable[[], None]:
-        """A streamed request's bytes -> its tokens, a chunk at a time to
-        `deliver` on the event loop, then or else the error that ends it;
-        returns what stops it early. Refusals are raised."""
+                         deliver: Callable[[Piece | TieredError], None],
+                         ) -> tuple[StreamHead, Callable[[bool], None]]:
+        """A streamed request's bytes -> its tokens, one at a time to
+        `deliver` on a later turn of the event loop, then or else the error
+        that ends it; returns what the text needs and what stops it early
+        (given True: a stop string ended it). Refusals are raised."""
 
     def regions(self, caller: str) -> CallerRegions:
         """The shared-memory regions `caller` names in its tensors."""
@@ -356,9 +375,9 @@ class FeedClient(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         # call id -> (the group's requests and futures, one future, or a
-        # stream's queue of replies; its block)
-        self._calls: dict[int, tuple[_Group | asyncio.Future | asyncio.Queue,
-                                     Block | None]] = {}
+        # stream's replies; its block)
+        self._calls: dict[int, tuple[_Group | asyncio.Future | _Replies, Block | None]] = {}
+        self._tokenizers: dict[tuple[str, str], asyncio.Future] = {}  # (backend, path) ->
         self._next_id = 0
         self._in_flight: dict[tuple, int] = {}  # GROUP frames unanswered, by key
         self._gathering: dict[tuple, _Group] = {}  # the next frame of a key with enough
@@ -383,8 +402,8 @@ class FeedClient(asyncio.Protocol):
         gone = Unavailable("the agent's engine process is gone")
         waiting = [w for w, _ in self._calls.values()] + list(self._gathering.values())
         for each in waiting:
-            if isinstance(each, asyncio.Queue):
-                each.put_nowait((status_code(gone).value[0], None, str(gone).encode()))
+            if isinstance(each, _Replies):
+                each.put(FedError(status_code(gone).value[0], str(gone)))
                 continue
             for future in each.futures if isinstance(each, _Group) else [each]:
                 if not future.done():
@@ -440,35 +459,60 @@ class FeedClient(asyncio.Protocol):
 
     async def generate(self, request: pb.ModelInferRequest, seconds_left: float,
                        ) -> AsyncIterator[Chunk]:
-        """A streamed request to a generative model, answered by the engine a
-        chunk of tokens at a time; the chunks that came while the caller was
-        not reading are merged, up to the most a response may carry. Closing
-        this early cancels the request in the engine."""
+        """A streamed request to a generative model: the engine sends its
+        token ids, which become text here (with the tokenizer and the stop
+        strings its first reply names); the tokens that came while the caller
+        was not reading go in one chunk, up to the most a response may carry.
+        Closing this early cancels the request in the engine; a stop string
+        ends it there as done."""
         if not self._open:
             raise Unavailable("the agent's engine process is gone")
-        replies: asyncio.Queue = asyncio.Queue()
+        replies = _Replies()
         call_id = self._call(replies, None)
         self._write(call_id, seconds_left, STREAM, _NO_HEADER, [request.SerializeToString()])
-        # A reply taken but left for the next chunk: an error, which goes
-        # after what came before it, or a chunk that would make this one too long.
-        last, held = False, None
+        told = CANCEL  # what the engine hears if this ends before the engine ends it
         try:
+            version, most, backend, path, stops = _taken(await replies.next())
+            text = TextSide((await self._tokenizer(backend, path)).decode, stops)
+            last = False
             while not last:
-                reply, held = held or await replies.get(), None
-                chunk = _chunk(*reply)
-                while not chunk[5] and not replies.empty():
-                    reply = replies.get_nowait()
-                    following = _chunk(*reply) if reply[0] == OK else None
-                    if following is None or len(chunk[2]) + len(following[2]) > chunk[6]:
-                        held = reply
+                texts, ids = [], []
+                token, prompt_tokens, finish = _taken(await replies.next())
+                while True:
+                    words, last = text.add(token, bool(finish))
+                    texts.append(words)
+                    ids.append(token)
+                    if last or len(ids) == most or not replies.has_token():
                         break
-                    chunk = _merged(chunk, following)
-                last = chunk[5]
-                yield chunk
+                    token, prompt_tokens, finish = replies.take()
+                if finish:
+                    told = None
+                elif last:  # a stop string, before the engine's last token
+                    told = FINISH
+                yield (version, "".join(texts), ids, prompt_tokens,
+                       "stop" if text.stopped else finish, last)
         finally:
             self._calls.pop(call_id, None)
-            if not last and self._open:
-                self._write(call_id, 0.0, CANCEL, _NO_HEADER, [])
+            if told is not None and self._open:
+                self._write(call_id, 0.0, told, _NO_HEADER, [])
+
+    async def _tokenizer(self, backend: str, path: str) -> Tokenizer:
+        """The tokenizer of the version at `path`, opened once (off the event
+        loop) and kept while its version is among the newest."""
+        key = (backend, path)
+        opening = self._tokenizers.get(key)
+        if opening is None:
+            if len(self._tokenizers) >= TOKENIZERS_KEPT:
+                del self._tokenizers[next(iter(self._tokenizers))]
+            opening = self._tokenizers[key] = asyncio.ensure_future(
+                asyncio.to_thread(open_tokenizer, backend, Path(path)))
+        try:
+            return await asyncio.shield(opening)  # a stream closed meanwhile is not its end
+        except Exception as error:  # noqa: BLE001 -- the stream's error says it
+            if self._tokenizers.get(key) is opening:
+                del self._tokenizers[key]  # the next stream tries again
+            raise Unavailable(f"the front end cannot open the model's tokenizer: "
+                              f"{error}") from error
 
     @staticmethod
     async def _answer(future: asyncio.Future) -> bytes:
@@ -576,11 +620,12 @@ class FeedClient(asyncio.Protocol):
             payload = bytes(memoryview(buffer)[start:end])  # one copy, not two
             used = end
             if call_id == NOTICE:
-                self.on_forget(*marshal.loads(header))
+                self._noticed(*marshal.loads(header))
                 continue
             stream, _ = self._calls.get(call_id, (None, None))
-            if isinstance(stream, asyncio.Queue):  # the stream's reader ends it
-                stream.put_nowait((code, header, payload))
+            if isinstance(stream, _Replies):  # its head, or its error; its reader ends it
+                stream.put(marshal.loads(header) if code == OK and header is not None
+                           else FedError(code, payload.decode(errors="replace")))
                 continue
             waiting, block = self._calls.pop(call_id, (None, None))
             if block is not None:
@@ -593,19 +638,50 @@ class FeedClient(asyncio.Protocol):
         del buffer[:used]
 
 
+    def _noticed(self, what: int, news) -> None:
+        if what == FORGET:
+            self.on_forget(*news)
+            return
+        for call_id, token, prompt_tokens, finish in news:  # TOKENS
+            stream, _ = self._calls.get(call_id, (None, None))
+            if stream is not None:  # else its reader has gone
+                stream.put((token, prompt_tokens, finish))
+
+
 _NO_HEADER = marshal.dumps(())
 
 
-def _chunk(code: int, header: bytes | None, payload: bytes) -> Chunk:
-    """A STREAM reply's chunk; its error raised."""
-    if code != OK or header is None:
-        raise FedError(code, payload.decode(errors="replace"))
-    return marshal.loads(header)
+class _Replies:
+    """A STREAM call's replies as they come, for its reader: its head, then
+    its tokens (token id, prompt tokens, finish reason), or an error."""
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._came = asyncio.Event()
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        self._came.set()
+
+    async def next(self):
+        while not self._items:
+            self._came.clear()
+            await self._came.wait()
+        return self._items.popleft()
+
+    def has_token(self) -> bool:
+        """Whether a token waits (not an error: what came before goes first)."""
+        return bool(self._items) and not isinstance(self._items[0], FedError)
+
+    def take(self):
+        return self._items.popleft()
 
 
-def _merged(first: Chunk, then: Chunk) -> Chunk:
-    """Two chunks of one stream as one: their text and tokens, the later's facts."""
-    return (then[0], first[1] + then[1], first[2] + then[2], *then[3:])
+def _taken(item):
+    """A stream's reply; its error raised."""
+    if isinstance(item, FedError):
+        raise item
+    return item
 
 
 def _answer_group(group: _Group, code: int, header: bytes | None, payload: bytes) -> None:
@@ -747,10 +823,9 @@ class FeedServer:
 
     def forget(self, caller: str, name: str) -> None:
         """Tell every front end that the system region (caller, name) came or went."""
-        header = marshal.dumps((caller, name))
-        notice = REPLY.pack(REPLY.size - LENGTH.size + len(header), NOTICE, OK, len(header))
+        notice = _notice(FORGET, (caller, name))
         for connection in self.connections:
-            connection.write([notice, header])
+            connection.write(notice)
 
     async def wait_for(self, count: int, timeout_s: float) -> None:
         async with self.connected:
@@ -777,8 +852,9 @@ class _FeedConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._tasks: set[asyncio.Task] = set()
-        self._streams: dict[int, Callable[[], None]] = {}  # call id -> what stops the stream
+        self._streams: dict[int, Callable[[bool], None]] = {}  # call id -> what stops it
         self._unsent: list[bytes] = []  # replies of this loop turn, written together
+        self._tokens: list[tuple] = []  # streams' tokens since the last reply, one notice
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport) -> None:
@@ -818,10 +894,10 @@ class _FeedConnection(asyncio.Protocol):
             header = marshal.loads(memoryview(buffer)[start:start + header_length])
             rest = bytes(memoryview(buffer)[start + header_length:end])
             used = end
-            if kind == CANCEL:
+            if kind in (CANCEL, FINISH):
                 stop = self._streams.pop(call_id, None)
                 if stop is not None:
-                    stop()
+                    stop(kind == FINISH)
                 continue
             self.server.frames[KINDS[kind]] += 1
             self.server.requests[KINDS[kind]] += len(header[4]) if kind == GROUP else 1
@@ -881,23 +957,28 @@ class _FeedConnection(asyncio.Protocol):
         self._send(call_id, code, header, payload)
 
     def _stream(self, call_id: int, body: bytes, seconds_left: float) -> None:
-        """A generative request: a reply a chunk of tokens as they come (all
-        the streams' of one step go in one write); an error ends it. A CANCEL
-        frame (its client went away) stops it."""
-        def deliver(event: Chunk | TieredError) -> None:
-            failed = isinstance(event, TieredError)
-            if failed or event[5]:  # an error, or the last chunk: it has ended
+        """A generative request: a reply saying what its text needs, then its
+        tokens as they come (all the streams' of a loop turn in one notice);
+        an error ends it. A CANCEL frame (its client went away) stops it, a
+        FINISH frame (its stop string) ends it as done."""
+        def deliver(event: Piece | TieredError) -> None:
+            if isinstance(event, TieredError):
                 self._streams.pop(call_id, None)
-            if failed:
                 self._send(call_id, status_code(event).value[0], b"", [describe(event).encode()])
-            else:
-                self._send(call_id, OK, marshal.dumps(event), ())
+                return
+            if event.last:
+                self._streams.pop(call_id, None)
+            if not self._unsent and not self._tokens:
+                self._loop.call_soon(self._flush)
+            self._tokens.append((call_id, event.token_id, event.prompt_tokens, event.finish))
 
         try:
-            self._streams[call_id] = self.server.answers.start_generation(
+            head, self._streams[call_id] = self.server.answers.start_generation(
                 body, seconds_left, deliver)
         except Exception as error:  # answered to the client; the engine goes on
             self._send(call_id, status_code(error).value[0], b"", [describe(error).encode()])
+            return
+        self._send(call_id, OK, marshal.dumps(head), ())
 
     def _send(self, call_id: int, code: int, header: bytes, payload: Sequence[bytes]) -> None:
         length = REPLY.size - LENGTH.size + len(header) + sum(map(len, payload))
@@ -905,16 +986,28 @@ class _FeedConnection(asyncio.Protocol):
 
     def write(self, parts: Sequence[bytes]) -> None:
         """Bytes for the front end, written at the end of this loop turn with
-        the turn's other replies: one system call for a step's tokens of
-        every stream, not one a stream."""
-        if not self._unsent:
+        the turn's other replies (after the tokens that came before them):
+        one system call for a step's tokens of every stream, not one a stream."""
+        if not self._unsent and not self._tokens:
             self._loop.call_soon(self._flush)
+        self._tokens_out()
         self._unsent += parts
 
+    def _tokens_out(self) -> None:
+        if self._tokens:
+            self._unsent += _notice(TOKENS, self._tokens)
+            self._tokens = []
+
     def _flush(self) -> None:
+        self._tokens_out()
         unsent, self._unsent = self._unsent, []
         if not self.transport.is_closing():
             self.transport.writelines(unsent)
+
+
+def _notice(what: int, news) -> list[bytes]:
+    header = marshal.dumps((what, news))
+    return [REPLY.pack(REPLY.size - LENGTH.size + len(header), NOTICE, OK, len(header)), header]
 
 
 def _joined(parts: list) -> np.ndarray | DeviceRows:

@@ -14,9 +14,9 @@ frames were in the engine as one frame, and builds each response) and
 passes every other call, bytes untouched, to the engine process's own gRPC
 server on a unix socket, so each behaves exactly as with one process. A
 streamed request to a generative model goes through the feed too: the
-engine sends its tokens a chunk at a time and the front end builds and
-writes each response (and cancels the request there when its client goes
-away); one to any other decoupled model is relayed on a stream of its own,
+engine sends its token ids and the front end makes the text (detokenizing,
+stop strings), builds and writes each response (and cancels the request
+there when its client goes away); one to any other decoupled model is relayed on a stream of its own,
 so its responses come back one by one. A front end checks who may call
 what (it alone sees the client's token and certificate); the engine's
 socket lives in a private directory and trusts its front ends.
@@ -412,14 +412,14 @@ class _Handlers(grpc.GenericRpcHandler):
     async def _generated(self, request: pb.ModelInferRequest, seconds_left: float,
                          ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """A generative model's responses to one streamed request, built here
-        from the chunks of tokens the engine sends (feed STREAM), each in
-        its stream message; closing this cancels the request there."""
+        from the tokens the engine sends (feed STREAM), each in its stream
+        message; closing this cancels the request there."""
         outputs = tuple(output.name for output in request.outputs)
         flag = request.parameters.get(messages.EMPTY_FINAL_RESPONSE)
         empty_final = flag is not None and flag.bool_param  # the engine checks its type
         version = 0
         try:
-            async for version, text, ids, prompt_tokens, finish, last, _ in \
+            async for version, text, ids, prompt_tokens, finish, last in \
                     self._feed.generate(request, seconds_left):
                 message = pb.ModelStreamInferResponse()
                 messages.stream_response(messages.text_response(

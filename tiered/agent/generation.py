@@ -7,9 +7,10 @@ parameters or as optional one-element input tensors) into a
 `GenerationRequest`, naming the field that is wrong. `Detokenizer` turns
 token ids into text pieces that are safe to send one by one (a character
 split across tokens waits for its last byte); `StopText` holds back text
-that may be the start of a stop string and cuts the text where one appears.
-Nothing here touches an engine, a thread or the wire: the scheduler
-(`scheduler.py`) drives these on its worker thread.
+that may be the start of a stop string and cuts the text where one appears;
+`TextSide` is the two for one sequence. Nothing here touches an engine, a
+thread or the wire: the scheduler (`scheduler.py`) drives these on its
+worker thread, a front end (`feed.py`) on its event loop.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class GenerationRequest:
     # A vision-language request's images until its vision stage encodes them
     # (`vision_language.Images`).
     images: Any = None
+    # Its tokens become text where it is answered (a front end, which applies
+    # the stop strings too): the scheduler hands over token ids alone.
+    text_elsewhere: bool = False
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], parameters: Mapping[str, Any],
@@ -226,3 +230,29 @@ class StopText:
     def flush(self) -> str:
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+class TextSide:
+    """One sequence's tokens as the text to send: detokenized, cut at its
+    first stop string (after which it has `stopped`)."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str]) -> None:
+        self._detokenizer = Detokenizer(decode)
+        self._stop_text = StopText(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop_text.stopped
+
+    def add(self, token: int, last: bool) -> tuple[str, bool]:
+        """The text `token` lets out, and whether the sequence has ended: its
+        `last` token, or a stop string."""
+        text = self._detokenizer.add(token)
+        if last:
+            text += self._detokenizer.flush()
+        text = self._stop_text.add(text)
+        if self._stop_text.stopped:
+            return text, True
+        if last:
+            text += self._stop_text.flush()
+        return text, last

@@ -84,7 +84,7 @@ class GenerativeVersion:
     """Created and used on the agent's event loop."""
 
     def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine | EngineCores,
-                 built_from: Hashable = None, recorder: VersionRecorder | None = None,
+                 tokenizer: tuple[str, str], built_from: Hashable = None, recorder: VersionRecorder | None = None,
                  build: Mapping[str, str] | None = None, device: str = "",
                  chat: ChatTemplate | None = None, vision: VisionStage | None = None) -> None:
         assert config.generation is not None
@@ -93,6 +93,8 @@ class GenerativeVersion:
         self.config = config
         self.version = version
         self.engine = engine
+        # (backend, path): where a front end opens its tokenizer (`open_tokenizer`)
+        self.tokenizer = tokenizer
         # as the energy ledger names them: a core's each, else the engine's
         labels = engine.labels if isinstance(engine, EngineCores) else ()
         self.devices = labels or (device or engine.device,)
@@ -294,11 +296,16 @@ class Generation:
             self._end()
             self.version._failed(time.perf_counter_ns() - self.started, error)
 
-    def close(self) -> None:
-        """Stop it where it is, if it has not ended."""
+    def close(self, done: bool = False) -> None:
+        """Stop it where it is, if it has not ended: its client went away, or
+        (`done`) its text reached a stop string where the text is made (a
+        front end), which ends it as a success."""
         if self.ended:
             return
-        self._end()
+        if done and self.job is not None and self.job.admitted is not None:
+            self._succeeded()
+        else:
+            self._end()
         if self.encoding is not None:
             self.encoding.cancel()
         if self.job is not None:

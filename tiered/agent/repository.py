@@ -428,7 +428,7 @@ class ModelRepository:
             engine = await asyncio.to_thread(
                 open_generative, config.backend, path, config.engine, f"{where}.engine")
         return GenerativeVersion(
-            completed, version, engine, built_from=source,
+            completed, version, engine, (config.backend, str(path)), built_from=source,
             recorder=VersionRecorder(time.monotonic) if self._telemetry else None,
             build=_build_facts(path.parent), device=self.devices.label(engine.device),
             chat=chat, vision=stage)

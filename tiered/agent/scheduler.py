@@ -12,8 +12,9 @@
   the event loop (`submit`, into a bounded queue), tokenizes each and checks
   that it fits the context before it waits (INVALID_ARGUMENT at once if not),
   turns each turn's tokens into text pieces (a character split across tokens
-  waits, a stop string ends its sequence early) and hands them to their
-  requests' asyncio queues: one `call_soon_threadsafe` a turn, with at most
+  waits, a stop string ends its sequence early; a request whose text a front
+  end makes gets its token ids alone) and hands them to their requests'
+  asyncio queues: one `call_soon_threadsafe` a turn, with at most
   `MAX_UNDELIVERED_STEPS` of them not yet taken by the event loop (an engine
   that keeps the GIL through its step, as onnxruntime-genai does, would
   otherwise starve the loop and every other call the agent answers).
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiered.agent.generation import Detokenizer, GenerationRequest, StopText
+from tiered.agent.generation import GenerationRequest, TextSide
 from tiered.engines.generative.base import GenerativeEngine, Sampling
 from tiered.errors import (
     DeadlineExceeded,
@@ -240,8 +241,7 @@ class Job:
     admitted: float | None = None
     tokens: int = 0
     prompt_tokens: int = 0
-    detokenizer: Detokenizer | None = None
-    stop_text: StopText | None = None
+    text: TextSide | None = None  # None: its text is made elsewhere (`text_elsewhere`)
 
 
 # Called on the event loop after each step: (seconds the step took, sequences in
@@ -398,8 +398,8 @@ class Scheduler:
             if job is not None:
                 self._dequeued(1)
                 job.admitted = at
-                job.detokenizer = Detokenizer(self.engine.decode)
-                job.stop_text = StopText(job.request.stop)
+                if not job.request.text_elsewhere:
+                    job.text = TextSide(self.engine.decode, job.request.stop)
         for key, error in turn.failed:
             job = self._jobs.pop(key, None)
             if job is not None:
@@ -424,19 +424,12 @@ class Scheduler:
         return stopped
 
     def _piece(self, job: Job, token: int, last: bool, at: float, logprob: float) -> Piece:
-        assert job.detokenizer is not None and job.stop_text is not None
         job.tokens += 1
-        last = last or job.tokens >= job.request.sampling.max_tokens
-        text = job.detokenizer.add(token)
-        if last:
-            text += job.detokenizer.flush()
-        text = job.stop_text.add(text)
-        if job.stop_text.stopped:
-            last = True
-        elif last:
-            text += job.stop_text.flush()
-        finish = "" if not last else "length" if job.tokens >= job.request.sampling.max_tokens \
-            and not job.stop_text.stopped else "stop"
+        length = job.tokens >= job.request.sampling.max_tokens
+        text, last = ("", last or length) if job.text is None \
+            else job.text.add(token, last or length)
+        stopped = job.text is not None and job.text.stopped
+        finish = "" if not last else "length" if length and not stopped else "stop"
         return Piece(text, token, last, at, logprob, job.prompt_tokens, finish)
 
     def _dequeued(self, count: int) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from opentelemetry import trace
 
 import tiered
 from tiered.agent.config import ENSEMBLE
-from tiered.agent.feed import Chunk
+from tiered.agent.feed import StreamHead
 from tiered.agent.generation import TEXT_OUTPUT, TOKEN_IDS, GenerationRequest
 from tiered.agent.generative import GenerativeVersion
 from tiered.agent.model import ModelVersion, response_rows
@@ -147,11 +148,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 message.infer_response))
 
     def start_generation(self, body: bytes, seconds_left: float,
-                         deliver: Callable[[Chunk | TieredError], None]) -> Callable[[], None]:
+                         deliver: Callable[[Piece | TieredError], None],
+                         ) -> tuple[StreamHead, Callable[[bool], None]]:
         """A front end's streamed request to a generative model (`feed.Answers`),
-        authorized by the front end: `deliver` gets each token as a chunk, from
-        which the front end builds the responses, then or else the error that
-        ends it; returns what stops it early. Refusals are raised."""
+        authorized by the front end, which makes its text: `deliver` gets each
+        token (its id alone), then or else the error that ends it. Returns
+        what the front end needs to make the text and what stops the request
+        early (`done`: a stop string ended it). Refusals are raised."""
         try:
             request = pb.ModelInferRequest.FromString(body)
         except DecodeError as error:
@@ -161,35 +164,32 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise InvalidArgument(f"model {request.model_name!r} does not generate text")
         call, generation = self._generation(model, request)
         deadline = time.monotonic() + min(call.timeout_s, seconds_left)
-        most, version = model.config.generation.max_tokens_per_response, model.version
         span = None if self.tracer is None else _StreamSpan(
             self.tracer, request, (), self.repository.profile.tier)
 
         def each(event: Piece | TieredError) -> None:
-            if isinstance(event, TieredError):
-                if span is not None:
-                    span.end(event)
-                deliver(event)
-                return
             if span is not None:
-                span.counted(1)
-                if event.last:
-                    span.end()
-            deliver((version, event.text, [event.token_id], event.prompt_tokens, event.finish,
-                     event.last, most))
+                if isinstance(event, TieredError):
+                    span.end(event)
+                else:
+                    span.counted(1)
+                    if event.last:
+                        span.end()
+            deliver(event)
 
         try:
-            started = model.start(generation, deadline, each)
+            started = model.start(replace(generation, text_elsewhere=True), deadline, each)
         except TieredError as error:
             if span is not None:
                 span.end(error)
             raise
 
-        def stop() -> None:
-            started.close()
+        def stop(done: bool = False) -> None:
+            started.close(done)
             if span is not None:
                 span.end()
-        return stop
+        return (model.version, model.config.generation.max_tokens_per_response,
+                *model.tokenizer, generation.stop), stop
 
     async def _traced(self, answers: AsyncIterator, request: pb.ModelInferRequest, metadata,
                       tokens_in: Callable[[Any], int]) -> AsyncIterator:

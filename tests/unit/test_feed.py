@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import grpc
 import numpy as np
-import tritonclient.utils.shared_memory as shm
 import pytest
+import tritonclient.utils.shared_memory as shm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +29,7 @@ from tiered.agent.feed import (
 from tiered.agent.front_end import front_end_count
 from tiered.agent.scheduler import Piece
 from tiered.agent.shared_memory import CudaRange, RegionViews, not_registered, open_view
-from tiered.errors import TieredError, Unavailable
+from tiered.errors import Unavailable
 from tiered.protocol import codec
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import model_config_pb2 as mc
@@ -546,3 +546,33 @@ def test_a_stream_closed_early_is_cancelled_in_the_engine_and_so_is_a_lost_front
     after_cancel, ended = asyncio.run(main())
     assert after_cancel == ["cancelled"]
     assert ended == ["cancelled", "cancelled"]
+
+
+def test_the_served_versions_tokenizers_are_opened_before_their_first_stream(
+        tmp_path, tokenizer_dir):
+    """Named when a front end connects and when a version loads, each once."""
+    async def main():
+        served = {("torch-generative", str(tokenizer_dir))}
+        server = FeedServer(str(tmp_path / "feed.sock"), Counting(tokenizer_dir, 1), 1 << 20,
+                            tokenizers=lambda: set(served))
+        arena = Arena(1 << 16)
+        client = await FeedClient.connect(server.path, arena)
+        deadline = asyncio.get_running_loop().time() + 10
+        while not client._tokenizers and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        at_connect = dict(client._tokenizers)
+        later = tmp_path / "v2"
+        later.mkdir()
+        (later / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+        served.add(("torch-generative", str(later)))
+        server.announce()
+        while len(client._tokenizers) < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        opened = [await opening for opening in client._tokenizers.values()]
+        await server.close()
+        arena.close()
+        return at_connect, opened
+
+    at_connect, opened = asyncio.run(main())
+    assert list(at_connect) == [("torch-generative", str(tokenizer_dir))]
+    assert [tokenizer.decode([1, 2]) for tokenizer in opened] == ["w1 w2"] * 2

@@ -83,6 +83,9 @@ tuples (both ends are one agent's processes):
                               end's view of the regions forgets
                       TOKENS  [(stream's call id, token id, prompt tokens,
                               finish reason: "" but on its last), ...]
+                      TOKENIZERS  [(backend, path), ...]: generative
+                              versions served, whose tokenizers the front
+                              end opens before their first stream comes
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ LENGTH = struct.Struct("<I")
 ONE, GROUP, STREAM, CANCEL, FINISH = 0, 1, 2, 3, 4
 KINDS = {ONE: "single", GROUP: "batch", STREAM: "stream"}  # as /metrics counts them
 NOTICE = 0  # the call id of a reply that answers no call
-FORGET, TOKENS = 0, 1  # what a notice tells
+FORGET, TOKENS, TOKENIZERS = 0, 1, 2  # what a notice tells
 IN_ARENA, INLINE = 0, 1
 OK = 0
 HELLO_BYTES = 64  # the hello message that carries the arena's descriptor
@@ -497,8 +500,20 @@ class FeedClient(asyncio.Protocol):
                 self._write(call_id, 0.0, told, _NO_HEADER, [])
 
     async def _tokenizer(self, backend: str, path: str) -> Tokenizer:
-        """The tokenizer of the version at `path`, opened once (off the event
-        loop) and kept while its version is among the newest."""
+        """The tokenizer of the version at `path` (see `_open_tokenizer`)."""
+        opening = self._open_tokenizer(backend, path)
+        try:
+            return await asyncio.shield(opening)  # a stream closed meanwhile is not its end
+        except Exception as error:  # noqa: BLE001 -- the stream's error says it
+            if self._tokenizers.get((backend, path)) is opening:
+                del self._tokenizers[(backend, path)]  # the next stream tries again
+            raise Unavailable(f"the front end cannot open the model's tokenizer: "
+                              f"{error}") from error
+
+    def _open_tokenizer(self, backend: str, path: str) -> asyncio.Future:
+        """A tokenizer opened once, off the event loop (the engine names each
+        served version's as it loads, before its first stream), and kept
+        while its version is among the newest."""
         key = (backend, path)
         opening = self._tokenizers.get(key)
         if opening is None:
@@ -506,13 +521,8 @@ class FeedClient(asyncio.Protocol):
                 del self._tokenizers[next(iter(self._tokenizers))]
             opening = self._tokenizers[key] = asyncio.ensure_future(
                 asyncio.to_thread(open_tokenizer, backend, Path(path)))
-        try:
-            return await asyncio.shield(opening)  # a stream closed meanwhile is not its end
-        except Exception as error:  # noqa: BLE001 -- the stream's error says it
-            if self._tokenizers.get(key) is opening:
-                del self._tokenizers[key]  # the next stream tries again
-            raise Unavailable(f"the front end cannot open the model's tokenizer: "
-                              f"{error}") from error
+            opening.add_done_callback(_seen)
+        return opening
 
     @staticmethod
     async def _answer(future: asyncio.Future) -> bytes:
@@ -642,6 +652,10 @@ class FeedClient(asyncio.Protocol):
         if what == FORGET:
             self.on_forget(*news)
             return
+        if what == TOKENIZERS:
+            for backend, path in news:
+                self._open_tokenizer(backend, path)
+            return
         for call_id, token, prompt_tokens, finish in news:  # TOKENS
             stream, _ = self._calls.get(call_id, (None, None))
             if stream is not None:  # else its reader has gone
@@ -649,6 +663,13 @@ class FeedClient(asyncio.Protocol):
 
 
 _NO_HEADER = marshal.dumps(())
+
+
+def _seen(opening: asyncio.Future) -> None:
+    """A tokenizer opened ahead with nobody waiting: its error is the stream's
+    to tell, not the loop's."""
+    if not opening.cancelled():
+        opening.exception()
 
 
 class _Replies:
@@ -780,9 +801,10 @@ class FeedServer:
 
     def __init__(self, path: str, answers: Answers, max_frame_bytes: int,
                  pin: Callable[[mmap.mmap], Callable[[], None] | None] = lambda _: None,
-                 ) -> None:
+                 tokenizers: Callable[[], set[tuple[str, str]]] = set) -> None:
         self.path = path
         self.answers = answers
+        self.tokenizers = tokenizers  # (backend, path) of each generative version served
         self.pin = pin  # page-locks an arena for the GPU; returns what unpins it
         self.max_frame_bytes = max_frame_bytes
         self.connected = asyncio.Condition()
@@ -821,6 +843,14 @@ class FeedServer:
                 continue
             await loop.create_connection(lambda: _FeedConnection(self, memory), sock=sock)
 
+    def announce(self) -> None:
+        """Name the served generative versions' tokenizers to every front end
+        (each hears of a version once), which opens them ahead of their
+        first stream."""
+        served = self.tokenizers()
+        for connection in self.connections:
+            connection.announce(served)
+
     def forget(self, caller: str, name: str) -> None:
         """Tell every front end that the system region (caller, name) came or went."""
         notice = _notice(FORGET, (caller, name))
@@ -855,11 +885,13 @@ class _FeedConnection(asyncio.Protocol):
         self._streams: dict[int, Callable[[bool], None]] = {}  # call id -> what stops it
         self._unsent: list[bytes] = []  # replies of this loop turn, written together
         self._tokens: list[tuple] = []  # streams' tokens since the last reply, one notice
+        self._announced: set[tuple[str, str]] = set()  # tokenizers named to the front end
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.server.connections.add(self)
+        self.announce(self.server.tokenizers())
         asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:
@@ -979,6 +1011,12 @@ class _FeedConnection(asyncio.Protocol):
             self._send(call_id, status_code(error).value[0], b"", [describe(error).encode()])
             return
         self._send(call_id, OK, marshal.dumps(head), ())
+
+    def announce(self, served: set[tuple[str, str]]) -> None:
+        new = served - self._announced
+        self._announced = set(served)
+        if new:
+            self.write(_notice(TOKENIZERS, sorted(new)))
 
     def _send(self, call_id: int, code: int, header: bytes, payload: Sequence[bytes]) -> None:
         length = REPLY.size - LENGTH.size + len(header) + sum(map(len, payload))

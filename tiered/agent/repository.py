@@ -133,6 +133,7 @@ class ModelRepository:
         self._telemetry = telemetry  # windowed per-version recorders (tiered.v1.Telemetry)
         self._models: dict[str, ModelEntry] = {}
         self._draining: set[asyncio.Task] = set()
+        self.on_load: list[Callable[[], None]] = []  # told after each model (re)loads
 
     # -- lookups ---------------------------------------------------------------
 
@@ -241,6 +242,8 @@ class ModelRepository:
             entry.versions = built
             entry.state, entry.reason = ModelState.READY, ""
             log.info("model %s serving versions %s", name, sorted(built))
+        for listener in self.on_load:
+            listener()
         for version in retired:
             self._drain_later(version)
         await self._recheck_ensembles_using(name)

@@ -38,6 +38,7 @@ from tiered.agent.front_end import (
     front_end_count,
     reserve_port,
 )
+from tiered.agent.generative import GenerativeVersion
 from tiered.agent.metrics import serve_metrics
 from tiered.agent.repository import ModelRepository
 from tiered.agent.servicer import InferenceServicer
@@ -169,8 +170,11 @@ async def _serve(settings: AgentSettings, private: Path) -> None:
         port = held.getsockname()[1]
         await server.start()
         feed = FeedServer(str(private / "feed.sock"), servicer,
-                          limits.max_message_bytes + FEED_FRAME_SLACK, pin_host_memory)
+                          limits.max_message_bytes + FEED_FRAME_SLACK, pin_host_memory,
+                          lambda: {v.tokenizer for v in repository.all_versions()
+                                   if isinstance(v, GenerativeVersion)})
         servicer.shared_memory.on_change.append(feed.forget)
+        repository.on_load.append(feed.announce)
         front_ends = FrontEnds(processes, FrontEndSettings(
             host=settings.host, port=port, security=settings.security,
             authorizer=settings.authorizer, feed=feed.path,

@@ -16,8 +16,8 @@ server on a unix socket, so each behaves exactly as with one process. A
 streamed request to a generative model goes through the feed too: the
 engine sends its token ids and the front end makes the text (detokenizing,
 stop strings), builds and writes each response (and cancels the request
-there when its client goes away); one to any other decoupled model is relayed on a stream of its own,
-so its responses come back one by one. A front end checks who may call
+there when its client goes away); one to any other decoupled model is
+relayed on a stream of its own, so its responses come back one by one. A front end checks who may call
 what (it alone sees the client's token and certificate); the engine's
 socket lives in a private directory and trusts its front ends.
 

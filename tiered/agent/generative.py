@@ -84,7 +84,8 @@ class GenerativeVersion:
     """Created and used on the agent's event loop."""
 
     def __init__(self, config: ModelConfig, version: int, engine: GenerativeEngine | EngineCores,
-                 tokenizer: tuple[str, str], built_from: Hashable = None, recorder: VersionRecorder | None = None,
+                 tokenizer: tuple[str, str], built_from: Hashable = None,
+                 recorder: VersionRecorder | None = None,
                  build: Mapping[str, str] | None = None, device: str = "",
                  chat: ChatTemplate | None = None, vision: VisionStage | None = None) -> None:
         assert config.generation is not None

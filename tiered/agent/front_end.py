@@ -17,9 +17,10 @@ streamed request to a generative model goes through the feed too: the
 engine sends its token ids and the front end makes the text (detokenizing,
 stop strings), builds and writes each response (and cancels the request
 there when its client goes away); one to any other decoupled model is
-relayed on a stream of its own, so its responses come back one by one. A front end checks who may call
-what (it alone sees the client's token and certificate); the engine's
-socket lives in a private directory and trusts its front ends.
+relayed on a stream of its own, so its responses come back one by one. A
+front end checks who may call what (it alone sees the client's token and
+certificate); the engine's socket lives in a private directory and trusts
+its front ends.
 
 `FrontEnds` starts, watches (a front end that dies is replaced) and stops
 them; `main` is a front end (`python -m tiered.agent.front_end`, its

@@ -144,6 +144,10 @@ class Round:
         # a request's mean wait in the agent from its arrival to its admission
         # into the engine's batch (its sequence started), over an agent round
         self.queue_s: float | None = None
+        # the agent's own first-token times over an agent round (its telemetry:
+        # from a request's arrival in its scheduler to the end of the step that
+        # made its first token), their sum and count
+        self.agent_ttft: tuple[float, int] | None = None
         self.client_cpu_s: float | None = None  # the client processes', served arms
         # the router's processes (its workers too), over a router round
         self.router_cpu_s: float | None = None
@@ -171,7 +175,7 @@ class Round:
                 "errors": len(self.errors), "active_j": self.active_j,
                 "metered_s": self.metered_s, "engine_cpu_s": self.engine_cpu_s,
                 "agent_cpu_s": self.agent_cpu_s, "steps": self.steps, "step_s": self.step_s,
-                "queue_s": self.queue_s,
+                "queue_s": self.queue_s, "agent_ttft": self.agent_ttft,
                 "client_cpu_s": self.client_cpu_s, "router_cpu_s": self.router_cpu_s}
 
 
@@ -331,6 +335,11 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
     queued = [f["queue_s"] for f in figures]
     if queued and None not in queued:
         summary["admission_wait_ms"] = sum(queued) / len(queued) * 1e3
+    firsts = [f["agent_ttft"] for f in figures]
+    if firsts and None not in firsts and sum(count for _, count in firsts):
+        # what of the clients' TTFT the agent's scheduler and engine account for
+        summary["agent_own_ttft_ms"] = (sum(s for s, _ in firsts)
+                                        / sum(count for _, count in firsts) * 1e3)
     client = [f["client_cpu_s"] for f in figures]
     if client and None not in client and tokens:
         summary["client_cpu_us_per_token"] = sum(client) / tokens * 1e6
@@ -419,11 +428,12 @@ def j_per_token(figures: Sequence[dict[str, Any]], tokens: int) -> float | None:
 
 
 def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tokens,
-            meter: Meter, clients: Clients, pids: Mapping[str, int] | None = None) -> Round:
+            meter: Meter, clients: Clients, pids: Mapping[str, Any] | None = None) -> Round:
     """One round of an arm. With `pids` ("engine", "agent", "router": their
-    processes), an agent round also reads the CPU of the engine's process
-    and, where that is an engine core, of the agent's own, and a router
-    round the router's."""
+    processes; "metrics": the agent's /metrics), an agent round also reads
+    the CPU of the engine's process and, where that is an engine core, of the
+    agent's own, and the agent's own first-token times; a router round the
+    router's CPU."""
     if arm == "in-process":
         return meter.around(lambda: in_process(engine, prompts, streams, max_tokens))
 
@@ -443,7 +453,9 @@ def run_arm(arm: str, engine, addresses, prompts, text_prompts, streams, max_tok
     watched = [engine_pid] + ([agent_pid] if agent_pid != engine_pid else [])
     before, counted = [common.process_cpu_s(p, children=False) for p in watched], \
         counts(addresses[arm])
+    firsts = first_tokens(pids["metrics"])
     record = served()
+    record.agent_ttft = tuple(b - a for a, b in zip(firsts, first_tokens(pids["metrics"])))
     spent = [None if a is None or b is None else b - a for a, b in
              zip(before, [common.process_cpu_s(p, children=False) for p in watched])]
     record.engine_cpu_s = spent[0]
@@ -468,6 +480,22 @@ def counts(address: str) -> tuple[int, int, int, int]:
                   for batch in stats.get("batch_stats", []))
     return (int(stats.get("execution_count", 0)), step_ns, int(queue.get("count", 0)),
             int(queue.get("ns", 0)))
+
+
+def first_tokens(metrics_url: str) -> tuple[float, int]:
+    """The agent's first-token times of the model so far, their sum (s) and
+    count, from its /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    found = {sample.name: sample.value for family in text_string_to_metric_families(text)
+             if family.name == "tiered_time_to_first_token_seconds"
+             for sample in family.samples if sample.labels.get("model") == MODEL
+             and sample.name.endswith(("_sum", "_count"))}
+    return (found.get("tiered_time_to_first_token_seconds_sum", 0.0),
+            int(found.get("tiered_time_to_first_token_seconds_count", 0)))
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -508,6 +536,7 @@ def report(result: dict[str, Any]) -> str:
                          number(figures.get("start_spread_ms"), 2),
                          number(figures["ttft_p50_ms"], 2), number(figures["ttft_p95_ms"], 2),
                          number(figures.get("admission_wait_ms"), 2),
+                         number(figures.get("agent_own_ttft_ms"), 2),
                          number(figures["tpot_p50_ms"], 2), number(figures["tpot_p95_ms"], 2),
                          number(figures.get("tpot_p50_ratio"), 2),
                          number(figures.get("j_per_token") and figures["j_per_token"] * 1e3, 3),
@@ -535,11 +564,14 @@ def report(result: dict[str, Any]) -> str:
             "tokens to responses) where the engine is a core (front ends not counted), the "
             "router's (with its workers) in router rounds; "
             "admit ms: a request's mean wait in the agent from arrival to its sequence's "
-            "start (agent rounds); "
+            "start (agent rounds); own ttft: the agent's own mean TTFT, from a request's "
+            "arrival in its scheduler to the end of the step that made its first token "
+            "(its telemetry; the rest of the clients' TTFT lies in the clients, the front "
+            "ends and the agent's intake and delivery); "
             f"client us/tok: the client processes' CPU per output token (up to "
             f"{config.get('streams_per_client', 'all')} streams a process)")
     table = common.table(["streams", "arm", "tok/s", "x in-proc", "starts ms", "ttft p50", "ttft p95",
-                          "admit ms", "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
+                          "admit ms", "own ttft", "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
                           "steps", "step ms", "busy",
                           "eng us/step", "serve us/tok", "client us/tok", "errors"], rows)
     checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
@@ -651,7 +683,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 clients = Clients(args.streams_per_client, max(streams),
                                   args.channel_per_stream)
                 try:
-                    pids = {"engine": engine_pid, "agent": agent.pid, "router": router.pid}
+                    pids = {"engine": engine_pid, "agent": agent.pid, "router": router.pid,
+                            "metrics": agent.metrics_url}
                     rows = [measure(engine, addresses, text_prompts, n, max_tokens, rounds,
                                     meter, clients, pids) for n in streams]
                 finally:

@@ -276,6 +276,11 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
             assert figures["tpot_p50_ms"] <= figures["tpot_p95_ms"], figures
         assert positive(row["agent"]["tokens_ratio"]) and positive(row["router"]["tokens_ratio"])
         assert row["agent"]["admission_wait_ms"] >= 0 and "admission_wait_ms" not in row["router"]
+        # the agent's own share of its clients' TTFT: a part of each request's
+        own = row["agent"]["agent_own_ttft_ms"]
+        assert positive(own) and "agent_own_ttft_ms" not in row["router"]
+        if row["streams"] == 1:  # one request a round: its part of the same TTFT
+            assert own <= row["agent"]["ttft_p50_ms"], row["agent"]
         # the engine's steps where they are counted: in-process and in the agent
         for arm in ("in-process", "agent"):
             figures = row[arm]

@@ -1000,8 +1000,7 @@ class _FeedConnection(asyncio.Protocol):
                 return
             if event.last:
                 self._streams.pop(call_id, None)
-            if not self._unsent and not self._tokens:
-                self._loop.call_soon(self._flush)
+            self._flush_soon()
             self._tokens.append((call_id, event.token_id, event.prompt_tokens, event.finish))
 
         try:
@@ -1026,10 +1025,14 @@ class _FeedConnection(asyncio.Protocol):
         """Bytes for the front end, written at the end of this loop turn with
         the turn's other replies (after the tokens that came before them):
         one system call for a step's tokens of every stream, not one a stream."""
-        if not self._unsent and not self._tokens:
-            self._loop.call_soon(self._flush)
+        self._flush_soon()
         self._tokens_out()
         self._unsent += parts
+
+    def _flush_soon(self) -> None:
+        """The first bytes of this loop turn: written at its end."""
+        if not self._unsent and not self._tokens:
+            self._loop.call_soon(self._flush)
 
     def _tokens_out(self) -> None:
         if self._tokens:

@@ -167,18 +167,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         span = None if self.tracer is None else _StreamSpan(
             self.tracer, request, (), self.repository.profile.tier)
 
-        def each(event: Piece | TieredError) -> None:
-            if span is not None:
-                if isinstance(event, TieredError):
-                    span.end(event)
-                else:
-                    span.counted(1)
-                    if event.last:
-                        span.end()
+        def counted(event: Piece | TieredError) -> None:
+            assert span is not None
+            if isinstance(event, TieredError):
+                span.end(event)
+            else:
+                span.counted(1)
+                if event.last:
+                    span.end()
             deliver(event)
 
         try:
-            started = model.start(replace(generation, text_elsewhere=True), deadline, each)
+            started = model.start(replace(generation, text_elsewhere=True), deadline,
+                                  deliver if span is None else counted)
         except TieredError as error:
             if span is not None:
                 span.end(error)

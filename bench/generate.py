@@ -70,6 +70,7 @@ from bench import common  # noqa: E402
 from bench.generative import endless_checkpoint  # noqa: E402
 from tiered.local.processes import RouterProcess  # noqa: E402
 from tiered.models import tinyllama  # noqa: E402
+from tiered.router.forward import AGENT_CONNECTIONS  # noqa: E402
 
 MODEL = "tinyllama"
 # Each served arm's targets: tokens/s at 64 streams (at least this x in-process),
@@ -648,9 +649,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--router-workers", type=int, default=1,
                         help="the router's --workers: processes sharing its port, over which "
                         "the kernel spreads the clients' connections")
+    parser.add_argument("--router-agent-connections", type=int, default=None, metavar="N",
+                        help="the router's --agent-connections: its connections to the "
+                        "agent, over which the kernel spreads the routed streams among the "
+                        f"agent's front ends (default: the router's, {AGENT_CONNECTIONS})")
     args = parser.parse_args(argv)
-    if args.streams_per_client < 1 or args.router_workers < 1:
-        parser.error("--streams-per-client, --router-workers: want 1 or more")
+    if args.streams_per_client < 1 or args.router_workers < 1 \
+            or (args.router_agent_connections or 1) < 1:
+        parser.error("--streams-per-client, --router-workers, --router-agent-connections: "
+                     "want 1 or more")
     streams = (1, 8) if args.smoke else args.streams
     max_tokens = 8 if args.smoke else args.max_tokens
     rounds = 1 if args.smoke else args.rounds
@@ -675,8 +682,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             table = Path(tmp) / "routing.json"
             table.write_text(json.dumps({"version": 1, "models": {MODEL: {
                 "max_in_flight": 1024, "tiers": {args.tier: {"agents": [agent.address]}}}}}))
+            connections = [] if args.router_agent_connections is None else [
+                "--agent-connections", str(args.router_agent_connections)]
             router = RouterProcess(table, metrics_port=None,
-                                   extra_args=["--workers", str(args.router_workers)])
+                                   extra_args=["--workers", str(args.router_workers),
+                                               *connections])
             with common.serving([router]):
                 addresses = {"agent": agent.address, "router": router.address}
                 meter = Meter(args.device, 0.5 if args.smoke else IDLE_S)
@@ -712,6 +722,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "connections": "one a stream" if args.channel_per_stream
                    else "one a client process",
                    "router_workers": args.router_workers,
+                   "router_agent_connections": args.router_agent_connections
+                   or AGENT_CONNECTIONS,
                    "energy_source": meter.source, "idle_watts": meter.idle_w,
                    "note": "clients, router, agent and the in-process engine share this "
                    "machine's cores; tokens/s from each round's first start to its last "

@@ -8,6 +8,7 @@ against such an agent: `test_agent_protocol.py`, `test_shared_memory.py`.)
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -26,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import children, frames_fed, sigterm_with_calls_in_flight
 from tiered.agent.repository import model_file, write_config
-from tiered.local.processes import AgentError, AgentProcess
+from tiered.local.processes import AgentError, AgentProcess, RouterProcess
 from tiered.models import zoo
 from tiered.protocol import grpc_service_pb2 as pb
 
@@ -109,6 +110,29 @@ def test_connections_spread_over_front_ends_and_batch_together(agent_with_front_
         after = client.get_inference_statistics("add_sub").model_stats[0]
     assert after.inference_count - before.inference_count == 64  # one engine counts all
     assert after.execution_count - before.execution_count < 64, "nothing was merged"
+
+
+def test_a_router_reaches_every_front_end(agent_with_front_ends, tmp_path):
+    """A router's calls to an agent take turns over connections of their own,
+    which the kernel spreads over the front ends as it does any client's:
+    each front end holds some of them (24 connections all on one of two
+    front ends would come once in 8 million runs)."""
+    agent = agent_with_front_ends
+    front_ends = children(agent.pid)
+    idle = {pid: sockets(pid) for pid in front_ends}
+    table = tmp_path / "routing.json"
+    table.write_text(json.dumps({"version": 1, "models": {"add_sub": {"tiers": {
+        "edge": {"agents": [agent.address]}}}}}))
+    rows = rng.standard_normal((32, 16)).astype(np.float32)
+    with RouterProcess(table, metrics_port=None, http_port=None,
+                       extra_args=["--agent-connections", "24"]) as router, \
+            grpcclient.InferenceServerClient(router.address) as client:
+        for i in range(len(rows)):
+            result = client.infer("add_sub", add_sub(rows[i:i + 1]))
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * rows[i:i + 1])
+        spread = {pid: sockets(pid) - idle[pid] for pid in front_ends}
+    assert sum(spread.values()) >= 24, spread  # the router's, and its health checks'
+    assert all(count >= 1 for count in spread.values()), spread
 
 
 def test_requests_merged_in_a_front_end_each_get_their_rows_and_bad_ones_their_own_error(

@@ -75,3 +75,25 @@ def test_a_down_agent_is_marked_up_only_once_it_answers_serving():
 
     seen, address, nobody = asyncio.run(scenario())
     assert seen == [{address, nobody}, {nobody}, set()]
+
+
+def test_calls_take_turns_over_the_connected_channels_to_an_agent():
+    """Each of an agent's connections gets a call in turn once connected; while
+    the first (whose state the health follows) is not, every call goes to it."""
+    async def scenario() -> tuple[int, int, int]:
+        server = grpc.aio.server()
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        pool = forward.ChannelPool(connections=3)
+        try:
+            while_down = {id(pool.stream(address)) for _ in range(6)}
+            await server.start()
+            for channel in pool._channels[address]:
+                await asyncio.wait_for(channel.channel_ready(), 10)
+            streams = {id(pool.stream(address)) for _ in range(6)}
+            infers = {id(pool.infer(address)) for _ in range(6)}
+        finally:
+            await pool.close()
+            await server.stop(0)
+        return len(while_down), len(streams), len(infers)
+
+    assert asyncio.run(scenario()) == (1, 3, 3)

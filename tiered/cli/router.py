@@ -45,6 +45,11 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "separate routers are; each serves its own /metrics, on "
                         "--metrics-port plus its index (or a free port with 0). Stopping "
                         "this process stops them all")
+    router.add_argument("--agent-connections", type=int, default=8, metavar="N",
+                        help="connections to each agent, the calls to it taking turns over "
+                        "them (default 8, the datacenter profile's front ends). An agent's front-end processes share its port and "
+                        "the kernel gives each a share of the connections, not of the calls: "
+                        "give at least as many as the agents have front ends")
     limits = router.add_argument_group("limits")
     limits.add_argument("--max-message-bytes", type=_positive, metavar="BYTES",
                         help="largest request or response, gRPC message or REST body "
@@ -91,7 +96,8 @@ def _run_router(args: argparse.Namespace) -> int:
             metrics_port=None if args.no_metrics else args.metrics_port,
             http_port=None if args.no_http else args.http_port, seed=args.seed,
             security=transport, authorizer=Authorizer(inference_tokens=tokens or None),
-            agent_token=agent_token, workers=args.workers, **limits)
+            agent_token=agent_token, workers=args.workers,
+            agent_connections=args.agent_connections, **limits)
     except ConfigError as error:
         print(f"tiered router: {error}", file=sys.stderr)
         return 2

@@ -42,15 +42,18 @@ class Router:
                  clock: Callable[[], float] = time.monotonic,
                  transport: security.TransportSecurity = security.PLAINTEXT,
                  agent_token: str | None = None,
-                 max_message_bytes: int = forward.MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = forward.MAX_MESSAGE_BYTES,
+                 agent_connections: int = forward.AGENT_CONNECTIONS) -> None:
         """`agent_token`: what the router presents to its agents (else nothing
         but its client certificate, under mTLS); `max_message_bytes`: the
-        largest message it sends them or takes from them."""
+        largest message it sends them or takes from them; `agent_connections`:
+        the connections to each agent its calls take turns over."""
         self.table = table
         self.rng = rng or random.Random()
         self.clock = clock
         self.observer = observations.Observer(clock)
-        self.pool = forward.ChannelPool(transport, agent_token, max_message_bytes)
+        self.pool = forward.ChannelPool(transport, agent_token, max_message_bytes,
+                                        agent_connections)
         self.agreement = counters.ShadowAgreement()
         self.demand = demand.Demand(clock)  # for tiers scaled to zero
         self.metrics = counters.RouterMetrics(self.agreement)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -53,6 +54,9 @@ MAX_RECONNECT_BACKOFF_S = 1.0  # a channel to a dead agent retries at least this
 # (UNAVAILABLE) long before their deadline. Agents allow pings this often
 # (tiered.protocol.handlers.SERVER_OPTIONS).
 KEEPALIVE_S = 1.0
+# Connections to each agent, the calls taking turns: an agent with front ends
+# (processes sharing its port) needs at least one for each to take a share.
+AGENT_CONNECTIONS = 8  # the datacenter profile's front ends
 KEEPALIVE_TIMEOUT_S = 2.0
 SERVED_TIER = "tiered-tier"  # the response parameter naming the tier that answered
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -123,29 +127,62 @@ def parse_response(raw: bytes, agent: str) -> pb.ModelInferResponse:
 
 
 class ChannelPool:
-    """One channel per agent address, reused by every call to it."""
+    """Channels to each agent address, reused by every call to it:
+    `connections` of them, each a connection of its own, the calls taking
+    turns over them. An agent's front-end processes share its port and the
+    kernel gives each a share of the connections, not of the calls: over one
+    connection, every call the router sends would meet one front end."""
 
     def __init__(self, transport: security.TransportSecurity = security.PLAINTEXT,
-                 token: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 token: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 connections: int = AGENT_CONNECTIONS) -> None:
+        if connections < 1:
+            raise errors.ConfigError(f"connections to an agent: at least 1, got {connections}")
         self.transport = transport  # agents are checked against its CA; mTLS with its cert
         self.token = token  # presented to agents on every call, where they require one
         self.max_message_bytes = max_message_bytes
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.connections = connections
+        self._channels: dict[str, list[grpc.aio.Channel]] = {}
         self._stubs: dict[str, pb_grpc.GRPCInferenceServiceStub] = {}
-        self._infers: dict[str, RawInfer] = {}
-        self._streams: dict[str, RawStream] = {}
+        self._infers: dict[str, list[RawInfer]] = {}
+        self._streams: dict[str, list[RawStream]] = {}
+        self._turns = itertools.count()
 
     def channel(self, agent: str) -> grpc.aio.Channel:
-        channel = self._channels.get(agent)
-        if channel is None:
-            channel = self._channels[agent] = self.dial(agent)
-        return channel
+        """The agent's first channel: its health and state, its other calls."""
+        return self._channels_to(agent)[0]
+
+    def _channels_to(self, agent: str) -> list[grpc.aio.Channel]:
+        channels = self._channels.get(agent)
+        if channels is None:
+            channels = self._channels[agent] = [self.dial(agent)
+                                                for _ in range(self.connections)]
+        return channels
+
+    def _turn(self, agent: str, calls: list):
+        """The next connected channel's call, those not connected asked to
+        connect. While the first (whose state the router's health and
+        failover follow) is not connected, its call alone: the others are
+        not dialled to an agent that may hang, nor waited on."""
+        channels = self._channels[agent]
+        if channels[0].get_state() is not _READY:
+            return calls[0]
+        first = next(self._turns)
+        for step in range(len(calls)):
+            index = (first + step) % len(calls)
+            if channels[index].get_state(try_to_connect=True) is _READY:
+                return calls[index]
+        return calls[0]
 
     def dial(self, agent: str) -> grpc.aio.Channel:
-        """A new channel, not kept here (the telemetry poller's, to one pod)."""
+        """A new channel on a connection of its own (the telemetry poller's,
+        to one pod, is not kept here)."""
         return security.channel(agent, self.transport, aio=True, token=self.token, options=[
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
+            # gRPC shares one connection among a process's channels to one
+            # address unless each keeps its own.
+            ("grpc.use_local_subchannel_pool", 1),
             # A name that resolves to many agents (a headless Service) is
             # balanced call by call rather than pinned to its first address.
             ("grpc.lb_policy_name", "round_robin"),
@@ -155,6 +192,11 @@ class ChannelPool:
             ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000)),
             ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
             ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+            # Idle connections too, without limit: each of an agent's
+            # connections finds it hung within the same seconds, not only the
+            # one a call waits on.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
             # gRPC core waits this long for any ping's ack (keepalive's too): 60 s by default.
             ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
         ])
@@ -166,30 +208,35 @@ class ChannelPool:
         return stub
 
     def infer(self, agent: str) -> RawInfer:
-        """ModelInfer on the agent's channel, bytes in and out."""
-        call = self._infers.get(agent)
-        if call is None:
+        """ModelInfer to the agent, bytes in and out, on its connections in turn."""
+        calls = self._infers.get(agent)
+        if calls is None:
             # Registered like the generated stubs' methods: core resolves the
             # path once per channel, not per call.
-            call = self._infers[agent] = self.channel(agent).unary_unary(
-                INFER_METHOD, _registered_method=True)
-        return call
+            calls = self._infers[agent] = [
+                channel.unary_unary(INFER_METHOD, _registered_method=True)
+                for channel in self._channels_to(agent)]
+        return self._turn(agent, calls)
 
     def stream(self, agent: str) -> RawStream:
-        """ModelStreamInfer on the agent's channel: request bytes in, responses parsed."""
-        call = self._streams.get(agent)
-        if call is None:
-            call = self._streams[agent] = self.channel(agent).stream_stream(
-                STREAM_METHOD, response_deserializer=pb.ModelStreamInferResponse.FromString,
-                _registered_method=True)
-        return call
+        """ModelStreamInfer to the agent, request bytes in, responses parsed,
+        on its connections in turn."""
+        calls = self._streams.get(agent)
+        if calls is None:
+            calls = self._streams[agent] = [
+                channel.stream_stream(
+                    STREAM_METHOD, response_deserializer=pb.ModelStreamInferResponse.FromString,
+                    _registered_method=True)
+                for channel in self._channels_to(agent)]
+        return self._turn(agent, calls)
 
     async def keep_only(self, agents: frozenset[str]) -> None:
         for agent in [a for a in self._channels if a not in agents]:
             self._stubs.pop(agent, None)
             self._infers.pop(agent, None)
             self._streams.pop(agent, None)
-            await self._channels.pop(agent).close(grace=5)
+            await asyncio.gather(*(channel.close(grace=5)
+                                   for channel in self._channels.pop(agent)))
 
     async def close(self) -> None:
         await self.keep_only(frozenset())

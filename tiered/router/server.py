@@ -60,6 +60,7 @@ class RouterSettings:
     agent_token: str | None = None  # presented to agents that require a token
     max_message_bytes: int = forward.MAX_MESSAGE_BYTES  # gRPC messages and REST bodies
     max_json_bytes: int = rest_json.MAX_JSON_BYTES  # a REST body's JSON part
+    agent_connections: int = forward.AGENT_CONNECTIONS  # to each agent, its calls in turn
     # Router processes sharing the gRPC and REST ports (SO_REUSEPORT: the
     # kernel spreads connections over them), each a whole router with its own
     # health, observations, statistics and /metrics; this one is `worker` 0,
@@ -71,6 +72,9 @@ class RouterSettings:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise errors.ConfigError(f"--workers: at least 1, got {self.workers}")
+        if self.agent_connections < 1:
+            raise errors.ConfigError(
+                f"--agent-connections: at least 1, got {self.agent_connections}")
 
     def of_worker(self, worker: int, port: int, http_port: int | None) -> RouterSettings:
         """Worker `worker`'s settings, on the ports the first one listens on;
@@ -151,7 +155,8 @@ async def _serve(settings: RouterSettings, own: str) -> None:
     table = read_table(settings.routing_table)
     router = dataplane.Router(table, rng=random.Random(settings.seed),
                               transport=settings.security, agent_token=settings.agent_token,
-                              max_message_bytes=settings.max_message_bytes)
+                              max_message_bytes=settings.max_message_bytes,
+                              agent_connections=settings.agent_connections)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),

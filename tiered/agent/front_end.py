@@ -284,18 +284,34 @@ class _Handlers(grpc.GenericRpcHandler):
                     self._handlers[path] = self._forwarder(
                         path, method.client_streaming, method.server_streaming)
         self._models: dict[tuple[str, str], tuple[ModelFacts, float]] = {}
+        self._asking: dict[tuple[str, str], asyncio.Future] = {}
 
     def service(self, handler_call_details):
         return self._handlers.get(handler_call_details.method)
 
     async def _facts(self, request: pb.ModelInferRequest) -> ModelFacts:
-        """What the engine process's ModelConfig says of the request's model
-        (remembered for MODEL_FACTS_TTL_S; a model it cannot describe has no
-        facts, and the engine answers its requests' errors)."""
-        key, now = (request.model_name, request.model_version), time.monotonic()
+        """What the engine process's ModelConfig says of the request's model.
+        Only a model never asked about waits for the answer (one question
+        for all its requests); once what was learned is older than
+        MODEL_FACTS_TTL_S it is asked again in the background, requests
+        meanwhile going by what was known. A model the engine cannot
+        describe has no facts, and the engine answers its requests' errors."""
+        key = (request.model_name, request.model_version)
         known = self._models.get(key)
-        if known is not None and now - known[1] < MODEL_FACTS_TTL_S:
-            return known[0]
+        if known is None:
+            return await asyncio.shield(self._ask(key))
+        if time.monotonic() - known[1] >= MODEL_FACTS_TTL_S:
+            self._ask(key)
+        return known[0]
+
+    def _ask(self, key: tuple[str, str]) -> asyncio.Future:
+        asking = self._asking.get(key)
+        if asking is None:
+            asking = self._asking[key] = asyncio.ensure_future(self._learn(key))
+            asking.add_done_callback(lambda _: self._asking.pop(key, None))
+        return asking
+
+    async def _learn(self, key: tuple[str, str]) -> ModelFacts:
         ask = self._engine.unary_unary(
             _inference("ModelConfig"), request_serializer=pb.ModelConfigRequest.SerializeToString,
             response_deserializer=pb.ModelConfigResponse.FromString)
@@ -306,7 +322,7 @@ class _Handlers(grpc.GenericRpcHandler):
             facts = ModelFacts()
         if len(self._models) >= MODELS_REMEMBERED:
             self._models.clear()
-        self._models[key] = (facts, now)
+        self._models[key] = (facts, time.monotonic())
         return facts
 
     async def _in_regions(self, request: pb.ModelInferRequest, caller: str, facts: ModelFacts,

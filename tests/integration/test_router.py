@@ -689,13 +689,14 @@ def test_a_worker_stops_when_its_first_router_is_killed(agents, tmp_path):
     assert len(worker) == 1 and _exits(worker[0], 30), "a killed router's worker lives on"
 
 
-def test_workers_must_be_at_least_one(tmp_path):
+@pytest.mark.parametrize("flag", ["--workers", "--agent-connections"])
+def test_workers_and_agent_connections_must_be_at_least_one(tmp_path, flag):
     import subprocess
     import sys
 
     path = tmp_path / "routing.yaml"
     write_table(path, {"version": 1, "models": {}})
     done = subprocess.run([sys.executable, "-m", "tiered", "router", "--routing-table",
-                           str(path), "--insecure", "--workers", "0"],
+                           str(path), "--insecure", flag, "0"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--workers: at least 1, got 0" in done.stderr
+    assert done.returncode == 2 and f"{flag}: at least 1, got 0" in done.stderr

@@ -45,11 +45,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "separate routers are; each serves its own /metrics, on "
                         "--metrics-port plus its index (or a free port with 0). Stopping "
                         "this process stops them all")
-    router.add_argument("--agent-connections", type=int, default=8, metavar="N",
+    router.add_argument("--agent-connections", type=int, metavar="N",
                         help="connections to each agent, the calls to it taking turns over "
-                        "them (default 8, the datacenter profile's front ends). An agent's front-end processes share its port and "
-                        "the kernel gives each a share of the connections, not of the calls: "
-                        "give at least as many as the agents have front ends")
+                        "them (default 8, the datacenter profile's front ends). An agent's "
+                        "front-end processes share its port and the kernel gives each a "
+                        "share of the connections, not of the calls: give at least as many "
+                        "as the agents have front ends")
     limits = router.add_argument_group("limits")
     limits.add_argument("--max-message-bytes", type=_positive, metavar="BYTES",
                         help="largest request or response, gRPC message or REST body "
@@ -84,8 +85,8 @@ def _run_router(args: argparse.Namespace) -> int:
     from tiered.protocol.security import Authorizer, read_token, read_tokens
     from tiered.router import server as router_server
 
-    limits = {name: value for name in ("max_message_bytes", "max_json_bytes")
-              if (value := getattr(args, name)) is not None}  # else the router's defaults
+    given = {name: value for name in ("max_message_bytes", "max_json_bytes", "agent_connections")
+             if (value := getattr(args, name)) is not None}  # else the router's defaults
     try:
         transport = flags.security_from_args(args)
         tokens = read_tokens(args.inference_token_file, "--inference-token-file")
@@ -96,8 +97,7 @@ def _run_router(args: argparse.Namespace) -> int:
             metrics_port=None if args.no_metrics else args.metrics_port,
             http_port=None if args.no_http else args.http_port, seed=args.seed,
             security=transport, authorizer=Authorizer(inference_tokens=tokens or None),
-            agent_token=agent_token, workers=args.workers,
-            agent_connections=args.agent_connections, **limits)
+            agent_token=agent_token, workers=args.workers, **given)
     except ConfigError as error:
         print(f"tiered router: {error}", file=sys.stderr)
         return 2

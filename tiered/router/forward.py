@@ -54,10 +54,10 @@ MAX_RECONNECT_BACKOFF_S = 1.0  # a channel to a dead agent retries at least this
 # (UNAVAILABLE) long before their deadline. Agents allow pings this often
 # (tiered.protocol.handlers.SERVER_OPTIONS).
 KEEPALIVE_S = 1.0
+KEEPALIVE_TIMEOUT_S = 2.0
 # Connections to each agent, the calls taking turns: an agent with front ends
 # (processes sharing its port) needs at least one for each to take a share.
 AGENT_CONNECTIONS = 8  # the datacenter profile's front ends
-KEEPALIVE_TIMEOUT_S = 2.0
 SERVED_TIER = "tiered-tier"  # the response parameter naming the tier that answered
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -136,8 +136,6 @@ class ChannelPool:
     def __init__(self, transport: security.TransportSecurity = security.PLAINTEXT,
                  token: str | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  connections: int = AGENT_CONNECTIONS) -> None:
-        if connections < 1:
-            raise errors.ConfigError(f"connections to an agent: at least 1, got {connections}")
         self.transport = transport  # agents are checked against its CA; mTLS with its cert
         self.token = token  # presented to agents on every call, where they require one
         self.max_message_bytes = max_message_bytes

@@ -253,12 +253,18 @@ class CoreScheduler(Scheduler):
         self._restarting: set[int] = set()  # lanes whose core a thread starts again
         self._why_down = ""  # the last start's error
         self._wake_in, self._wake_out = socket.socketpair()
+        self._woken = False  # a wake-up byte is sent that the worker has not read
         self._wake_out.setblocking(False)
         self._wake_in.setblocking(False)
         super().__init__(cores, limits, loop, on_step, name, clock)  # type: ignore[arg-type]
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):  # full: it wakes anyway
+        """One byte until the worker reads it, not one a request: a burst of
+        arrivals costs one system call and one wake-up."""
+        if self._woken:
+            return
+        self._woken = True
+        with contextlib.suppress(OSError):  # closed: the worker is gone
             self._wake_in.send(b"\0")
 
     def _work(self) -> None:
@@ -285,6 +291,9 @@ class CoreScheduler(Scheduler):
         if self._wake_out in readable:
             with contextlib.suppress(BlockingIOError):
                 self._wake_out.recv(4096)
+            # After the bytes are read (one sent meanwhile is not lost with
+            # them) and before what came is taken: a later arrival wakes it.
+            self._woken = False
         arrived, cancelled, closed = self._take()
         if closed:
             self._shut(arrived)

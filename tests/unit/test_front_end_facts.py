@@ -42,8 +42,7 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def test_a_model_is_asked_about_once_and_stale_facts_are_renewed_in_the_background(
-        monkeypatch):
+def test_a_model_is_asked_about_once_and_stale_facts_are_renewed_in_the_background():
     async def scenario() -> None:
         engine = Engine()
         handlers = front_end._Handlers(None, engine, Authorizer(), None)
@@ -54,7 +53,7 @@ def test_a_model_is_asked_about_once_and_stale_facts_are_renewed_in_the_backgrou
         engine.answer.set()
         assert [facts.decoupled for facts in await asyncio.gather(*waiting)] == [False] * 5
 
-        monkeypatch.setattr(front_end, "MODEL_FACTS_TTL_S", 0.0)  # stale from now on
+        handlers._models.ttl_s = 0.0  # stale from now on
         engine.decoupled, engine.answer = True, asyncio.Event()
         stale = await asyncio.wait_for(handlers._facts(request), 1)  # not waiting
         assert not stale.decoupled and engine.asked == 2
@@ -62,7 +61,7 @@ def test_a_model_is_asked_about_once_and_stale_facts_are_renewed_in_the_backgrou
         assert engine.asked == 2
         engine.answer.set()
         await settle()
-        monkeypatch.setattr(front_end, "MODEL_FACTS_TTL_S", 60.0)
+        handlers._models.ttl_s = 60.0
         assert (await handlers._facts(request)).decoupled and engine.asked == 2
 
     asyncio.run(scenario())

@@ -60,6 +60,7 @@ from tiered.errors import ConfigError, TieredError
 from tiered.protocol import codec, descriptors, drain, messages
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol.handlers import SERVER_OPTIONS, seconds_left
+from tiered.protocol.remembered import Remembered
 from tiered.protocol.security import CALLER, Authorizer, TransportSecurity, add_port, claim
 from tiered.protocol.status import describe, status_code
 from tiered.protocol.streaming import answer_stream
@@ -283,47 +284,29 @@ class _Handlers(grpc.GenericRpcHandler):
                 if path not in self._handlers:
                     self._handlers[path] = self._forwarder(
                         path, method.client_streaming, method.server_streaming)
-        self._models: dict[tuple[str, str], tuple[ModelFacts, float]] = {}
-        self._asking: dict[tuple[str, str], asyncio.Future] = {}
+        self._models: Remembered[tuple[str, str], ModelFacts] = Remembered(
+            self._model_facts, time.monotonic, MODEL_FACTS_TTL_S, MODELS_REMEMBERED,
+            unknown=ModelFacts())
 
     def service(self, handler_call_details):
         return self._handlers.get(handler_call_details.method)
 
     async def _facts(self, request: pb.ModelInferRequest) -> ModelFacts:
-        """What the engine process's ModelConfig says of the request's model.
-        Only a model never asked about waits for the answer (one question
-        for all its requests); once what was learned is older than
-        MODEL_FACTS_TTL_S it is asked again in the background, requests
-        meanwhile going by what was known. A model the engine cannot
-        describe has no facts, and the engine answers its requests' errors."""
-        key = (request.model_name, request.model_version)
-        known = self._models.get(key)
-        if known is None:
-            return await asyncio.shield(self._ask(key))
-        if time.monotonic() - known[1] >= MODEL_FACTS_TTL_S:
-            self._ask(key)
-        return known[0]
+        """What the engine process's ModelConfig says of the request's model
+        (`Remembered`: renewed in the background once MODEL_FACTS_TTL_S old).
+        A model the engine cannot describe has no facts, and the engine
+        answers its requests' errors."""
+        return await self._models.get((request.model_name, request.model_version))
 
-    def _ask(self, key: tuple[str, str]) -> asyncio.Future:
-        asking = self._asking.get(key)
-        if asking is None:
-            asking = self._asking[key] = asyncio.ensure_future(self._learn(key))
-            asking.add_done_callback(lambda _: self._asking.pop(key, None))
-        return asking
-
-    async def _learn(self, key: tuple[str, str]) -> ModelFacts:
+    async def _model_facts(self, key: tuple[str, str]) -> ModelFacts:
         ask = self._engine.unary_unary(
             _inference("ModelConfig"), request_serializer=pb.ModelConfigRequest.SerializeToString,
             response_deserializer=pb.ModelConfigResponse.FromString)
         try:
             answer = await ask(pb.ModelConfigRequest(name=key[0], version=key[1]), timeout=10)
-            facts = ModelFacts.of(answer.config)
         except grpc.aio.AioRpcError:
-            facts = ModelFacts()
-        if len(self._models) >= MODELS_REMEMBERED:
-            self._models.clear()
-        self._models[key] = (facts, time.monotonic())
-        return facts
+            return ModelFacts()
+        return ModelFacts.of(answer.config)
 
     async def _in_regions(self, request: pb.ModelInferRequest, caller: str, facts: ModelFacts,
                           ) -> tuple[list[Placed | CudaRange] | None, dict[str, Placement]]:

@@ -65,7 +65,7 @@ class Router:
         self.forwarder = forward.Forwarder(self.pool, self.observer, self.metrics, clock,
                                            self.health)
         self.shadows = forward.Shadows(self.pool, self.agreement, self.rng)
-        self.decoupled = streams.DecoupledModels(self._ask_decoupled, clock)
+        self.decoupled = streams.decoupled_models(self._ask_decoupled, clock)
         self.pins = SequencePins()  # the agent of each live sequence
         # Candidates per (model, version of each tier): built once per table.
         self._candidates: dict[tuple[str, tuple[int, ...]], list[policies.Candidate]] = {}
@@ -247,7 +247,7 @@ class Router:
     async def is_decoupled(self, model: str) -> bool:
         """Whether streamed requests of `model` are answered as a stream
         (False for a model outside the table: `infer` says NOT_FOUND)."""
-        return model in self.table.models and await self.decoupled.decoupled(model)
+        return model in self.table.models and await self.decoupled.get(model)
 
     def _rank(self, request: pb.ModelInferRequest, route: routing.ModelRoute,
               metadata: Sequence[tuple[str, str]] | None

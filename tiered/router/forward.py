@@ -207,25 +207,24 @@ class ChannelPool:
 
     def infer(self, agent: str) -> RawInfer:
         """ModelInfer to the agent, bytes in and out, on its connections in turn."""
-        calls = self._infers.get(agent)
-        if calls is None:
-            # Registered like the generated stubs' methods: core resolves the
-            # path once per channel, not per call.
-            calls = self._infers[agent] = [
-                channel.unary_unary(INFER_METHOD, _registered_method=True)
-                for channel in self._channels_to(agent)]
-        return self._turn(agent, calls)
+        return self._next_call(self._infers, agent, lambda channel: channel.unary_unary(
+            INFER_METHOD, _registered_method=True))
 
     def stream(self, agent: str) -> RawStream:
         """ModelStreamInfer to the agent, request bytes in, responses parsed,
         on its connections in turn."""
-        calls = self._streams.get(agent)
+        return self._next_call(self._streams, agent, lambda channel: channel.stream_stream(
+            STREAM_METHOD, response_deserializer=pb.ModelStreamInferResponse.FromString,
+            _registered_method=True))
+
+    def _next_call(self, made: dict[str, list], agent: str,
+                   make: Callable[[grpc.aio.Channel], Any]):
+        """The method on the agent's next connected channel (`_turn`), made
+        once per channel: registered like the generated stubs' methods, core
+        resolves the path once per channel, not per call."""
+        calls = made.get(agent)
         if calls is None:
-            calls = self._streams[agent] = [
-                channel.stream_stream(
-                    STREAM_METHOD, response_deserializer=pb.ModelStreamInferResponse.FromString,
-                    _registered_method=True)
-                for channel in self._channels_to(agent)]
+            calls = made[agent] = [make(channel) for channel in self._channels_to(agent)]
         return self._turn(agent, calls)
 
     async def keep_only(self, agents: frozenset[str]) -> None:

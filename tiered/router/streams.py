@@ -1,11 +1,10 @@
 """A decoupled model's streamed requests through the router.
 
-`DecoupledModels` says which models answer a streamed request with a stream
-of responses: what an agent's ModelConfig says
-(`model_transaction_policy.decoupled`), remembered for `DECOUPLED_TTL_S` and
-asked again in the background once older (requests meanwhile go by what was
-known). Only a model never asked about waits for the answer; one that no
-agent can describe is treated as not decoupled and not remembered.
+`decoupled_models` says which models answer a streamed request with a
+stream of responses: what an agent's ModelConfig says
+(`model_transaction_policy.decoupled`), remembered for `DECOUPLED_TTL_S`
+(`remembered.Remembered`: asked again in the background once older); one
+that no agent can describe is treated as not decoupled and not remembered.
 
 `open_stream` sends one request on a stream of its own to the first
 candidate whose stream gives a first response (or ends well with none: a
@@ -21,9 +20,7 @@ stream, which frees the sequence there. Never imports agent code.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -32,63 +29,18 @@ from tiered import errors
 from tiered.protocol import grpc_service_pb2 as pb
 from tiered.protocol import routing
 from tiered.protocol.messages import FINAL_RESPONSE
+from tiered.protocol.remembered import Remembered
 from tiered.router import forward, policies
 
-log = logging.getLogger(__name__)
-
+_READY = grpc.ChannelConnectivity.READY
 DECOUPLED_TTL_S = 10.0  # how long what an agent said of a model is trusted
 MAX_MODELS = 1024  # models remembered at most; the oldest answer goes first
-_READY = grpc.ChannelConnectivity.READY
 
 
-class DecoupledModels:
-    """Which models are decoupled, learned with `ask` (model -> decoupled)."""
-
-    def __init__(self, ask: Callable[[str], Awaitable[bool]], clock: Callable[[], float],
-                 ttl_s: float = DECOUPLED_TTL_S, max_models: int = MAX_MODELS) -> None:
-        self.ask = ask
-        self.clock = clock
-        self.ttl_s = ttl_s
-        self.max_models = max_models
-        self._known: dict[str, tuple[bool, float]] = {}  # model -> (decoupled, when learned)
-        self._asking: dict[str, asyncio.Task[bool]] = {}
-
-    async def decoupled(self, model: str) -> bool:
-        known = self._known.get(model)
-        if known is None:  # one question for every request that waits on it
-            return await asyncio.shield(self._question(model))
-        if self.clock() - known[1] >= self.ttl_s:
-            self._question(model)  # asked again; this request goes by what was known
-        return known[0]
-
-    def _question(self, model: str) -> asyncio.Task[bool]:
-        task = self._asking.get(model)
-        if task is None:
-            task = self._asking[model] = asyncio.create_task(self._learn(model))
-            task.add_done_callback(lambda _: self._asking.pop(model, None))
-        return task
-
-    async def _learn(self, model: str) -> bool:
-        try:
-            decoupled = await self.ask(model)
-        except errors.TieredError as error:  # no agent could say: not remembered
-            log.debug("whether model %r is decoupled is not known: %s", model, error)
-            return False
-        self._known.pop(model, None)
-        if len(self._known) >= self.max_models:
-            del self._known[next(iter(self._known))]
-        self._known[model] = (decoupled, self.clock())
-        return decoupled
-
-    def forget(self, keep: Iterable[str]) -> None:
-        """Drop models that left the routing table (bounded memory)."""
-        kept = set(keep)
-        for model in [m for m in self._known if m not in kept]:
-            del self._known[model]
-
-    def cancel(self) -> None:
-        for task in list(self._asking.values()):
-            task.cancel()
+def decoupled_models(ask: Callable[[str], Awaitable[bool]], clock: Callable[[], float]
+                     ) -> Remembered[str, bool]:
+    """Whether each model is decoupled, as `ask` learns it (model -> decoupled)."""
+    return Remembered(ask, clock, DECOUPLED_TTL_S, MAX_MODELS, unknown=False)
 
 
 @dataclass

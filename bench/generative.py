@@ -28,8 +28,15 @@ from tiered.models import tinyllama
 
 def endless_checkpoint(work: Path, variant: str | tinyllama.TinyLlama) -> Path:
     """A tiny Llama checkpoint (a named variant, or any shape) with no end of
-    sequence (its EOS id out of reach), so that every sequence runs to its
-    max_tokens (bench/generate.py too)."""
+    sequence, so that every sequence runs to its max_tokens (bench/generate.py
+    too): no EOS id in its config, and EOS's row of the output layer zeroed.
+    onnxruntime-genai's builder takes the tokenizer's `</s>` as EOS all the
+    same, and a trained model picks it; with a logit of 0 among hundreds of
+    others greedy decoding does not (the edge build's sequences ended at
+    about 24 of 64 tokens before)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
     if isinstance(variant, str):
         checkpoint = tinyllama.write_tinyllama(work, variant)
     else:
@@ -38,6 +45,13 @@ def endless_checkpoint(work: Path, variant: str | tinyllama.TinyLlama) -> Path:
     config = json.loads(config_path.read_text())
     config["eos_token_id"] = []
     config_path.write_text(json.dumps(config))
+    for shard in checkpoint.glob("*.safetensors"):
+        with safe_open(shard, "pt") as weights:
+            if "lm_head.weight" not in weights.keys():
+                continue
+        weights = load_file(shard)
+        weights["lm_head.weight"][tinyllama.EOS_ID] = 0
+        save_file(weights, shard, metadata={"format": "pt"})
     return checkpoint
 
 

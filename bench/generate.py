@@ -575,6 +575,13 @@ def report(result: dict[str, Any]) -> str:
                           "admit ms", "own ttft", "tpot p50", "tpot p95", "tpot x", "mJ/tok", "GB/s",
                           "steps", "step ms", "busy",
                           "eng us/step", "serve us/tok", "client us/tok", "errors"], rows)
+    # a sequence that ends early (its end of sequence, an error) weighs its start more
+    short = [f"{row['streams']} streams {arm}: "
+             f"{row[arm]['tokens'] / (row['streams'] * row['rounds']):.1f} of {row['max_tokens']}"
+             for row in result["rows"] for arm in ARMS
+             if row[arm]["tokens"] < row["streams"] * row["rounds"] * row["max_tokens"]]
+    if short:
+        table += "\nsequences that ended early, tokens a sequence: " + "; ".join(short)
     checks = common.table(["target (issue: H200, datacenter torch)", "measured"],
                           [[c["name"], number(c["value"], 2)] for c in result["targets"]],
                           [c["verdict"] for c in result["targets"]])

@@ -295,6 +295,11 @@ def test_generate_bench_measures_agent_and_router_streams_beside_the_engine(tmp_
     assert all(t["verdict"] in {"PASS", "MISS"} for t in result["targets"])
     assert_header(stdout, "streams", "arm", "tok/s")
     assert "mJ/tok" in stdout and "eng us/step" in stdout
+    # sequences that end early are named under the table, as a figure of its own
+    assert "ended early" not in stdout
+    from bench import generate
+    result["rows"][1]["agent"]["tokens"] = 28  # 8 streams, one round of 8 tokens
+    assert "ended early, tokens a sequence: 8 streams agent: 3.5 of 8" in generate.report(result)
     # Energy per token only where a device-wide counter is readable (none on a
     # VM without RAPL: then every arm says so rather than a one-process model),
     # and never 0: smoke rounds are too short to read, so "-" there too.

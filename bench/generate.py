@@ -1,8 +1,8 @@
 """Benchmark: generative serving against the engine alone, in one run.
 
-The tiny Llama v1 (trained in code, its end of sequence taken out of its
-config so that sequences run to --max-tokens; an onnxruntime-genai build may
-still end one sooner, and the rows count the tokens that came) is built for a tier with `tiered build` (edge:
+The tiny Llama v1 (trained in code, its end of sequence taken out so that
+sequences run to --max-tokens: `endless_checkpoint`; any that end sooner are
+named under the table) is built for a tier with `tiered build` (edge:
 onnxruntime-genai INT4 on the CPU; `--tier datacenter --device cuda`: the torch
 engine, FP16, on a GPU) and measured three ways at 1, 8 and 64 concurrent
 sequences, greedy, one prompt each from tinyllama-eval.json:

@@ -31,9 +31,9 @@ def endless_checkpoint(work: Path, variant: str | tinyllama.TinyLlama) -> Path:
     sequence, so that every sequence runs to its max_tokens (bench/generate.py
     too): no EOS id in its config, and EOS's row of the output layer zeroed.
     onnxruntime-genai's builder takes the tokenizer's `</s>` as EOS all the
-    same, and a trained model picks it; with a logit of 0 among hundreds of
-    others greedy decoding does not (the edge build's sequences ended at
-    about 24 of 64 tokens before)."""
+    same, and a trained model picks it; with a logit of 0 against hundreds of
+    others' greedy decoding does not (the edge build's sequences ended after
+    about 8 of 64 tokens before)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
